@@ -1,0 +1,335 @@
+"""A Llama-architecture decoder that loads Hugging Face checkpoint directories.
+
+The same directory (``config.json`` with ``LlamaForCausalLM`` fields, ``model.safetensors``,
+``tokenizer.json``) loads unchanged in transformers and vLLM. Parameter names follow the
+Hugging Face layout so the state dict round-trips; at inference the q/k/v and gate/up
+projections are fused into single matmuls because on a CPU at batch 1 the per-op overhead,
+not the FLOPs, dominates a small model's step time.
+
+Two forward paths share the weights:
+- ``forward_train(tokens)``: full causal attention, no cache (training, reference passes).
+- ``forward_cached(tokens, slots, starts, lengths)``: the serving path. The KV cache is
+  allocated once per sequence slot and written by position; a rejected draft is undone by
+  the caller moving its position back, never by copying.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file, save_file
+from torch import nn
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """The subset of a Hugging Face ``LlamaConfig`` this engine uses."""
+
+    vocab_size: int  # rows of the embedding and the LM head
+    hidden_size: int  # residual stream width
+    intermediate_size: int  # SwiGLU inner width
+    num_hidden_layers: int  # decoder blocks
+    num_attention_heads: int  # query heads
+    num_key_value_heads: int  # key/value heads (grouped-query attention when fewer)
+    max_position_embeddings: int  # longest sequence (prompt + generation) a slot holds
+    rms_norm_eps: float = 1e-5  # RMSNorm epsilon
+    rope_theta: float = 10000.0  # rotary base frequency
+    tie_word_embeddings: bool = True  # LM head shares the embedding matrix
+    bos_token_id: int = 0  # prepended to every prompt
+    eos_token_id: int | list[int] = 0  # generation stops on any of these
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_attention_heads
+
+    @property
+    def eos_token_ids(self) -> tuple[int, ...]:
+        ids = self.eos_token_id
+        return tuple(ids) if isinstance(ids, list) else (ids,)
+
+    @classmethod
+    def from_json(cls, path: Path) -> ModelConfig:
+        raw = json.loads(path.read_text())
+        names = {f for f in cls.__dataclass_fields__}
+        missing = [n for n in names if n not in raw and cls.__dataclass_fields__[n].default is not None
+                   and n in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                             "num_attention_heads", "num_key_value_heads", "max_position_embeddings")]
+        if missing:
+            raise ValueError(f"{path}: missing config fields {sorted(missing)}")
+        return cls(**{k: v for k, v in raw.items() if k in names})
+
+    def to_hf_json(self) -> dict[str, object]:
+        return {
+            "architectures": ["LlamaForCausalLM"],
+            "model_type": "llama",
+            "hidden_act": "silu",
+            "attention_bias": False,
+            "mlp_bias": False,
+            "torch_dtype": "bfloat16",
+            "initializer_range": 0.02,
+            "use_cache": True,
+            **asdict(self),
+        }
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
+
+
+def rotary_tables(cfg: ModelConfig, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin tables (max_pos, head_dim) in the Hugging Face rotate-half layout."""
+    inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, cfg.head_dim, 2, dtype=torch.float64) / cfg.head_dim))
+    angles = torch.outer(torch.arange(cfg.max_position_embeddings, dtype=torch.float64), inv_freq)
+    angles = torch.cat([angles, angles], dim=-1)
+    return angles.cos().to(dtype), angles.sin().to(dtype)
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    # x: (B, H, L, D); cos/sin: (B, 1, L, D)
+    half = x.shape[-1] // 2
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return x * cos + rotated * sin
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        hd = cfg.head_dim
+        self.q_proj = nn.Linear(cfg.hidden_size, cfg.num_attention_heads * hd, bias=False)
+        self.k_proj = nn.Linear(cfg.hidden_size, cfg.num_key_value_heads * hd, bias=False)
+        self.v_proj = nn.Linear(cfg.hidden_size, cfg.num_key_value_heads * hd, bias=False)
+        self.o_proj = nn.Linear(cfg.num_attention_heads * hd, cfg.hidden_size, bias=False)
+        self.qkv_fused: torch.Tensor | None = None
+
+    def fuse(self) -> None:
+        self.qkv_fused = torch.cat([self.q_proj.weight, self.k_proj.weight, self.v_proj.weight]).detach()
+
+    def _qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        cfg = self.cfg
+        b, length, _ = x.shape
+        hd = cfg.head_dim
+        if self.qkv_fused is not None:
+            qkv = F.linear(x, self.qkv_fused)
+            q, k, v = qkv.split([cfg.num_attention_heads * hd, cfg.num_key_value_heads * hd,
+                                 cfg.num_key_value_heads * hd], dim=-1)
+        else:
+            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        q = q.view(b, length, cfg.num_attention_heads, hd).transpose(1, 2)
+        k = k.view(b, length, cfg.num_key_value_heads, hd).transpose(1, 2)
+        v = v.view(b, length, cfg.num_key_value_heads, hd).transpose(1, 2)
+        return q, k, v
+
+    def forward_train(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        b, length, _ = x.shape
+        q, k, v = self._qkv(x)
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        return self.o_proj(out.transpose(1, 2).reshape(b, length, -1))
+
+    def forward_cached(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache,
+                       layer: int, batch: CacheBatch) -> torch.Tensor:
+        b, length, _ = x.shape
+        q, k, v = self._qkv(x)
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        # Write only the valid (non-padding) tokens, each at its own (slot, position).
+        k_layer, v_layer = cache.k[layer], cache.v[layer]
+        valid_k = k.transpose(1, 2)[batch.valid_rows, batch.valid_cols]  # (N, Hkv, D)
+        valid_v = v.transpose(1, 2)[batch.valid_rows, batch.valid_cols]
+        k_layer[batch.write_slots, :, batch.write_positions] = valid_k
+        v_layer[batch.write_slots, :, batch.write_positions] = valid_v
+        span = batch.key_span
+        if batch.contiguous_slots is not None:
+            lo, hi = batch.contiguous_slots
+            keys, values = k_layer[lo:hi, :, :span], v_layer[lo:hi, :, :span]
+        else:
+            keys, values = k_layer[batch.slots, :, :span], v_layer[batch.slots, :, :span]
+        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=batch.mask, enable_gqa=True)
+        return self.o_proj(out.transpose(1, 2).reshape(b, length, -1))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.gate_up_fused: torch.Tensor | None = None
+
+    def fuse(self) -> None:
+        self.gate_up_fused = torch.cat([self.gate_proj.weight, self.up_proj.weight]).detach()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.gate_up_fused is not None:
+            gate, up = F.linear(x, self.gate_up_fused).chunk(2, dim=-1)
+        else:
+            gate, up = self.gate_proj(x), self.up_proj(x)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.self_attn = Attention(cfg)
+        self.mlp = MLP(cfg)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+
+class Backbone(nn.Module):
+    """Named ``model`` in the state dict, as in Hugging Face's ``LlamaForCausalLM``."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+
+@dataclass
+class KVCache:
+    """Per-layer key/value tensors, (slots, kv_heads, max_positions, head_dim), allocated once."""
+
+    k: list[torch.Tensor]
+    v: list[torch.Tensor]
+
+    @classmethod
+    def allocate(cls, cfg: ModelConfig, slots: int, dtype: torch.dtype) -> KVCache:
+        shape = (slots, cfg.num_key_value_heads, cfg.max_position_embeddings, cfg.head_dim)
+        return cls([torch.zeros(shape, dtype=dtype) for _ in range(cfg.num_hidden_layers)],
+                   [torch.zeros(shape, dtype=dtype) for _ in range(cfg.num_hidden_layers)])
+
+
+@dataclass
+class CacheBatch:
+    """Index tensors for one cached forward over B sequences padded to L new tokens."""
+
+    slots: torch.Tensor  # (B,) cache slot of each row
+    positions: torch.Tensor  # (B, L) absolute position of each new token (padding clamped)
+    valid_rows: torch.Tensor  # (N,) row of each real token
+    valid_cols: torch.Tensor  # (N,) column of each real token
+    write_slots: torch.Tensor  # (N,) slot each real token's K/V goes to
+    write_positions: torch.Tensor  # (N,) position each real token's K/V goes to
+    key_span: int  # keys 0..key_span-1 are attended
+    mask: torch.Tensor  # (B, 1, L, key_span) True where attention is allowed
+    contiguous_slots: tuple[int, int] | None  # slots are lo..hi-1 in order: slice, don't gather
+
+    @classmethod
+    def build(cls, slots: list[int], starts: list[int], lengths: list[int], width: int,
+              max_positions: int) -> CacheBatch:
+        b = len(slots)
+        slot_t = torch.tensor(slots, dtype=torch.long)
+        start_t = torch.tensor(starts, dtype=torch.long)
+        len_t = torch.tensor(lengths, dtype=torch.long)
+        cols = torch.arange(width, dtype=torch.long)
+        positions = start_t[:, None] + cols[None, :]
+        valid = cols[None, :] < len_t[:, None]
+        rows_idx, cols_idx = valid.nonzero(as_tuple=True)
+        key_span = int((start_t + len_t).max().item())
+        if key_span > max_positions:
+            raise ValueError(f"sequence needs {key_span} positions, cache holds {max_positions}")
+        keys = torch.arange(key_span, dtype=torch.long)
+        # Padding rows attend causally like real rows (never to nothing, so no NaN); their
+        # outputs are discarded by the caller.
+        mask = keys[None, None, :] <= positions[:, :, None]
+        contiguous = None
+        if slots == list(range(slots[0], slots[0] + b)):
+            contiguous = (slots[0], slots[0] + b)
+        return cls(slot_t, positions.clamp(max=max_positions - 1), rows_idx, cols_idx, slot_t[rows_idx],
+                   positions[rows_idx, cols_idx], key_span, mask[:, None], contiguous)
+
+
+class LlamaForCausalLM(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.model = Backbone(cfg)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+        cos, sin = rotary_tables(cfg, torch.float32)
+        self.register_buffer("rope_cos", cos, persistent=False)
+        self.register_buffer("rope_sin", sin, persistent=False)
+
+    # -- construction -------------------------------------------------------------------
+    def init_weights(self, seed: int) -> None:
+        gen = torch.Generator().manual_seed(seed)
+        std = 0.02
+        for name, p in self.named_parameters():
+            if name.endswith("norm.weight"):
+                nn.init.ones_(p)
+            else:
+                # Output projections are scaled down with depth (GPT-2 style) so the residual
+                # stream does not grow with the number of layers.
+                scale = 1 / math.sqrt(2 * self.cfg.num_hidden_layers) if name.endswith(("o_proj.weight", "down_proj.weight")) else 1.0
+                with torch.no_grad():
+                    p.normal_(0.0, std * scale, generator=gen)
+
+    @classmethod
+    def from_pretrained(cls, directory: Path | str, dtype: torch.dtype = torch.float32) -> LlamaForCausalLM:
+        directory = Path(directory)
+        cfg = ModelConfig.from_json(directory / "config.json")
+        model = cls(cfg)
+        state = load_file(str(directory / "model.safetensors"))
+        if cfg.tie_word_embeddings:
+            state.pop("lm_head.weight", None)
+        missing, unexpected = model.load_state_dict(state, strict=False)
+        missing = [m for m in missing if not (cfg.tie_word_embeddings and m == "lm_head.weight")]
+        if missing or unexpected:
+            raise ValueError(f"{directory}: checkpoint mismatch, missing={missing} unexpected={unexpected}")
+        model.to(dtype).eval().requires_grad_(False)
+        for layer in model.model.layers:
+            layer.self_attn.fuse()
+            layer.mlp.fuse()
+        return model
+
+    def save_pretrained(self, directory: Path | str, dtype: torch.dtype = torch.bfloat16) -> None:
+        directory = Path(directory)
+        directory.mkdir(parents=True, exist_ok=True)
+        state = {k: v.detach().to(dtype).contiguous() for k, v in self.state_dict().items()}
+        if self.cfg.tie_word_embeddings:
+            state.pop("lm_head.weight", None)
+        save_file(state, str(directory / "model.safetensors"), metadata={"format": "pt"})
+        (directory / "config.json").write_text(json.dumps(self.cfg.to_hf_json(), indent=2) + "\n")
+
+    # -- forward paths --------------------------------------------------------------------
+    def forward_train(self, tokens: torch.Tensor) -> torch.Tensor:
+        """tokens (B, T) -> logits (B, T, V), full causal attention, no cache."""
+        _, length = tokens.shape
+        cos = self.rope_cos[:length].to(self.lm_head.weight.dtype)[None, None]
+        sin = self.rope_sin[:length].to(self.lm_head.weight.dtype)[None, None]
+        x = self.model.embed_tokens(tokens)
+        for layer in self.model.layers:
+            x = x + layer.self_attn.forward_train(layer.input_layernorm(x), cos, sin)
+            x = x + layer.mlp(layer.post_attention_layernorm(x))
+        return self.lm_head(self.model.norm(x))
+
+    def forward_cached(self, tokens: torch.Tensor, cache: KVCache, batch: CacheBatch,
+                       logit_rows: torch.Tensor | None = None,
+                       logit_cols: torch.Tensor | None = None) -> torch.Tensor:
+        """tokens (B, L) new tokens -> logits.
+
+        Returns (B, L, V), or (N, V) for the (row, col) pairs given, which avoids the LM head
+        over padding and prefill positions whose logits nobody reads.
+        """
+        dtype = self.lm_head.weight.dtype
+        cos = self.rope_cos[batch.positions].to(dtype)[:, None]
+        sin = self.rope_sin[batch.positions].to(dtype)[:, None]
+        x = self.model.embed_tokens(tokens)
+        for i, layer in enumerate(self.model.layers):
+            x = x + layer.self_attn.forward_cached(layer.input_layernorm(x), cos, sin, cache, i, batch)
+            x = x + layer.mlp(layer.post_attention_layernorm(x))
+        if logit_rows is not None and logit_cols is not None:
+            x = x[logit_rows, logit_cols]
+        return self.lm_head(self.model.norm(x)).float()
