@@ -55,10 +55,10 @@ class ModelConfig:
     @classmethod
     def from_json(cls, path: Path) -> ModelConfig:
         raw = json.loads(path.read_text())
-        names = {f for f in cls.__dataclass_fields__}
-        missing = [n for n in names if n not in raw and cls.__dataclass_fields__[n].default is not None
-                   and n in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
-                             "num_attention_heads", "num_key_value_heads", "max_position_embeddings")]
+        names = set(cls.__dataclass_fields__)
+        required = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                    "num_attention_heads", "num_key_value_heads", "max_position_embeddings")
+        missing = [n for n in required if n not in raw]
         if missing:
             raise ValueError(f"{path}: missing config fields {sorted(missing)}")
         return cls(**{k: v for k, v in raw.items() if k in names})
@@ -136,7 +136,7 @@ class Attention(nn.Module):
         q, k, v = self._qkv(x)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
-        return self.o_proj(out.transpose(1, 2).reshape(b, length, -1))
+        return F.linear(out.transpose(1, 2).reshape(b, length, -1), self.o_proj.weight)
 
     def forward_cached(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache,
                        layer: int, batch: CacheBatch) -> torch.Tensor:
@@ -156,7 +156,7 @@ class Attention(nn.Module):
         else:
             keys, values = k_layer[batch.slots, :, :span], v_layer[batch.slots, :, :span]
         out = F.scaled_dot_product_attention(q, keys, values, attn_mask=batch.mask, enable_gqa=True)
-        return self.o_proj(out.transpose(1, 2).reshape(b, length, -1))
+        return F.linear(out.transpose(1, 2).reshape(b, length, -1), self.o_proj.weight)
 
 
 class MLP(nn.Module):
@@ -175,7 +175,7 @@ class MLP(nn.Module):
             gate, up = F.linear(x, self.gate_up_fused).chunk(2, dim=-1)
         else:
             gate, up = self.gate_proj(x), self.up_proj(x)
-        return self.down_proj(F.silu(gate) * up)
+        return F.linear(F.silu(gate) * up, self.down_proj.weight)
 
 
 class DecoderLayer(nn.Module):
@@ -186,6 +186,17 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
+    def forward_train(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        x = x + self.self_attn.forward_train(self.input_layernorm(x), cos, sin)
+        out: torch.Tensor = x + self.mlp(self.post_attention_layernorm(x))
+        return out
+
+    def forward_cached(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache,
+                       index: int, batch: CacheBatch) -> torch.Tensor:
+        x = x + self.self_attn.forward_cached(self.input_layernorm(x), cos, sin, cache, index, batch)
+        out: torch.Tensor = x + self.mlp(self.post_attention_layernorm(x))
+        return out
+
 
 class Backbone(nn.Module):
     """Named ``model`` in the state dict, as in Hugging Face's ``LlamaForCausalLM``."""
@@ -195,6 +206,9 @@ class Backbone(nn.Module):
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def blocks(self) -> list[DecoderLayer]:
+        return [layer for layer in self.layers if isinstance(layer, DecoderLayer)]
 
 
 @dataclass
@@ -251,6 +265,9 @@ class CacheBatch:
 
 
 class LlamaForCausalLM(nn.Module):
+    rope_cos: torch.Tensor
+    rope_sin: torch.Tensor
+
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.cfg = cfg
@@ -272,7 +289,8 @@ class LlamaForCausalLM(nn.Module):
             else:
                 # Output projections are scaled down with depth (GPT-2 style) so the residual
                 # stream does not grow with the number of layers.
-                scale = 1 / math.sqrt(2 * self.cfg.num_hidden_layers) if name.endswith(("o_proj.weight", "down_proj.weight")) else 1.0
+                residual_out = name.endswith(("o_proj.weight", "down_proj.weight"))
+                scale = 1 / math.sqrt(2 * self.cfg.num_hidden_layers) if residual_out else 1.0
                 with torch.no_grad():
                     p.normal_(0.0, std * scale, generator=gen)
 
@@ -289,7 +307,7 @@ class LlamaForCausalLM(nn.Module):
         if missing or unexpected:
             raise ValueError(f"{directory}: checkpoint mismatch, missing={missing} unexpected={unexpected}")
         model.to(dtype).eval().requires_grad_(False)
-        for layer in model.model.layers:
+        for layer in model.model.blocks():
             layer.self_attn.fuse()
             layer.mlp.fuse()
         return model
@@ -310,10 +328,10 @@ class LlamaForCausalLM(nn.Module):
         cos = self.rope_cos[:length].to(self.lm_head.weight.dtype)[None, None]
         sin = self.rope_sin[:length].to(self.lm_head.weight.dtype)[None, None]
         x = self.model.embed_tokens(tokens)
-        for layer in self.model.layers:
-            x = x + layer.self_attn.forward_train(layer.input_layernorm(x), cos, sin)
-            x = x + layer.mlp(layer.post_attention_layernorm(x))
-        return self.lm_head(self.model.norm(x))
+        for layer in self.model.blocks():
+            x = layer.forward_train(x, cos, sin)
+        logits: torch.Tensor = self.lm_head(self.model.norm(x))
+        return logits
 
     def forward_cached(self, tokens: torch.Tensor, cache: KVCache, batch: CacheBatch,
                        logit_rows: torch.Tensor | None = None,
@@ -327,9 +345,9 @@ class LlamaForCausalLM(nn.Module):
         cos = self.rope_cos[batch.positions].to(dtype)[:, None]
         sin = self.rope_sin[batch.positions].to(dtype)[:, None]
         x = self.model.embed_tokens(tokens)
-        for i, layer in enumerate(self.model.layers):
-            x = x + layer.self_attn.forward_cached(layer.input_layernorm(x), cos, sin, cache, i, batch)
-            x = x + layer.mlp(layer.post_attention_layernorm(x))
+        for i, layer in enumerate(self.model.blocks()):
+            x = layer.forward_cached(x, cos, sin, cache, i, batch)
         if logit_rows is not None and logit_cols is not None:
             x = x[logit_rows, logit_cols]
-        return self.lm_head(self.model.norm(x)).float()
+        logits: torch.Tensor = self.lm_head(self.model.norm(x))
+        return logits.float()

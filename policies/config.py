@@ -1,0 +1,79 @@
+"""The ``policy:`` section of config.yaml, parsed once into a frozen, validated object.
+
+Every field is named exactly as in config.yaml. Validation errors name the field and the
+value, so an operator's bad edit is rejected with a message that says what to fix.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, fields
+from typing import Any
+
+
+class PolicyConfigError(ValueError):
+    """A policy field failed validation; ``field`` and ``value`` say which and what."""
+
+    def __init__(self, field: str, value: object, problem: str) -> None:
+        super().__init__(f"policy.{field}: {problem} (got {value!r})")
+        self.field = field
+        self.value = value
+
+
+@dataclass(frozen=True)
+class PolicyConfig:
+    acceptance_floor: float = 0.60  # go plain when a session's acceptance estimate falls below this
+    acceptance_resume: float = 0.70  # ...and resume speculation only once it is back above this
+    min_proposals: int = 32  # drafted tokens of evidence before acceptance can trigger a fallback
+    acceptance_half_life: float = 64.0  # drafted tokens after which old evidence weighs half
+    max_batch: int = 64  # plain while a worker's batch depth is above this
+    batch_resume: int = 56  # ...and speculative again only once it is below this
+    max_temperature: float = 0.8  # plain for requests sampled hotter than this
+    probe_every: int = 8  # a low-acceptance session is re-probed with speculation every N requests
+    num_speculative_tokens: int = 4  # K, drafts proposed per step (bench.engine measures the best K)
+
+    def __post_init__(self) -> None:
+        def require(ok: bool, name: str, problem: str) -> None:
+            if not ok:
+                raise PolicyConfigError(name, getattr(self, name), problem)
+
+        for name in ("acceptance_floor", "acceptance_resume"):
+            value = getattr(self, name)
+            require(0.0 <= value <= 1.0, name, "must be between 0 and 1")
+        require(self.acceptance_resume >= self.acceptance_floor, "acceptance_resume",
+                f"must be >= acceptance_floor ({self.acceptance_floor})")
+        require(self.min_proposals >= 0, "min_proposals", "must be >= 0")
+        require(self.acceptance_half_life > 0 and math.isfinite(self.acceptance_half_life),
+                "acceptance_half_life", "must be a positive number of drafted tokens")
+        require(self.max_batch >= 1, "max_batch", "must be >= 1")
+        require(1 <= self.batch_resume <= self.max_batch, "batch_resume", f"must be in 1..max_batch ({self.max_batch})")
+        require(self.max_temperature >= 0 and math.isfinite(self.max_temperature), "max_temperature", "must be >= 0")
+        require(self.probe_every >= 1, "probe_every", "must be >= 1")
+        require(1 <= self.num_speculative_tokens <= 16, "num_speculative_tokens", "must be in 1..16")
+
+    @classmethod
+    def from_mapping(cls, raw: Mapping[str, Any] | None) -> PolicyConfig:
+        """Builds from parsed YAML/JSON; missing keys take their defaults, unknown keys are errors."""
+        if raw is None:
+            return cls()
+        if not isinstance(raw, Mapping):
+            raise PolicyConfigError("(section)", raw, "must be a mapping of policy fields")
+        known = {f.name: f for f in fields(cls)}
+        values: dict[str, Any] = {}
+        for key, value in raw.items():
+            if key not in known:
+                raise PolicyConfigError(str(key), value, f"unknown field; known fields: {', '.join(known)}")
+            expected = known[key].type
+            if expected == "int":
+                if isinstance(value, bool) or not isinstance(value, int):
+                    raise PolicyConfigError(key, value, "must be an integer")
+            elif expected == "float":
+                if isinstance(value, bool) or not isinstance(value, int | float):
+                    raise PolicyConfigError(key, value, "must be a number")
+                value = float(value)
+            values[key] = value
+        return cls(**values)
+
+    def as_dict(self) -> dict[str, float | int]:
+        return {f.name: getattr(self, f.name) for f in fields(self)}

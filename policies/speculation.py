@@ -1,0 +1,146 @@
+"""The speculative fallback policy: every rule, top to bottom, as pure functions.
+
+Sans-I/O: frozen dataclasses in, a frozen ``Decision`` or new state out. No clock, no I/O, no
+torch or aiohttp; the gateway owns time and storage and calls these functions.
+
+Rules, in the order ``decide`` applies them (thresholds named as in config.yaml):
+1. ``worker_plain_only``: the worker cannot speculate (no draft, or it serves one plain mode).
+2. ``high_temperature``: the request samples hotter than ``max_temperature``.
+3. ``batch_full``: the worker's batch depth went above ``max_batch`` and has not yet fallen
+   below ``batch_resume`` (hysteresis latch, see ``batch_latch``).
+4. ``low_acceptance`` / ``probe``: the session's acceptance estimate fell below
+   ``acceptance_floor`` with at least ``min_proposals`` drafted tokens of evidence, and has not
+   climbed back above ``acceptance_resume``. Every ``probe_every``-th request of such a session
+   speculates anyway (``probe``) so that new evidence can bring it back.
+5. ``default``: speculate with K = ``num_speculative_tokens`` (capped by the worker's max K).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Literal
+
+from policies.config import PolicyConfig
+
+Mode = Literal["speculative", "plain"]
+Reason = Literal["default", "probe", "worker_plain_only", "high_temperature", "batch_full", "low_acceptance"]
+REASONS: tuple[Reason, ...] = ("default", "probe", "worker_plain_only", "high_temperature", "batch_full",
+                               "low_acceptance")
+
+
+@dataclass(frozen=True)
+class Decision:
+    mode: Mode
+    k: int  # drafts per step; 0 when plain
+    reason: Reason
+
+    @property
+    def header(self) -> str:
+        """The ``X-Specgate-Mode`` response header value."""
+        if self.mode == "speculative":
+            return f"speculative; k={self.k}; reason={self.reason}"
+        return f"plain; reason={self.reason}"
+
+
+@dataclass(frozen=True)
+class SessionState:
+    acceptance_ewma: float | None = None  # None until the first drafted token is observed
+    proposals_seen: int = 0  # drafted tokens observed over the session's life (the evidence)
+    low_acceptance: bool = False  # latched: fell below the floor, not yet back above resume
+    plain_since_probe: int = 0  # low-acceptance requests served plain since the last probe
+
+
+@dataclass(frozen=True)
+class WorkerState:
+    batch_depth: int  # running + queued sequences, as last reported plus admitted since
+    batch_full: bool  # the batch latch (see batch_latch)
+    max_k: int  # 0 when the worker cannot speculate
+    serves_speculative: bool = True  # False for a worker that serves one fixed plain mode
+
+
+@dataclass(frozen=True)
+class RequestFacts:
+    temperature: float
+
+
+def decide(session: SessionState, worker: WorkerState, request: RequestFacts, policy: PolicyConfig) -> Decision:
+    if worker.max_k <= 0 or not worker.serves_speculative:
+        return Decision("plain", 0, "worker_plain_only")
+    if request.temperature > policy.max_temperature:
+        return Decision("plain", 0, "high_temperature")
+    if worker.batch_full:
+        return Decision("plain", 0, "batch_full")
+    k = min(policy.num_speculative_tokens, worker.max_k)
+    if session.low_acceptance:
+        if session.plain_since_probe + 1 >= policy.probe_every:
+            return Decision("speculative", k, "probe")
+        return Decision("plain", 0, "low_acceptance")
+    return Decision("speculative", k, "default")
+
+
+def record_decision(session: SessionState, decision: Decision) -> SessionState:
+    """Counts the requests a low-acceptance session spends plain, so probes come on time."""
+    if decision.reason == "low_acceptance":
+        return replace(session, plain_since_probe=session.plain_since_probe + 1)
+    if decision.reason == "probe":
+        return replace(session, plain_since_probe=0)
+    return session
+
+
+def observe(session: SessionState, proposed: int, accepted: int, policy: PolicyConfig) -> SessionState:
+    """Folds one step's (or request's) drafts into the acceptance estimate and the latch.
+
+    The estimate is an exponentially weighted average whose weight is measured in drafted
+    tokens: evidence ``acceptance_half_life`` tokens old counts half as much as new evidence.
+    """
+    if proposed <= 0:
+        return session
+    accepted = max(0, min(accepted, proposed))
+    rate = accepted / proposed
+    if session.acceptance_ewma is None:
+        ewma = rate
+    else:
+        weight = 1.0 - 0.5 ** (proposed / policy.acceptance_half_life)
+        ewma = session.acceptance_ewma + weight * (rate - session.acceptance_ewma)
+    seen = session.proposals_seen + proposed
+    latched = acceptance_latch(session.low_acceptance, ewma, seen, policy)
+    plain_since_probe = session.plain_since_probe if latched else 0
+    return SessionState(ewma, seen, latched, plain_since_probe)
+
+
+def acceptance_latch(latched: bool, ewma: float, proposals_seen: int, policy: PolicyConfig) -> bool:
+    """Hysteresis: trip below the floor (given enough evidence), clear only above resume."""
+    if latched:
+        return ewma < policy.acceptance_resume
+    return proposals_seen >= policy.min_proposals and ewma < policy.acceptance_floor
+
+
+def batch_latch(latched: bool, batch_depth: int, policy: PolicyConfig) -> bool:
+    """Hysteresis: trip above max_batch, clear only below batch_resume."""
+    return _depth_latch(latched, batch_depth, policy.max_batch, policy.batch_resume)
+
+
+def _depth_latch(latched: bool, batch_depth: int, max_batch: int, batch_resume: int) -> bool:
+    if batch_depth > max_batch:
+        return True
+    if batch_depth < batch_resume:
+        return False
+    return latched
+
+
+@dataclass(frozen=True)
+class StepDepth:
+    """The per-step batch rule inside a worker, where batch depth changes mid-request."""
+
+    k: int  # drafts for this step
+    batch_full: bool  # the worker's latch after this step's depth
+
+
+def step_depth(requested_k: int, batch_depth: int, latched: bool, max_batch: int, batch_resume: int) -> StepDepth:
+    """Plain for this step while the worker's latch is set; otherwise the requested K.
+
+    Takes the two thresholds rather than a PolicyConfig because a worker receives them with
+    each request (the gateway's live policy), not from a file.
+    """
+    latched = _depth_latch(latched, batch_depth, max_batch, batch_resume)
+    return StepDepth(0 if latched else requested_k, latched)

@@ -1,0 +1,261 @@
+"""The embedded draft+target speculative engine with continuous batching.
+
+The engine is a plain object stepped by its caller: token ids in, per-step events out. It
+knows nothing of HTTP, text or policy. Each running sequence has its own depth K per step
+(K = 0 is plain decoding) and all of them share one batched target forward per step; new
+sequences (long prompts) are prefilled in their own forward within the same step.
+
+Per sequence the engine keeps ``target_len``/``draft_len``, how many of the sequence's tokens
+each model's KV cache holds. At the start of a step ``target_len == len(tokens) - 1``: the last
+token is fed in the step, followed by the K drafts. After verification the cache is "rewound"
+by setting ``target_len`` to the accepted prefix; stale positions beyond it are overwritten
+before they are ever attended to.
+"""
+
+from __future__ import annotations
+
+import itertools
+import random
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Literal
+
+import torch
+
+from workers.model import CacheBatch, KVCache, LlamaForCausalLM
+from workers.sampling import SamplingParams, probabilities, sample, verify
+
+FinishReason = Literal["stop", "length", "abort"]
+# (requested K, batch depth) -> K for this step. The worker plugs in the policy's batch rule.
+StepDepthRule = Callable[[int, int], int]
+
+
+@dataclass(frozen=True)
+class GenerationRequest:
+    request_id: str
+    prompt_ids: list[int]
+    max_tokens: int
+    params: SamplingParams = field(default_factory=SamplingParams)
+    k: int = 0  # requested speculation depth; 0 = plain
+
+
+@dataclass(frozen=True)
+class StepEvent:
+    """What one step did for one sequence."""
+
+    request_id: str
+    tokens: list[int]  # emitted this step (EOS excluded)
+    proposed: int  # drafts proposed this step (= K used)
+    accepted: int  # drafts accepted this step
+    batch_depth: int  # running sequences in this step
+    finish_reason: FinishReason | None = None
+
+
+@dataclass
+class _Sequence:
+    request: GenerationRequest
+    slot: int
+    tokens: list[int]
+    generator: torch.Generator
+    k: int
+    target_len: int = 0
+    draft_len: int = 0
+    emitted: int = 0
+    step_k: int = 0
+    drafts: list[int] = field(default_factory=list)
+    draft_probs: list[torch.Tensor] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class _Row:
+    """One sequence's input to a cached forward."""
+
+    slot: int
+    start: int
+    new_tokens: list[int]
+    n_logits: int  # logits wanted for the last n_logits new tokens
+
+
+class SpeculativeEngine:
+    def __init__(self, target: LlamaForCausalLM, draft: LlamaForCausalLM | None, *, max_slots: int = 8,
+                 max_k: int = 8, step_depth_rule: StepDepthRule | None = None) -> None:
+        if draft is not None and draft.cfg.vocab_size != target.cfg.vocab_size:
+            raise ValueError("draft and target must share a vocabulary")
+        self.target = target
+        self.draft = draft
+        self.max_k = max_k if draft is not None else 0
+        self.max_slots = max_slots
+        self.max_positions = target.cfg.max_position_embeddings
+        if draft is not None:
+            self.max_positions = min(self.max_positions, draft.cfg.max_position_embeddings)
+        dtype = target.lm_head.weight.dtype
+        self.target_cache = KVCache.allocate(target.cfg, max_slots, dtype)
+        self.draft_cache = KVCache.allocate(draft.cfg, max_slots, dtype) if draft is not None else None
+        self.eos_ids = frozenset(target.cfg.eos_token_ids)
+        self.step_depth_rule = step_depth_rule
+        self._waiting: deque[GenerationRequest] = deque()
+        self._running: dict[str, _Sequence] = {}
+        self._free_slots = list(range(max_slots))
+        # Prompt tails up to this many tokens ride in the batched decode forward; longer ones
+        # (prefills) get a forward of their own so the batch is not padded to prompt length.
+        self._batched_row_limit = self.max_k + 2
+
+    # -- queue management ----------------------------------------------------------------
+    @property
+    def batch_depth(self) -> int:
+        return len(self._running)
+
+    @property
+    def queue_length(self) -> int:
+        return len(self._waiting)
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self._running or self._waiting)
+
+    def validate(self, prompt_len: int, max_tokens: int) -> None:
+        """Raises ValueError when a request cannot fit in a cache slot."""
+        if prompt_len < 1:
+            raise ValueError("prompt must contain at least one token")
+        if max_tokens < 1:
+            raise ValueError("max_tokens must be at least 1")
+        if prompt_len + max_tokens + self.max_k > self.max_positions:
+            raise ValueError(f"prompt ({prompt_len} tokens) + max_tokens ({max_tokens}) exceeds the context "
+                             f"window of {self.max_positions - self.max_k} tokens")
+
+    def add(self, request: GenerationRequest) -> None:
+        self.validate(len(request.prompt_ids), request.max_tokens)
+        if request.request_id in self._running or any(r.request_id == request.request_id for r in self._waiting):
+            raise ValueError(f"duplicate request id {request.request_id}")
+        self._waiting.append(request)
+
+    def abort(self, request_id: str) -> bool:
+        """Drops the sequence and frees its slot at once. True if it was known."""
+        seq = self._running.pop(request_id, None)
+        if seq is not None:
+            self._free_slots.append(seq.slot)
+            self._free_slots.sort()
+            return True
+        for request in self._waiting:
+            if request.request_id == request_id:
+                self._waiting.remove(request)
+                return True
+        return False
+
+    def set_k(self, request_id: str, k: int) -> None:
+        seq = self._running.get(request_id)
+        if seq is not None:
+            seq.k = max(0, min(k, self.max_k))
+
+    def _admit(self) -> None:
+        while self._waiting and self._free_slots:
+            request = self._waiting.popleft()
+            seed = request.params.seed if request.params.seed is not None else random.getrandbits(63)
+            self._running[request.request_id] = _Sequence(
+                request=request, slot=self._free_slots.pop(0), tokens=list(request.prompt_ids),
+                generator=torch.Generator().manual_seed(seed), k=max(0, min(request.k, self.max_k)))
+
+    # -- one step --------------------------------------------------------------------------
+    @torch.inference_mode()
+    def step(self) -> list[StepEvent]:
+        self._admit()
+        if not self._running:
+            return []
+        seqs = sorted(self._running.values(), key=lambda s: s.slot)
+        depth = len(seqs)
+        for seq in seqs:
+            k = seq.k if self.step_depth_rule is None else self.step_depth_rule(seq.k, depth)
+            remaining = seq.request.max_tokens - seq.emitted
+            # More than remaining-1 drafts could never be emitted; the cache must hold them too.
+            seq.step_k = max(0, min(k, self.max_k, remaining - 1, self.max_positions - len(seq.tokens) - 1))
+            seq.drafts, seq.draft_probs = [], []
+        self._propose([s for s in seqs if s.step_k > 0])
+        rows = [_Row(s.slot, s.target_len, s.tokens[s.target_len:] + s.drafts, s.step_k + 1) for s in seqs]
+        target_logits = self._forward(self.target, self.target_cache, rows)
+        return [self._settle(seq, logits, depth) for seq, logits in zip(seqs, target_logits, strict=True)]
+
+    def _propose(self, seqs: list[_Sequence]) -> None:
+        """Draft K_i tokens for each sequence, batched across sequences per draft position."""
+        if not seqs:
+            return
+        assert self.draft is not None and self.draft_cache is not None
+        for j in range(max(s.step_k for s in seqs)):
+            active = [s for s in seqs if s.step_k > j]
+            # First position: catch the draft cache up (1-2 tokens, more after a plain spell).
+            rows = [_Row(s.slot, s.draft_len, s.tokens[s.draft_len:] if j == 0 else [s.drafts[-1]], 1)
+                    for s in active]
+            logits = self._forward(self.draft, self.draft_cache, rows)
+            for seq, row, row_logits in zip(active, rows, logits, strict=True):
+                seq.draft_len += len(row.new_tokens)
+                q = probabilities(row_logits[0], seq.request.params)
+                seq.drafts.append(int(sample(q, seq.generator).item()))
+                seq.draft_probs.append(q)
+
+    def _settle(self, seq: _Sequence, logits: torch.Tensor, depth: int) -> StepEvent:
+        p = probabilities(logits, seq.request.params)  # (K+1, V)
+        before = len(seq.tokens)
+        if seq.step_k > 0:
+            verdict = verify(torch.tensor(seq.drafts), torch.stack(seq.draft_probs), p, seq.generator)
+            new_tokens, accepted = verdict.tokens, verdict.accepted
+            # Rewind: the draft cache holds the prefix plus d_1..d_{K-1}; keep what was accepted.
+            seq.draft_len = before + min(accepted, seq.step_k - 1)
+        else:
+            new_tokens, accepted = [int(sample(p[0], seq.generator).item())], 0
+        seq.target_len = before + accepted  # rewind the target cache to the accepted prefix
+        emitted: list[int] = []
+        finish: FinishReason | None = None
+        for token in new_tokens:
+            if token in self.eos_ids:
+                finish = "stop"
+                break
+            emitted.append(token)
+            if seq.emitted + len(emitted) >= seq.request.max_tokens:
+                finish = "length"
+                break
+        seq.tokens.extend(emitted)
+        seq.emitted += len(emitted)
+        if finish is not None:
+            self.abort(seq.request.request_id)
+        return StepEvent(seq.request.request_id, emitted, seq.step_k, accepted, depth, finish)
+
+    def _forward(self, model: LlamaForCausalLM, cache: KVCache, rows: list[_Row]) -> list[torch.Tensor]:
+        """Runs rows through a model; returns each row's (n_logits, V) logits in order."""
+        out: list[torch.Tensor | None] = [None] * len(rows)
+        short = [i for i, r in enumerate(rows) if len(r.new_tokens) <= self._batched_row_limit]
+        groups = [short] if short else []
+        groups += [[i] for i, r in enumerate(rows) if len(r.new_tokens) > self._batched_row_limit]
+        for group in groups:
+            width = max(len(rows[i].new_tokens) for i in group)
+            tokens = torch.zeros((len(group), width), dtype=torch.long)
+            logit_rows: list[int] = []
+            logit_cols: list[int] = []
+            for b, i in enumerate(group):
+                row = rows[i]
+                tokens[b, :len(row.new_tokens)] = torch.tensor(row.new_tokens)
+                n = len(row.new_tokens)
+                logit_rows += [b] * row.n_logits
+                logit_cols += range(n - row.n_logits, n)
+            batch = CacheBatch.build([rows[i].slot for i in group], [rows[i].start for i in group],
+                                     [len(rows[i].new_tokens) for i in group], width, self.max_positions)
+            logits = model.forward_cached(tokens, cache, batch, torch.tensor(logit_rows), torch.tensor(logit_cols))
+            splits = logits.split([rows[i].n_logits for i in group])
+            for i, chunk in zip(group, splits, strict=True):
+                out[i] = chunk
+        return [o for o in out if o is not None]
+
+    # -- convenience ---------------------------------------------------------------------------
+    def generate(self, request: GenerationRequest) -> list[StepEvent]:
+        """Runs one request to completion alone (tests, benchmarks)."""
+        self.add(request)
+        events: list[StepEvent] = []
+        while self.has_work:
+            events.extend(e for e in self.step() if e.request_id == request.request_id)
+        return events
+
+
+_request_ids = itertools.count()
+
+
+def next_request_id(prefix: str = "req") -> str:
+    return f"{prefix}-{next(_request_ids)}"

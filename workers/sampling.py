@@ -1,0 +1,84 @@
+"""Sampling and the speculative acceptance rule (Leviathan et al. 2023; Chen et al. 2023).
+
+Everything here is tensors in, tensors out. Temperature, top-k and top-p are applied by one
+function to both the target's and the draft's logits, so the acceptance test compares the
+distributions actually sampled from. Temperature 0 turns both into one-hot argmax
+distributions, which makes the same rule exact greedy decoding: a draft token is accepted
+iff it is the target's argmax, and the replacement is the target's argmax.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    temperature: float = 1.0  # 0 means greedy
+    top_p: float = 1.0  # nucleus mass kept, (0, 1]
+    top_k: int = 0  # 0 disables
+    seed: int | None = None  # fixes the request's random stream
+
+
+def probabilities(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """logits (..., V) -> the distribution sampled from, (..., V), float32."""
+    logits = logits.float()
+    if params.temperature <= 0.0:
+        return torch.zeros_like(logits).scatter_(-1, logits.argmax(dim=-1, keepdim=True), 1.0)
+    logits = logits / params.temperature
+    if params.top_k > 0 and params.top_k < logits.shape[-1]:
+        kth = torch.topk(logits, params.top_k, dim=-1).values[..., -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    probs = torch.softmax(logits, dim=-1)
+    if params.top_p < 1.0:
+        sorted_probs, order = probs.sort(dim=-1, descending=True)
+        # Keep the smallest prefix whose mass reaches top_p (the first token always stays).
+        before = sorted_probs.cumsum(dim=-1) - sorted_probs
+        sorted_probs = sorted_probs.masked_fill(before >= params.top_p, 0.0)
+        probs = torch.zeros_like(probs).scatter_(-1, order, sorted_probs)
+        probs = probs / probs.sum(dim=-1, keepdim=True)
+    return probs
+
+
+def sample(probs: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+    """probs (..., V) -> token ids (...)."""
+    flat = probs.reshape(-1, probs.shape[-1])
+    return torch.multinomial(flat, 1, generator=generator).reshape(probs.shape[:-1])
+
+
+@dataclass(frozen=True)
+class Verdict:
+    tokens: list[int]  # accepted drafts followed by one target token (replacement or bonus)
+    accepted: int  # how many of the K drafts were accepted
+
+
+def verify(draft_tokens: torch.Tensor, q: torch.Tensor, p: torch.Tensor, generator: torch.Generator) -> Verdict:
+    """The speculative sampling rule for one sequence.
+
+    draft_tokens (K,): proposals; q (K, V): draft distributions they were sampled from;
+    p (K+1, V): target distributions at the same K positions plus the bonus position.
+    Draft i is accepted with probability min(1, p_i/q_i); at the first rejection the
+    replacement is drawn from normalize(max(0, p - q)); if all K pass, a bonus token is drawn
+    from p_K. The emitted tokens are then distributed exactly as the target's.
+    """
+    k = draft_tokens.shape[0]
+    idx = torch.arange(k)
+    p_draft = p[idx, draft_tokens]
+    q_draft = q[idx, draft_tokens]
+    uniforms = torch.rand(k, generator=generator)
+    # u < p/q, written without division so q = 0 (impossible for a sampled token) can't NaN.
+    accepted_mask = uniforms * q_draft < p_draft
+    rejected = (~accepted_mask).nonzero()
+    n = int(rejected[0].item()) if len(rejected) else k
+    tokens = draft_tokens[:n].tolist()
+    if n < k:
+        residual = (p[n] - q[n]).clamp_(min=0.0)
+        total = residual.sum()
+        # p == q exactly leaves no residual mass; then p itself is the right distribution.
+        dist = residual / total if total > 0 else p[n]
+        tokens.append(int(sample(dist, generator).item()))
+    else:
+        tokens.append(int(sample(p[k], generator).item()))
+    return Verdict(tokens, n)
