@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import itertools
 import random
+import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -100,6 +101,9 @@ class SpeculativeEngine:
         # Prompt tails up to this many tokens ride in the batched decode forward; longer ones
         # (prefills) get a forward of their own so the batch is not padded to prompt length.
         self._batched_row_limit = self.max_k + 2
+        # Wall time of the last step's draft proposals and target verification (metrics).
+        self.last_draft_s = 0.0
+        self.last_target_s = 0.0
 
     # -- queue management ----------------------------------------------------------------
     @property
@@ -170,9 +174,12 @@ class SpeculativeEngine:
             # More than remaining-1 drafts could never be emitted; the cache must hold them too.
             seq.step_k = max(0, min(k, self.max_k, remaining - 1, self.max_positions - len(seq.tokens) - 1))
             seq.drafts, seq.draft_probs = [], []
+        started = time.perf_counter()
         self._propose([s for s in seqs if s.step_k > 0])
+        proposed = time.perf_counter()
         rows = [_Row(s.slot, s.target_len, s.tokens[s.target_len:] + s.drafts, s.step_k + 1) for s in seqs]
         target_logits = self._forward(self.target, self.target_cache, rows)
+        self.last_draft_s, self.last_target_s = proposed - started, time.perf_counter() - proposed
         return [self._settle(seq, logits, depth) for seq, logits in zip(seqs, target_logits, strict=True)]
 
     def _propose(self, seqs: list[_Sequence]) -> None:

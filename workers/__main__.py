@@ -1,0 +1,55 @@
+"""Worker process entry point: ``python -m workers --target DIR --draft DIR (--uds PATH | --port N)``."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+from pathlib import Path
+
+import torch
+import uvloop
+from aiohttp import web
+
+from workers.server import WorkerSettings, create_worker_app
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m workers", description=__doc__)
+    parser.add_argument("--worker-id", default=f"worker-{os.getpid()}")
+    parser.add_argument("--target", type=Path, required=True, help="target model directory (Hugging Face format)")
+    parser.add_argument("--draft", type=Path, default=None, help="draft model directory; omit for plain only")
+    parser.add_argument("--served-model-name", default="specgate-demo")
+    parser.add_argument("--max-slots", type=int, default=16)
+    parser.add_argument("--max-k", type=int, default=8)
+    parser.add_argument("--default-k", type=int, default=4)
+    parser.add_argument("--max-queue", type=int, default=64)
+    parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
+    parser.add_argument("--max-body-bytes", type=int, default=1 << 20)
+    where = parser.add_mutually_exclusive_group(required=True)
+    where.add_argument("--uds", type=Path, help="listen on this Unix domain socket")
+    where.add_argument("--port", type=int, help="listen on TCP (with --host)")
+    parser.add_argument("--host", default="127.0.0.1")
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s {args.worker_id} %(levelname)s %(name)s: %(message)s")
+    torch.set_num_threads(args.threads)
+    settings = WorkerSettings(
+        worker_id=args.worker_id, target=args.target, draft=args.draft, served_model_name=args.served_model_name,
+        max_slots=args.max_slots, max_k=args.max_k, default_k=args.default_k, max_queue=args.max_queue,
+        dtype=args.dtype, max_body_bytes=args.max_body_bytes)
+    app = create_worker_app(settings)
+    uvloop.install()
+    if args.uds is not None:
+        args.uds.unlink(missing_ok=True)
+        web.run_app(app, path=str(args.uds), print=None, access_log=None)
+    else:
+        web.run_app(app, host=args.host, port=args.port, print=None, access_log=None)
+
+
+if __name__ == "__main__":
+    main()

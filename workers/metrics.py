@@ -1,0 +1,46 @@
+"""A worker's Prometheus metrics, under the names operators already chart for vLLM.
+
+Under the gateway, workers run with PROMETHEUS_MULTIPROC_DIR set (prometheus_client's
+multiprocess mode), so the gateway's /metrics covers every worker; gauges use ``livemax``
+so a restarted worker's dead process drops out.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram
+
+
+@dataclass(frozen=True)
+class WorkerMetrics:
+    draft_tokens: Counter
+    accepted_tokens: Counter
+    acceptance_rate: Gauge
+    verification_ms: Gauge
+    batch_depth: Gauge
+    queue_length: Gauge
+    step_seconds: Histogram
+
+    @classmethod
+    def create(cls, registry: CollectorRegistry | None) -> WorkerMetrics:
+        reg = registry if registry is not None else REGISTRY
+        labels = ["worker"]
+        return cls(
+            draft_tokens=Counter("vllm:spec_decode_num_draft_tokens", "Draft tokens proposed", labels, registry=reg),
+            accepted_tokens=Counter("vllm:spec_decode_num_accepted_tokens", "Draft tokens accepted", labels,
+                                    registry=reg),
+            acceptance_rate=Gauge("vllm:spec_decode_draft_acceptance_rate",
+                                  "Accepted / proposed draft tokens since the worker started", labels,
+                                  multiprocess_mode="livemax", registry=reg),
+            verification_ms=Gauge("vllm:spec_decode_mean_verification_time_ms",
+                                  "Mean time of the target's verification forward per step", labels,
+                                  multiprocess_mode="livemax", registry=reg),
+            batch_depth=Gauge("specgate_worker_batch_depth", "Sequences running in the worker's batch", labels,
+                              multiprocess_mode="livemax", registry=reg),
+            queue_length=Gauge("specgate_worker_queue_length", "Sequences waiting for a batch slot", labels,
+                               multiprocess_mode="livemax", registry=reg),
+            step_seconds=Histogram("specgate_worker_step_seconds", "Wall time of one engine step", labels,
+                                   buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5),
+                                   registry=reg),
+        )

@@ -1,0 +1,159 @@
+"""Bridges the engine's compute loop (one thread) and the worker's asyncio event loop.
+
+The compute loop is the one place specgate uses a thread: a model step holds the CPU for
+milliseconds and must not block the event loop that streams tokens out. Commands (add,
+abort) go in through a queue the loop drains between steps, so the engine itself is only
+ever touched by its thread; step events come back through ``call_soon_threadsafe``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from policies.speculation import step_depth
+from workers.engine import GenerationRequest, SpeculativeEngine, StepEvent
+
+log = logging.getLogger(__name__)
+
+EventSink = Callable[[StepEvent | BaseException], None]
+
+
+@dataclass(frozen=True)
+class _Add:
+    request: GenerationRequest
+    sink: EventSink
+
+
+@dataclass(frozen=True)
+class _Abort:
+    request_id: str
+
+
+@dataclass
+class RunnerStats:
+    steps: int = 0
+    draft_tokens: int = 0
+    accepted_tokens: int = 0
+    emitted_tokens: int = 0
+    verification_s_total: float = 0.0
+
+
+class EngineRunner:
+    def __init__(self, engine: SpeculativeEngine, loop: asyncio.AbstractEventLoop,
+                 on_step: Callable[[SpeculativeEngine, list[StepEvent]], None] | None = None) -> None:
+        self.engine = engine
+        self.loop = loop
+        self.on_step = on_step
+        self.stats = RunnerStats()
+        self._commands: queue.SimpleQueue[_Add | _Abort | None] = queue.SimpleQueue()
+        self._sinks: dict[str, EventSink] = {}
+        self._pending_adds = 0
+        self._thread = threading.Thread(target=self._loop, name="engine-compute", daemon=True)
+        # The per-step batch rule (policy.step_depth) with the thresholds of the latest request.
+        self._max_batch = 1 << 20
+        self._batch_resume = 1 << 20
+        self._batch_full = False
+        engine.step_depth_rule = self._step_depth
+
+    @property
+    def batch_depth(self) -> int:
+        return self.engine.batch_depth
+
+    @property
+    def queue_length(self) -> int:
+        return self.engine.queue_length + self._pending_adds
+
+    @property
+    def batch_full(self) -> bool:
+        return self._batch_full
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._commands.put(None)
+        self._thread.join(timeout=10)
+
+    def set_batch_thresholds(self, max_batch: int, batch_resume: int) -> None:
+        self._max_batch, self._batch_resume = max_batch, batch_resume
+
+    def submit(self, request: GenerationRequest, sink: EventSink) -> None:
+        """Called on the event loop; events arrive at ``sink`` on the event loop."""
+        self._pending_adds += 1
+        self._commands.put(_Add(request, sink))
+
+    def abort(self, request_id: str) -> None:
+        self._commands.put(_Abort(request_id))
+
+    def _step_depth(self, requested_k: int, batch_depth: int) -> int:
+        decision = step_depth(requested_k, batch_depth, self._batch_full, self._max_batch, self._batch_resume)
+        self._batch_full = decision.batch_full
+        return decision.k
+
+    # -- compute thread ---------------------------------------------------------------------------
+    def _deliver(self, request_id: str, item: StepEvent | BaseException) -> None:
+        sink = self._sinks.get(request_id)
+        if sink is not None:
+            self.loop.call_soon_threadsafe(sink, item)
+
+    def _apply(self, command: _Add | _Abort) -> None:
+        if isinstance(command, _Add):
+            self.loop.call_soon_threadsafe(self._added)
+            try:
+                self.engine.add(command.request)
+            except ValueError as exc:
+                self.loop.call_soon_threadsafe(command.sink, exc)
+                return
+            self._sinks[command.request.request_id] = command.sink
+        else:
+            self.engine.abort(command.request_id)
+            self._sinks.pop(command.request_id, None)
+
+    def _added(self) -> None:
+        self._pending_adds -= 1
+
+    def _loop(self) -> None:
+        while True:
+            commands: list[_Add | _Abort | None] = []
+            if not self.engine.has_work:
+                commands.append(self._commands.get())  # idle: sleep until there is something to do
+            while True:
+                try:
+                    commands.append(self._commands.get_nowait())
+                except queue.Empty:
+                    break
+            for command in commands:
+                if command is None:
+                    return
+                self._apply(command)
+            if not self.engine.has_work:
+                continue
+            try:
+                events = self.engine.step()
+            except Exception as exc:  # a bug or OOM: fail what is in flight, keep serving
+                log.exception("engine step failed")
+                for request_id in list(self._sinks):
+                    self._deliver(request_id, exc)
+                    self.engine.abort(request_id)
+                self._sinks.clear()
+                continue
+            self._account(events)
+            for event in events:
+                self._deliver(event.request_id, event)
+                if event.finish_reason is not None:
+                    self._sinks.pop(event.request_id, None)
+
+    def _account(self, events: list[StepEvent]) -> None:
+        stats = self.stats
+        stats.steps += 1
+        stats.draft_tokens += sum(e.proposed for e in events)
+        stats.accepted_tokens += sum(e.accepted for e in events)
+        stats.emitted_tokens += sum(len(e.tokens) for e in events)
+        stats.verification_s_total += self.engine.last_target_s
+        if self.on_step is not None:
+            self.on_step(self.engine, events)
