@@ -13,7 +13,7 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Literal
 
@@ -239,20 +239,23 @@ def _parse_directive(raw: Any) -> Directive | None:
 class StepReport:
     """The per-chunk ``specgate`` field a worker attaches: what the step behind it did."""
 
-    proposed: int  # drafts proposed in the steps this chunk covers
+    proposed: int  # drafts proposed in the step behind this chunk
     accepted: int  # drafts accepted
     batch_depth: int  # the worker's running sequences at that step
     k: int  # K used at that step (0: plain)
+    tokens: int  # tokens the step emitted
 
     def to_json(self) -> dict[str, int]:
-        return {"proposed": self.proposed, "accepted": self.accepted, "batch_depth": self.batch_depth, "k": self.k}
+        return {"proposed": self.proposed, "accepted": self.accepted, "batch_depth": self.batch_depth, "k": self.k,
+                "tokens": self.tokens}
 
     @classmethod
     def from_json(cls, raw: Any) -> StepReport | None:
         if not isinstance(raw, Mapping):
             return None
         try:
-            return cls(int(raw["proposed"]), int(raw["accepted"]), int(raw["batch_depth"]), int(raw["k"]))
+            return cls(int(raw["proposed"]), int(raw["accepted"]), int(raw["batch_depth"]), int(raw["k"]),
+                       int(raw["tokens"]))
         except (KeyError, TypeError, ValueError):
             return None
 
@@ -272,7 +275,7 @@ def chunk_text(kind: RequestKind, chunk: Mapping[str, Any]) -> str:
     return str(choice.get("text") or "")
 
 
-def assemble(kind: RequestKind, chunks: list[Mapping[str, Any]]) -> dict[str, Any]:
+def assemble(kind: RequestKind, chunks: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
     """Folds streamed chunks into the non-streaming response object."""
     if not chunks:
         raise WorkerFailed("worker returned no output")

@@ -262,7 +262,7 @@ async def _generate(ctx: WorkerContext, req: CompletionRequest,
             if finish is not None and not text.stopped:
                 delta += text.flush()
             finished = finish is not None
-            report = StepReport(item.proposed, item.accepted, item.batch_depth, item.proposed)
+            report = StepReport(item.proposed, item.accepted, item.batch_depth, item.proposed, len(item.tokens))
             yield chunk(delta, finish, report, first=first_chunk)
             first_chunk = False
         mode = "speculative" if generation.k > 0 else "plain"

@@ -1,0 +1,1 @@
+"""The specgate gateway: OpenAI API, session routing, speculative fallback policy, worker fleet."""

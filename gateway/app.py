@@ -1,0 +1,182 @@
+"""The gateway's app factory: OpenAI routes, health, metrics, and the admin API.
+
+State lives in typed ``web.AppKey``s; the fleet, the policy-file watcher and the SIGHUP
+handler are started in a cleanup context and stopped after it yields.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import signal
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+import yaml
+from aiohttp import web
+
+from gateway.config import GatewayConfig, parse_policy
+from gateway.fleet import Fleet
+from gateway.metrics import GatewayMetrics
+from gateway.policy_store import PolicyStore
+from gateway.relay import relay
+from gateway.sessions import SessionTable
+from gateway.state import STATE_KEY, GatewayState
+from policies import PolicyConfigError
+from workers.protocol import BadRequest, NotFound, Unavailable
+from workers.web_common import Handler, openai_errors
+
+log = logging.getLogger(__name__)
+
+
+
+@web.middleware
+async def count_requests(request: web.Request, handler: Handler) -> web.StreamResponse:
+    started = time.monotonic()
+    route = request.match_info.route.resource.canonical if request.match_info.route.resource else "unmatched"
+    status = 500
+    try:
+        response = await handler(request)
+        status = response.status
+        return response
+    finally:
+        metrics = request.app[STATE_KEY].metrics
+        metrics.requests.labels(route=route, status=str(status)).inc()
+        if route.startswith("/v1/") and route != "/v1/models":
+            metrics.e2e_latency.labels(route=route).observe(time.monotonic() - started)
+
+
+def create_app(config: GatewayConfig, metrics: GatewayMetrics | None = None) -> web.Application:
+    app = web.Application(middlewares=[count_requests, openai_errors], client_max_size=config.server.max_body_bytes)
+    metrics = metrics or GatewayMetrics.create()
+    sessions = SessionTable(config.sessions)
+
+    def worker_down(worker_id: str) -> None:
+        moved = sessions.move_off(worker_id)
+        log.warning("%s is down; %d sessions will move on their next request", worker_id, moved)
+
+    app[STATE_KEY] = GatewayState(config, metrics, sessions, PolicyStore(config.policy, config.source, metrics),
+                                  Fleet(config, metrics, worker_down))
+    app.cleanup_ctx.append(_background)
+    app.router.add_post("/v1/chat/completions", _chat_completions)
+    app.router.add_post("/v1/completions", _completions)
+    app.router.add_get("/v1/models", _models)
+    app.router.add_get("/health", _health)
+    app.router.add_get("/ready", _ready)
+    app.router.add_get("/metrics", _metrics)
+    app.router.add_get("/admin/policy", _get_policy)
+    app.router.add_put("/admin/policy", _put_policy)
+    app.router.add_get("/admin/sessions/{session_id}", _get_session)
+    app.router.add_get("/admin/workers", _get_workers)
+    return app
+
+
+async def _background(app: web.Application) -> AsyncIterator[None]:
+    fleet, store = app[STATE_KEY].fleet, app[STATE_KEY].policy
+    await fleet.start()
+    watcher = asyncio.create_task(store.watch(), name="policy-file-watcher")
+    loop = asyncio.get_running_loop()
+    sighup = False
+    with contextlib.suppress(NotImplementedError, RuntimeError, ValueError):
+        loop.add_signal_handler(signal.SIGHUP, store.reload_file, "sighup")
+        sighup = True
+    yield
+    if sighup:
+        loop.remove_signal_handler(signal.SIGHUP)
+    watcher.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await watcher
+    await fleet.stop()
+
+
+# -- OpenAI routes ---------------------------------------------------------------------------------
+async def _chat_completions(request: web.Request) -> web.StreamResponse:
+    return await relay(request, "chat", request.app[STATE_KEY])
+
+
+async def _completions(request: web.Request) -> web.StreamResponse:
+    return await relay(request, "completion", request.app[STATE_KEY])
+
+
+async def _models(request: web.Request) -> web.Response:
+    name = request.app[STATE_KEY].config.model.name
+    return web.json_response({"object": "list", "data": [
+        {"id": name, "object": "model", "created": 0, "owned_by": "specgate"}]})
+
+
+async def _health(request: web.Request) -> web.Response:
+    return web.json_response({"status": "ok"})
+
+
+async def _ready(request: web.Request) -> web.Response:
+    fleet = request.app[STATE_KEY].fleet
+    ready = fleet.ready_count()
+    if ready == 0:
+        raise Unavailable("no worker is ready yet", retry_after_s=1.0)
+    return web.json_response({"status": "ready", "workers_ready": ready, "workers": len(fleet.workers)})
+
+
+async def _metrics(request: web.Request) -> web.Response:
+    metrics = request.app[STATE_KEY].metrics
+    for mode, count in request.app[STATE_KEY].sessions.counts_by_mode().items():
+        metrics.sessions.labels(mode=mode).set(count)
+    for handle in request.app[STATE_KEY].fleet.workers.values():
+        metrics.worker_in_flight.labels(worker=handle.worker_id).set(handle.in_flight)
+    return web.Response(body=metrics.exposition(), headers={"Content-Type": "text/plain; version=0.0.4"})
+
+
+# -- admin -------------------------------------------------------------------------------------------
+def _iso(ts: float) -> str:
+    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(ts))
+
+
+def _policy_view(store: PolicyStore) -> dict[str, Any]:
+    current = store.current
+    return {"policy": current.policy.as_dict(), "loaded_at": _iso(current.loaded_at), "source": current.source,
+            "file": str(store.path) if store.path else None, "last_error": store.last_error}
+
+
+async def _get_policy(request: web.Request) -> web.Response:
+    return web.json_response(_policy_view(request.app[STATE_KEY].policy))
+
+
+async def _put_policy(request: web.Request) -> web.Response:
+    """Body: the policy mapping, as YAML or JSON, bare or under a ``policy:`` key."""
+    store = request.app[STATE_KEY].policy
+    text = await request.text()
+    try:
+        raw = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        store.reject(exc, "api")
+        raise BadRequest(f"body is not valid YAML or JSON: {exc}") from None
+    if isinstance(raw, dict) and set(raw) == {"policy"}:
+        raw = raw["policy"]
+    try:
+        candidate = parse_policy(raw)
+    except PolicyConfigError as exc:
+        store.reject(exc, "api")
+        raise BadRequest(str(exc), param=f"policy.{exc.field}") from None
+    store.apply(candidate, "api")
+    return web.json_response(_policy_view(store))
+
+
+async def _get_session(request: web.Request) -> web.Response:
+    session_id = request.match_info["session_id"]
+    session = request.app[STATE_KEY].sessions.get(session_id)
+    if session is None:
+        raise NotFound(f"no session '{session_id}' (never seen, expired or evicted)", param="session_id")
+    state = session.policy_state
+    decision = session.last_decision
+    return web.json_response({
+        "session_id": session.session_id, "worker": session.worker_id, "requests": session.requests,
+        "mode": session.mode, "k": decision.k if decision else None, "reason": decision.reason if decision else None,
+        "acceptance_estimate": state.acceptance_ewma, "evidence_drafted_tokens": state.proposals_seen,
+        "low_acceptance": state.low_acceptance, "plain_since_probe": state.plain_since_probe,
+        "mode_changes": [{"at": _iso(c.at), "mode": c.mode, "k": c.k, "reason": c.reason} for c in session.history],
+    })
+
+
+async def _get_workers(request: web.Request) -> web.Response:
+    return web.json_response({"workers": [h.view() for h in request.app[STATE_KEY].fleet.workers.values()]})

@@ -1,0 +1,226 @@
+"""config.yaml, parsed once into frozen, validated objects.
+
+Errors name the field (dotted path) and the value. Relative paths resolve against the
+directory of the config file, so a config works from any working directory.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+
+from policies.config import PolicyConfig, PolicyConfigError
+
+EngineName = Literal["embedded"]
+RemoteMode = Literal["speculative", "plain"]
+
+
+class ConfigError(ValueError):
+    def __init__(self, field: str, value: object, problem: str) -> None:
+        super().__init__(f"{field}: {problem} (got {value!r})")
+        self.field = field
+        self.value = value
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    host: str = "127.0.0.1"
+    port: int = 8000
+    max_body_bytes: int = 1 << 20  # larger request bodies get 413
+    worker_timeout_s: float = 60.0  # a worker silent this long (first token included) gets a 504
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    name: str = "specgate-demo"  # the model id clients send
+    target: Path = Path("models/demo-target")
+    draft: Path | None = Path("models/demo-draft")  # null: plain decoding only
+
+
+@dataclass(frozen=True)
+class RemoteWorker:
+    url: str  # base URL of an OpenAI-compatible server, e.g. http://10.0.0.5:8001
+    mode: RemoteMode = "plain"  # the one mode it serves
+    name: str = ""  # worker id in metrics and admin views (default: the URL)
+    max_k: int = 0  # its fixed K when mode is speculative
+
+
+@dataclass(frozen=True)
+class WorkersConfig:
+    count: int = 2  # local worker processes
+    engine: EngineName = "embedded"
+    max_slots: int = 16  # sequences one worker batches together
+    max_queue: int = 64  # waiting sequences per worker before 429
+    max_k: int = 8  # deepest speculation a worker supports
+    threads: int = 1  # torch threads per worker process
+    dtype: Literal["float32", "bfloat16"] = "float32"
+    startup_timeout_s: float = 120.0  # a worker not healthy by then is restarted
+    poll_interval_s: float = 0.5  # health and load polling period
+    restart_backoff_s: float = 0.5  # first restart delay, doubled per consecutive failure
+    restart_backoff_max_s: float = 30.0
+    socket_dir: Path | None = None  # where Unix sockets go (default: a fresh temporary directory)
+    remote: tuple[RemoteWorker, ...] = ()
+
+
+@dataclass(frozen=True)
+class SessionsConfig:
+    max_sessions: int = 10_000  # least recently used sessions are evicted beyond this
+    idle_ttl_s: float = 1800.0  # sessions idle this long are forgotten
+    history: int = 20  # mode changes kept per session for /admin/sessions/{id}
+
+
+@dataclass(frozen=True)
+class GatewayConfig:
+    server: ServerConfig = field(default_factory=ServerConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    workers: WorkersConfig = field(default_factory=WorkersConfig)
+    sessions: SessionsConfig = field(default_factory=SessionsConfig)
+    policy: PolicyConfig = field(default_factory=PolicyConfig)
+    source: Path | None = None  # the file this came from (reloads re-read it)
+
+
+def _section(raw: Mapping[str, Any], name: str) -> Mapping[str, Any]:
+    value = raw.get(name)
+    if value is None:
+        return {}
+    if not isinstance(value, Mapping):
+        raise ConfigError(name, value, "must be a mapping")
+    return value
+
+
+def _check_keys(section: Mapping[str, Any], prefix: str, allowed: set[str]) -> None:
+    for key in section:
+        if key not in allowed:
+            raise ConfigError(f"{prefix}.{key}", section[key], f"unknown field; known: {', '.join(sorted(allowed))}")
+
+
+def _get(section: Mapping[str, Any], prefix: str, key: str, kind: type, default: Any, *,
+         minimum: float | None = None, choices: tuple[Any, ...] | None = None) -> Any:
+    value = section.get(key, default)
+    name = f"{prefix}.{key}"
+    if kind is float and isinstance(value, int) and not isinstance(value, bool):
+        value = float(value)
+    if kind is not Path and ((isinstance(value, bool) and kind is not bool) or not isinstance(value, kind)):
+        raise ConfigError(name, value, f"must be a {kind.__name__}")
+    if minimum is not None and value < minimum:
+        raise ConfigError(name, value, f"must be >= {minimum}")
+    if choices is not None and value not in choices:
+        raise ConfigError(name, value, f"must be one of {', '.join(map(str, choices))}")
+    return value
+
+
+def _path(section: Mapping[str, Any], prefix: str, key: str, default: Path | None, base: Path,
+          nullable: bool = False) -> Path | None:
+    value = section.get(key, default)
+    if value is None and nullable:
+        return None
+    if not isinstance(value, str | Path):
+        raise ConfigError(f"{prefix}.{key}", value, "must be a path")
+    path = Path(value)
+    return path if path.is_absolute() else base / path
+
+
+def parse_policy(raw: Any) -> PolicyConfig:
+    try:
+        return PolicyConfig.from_mapping(raw)
+    except PolicyConfigError:
+        raise
+    except TypeError as exc:
+        raise PolicyConfigError("(section)", raw, str(exc)) from None
+
+
+def parse_config(raw: Any, base: Path, source: Path | None = None) -> GatewayConfig:
+    if raw is None:
+        raw = {}
+    if not isinstance(raw, Mapping):
+        raise ConfigError("(top level)", raw, "config must be a mapping")
+    _check_keys(raw, "(top level)", {"server", "model", "workers", "sessions", "policy"})
+    s = _section(raw, "server")
+    _check_keys(s, "server", {f for f in ServerConfig.__dataclass_fields__})
+    d = ServerConfig()
+    server = ServerConfig(
+        host=_get(s, "server", "host", str, d.host),
+        port=_get(s, "server", "port", int, d.port, minimum=0),
+        max_body_bytes=_get(s, "server", "max_body_bytes", int, d.max_body_bytes, minimum=1024),
+        worker_timeout_s=_get(s, "server", "worker_timeout_s", float, d.worker_timeout_s, minimum=0.1))
+    m = _section(raw, "model")
+    _check_keys(m, "model", {"name", "target", "draft"})
+    md = ModelConfig()
+    target = _path(m, "model", "target", md.target, base)
+    assert target is not None
+    model = ModelConfig(name=_get(m, "model", "name", str, md.name), target=target,
+                        draft=_path(m, "model", "draft", md.draft, base, nullable=True))
+    w = _section(raw, "workers")
+    _check_keys(w, "workers", {f for f in WorkersConfig.__dataclass_fields__})
+    wd = WorkersConfig()
+    socket_dir = _path(w, "workers", "socket_dir", None, base, nullable=True)
+    workers = WorkersConfig(
+        count=_get(w, "workers", "count", int, wd.count, minimum=0),
+        engine=_get(w, "workers", "engine", str, wd.engine, choices=("embedded",)),
+        max_slots=_get(w, "workers", "max_slots", int, wd.max_slots, minimum=1),
+        max_queue=_get(w, "workers", "max_queue", int, wd.max_queue, minimum=1),
+        max_k=_get(w, "workers", "max_k", int, wd.max_k, minimum=0),
+        threads=_get(w, "workers", "threads", int, wd.threads, minimum=1),
+        dtype=_get(w, "workers", "dtype", str, wd.dtype, choices=("float32", "bfloat16")),
+        startup_timeout_s=_get(w, "workers", "startup_timeout_s", float, wd.startup_timeout_s, minimum=1),
+        poll_interval_s=_get(w, "workers", "poll_interval_s", float, wd.poll_interval_s, minimum=0.05),
+        restart_backoff_s=_get(w, "workers", "restart_backoff_s", float, wd.restart_backoff_s, minimum=0),
+        restart_backoff_max_s=_get(w, "workers", "restart_backoff_max_s", float, wd.restart_backoff_max_s, minimum=0),
+        socket_dir=socket_dir, remote=_parse_remote(w.get("remote")))
+    if workers.count == 0 and not workers.remote:
+        raise ConfigError("workers.count", 0, "no local workers and no workers.remote: nothing would serve")
+    x = _section(raw, "sessions")
+    _check_keys(x, "sessions", {"max_sessions", "idle_ttl_s", "history"})
+    xd = SessionsConfig()
+    sessions = SessionsConfig(
+        max_sessions=_get(x, "sessions", "max_sessions", int, xd.max_sessions, minimum=1),
+        idle_ttl_s=_get(x, "sessions", "idle_ttl_s", float, xd.idle_ttl_s, minimum=1),
+        history=_get(x, "sessions", "history", int, xd.history, minimum=1))
+    return GatewayConfig(server, model, workers, sessions, parse_policy(raw.get("policy")), source)
+
+
+def _parse_remote(raw: Any) -> tuple[RemoteWorker, ...]:
+    if raw is None:
+        return ()
+    if not isinstance(raw, list):
+        raise ConfigError("workers.remote", raw, "must be a list")
+    out = []
+    for i, item in enumerate(raw):
+        prefix = f"workers.remote[{i}]"
+        if not isinstance(item, Mapping):
+            raise ConfigError(prefix, item, "must be a mapping with url and mode")
+        _check_keys(item, prefix, {"url", "mode", "name", "max_k"})
+        url = _get(item, prefix, "url", str, None)
+        if not url.startswith(("http://", "https://")):
+            raise ConfigError(f"{prefix}.url", url, "must start with http:// or https://")
+        mode = _get(item, prefix, "mode", str, "plain", choices=("speculative", "plain"))
+        max_k = _get(item, prefix, "max_k", int, 0, minimum=0)
+        if mode == "speculative" and max_k < 1:
+            raise ConfigError(f"{prefix}.max_k", max_k, "a speculative remote worker needs max_k >= 1")
+        out.append(RemoteWorker(url.rstrip("/"), mode, _get(item, prefix, "name", str, url.rstrip("/")), max_k))
+    return tuple(out)
+
+
+def _read_yaml(path: Path) -> Any:
+    try:
+        raw = yaml.safe_load(path.read_text())
+    except OSError as exc:
+        raise ConfigError("(file)", str(path), f"cannot read: {exc.strerror}") from None
+    except yaml.YAMLError as exc:
+        raise ConfigError("(file)", str(path), f"invalid YAML: {exc}") from None
+    if raw is not None and not isinstance(raw, Mapping):
+        raise ConfigError("(top level)", raw, "config must be a mapping")
+    return raw or {}
+
+
+def load_config(path: Path) -> GatewayConfig:
+    return parse_config(_read_yaml(path), path.resolve().parent, path.resolve())
+
+
+def load_policy_file(path: Path) -> PolicyConfig:
+    """Re-reads only the policy section (hot reload); the rest of the file needs a restart."""
+    return parse_policy(_read_yaml(path).get("policy"))

@@ -1,0 +1,239 @@
+"""The worker fleet: local worker processes the gateway starts and supervises, and remote
+OpenAI-compatible servers it only health-checks.
+
+Each local worker gets a supervision task (spawn, wait until healthy, wait for exit, restart
+with exponential backoff) and every worker a polling task (health and load). All of it runs
+as asyncio tasks owned by the app's cleanup context; no threads, no sleeps that block.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import aiohttp
+from prometheus_client import multiprocess
+
+from gateway.config import GatewayConfig, RemoteWorker
+from gateway.metrics import GatewayMetrics
+from gateway.routing import Candidate
+from policies import Mode
+
+log = logging.getLogger(__name__)
+WorkerStatus = Literal["starting", "ready", "unhealthy", "restarting", "stopped"]
+
+
+@dataclass
+class WorkerHandle:
+    worker_id: str
+    base_url: str  # http://worker for a Unix socket, the server's URL for remote workers
+    client: aiohttp.ClientSession
+    modes: frozenset[Mode]
+    max_k: int
+    socket_path: Path | None = None  # local workers only
+    remote: bool = False
+    status: WorkerStatus = "starting"
+    process: asyncio.subprocess.Process | None = None
+    restarts: int = 0
+    in_flight: int = 0  # requests the gateway has forwarded and not yet finished
+    reported_depth: int = 0  # the worker's own running + queued count, from its last poll
+    batch_full: bool = False  # the policy's batch latch for this worker (gateway side)
+    info: dict[str, Any] = field(default_factory=dict)
+    last_error: str = ""
+    started_at: float = 0.0
+
+    @property
+    def load(self) -> int:
+        # The gateway's count is current; the worker's report catches traffic from elsewhere.
+        return max(self.in_flight, self.reported_depth)
+
+    def candidate(self) -> Candidate:
+        return Candidate(self.worker_id, self.status == "ready", self.load, self.modes)
+
+    def view(self) -> dict[str, Any]:
+        return {
+            "worker_id": self.worker_id, "status": self.status, "remote": self.remote, "url": self.base_url
+            if self.remote else str(self.socket_path), "pid": self.process.pid if self.process else None,
+            "modes": sorted(self.modes), "max_k": self.max_k, "restarts": self.restarts, "in_flight": self.in_flight,
+            "batch_depth": self.info.get("batch_depth", self.in_flight), "queue_length": self.info.get("queue_length"),
+            "batch_full": self.batch_full, "stats": self.info.get("stats"), "last_error": self.last_error or None,
+        }
+
+
+class Fleet:
+    def __init__(self, config: GatewayConfig, metrics: GatewayMetrics,
+                 on_worker_down: Callable[[str], None]) -> None:
+        self.config = config
+        self.metrics = metrics
+        self.on_worker_down = on_worker_down
+        self.workers: dict[str, WorkerHandle] = {}
+        self._tasks: list[asyncio.Task[None]] = []
+        self._tmpdir: tempfile.TemporaryDirectory[str] | None = None
+        self._stopping = False
+
+    # -- lifecycle ----------------------------------------------------------------------------------
+    async def start(self) -> None:
+        wc = self.config.workers
+        socket_dir = wc.socket_dir
+        if socket_dir is None:
+            # Unix socket paths are limited to ~100 bytes: keep them short.
+            self._tmpdir = tempfile.TemporaryDirectory(prefix="specgate-")
+            socket_dir = Path(self._tmpdir.name)
+        socket_dir.mkdir(parents=True, exist_ok=True)
+        can_speculate = self.config.model.draft is not None and wc.max_k > 0
+        for i in range(wc.count):
+            path = socket_dir / f"w{i}.sock"
+            client = aiohttp.ClientSession(connector=aiohttp.UnixConnector(path=str(path)))
+            handle = WorkerHandle(f"worker-{i}", "http://worker", client,
+                                  frozenset({"speculative", "plain"} if can_speculate else {"plain"}),
+                                  wc.max_k if can_speculate else 0, socket_path=path)
+            self.workers[handle.worker_id] = handle
+            self._tasks.append(asyncio.create_task(self._supervise(handle), name=f"supervise-{handle.worker_id}"))
+        for remote in wc.remote:
+            handle = self._remote_handle(remote)
+            self.workers[handle.worker_id] = handle
+        for handle in self.workers.values():
+            self._tasks.append(asyncio.create_task(self._poll(handle), name=f"poll-{handle.worker_id}"))
+
+    def _remote_handle(self, remote: RemoteWorker) -> WorkerHandle:
+        modes: frozenset[Mode] = frozenset({remote.mode})
+        # Not routable until its first health check passes.
+        return WorkerHandle(remote.name, remote.url, aiohttp.ClientSession(), modes,
+                            remote.max_k if remote.mode == "speculative" else 0, remote=True, status="unhealthy",
+                            last_error="not checked yet")
+
+    async def stop(self) -> None:
+        self._stopping = True
+        for task in self._tasks:
+            task.cancel()
+        for task in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        await asyncio.gather(*(self._terminate(h) for h in self.workers.values()))
+        for handle in self.workers.values():
+            await handle.client.close()
+            handle.status = "stopped"
+        if self._tmpdir is not None:
+            self._tmpdir.cleanup()
+
+    async def _terminate(self, handle: WorkerHandle) -> None:
+        process = handle.process
+        if process is None or process.returncode is not None:
+            return
+        process.terminate()
+        try:
+            await asyncio.wait_for(process.wait(), timeout=10)
+        except TimeoutError:
+            process.kill()
+            await process.wait()
+
+    def candidates(self) -> list[Candidate]:
+        return [h.candidate() for h in self.workers.values()]
+
+    def ready_count(self) -> int:
+        return sum(1 for h in self.workers.values() if h.status == "ready")
+
+    # -- local workers ------------------------------------------------------------------------------
+    def _command(self, handle: WorkerHandle) -> list[str]:
+        cfg, wc = self.config, self.config.workers
+        command = [sys.executable, "-m", "workers", "--worker-id", handle.worker_id, "--uds", str(handle.socket_path),
+                   "--target", str(cfg.model.target), "--served-model-name", cfg.model.name,
+                   "--max-slots", str(wc.max_slots), "--max-queue", str(wc.max_queue), "--max-k", str(wc.max_k),
+                   "--default-k", str(cfg.policy.num_speculative_tokens), "--threads", str(wc.threads),
+                   "--dtype", wc.dtype, "--max-body-bytes", str(cfg.server.max_body_bytes)]
+        if cfg.model.draft is not None:
+            command += ["--draft", str(cfg.model.draft)]
+        return command
+
+    async def _supervise(self, handle: WorkerHandle) -> None:
+        wc = self.config.workers
+        failures = 0
+        while not self._stopping:
+            handle.status = "starting"
+            handle.started_at = time.monotonic()
+            handle.process = await asyncio.create_subprocess_exec(*self._command(handle), env=os.environ.copy())
+            healthy = await self._wait_healthy(handle, wc.startup_timeout_s)
+            if healthy:
+                handle.status = "ready"
+                self.metrics.worker_up.labels(worker=handle.worker_id).set(1)
+                log.info("%s ready (pid %d)", handle.worker_id, handle.process.pid)
+                await handle.process.wait()
+            else:
+                await self._terminate(handle)
+            if self._stopping:
+                return
+            handle.last_error = (f"exited with code {handle.process.returncode}" if healthy
+                                 else f"not healthy within {wc.startup_timeout_s}s")
+            log.warning("%s %s; restarting", handle.worker_id, handle.last_error)
+            self._mark_down(handle, "restarting")
+            multiprocess.mark_process_dead(handle.process.pid)
+            # A worker that ran a while before dying starts the backoff afresh.
+            failures = 0 if healthy and time.monotonic() - handle.started_at > 60 else failures + 1
+            await asyncio.sleep(min(wc.restart_backoff_max_s, wc.restart_backoff_s * 2 ** max(0, failures - 1)))
+            handle.restarts += 1
+            self.metrics.worker_restarts.labels(worker=handle.worker_id).inc()
+
+    async def _wait_healthy(self, handle: WorkerHandle, timeout_s: float) -> bool:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if handle.process is not None and handle.process.returncode is not None:
+                return False
+            if await self._probe(handle):
+                return True
+            await asyncio.sleep(0.1)
+        return False
+
+    def _mark_down(self, handle: WorkerHandle, status: WorkerStatus) -> None:
+        was_ready = handle.status == "ready"
+        handle.status = status
+        self.metrics.worker_up.labels(worker=handle.worker_id).set(0)
+        if was_ready:
+            self.on_worker_down(handle.worker_id)
+
+    def report_failure(self, handle: WorkerHandle, error: str) -> None:
+        """A request could not reach the worker: stop routing to it until a poll succeeds."""
+        handle.last_error = error
+        if handle.status == "ready":
+            self._mark_down(handle, "unhealthy")
+
+    # -- polling ----------------------------------------------------------------------------------
+    async def _probe(self, handle: WorkerHandle) -> bool:
+        path = "/health" if handle.remote else "/specgate/worker"
+        try:
+            async with handle.client.get(handle.base_url + path, timeout=aiohttp.ClientTimeout(total=2)) as resp:
+                if resp.status != 200:
+                    handle.last_error = f"{path} answered {resp.status}"
+                    return False
+                handle.last_error = ""
+                if not handle.remote:
+                    handle.info = await resp.json()
+                    handle.reported_depth = int(handle.info.get("batch_depth", 0)) + int(
+                        handle.info.get("queue_length", 0))
+                return True
+        except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
+            handle.last_error = f"{path}: {exc.__class__.__name__}: {exc}"
+            return False
+
+    async def _poll(self, handle: WorkerHandle) -> None:
+        interval = self.config.workers.poll_interval_s
+        while True:
+            await asyncio.sleep(interval)
+            if handle.status in ("starting", "restarting"):
+                continue
+            ok = await self._probe(handle)
+            if ok and handle.status != "ready":
+                handle.status = "ready"
+                self.metrics.worker_up.labels(worker=handle.worker_id).set(1)
+            elif not ok and handle.status == "ready":
+                log.warning("%s failed its health check: %s", handle.worker_id, handle.last_error)
+                self._mark_down(handle, "unhealthy")
+            self.metrics.worker_in_flight.labels(worker=handle.worker_id).set(handle.in_flight)

@@ -1,0 +1,131 @@
+"""Forwarding one OpenAI request to a worker and relaying its chunks.
+
+The gateway always asks the worker for a stream (with usage), whatever the client asked
+for: each chunk's ``specgate`` step report feeds the session's acceptance estimate and the
+metrics as it arrives, and a non-streaming client gets the chunks folded into one response.
+A worker that cannot be reached before the first chunk is reported down and the request is
+retried on another worker; after the first chunk the stream ends with an error event, so
+nothing is lost silently.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncGenerator, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import aiohttp
+
+from gateway.fleet import WorkerHandle
+from workers.protocol import (
+    DIRECTIVE_FIELD,
+    ApiError,
+    BadRequest,
+    CompletionRequest,
+    Directive,
+    NotFound,
+    Overloaded,
+    PayloadTooLarge,
+    Unavailable,
+    WorkerFailed,
+    WorkerTimeout,
+)
+
+_STATUS_ERRORS: dict[int, type[ApiError]] = {400: BadRequest, 404: NotFound, 413: PayloadTooLarge, 429: Overloaded,
+                                             503: Unavailable, 504: WorkerTimeout}
+
+
+class WorkerUnreachable(Exception):
+    """The worker could not be reached or broke before the first chunk: safe to retry elsewhere."""
+
+
+@dataclass
+class StreamTally:
+    """What the chunks of one request added up to."""
+
+    proposed: int = 0
+    accepted: int = 0
+    tokens: int = 0
+    chunks: int = 0
+    first_token_at: float | None = None
+    last_at: float = 0.0  # when the last chunk with tokens arrived
+    usage: dict[str, Any] | None = None
+    collected: list[dict[str, Any]] = field(default_factory=list)
+
+
+def worker_body(request: CompletionRequest, directive: Directive) -> dict[str, Any]:
+    body = dict(request.raw)
+    body["stream"] = True
+    body["stream_options"] = {"include_usage": True}
+    body[DIRECTIVE_FIELD] = directive.to_json()
+    return body
+
+
+async def open_stream(handle: WorkerHandle, path: str, body: Mapping[str, Any],
+                      worker_timeout_s: float) -> aiohttp.ClientResponse:
+    """POSTs to the worker; returns the streaming response or raises the worker's error.
+
+    The worker starts its response with the first chunk, so the read timeout bounds the time
+    to first token as well as every later silence.
+    """
+    try:
+        response = await handle.client.post(
+            handle.base_url + path, json=body,
+            timeout=aiohttp.ClientTimeout(total=None, sock_connect=5, sock_read=worker_timeout_s))
+    except TimeoutError as exc:  # before ClientConnectionError: aiohttp's timeout is both
+        raise WorkerTimeout(f"worker {handle.worker_id} sent nothing for {worker_timeout_s}s") from exc
+    except (aiohttp.ClientConnectionError, OSError) as exc:
+        raise WorkerUnreachable(f"{exc.__class__.__name__}: {exc}") from exc
+    if response.status == 200:
+        return response
+    try:
+        payload = await response.json(content_type=None)
+        error = payload["error"]
+        message, param, code = str(error.get("message")), error.get("param"), error.get("code")
+    except (ValueError, KeyError, TypeError, AttributeError, aiohttp.ClientError):
+        message, param, code = f"worker answered HTTP {response.status}", None, None
+    finally:
+        response.release()
+    retry_after = response.headers.get("Retry-After")
+    cls = _STATUS_ERRORS.get(response.status, WorkerFailed)
+    raise cls(message, param=param, code=code,
+              retry_after_s=float(retry_after) if retry_after and retry_after.isdigit() else None)
+
+
+async def iter_chunks(response: aiohttp.ClientResponse) -> AsyncGenerator[dict[str, Any], None]:
+    """Parses the worker's SSE stream; raises WorkerFailed on an error event or a cut stream."""
+    buffer = b""
+    done = False
+    try:
+        while not done:
+            try:
+                data = await response.content.readany()
+            except TimeoutError as exc:
+                raise WorkerTimeout("worker went silent mid-stream") from exc
+            if not data:
+                break
+            buffer += data
+            while b"\n\n" in buffer:
+                event, buffer = buffer.split(b"\n\n", 1)
+                for line in event.split(b"\n"):
+                    if not line.startswith(b"data:"):
+                        continue
+                    payload = line[5:].strip()
+                    if payload == b"[DONE]":
+                        done = True
+                        break
+                    chunk = json.loads(payload)
+                    if "error" in chunk:
+                        raise WorkerFailed(str(chunk["error"].get("message", "worker error")))
+                    yield chunk
+    except (aiohttp.ClientPayloadError, aiohttp.ClientConnectionError) as exc:
+        raise WorkerFailed(f"worker stream broke: {exc}") from exc
+    finally:
+        # Closing an unfinished stream drops the connection, which makes the worker abort it.
+        if done:
+            response.release()
+        else:
+            response.close()
+    if not done:
+        raise WorkerFailed("worker stream ended without [DONE]")

@@ -1,0 +1,191 @@
+"""One client request through the gateway: session, route, decide, forward, account, answer."""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from aiohttp import web
+
+from gateway.fleet import WorkerHandle
+from gateway.proxy import StreamTally, WorkerUnreachable, iter_chunks, open_stream, worker_body
+from gateway.routing import choose_worker
+from gateway.sessions import ModeChange, Session
+from gateway.state import GatewayState
+from policies import Decision, PolicyConfig, RequestFacts, WorkerState, batch_latch, decide, observe, record_decision
+from workers.protocol import (
+    DIRECTIVE_FIELD,
+    ApiError,
+    BadRequest,
+    CompletionRequest,
+    Directive,
+    NotFound,
+    RequestKind,
+    StepReport,
+    Unavailable,
+    WorkerFailed,
+    assemble,
+    chunk_text,
+    parse_request,
+    speculative_usage,
+)
+from workers.web_common import read_json, sse_event, start_sse
+
+log = logging.getLogger(__name__)
+SESSION_HEADER = "X-Session-ID"
+MODE_HEADER = "X-Specgate-Mode"
+WORKER_HEADER = "X-Specgate-Worker"
+MAX_SESSION_ID = 256
+_PATHS: dict[RequestKind, str] = {"chat": "/v1/chat/completions", "completion": "/v1/completions"}
+
+
+@dataclass
+class Admission:
+    session: Session
+    handle: WorkerHandle
+    decision: Decision
+    policy: PolicyConfig
+
+
+def _session_id(request: web.Request, req: CompletionRequest) -> str | None:
+    session_id = request.headers.get(SESSION_HEADER) or req.user or None
+    if session_id is not None and (len(session_id) > MAX_SESSION_ID or not session_id.isprintable()):
+        raise BadRequest(f"session id must be printable and at most {MAX_SESSION_ID} characters",
+                         param=SESSION_HEADER if request.headers.get(SESSION_HEADER) else "user")
+    return session_id
+
+
+def _decide(state: GatewayState, session: Session, handle: WorkerHandle, req: CompletionRequest,
+            policy: PolicyConfig) -> Decision:
+    handle.batch_full = batch_latch(handle.batch_full, handle.load, policy)
+    worker = WorkerState(handle.load, handle.batch_full, handle.max_k, "speculative" in handle.modes)
+    return decide(session.policy_state, worker, RequestFacts(req.temperature), policy)
+
+
+def _record(state: GatewayState, session: Session, decision: Decision) -> None:
+    metrics = state.metrics
+    metrics.decisions.labels(mode=decision.mode, reason=decision.reason).inc()
+    if decision.mode == "plain":
+        metrics.fallbacks.labels(reason=decision.reason).inc()
+    previous = session.last_decision
+    if previous is None or previous.mode != decision.mode:
+        if previous is not None:
+            metrics.mode_switches.labels(to=decision.mode, reason=decision.reason).inc()
+        session.history.append(ModeChange(time.time(), decision.mode, decision.reason, decision.k))
+    session.last_decision = decision
+    session.policy_state = record_decision(session.policy_state, decision)
+
+
+async def _admit(state: GatewayState, session: Session, req: CompletionRequest) -> tuple[Admission, Any]:
+    """Routes, decides and opens the worker stream, retrying on other workers before the first chunk."""
+    policy = state.policy.active
+    tried: set[str] = set()
+    while True:
+        candidates = [c for c in state.fleet.candidates() if c.worker_id not in tried]
+        worker_id = choose_worker(session.worker_id, candidates)
+        if worker_id is None:
+            if tried:
+                raise WorkerFailed(f"no worker could take the request (tried {', '.join(sorted(tried))})")
+            raise Unavailable("no worker is ready", retry_after_s=1.0)
+        handle = state.fleet.workers[worker_id]
+        session.worker_id = worker_id
+        decision = _decide(state, session, handle, req, policy)
+        body = worker_body(req, Directive(decision.k, policy.max_batch, policy.batch_resume))
+        if handle.remote:
+            body.pop(DIRECTIVE_FIELD)  # a plain OpenAI server serves its one fixed mode
+        handle.in_flight += 1
+        try:
+            response = await open_stream(handle, _PATHS[req.kind], body, state.config.server.worker_timeout_s)
+        except WorkerUnreachable as exc:
+            handle.in_flight -= 1
+            log.warning("%s unreachable (%s); retrying elsewhere", worker_id, exc)
+            state.fleet.report_failure(handle, str(exc))
+            tried.add(worker_id)
+            session.worker_id = None
+            continue
+        except BaseException:
+            handle.in_flight -= 1
+            raise
+        _record(state, session, decision)
+        return Admission(session, handle, decision, policy), response
+
+
+def _account(state: GatewayState, admission: Admission, tally: StreamTally, chunk: dict[str, Any],
+             kind: RequestKind, started: float) -> None:
+    now = time.monotonic()
+    report = StepReport.from_json(chunk.get("specgate"))
+    tokens = 0
+    if report is not None:
+        session = admission.session
+        session.policy_state = observe(session.policy_state, report.proposed, report.accepted, admission.policy)
+        tally.proposed += report.proposed
+        tally.accepted += report.accepted
+        tokens = report.tokens
+        mode = "speculative" if report.k > 0 else "plain"
+    else:
+        tokens = 1 if chunk_text(kind, chunk) else 0
+        mode = admission.decision.mode
+    if tokens:
+        state.metrics.tokens.labels(mode=mode).inc(tokens)
+        if tally.first_token_at is None:
+            tally.first_token_at = now
+            state.metrics.time_to_first_token.labels(mode=admission.decision.mode).observe(now - started)
+        else:
+            gap = (now - tally.last_at) / tokens
+            for _ in range(tokens):
+                state.metrics.inter_token_latency.labels(mode=mode).observe(gap)
+        tally.tokens += tokens
+        tally.last_at = now
+    if chunk.get("usage"):
+        usage = dict(chunk["usage"])
+        usage.setdefault("speculative", speculative_usage(tally.proposed, tally.accepted, admission.decision.mode))
+        chunk["usage"] = usage
+
+
+def _worth_sending(kind: RequestKind, chunk: dict[str, Any]) -> bool:
+    choices = chunk.get("choices") or []
+    if not choices:
+        return True  # the usage chunk (filtered by the caller)
+    choice = choices[0]
+    return bool(chunk_text(kind, chunk) or choice.get("finish_reason") or (choice.get("delta") or {}).get("role"))
+
+
+async def relay(request: web.Request, kind: RequestKind, state: GatewayState) -> web.StreamResponse:
+    started = time.monotonic()
+    req = parse_request(kind, await read_json(request))
+    if req.model != state.config.model.name:
+        raise NotFound(f"model '{req.model}' does not exist; available: '{state.config.model.name}'",
+                       param="model", code="model_not_found")
+    if req.directive is not None:
+        raise BadRequest(f"'{DIRECTIVE_FIELD}' is set by the gateway, not by clients", param=DIRECTIVE_FIELD)
+    session = state.sessions.touch(_session_id(request, req), started)
+    session.requests += 1
+    admission, response = await _admit(state, session, req)
+    headers = {SESSION_HEADER: session.session_id, MODE_HEADER: admission.decision.header,
+               WORKER_HEADER: admission.handle.worker_id}
+    tally = StreamTally()
+    chunks = iter_chunks(response)
+    try:
+        if not req.stream:
+            async for chunk in chunks:
+                _account(state, admission, tally, chunk, kind, started)
+                tally.collected.append(chunk)
+            return web.json_response(assemble(kind, tally.collected), headers=headers)
+        out = await start_sse(request, headers)
+        try:
+            async for chunk in chunks:
+                _account(state, admission, tally, chunk, kind, started)
+                if chunk.get("usage") is not None and not req.include_usage:
+                    continue
+                if _worth_sending(kind, chunk):
+                    await out.write(sse_event(chunk))
+            await out.write(sse_event("[DONE]"))
+        except ApiError as error:  # the response has started: the stream carries the error
+            log.warning("stream for session %s failed mid-way: %s", session.session_id, error.message)
+            await out.write(sse_event(error.body()))
+        return out
+    finally:
+        await chunks.aclose()  # closes the worker stream; a worker aborts sequences whose reader left
+        admission.handle.in_flight -= 1

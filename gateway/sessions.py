@@ -1,0 +1,92 @@
+"""The session table: which worker a session sticks to and what the policy knows about it.
+
+Bounded two ways so memory does not grow with traffic: at most ``max_sessions`` entries
+(least recently used evicted first) and none idle longer than ``idle_ttl_s``. Time comes in
+as an argument (the event loop's monotonic clock), which keeps the table testable.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections import OrderedDict, deque
+from dataclasses import dataclass, field
+
+from gateway.config import SessionsConfig
+from policies import Decision, Mode, SessionState
+
+
+@dataclass(frozen=True)
+class ModeChange:
+    at: float  # wall-clock seconds (time.time) for humans reading /admin
+    mode: Mode
+    reason: str
+    k: int
+
+
+@dataclass
+class Session:
+    session_id: str
+    last_seen: float
+    worker_id: str | None = None
+    policy_state: SessionState = field(default_factory=SessionState)
+    last_decision: Decision | None = None
+    requests: int = 0
+    history: deque[ModeChange] = field(default_factory=deque)
+
+    @property
+    def mode(self) -> Mode | None:
+        return self.last_decision.mode if self.last_decision else None
+
+
+class SessionTable:
+    def __init__(self, config: SessionsConfig) -> None:
+        self.config = config
+        self._sessions: OrderedDict[str, Session] = OrderedDict()
+        self.evicted = 0
+
+    def __len__(self) -> int:
+        return len(self._sessions)
+
+    def get(self, session_id: str) -> Session | None:
+        return self._sessions.get(session_id)
+
+    def touch(self, session_id: str | None, now: float) -> Session:
+        """Returns the session (created if new or expired), marked most recently used."""
+        self.expire(now)
+        if session_id is None:
+            session_id = "sess-" + uuid.uuid4().hex
+        session = self._sessions.get(session_id)
+        if session is None:
+            session = Session(session_id, now, history=deque(maxlen=self.config.history))
+            self._sessions[session_id] = session
+            while len(self._sessions) > self.config.max_sessions:
+                self._sessions.popitem(last=False)
+                self.evicted += 1
+        else:
+            session.last_seen = now
+            self._sessions.move_to_end(session_id)
+        return session
+
+    def expire(self, now: float) -> None:
+        # Least recently used first, so stop at the first session still fresh.
+        while self._sessions:
+            oldest = next(iter(self._sessions.values()))
+            if now - oldest.last_seen <= self.config.idle_ttl_s:
+                break
+            self._sessions.popitem(last=False)
+            self.evicted += 1
+
+    def counts_by_mode(self) -> dict[str, int]:
+        counts = {"speculative": 0, "plain": 0, "undecided": 0}
+        for session in self._sessions.values():
+            counts[session.mode or "undecided"] += 1
+        return counts
+
+    def move_off(self, worker_id: str) -> int:
+        """Unpins sessions from a worker that went down; they are re-routed on their next request."""
+        moved = 0
+        for session in self._sessions.values():
+            if session.worker_id == worker_id:
+                session.worker_id = None
+                moved += 1
+        return moved

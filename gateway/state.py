@@ -1,0 +1,25 @@
+"""The gateway's shared state, held in the app under one typed key."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from aiohttp import web
+
+from gateway.config import GatewayConfig
+from gateway.fleet import Fleet
+from gateway.metrics import GatewayMetrics
+from gateway.policy_store import PolicyStore
+from gateway.sessions import SessionTable
+
+
+@dataclass(frozen=True)
+class GatewayState:
+    config: GatewayConfig
+    metrics: GatewayMetrics
+    sessions: SessionTable
+    policy: PolicyStore
+    fleet: Fleet
+
+
+STATE_KEY = web.AppKey("gateway", GatewayState)
