@@ -16,6 +16,7 @@ from policies.speculation import (
     observe,
     record_decision,
     step_depth,
+    tested_drafts,
 )
 
 __all__ = [
@@ -35,4 +36,5 @@ __all__ = [
     "observe",
     "record_decision",
     "step_depth",
+    "tested_drafts",
 ]

@@ -45,7 +45,7 @@ class Decision:
 @dataclass(frozen=True)
 class SessionState:
     acceptance_ewma: float | None = None  # None until the first drafted token is observed
-    proposals_seen: int = 0  # drafted tokens observed over the session's life (the evidence)
+    proposals_seen: int = 0  # drafts tested over the session's life (the evidence)
     low_acceptance: bool = False  # latched: fell below the floor, not yet back above resume
     plain_since_probe: int = 0  # low-acceptance requests served plain since the last probe
 
@@ -88,24 +88,34 @@ def record_decision(session: SessionState, decision: Decision) -> SessionState:
 
 
 def observe(session: SessionState, proposed: int, accepted: int, policy: PolicyConfig) -> SessionState:
-    """Folds one step's (or request's) drafts into the acceptance estimate and the latch.
+    """Folds one step's drafts into the acceptance estimate and the latch.
 
-    The estimate is an exponentially weighted average whose weight is measured in drafted
-    tokens: evidence ``acceptance_half_life`` tokens old counts half as much as new evidence.
+    Acceptance is the per-token α of Leviathan et al.: the chance a draft is accepted given
+    the drafts before it were. A step that accepted n of K drafts tested n + 1 of them (the
+    ones after the first rejection were never tested), or K if all passed; counting untested
+    drafts as failures would make α depend on K. The estimate is an exponentially weighted
+    average whose weight is measured in tested drafts: evidence ``acceptance_half_life``
+    drafts old counts half as much as new evidence.
     """
     if proposed <= 0:
         return session
     accepted = max(0, min(accepted, proposed))
-    rate = accepted / proposed
+    tested = tested_drafts(proposed, accepted)
+    rate = accepted / tested
     if session.acceptance_ewma is None:
         ewma = rate
     else:
-        weight = 1.0 - 0.5 ** (proposed / policy.acceptance_half_life)
+        weight = 1.0 - 0.5 ** (tested / policy.acceptance_half_life)
         ewma = session.acceptance_ewma + weight * (rate - session.acceptance_ewma)
-    seen = session.proposals_seen + proposed
+    seen = session.proposals_seen + tested
     latched = acceptance_latch(session.low_acceptance, ewma, seen, policy)
     plain_since_probe = session.plain_since_probe if latched else 0
     return SessionState(ewma, seen, latched, plain_since_probe)
+
+
+def tested_drafts(proposed: int, accepted: int) -> int:
+    """Drafts a step actually tested: the accepted ones plus the first rejected one, if any."""
+    return accepted + (1 if accepted < proposed else 0)
 
 
 def acceptance_latch(latched: bool, ewma: float, proposals_seen: int, policy: PolicyConfig) -> bool:

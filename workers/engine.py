@@ -25,7 +25,7 @@ from typing import Literal
 import torch
 
 from workers.model import CacheBatch, KVCache, LlamaForCausalLM
-from workers.sampling import SamplingParams, probabilities, sample, verify
+from workers.sampling import SamplingParams, Verdict, probabilities, sample, verify, verify_greedy
 
 FinishReason = Literal["stop", "length", "abort"]
 # (requested K, batch depth) -> K for this step. The worker plugs in the policy's batch rule.
@@ -195,20 +195,29 @@ class SpeculativeEngine:
             logits = self._forward(self.draft, self.draft_cache, rows)
             for seq, row, row_logits in zip(active, rows, logits, strict=True):
                 seq.draft_len += len(row.new_tokens)
+                if seq.request.params.temperature <= 0.0:
+                    seq.drafts.append(int(row_logits[0].argmax()))
+                    continue
                 q = probabilities(row_logits[0], seq.request.params)
                 seq.drafts.append(int(sample(q, seq.generator).item()))
                 seq.draft_probs.append(q)
 
     def _settle(self, seq: _Sequence, logits: torch.Tensor, depth: int) -> StepEvent:
-        p = probabilities(logits, seq.request.params)  # (K+1, V)
         before = len(seq.tokens)
-        if seq.step_k > 0:
+        if seq.request.params.temperature <= 0.0:
+            # Greedy: the general rule with one-hot p and q reduces to comparing argmaxes; doing
+            # that directly skips building V-wide distributions on the hot path.
+            verdict = verify_greedy(seq.drafts, logits.argmax(dim=-1).tolist())
+        elif seq.step_k > 0:
+            p = probabilities(logits, seq.request.params)  # (K+1, V)
             verdict = verify(torch.tensor(seq.drafts), torch.stack(seq.draft_probs), p, seq.generator)
-            new_tokens, accepted = verdict.tokens, verdict.accepted
+        else:
+            p = probabilities(logits, seq.request.params)
+            verdict = Verdict([int(sample(p[0], seq.generator).item())], 0)
+        new_tokens, accepted = verdict.tokens, verdict.accepted
+        if seq.step_k > 0:
             # Rewind: the draft cache holds the prefix plus d_1..d_{K-1}; keep what was accepted.
             seq.draft_len = before + min(accepted, seq.step_k - 1)
-        else:
-            new_tokens, accepted = [int(sample(p[0], seq.generator).item())], 0
         seq.target_len = before + accepted  # rewind the target cache to the accepted prefix
         emitted: list[int] = []
         finish: FinishReason | None = None

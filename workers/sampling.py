@@ -82,3 +82,11 @@ def verify(draft_tokens: torch.Tensor, q: torch.Tensor, p: torch.Tensor, generat
     else:
         tokens.append(int(sample(p[k], generator).item()))
     return Verdict(tokens, n)
+
+
+def verify_greedy(draft_tokens: list[int], target_argmax: list[int]) -> Verdict:
+    """Temperature 0: drafts are accepted while they equal the target's argmax (K+1 entries)."""
+    n = 0
+    while n < len(draft_tokens) and draft_tokens[n] == target_argmax[n]:
+        n += 1
+    return Verdict(draft_tokens[:n] + [target_argmax[n]], n)

@@ -1,0 +1,174 @@
+"""Benchmark of the embedded speculative engine on held-out code prompts.
+
+    python -m bench.engine [--json] [--quick]
+
+Measures, in one run: tokens/s plain vs speculative at batch 1 for K = 1..Kmax; per-token
+acceptance α per temperature; the cost ratio c = draft forward time / target forward time;
+the speed-up bound S = (1 − α^(K+1)) / ((1 − α)(cK + 1)) of Leviathan et al. for the measured
+α and c; tokens/s plain vs speculative at batch 8, 32 and 64. With ``--json`` the last line
+printed is one JSON object with every figure.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from policies import tested_drafts
+from workers.demo_corpus import heldout_prompts
+from workers.engine import GenerationRequest, SpeculativeEngine
+from workers.model import CacheBatch, KVCache, LlamaForCausalLM
+from workers.sampling import SamplingParams
+from workers.text import TextCodec
+
+REPO = Path(__file__).resolve().parent.parent
+TEMPERATURES = (0.0, 0.5, 0.8, 1.0)
+
+
+@dataclass(frozen=True)
+class RunResult:
+    tokens: int
+    seconds: float
+    proposed: int
+    accepted: int
+    tested: int
+
+    @property
+    def tok_s(self) -> float:
+        return self.tokens / self.seconds
+
+    @property
+    def alpha(self) -> float:
+        return self.accepted / self.tested if self.tested else float("nan")
+
+
+def run_batch(engine: SpeculativeEngine, prompts: list[list[int]], max_tokens: int, k: int,
+              temperature: float, seed: int = 0) -> RunResult:
+    """All prompts at once (batch = len(prompts)), each to max_tokens or EOS."""
+    for i, ids in enumerate(prompts):
+        engine.add(GenerationRequest(f"b{i}", ids, max_tokens, SamplingParams(temperature=temperature, seed=seed + i),
+                                     k=k))
+    tokens = proposed = accepted = tested = 0
+    started = time.perf_counter()
+    while engine.has_work:
+        for event in engine.step():
+            tokens += len(event.tokens)
+            proposed += event.proposed
+            accepted += event.accepted
+            tested += tested_drafts(event.proposed, event.accepted)
+    return RunResult(tokens, time.perf_counter() - started, proposed, accepted, tested)
+
+
+def run_sequential(engine: SpeculativeEngine, prompts: list[list[int]], max_tokens: int, k: int,
+                   temperature: float) -> RunResult:
+    """Batch 1: one prompt after another."""
+    parts = [run_batch(engine, [ids], max_tokens, k, temperature, seed=i) for i, ids in enumerate(prompts)]
+    return RunResult(sum(p.tokens for p in parts), sum(p.seconds for p in parts), sum(p.proposed for p in parts),
+                     sum(p.accepted for p in parts), sum(p.tested for p in parts))
+
+
+def forward_time(model: LlamaForCausalLM, reps: int, context: int = 128) -> float:
+    """Seconds per single-token cached forward at batch 1, after a context of ``context`` tokens."""
+    cache = KVCache.allocate(model.cfg, 1, model.lm_head.weight.dtype)
+    token = torch.zeros((1, 1), dtype=torch.long)
+    rows, cols = torch.zeros(1, dtype=torch.long), torch.zeros(1, dtype=torch.long)
+    with torch.inference_mode():
+        for _ in range(5):
+            model.forward_cached(token, cache, CacheBatch.build([0], [context], [1], 1, model.cfg.max_position_embeddings),
+                                 rows, cols)
+        started = time.perf_counter()
+        for _ in range(reps):
+            batch = CacheBatch.build([0], [context], [1], 1, model.cfg.max_position_embeddings)
+            model.forward_cached(token, cache, batch, rows, cols)
+    return (time.perf_counter() - started) / reps
+
+
+def speedup_bound(alpha: float, c: float, k: int) -> float:
+    if alpha >= 1.0:
+        return (k + 1) / (c * k + 1)
+    return (1 - alpha ** (k + 1)) / ((1 - alpha) * (c * k + 1))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--target", type=Path, default=REPO / "models/demo-target")
+    parser.add_argument("--draft", type=Path, default=REPO / "models/demo-draft")
+    parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    parser.add_argument("--threads", type=int, default=1, help="torch threads (a worker uses 1 by default)")
+    parser.add_argument("--kmax", type=int, default=8)
+    parser.add_argument("--prompts", type=int, default=8, help="held-out prompts at batch 1")
+    parser.add_argument("--max-tokens", type=int, default=96)
+    parser.add_argument("--batches", default="8,32,64")
+    parser.add_argument("--batch-max-tokens", type=int, default=32)
+    parser.add_argument("--quick", action="store_true", help="fewer prompts and tokens (smoke run)")
+    parser.add_argument("--json", action="store_true", help="print one JSON object as the last line")
+    args = parser.parse_args()
+    if args.quick:
+        args.prompts, args.max_tokens, args.kmax, args.batches, args.batch_max_tokens = 3, 32, 4, "8", 16
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(0)
+    dtype = torch.bfloat16 if args.dtype == "bfloat16" else torch.float32
+    target = LlamaForCausalLM.from_pretrained(args.target, dtype)
+    draft = LlamaForCausalLM.from_pretrained(args.draft, dtype)
+    codec = TextCodec(args.target / "tokenizer.json", target.cfg.bos_token_id)
+    batch_sizes = [int(b) for b in args.batches.split(",") if b]
+    texts = heldout_prompts(max(args.prompts, *batch_sizes), seed=1)
+    prompts = [codec.encode(t) for t in texts]
+    engine = SpeculativeEngine(target, draft, max_slots=max(batch_sizes), max_k=args.kmax)
+    run_sequential(engine, prompts[:1], 8, 2, 0.0)  # warm-up
+
+    def log(message: str) -> None:
+        print(message, flush=True)
+
+    b1 = prompts[:args.prompts]
+    plain = run_sequential(engine, b1, args.max_tokens, 0, 0.0)
+    log(f"batch 1, T=0, plain: {plain.tok_s:.1f} tok/s")
+    by_k: dict[int, RunResult] = {}
+    for k in range(1, args.kmax + 1):
+        by_k[k] = run_sequential(engine, b1, args.max_tokens, k, 0.0)
+        log(f"batch 1, T=0, K={k}: {by_k[k].tok_s:.1f} tok/s, alpha {by_k[k].alpha:.3f}, "
+            f"accepted/proposed {by_k[k].accepted / by_k[k].proposed:.3f}, speed-up {by_k[k].tok_s / plain.tok_s:.2f}x")
+    best_k = max(by_k, key=lambda k: by_k[k].tok_s)
+    best = by_k[best_k]
+    reps = 50 if args.quick else 300
+    target_s, draft_s = forward_time(target, reps), forward_time(draft, reps)
+    c = draft_s / target_s
+    bound = speedup_bound(best.alpha, c, best_k)
+    speedup = best.tok_s / plain.tok_s
+    log(f"forward at batch 1: target {1000 * target_s:.2f} ms, draft {1000 * draft_s:.2f} ms, c = {c:.3f}")
+    log(f"best K={best_k}: speed-up {speedup:.2f}x, bound S={bound:.2f}, measured/bound {speedup / bound:.2f}")
+    alpha_by_t: dict[str, float] = {}
+    for temperature in TEMPERATURES:
+        result = best if temperature == 0.0 else run_sequential(engine, b1, args.max_tokens, best_k, temperature)
+        alpha_by_t[str(temperature)] = round(result.alpha, 4)
+        log(f"batch 1, K={best_k}, T={temperature}: alpha {result.alpha:.3f}, {result.tok_s:.1f} tok/s")
+    batched: dict[str, float] = {}
+    for size in batch_sizes:
+        group = (prompts * (size // len(prompts) + 1))[:size]
+        p = run_batch(engine, group, args.batch_max_tokens, 0, 0.0)
+        s = run_batch(engine, group, args.batch_max_tokens, best_k, 0.0)
+        batched[f"tok_s_b{size}_plain"], batched[f"tok_s_b{size}_spec"] = round(p.tok_s, 1), round(s.tok_s, 1)
+        log(f"batch {size}, T=0: plain {p.tok_s:.1f} tok/s, speculative K={best_k} {s.tok_s:.1f} tok/s "
+            f"({s.tok_s / p.tok_s:.2f}x), alpha {s.alpha:.3f}")
+    result = {
+        "bench": "engine", "dtype": args.dtype, "threads": args.threads, "prompts": len(b1),
+        "max_tokens": args.max_tokens, "alpha_t0": round(best.alpha, 4), "best_k": best_k,
+        "acceptance_rate_t0": round(best.accepted / best.proposed, 4),
+        "speedup_b1": round(speedup, 3), "bound_b1": round(bound, 3), "speedup_over_bound": round(speedup / bound, 3),
+        "c": round(c, 4), "target_forward_ms": round(1000 * target_s, 3), "draft_forward_ms": round(1000 * draft_s, 3),
+        "tok_s_plain_b1": round(plain.tok_s, 1), "tok_s_spec_b1": round(best.tok_s, 1),
+        "tok_s_b1_by_k": {str(k): round(r.tok_s, 1) for k, r in by_k.items()},
+        "alpha_b1_by_k": {str(k): round(r.alpha, 4) for k, r in by_k.items()},
+        "alpha_by_temperature": alpha_by_t, **batched,
+    }
+    if args.json:
+        print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()
