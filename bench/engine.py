@@ -78,11 +78,9 @@ def forward_time(model: LlamaForCausalLM, reps: int, context: int = 128) -> floa
     token = torch.zeros((1, 1), dtype=torch.long)
     rows, cols = torch.zeros(1, dtype=torch.long), torch.zeros(1, dtype=torch.long)
     with torch.inference_mode():
-        for _ in range(5):
-            model.forward_cached(token, cache, CacheBatch.build([0], [context], [1], 1, model.cfg.max_position_embeddings),
-                                 rows, cols)
-        started = time.perf_counter()
-        for _ in range(reps):
+        for i in range(reps + 5):
+            if i == 5:  # after warm-up
+                started = time.perf_counter()
             batch = CacheBatch.build([0], [context], [1], 1, model.cfg.max_position_embeddings)
             model.forward_cached(token, cache, batch, rows, cols)
     return (time.perf_counter() - started) / reps
@@ -155,7 +153,7 @@ def main() -> None:
         batched[f"tok_s_b{size}_plain"], batched[f"tok_s_b{size}_spec"] = round(p.tok_s, 1), round(s.tok_s, 1)
         log(f"batch {size}, T=0: plain {p.tok_s:.1f} tok/s, speculative K={best_k} {s.tok_s:.1f} tok/s "
             f"({s.tok_s / p.tok_s:.2f}x), alpha {s.alpha:.3f}")
-    result = {
+    summary = {
         "bench": "engine", "dtype": args.dtype, "threads": args.threads, "prompts": len(b1),
         "max_tokens": args.max_tokens, "alpha_t0": round(best.alpha, 4), "best_k": best_k,
         "acceptance_rate_t0": round(best.accepted / best.proposed, 4),
@@ -167,7 +165,7 @@ def main() -> None:
         "alpha_by_temperature": alpha_by_t, **batched,
     }
     if args.json:
-        print(json.dumps(result))
+        print(json.dumps(summary))
 
 
 if __name__ == "__main__":

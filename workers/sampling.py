@@ -89,4 +89,4 @@ def verify_greedy(draft_tokens: list[int], target_argmax: list[int]) -> Verdict:
     n = 0
     while n < len(draft_tokens) and draft_tokens[n] == target_argmax[n]:
         n += 1
-    return Verdict(draft_tokens[:n] + [target_argmax[n]], n)
+    return Verdict([*draft_tokens[:n], target_argmax[n]], n)
