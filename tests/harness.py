@@ -1,0 +1,121 @@
+"""Starts real gateway processes (with their real worker processes) on loopback for tests."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+REPO = Path(__file__).resolve().parent.parent
+MODELS = REPO / "models"
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+@dataclass
+class Gateway:
+    process: subprocess.Popen[bytes]
+    port: int
+    config_path: Path
+    log_path: Path
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def base_url(self) -> str:
+        return self.url + "/v1"
+
+    def get_json(self, path: str) -> Any:
+        with urllib.request.urlopen(self.url + path, timeout=10) as response:
+            return json.loads(response.read())
+
+    def metrics(self) -> str:
+        with urllib.request.urlopen(self.url + "/metrics", timeout=10) as response:
+            text: str = response.read().decode()
+            return text
+
+    def metric(self, name: str, **labels: str) -> float:
+        """Sum of the samples of ``name`` whose labels include ``labels``."""
+        total = 0.0
+        for line in self.metrics().splitlines():
+            if not line.startswith(name + "{") and not line.startswith(name + " "):
+                continue
+            head, value = line.rsplit(" ", 1)
+            if all(f'{k}="{v}"' in head for k, v in labels.items()):
+                total += float(value)
+        return total
+
+    def wait_workers_ready(self, count: int, timeout_s: float = 120.0) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            workers = self.get_json("/admin/workers")["workers"]
+            if sum(1 for w in workers if w["status"] == "ready") >= count:
+                return
+            time.sleep(0.2)
+        raise TimeoutError(f"fewer than {count} workers ready:\n{self.log()}")
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGINT)
+            try:
+                self.process.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+
+
+def write_config(path: Path, **sections: dict[str, Any]) -> Path:
+    config: dict[str, Any] = {
+        "model": {"name": "specgate-demo", "target": str(MODELS / "demo-target"),
+                  "draft": str(MODELS / "demo-draft")},
+        "workers": {"count": 1, "max_slots": 16, "poll_interval_s": 0.2, "restart_backoff_s": 0.2},
+        "policy": {},
+    }
+    for name, values in sections.items():
+        config.setdefault(name, {}).update(values)
+    path.write_text(yaml.safe_dump(config, sort_keys=False))
+    return path
+
+
+def start_gateway(config_path: Path, log_dir: Path, ready_timeout_s: float = 120.0) -> Gateway:
+    port = free_port()
+    log_path = log_dir / f"gateway-{port}.log"
+    env = {k: v for k, v in os.environ.items() if k != "PROMETHEUS_MULTIPROC_DIR"}
+    with log_path.open("wb") as log:
+        process = subprocess.Popen([sys.executable, "-m", "gateway", "--config", str(config_path), "--port", str(port)],
+                                   cwd=REPO, stdout=log, stderr=subprocess.STDOUT, env=env)
+    gateway = Gateway(process, port, config_path, log_path)
+    deadline = time.monotonic() + ready_timeout_s
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise RuntimeError(f"gateway exited with {process.returncode}:\n{gateway.log()}")
+        try:
+            with urllib.request.urlopen(gateway.url + "/ready", timeout=2) as response:
+                if response.status == 200:
+                    return gateway
+        except (urllib.error.URLError, ConnectionError, TimeoutError):
+            pass
+        time.sleep(0.2)
+    gateway.stop()
+    raise RuntimeError(f"gateway not ready within {ready_timeout_s}s:\n{gateway.log()}")
