@@ -95,19 +95,25 @@ def _section(raw: Mapping[str, Any], name: str) -> Mapping[str, Any]:
 def _check_keys(section: Mapping[str, Any], prefix: str, allowed: set[str]) -> None:
     for key in section:
         if key not in allowed:
-            raise ConfigError(f"{prefix}.{key}", section[key], f"unknown field; known: {', '.join(sorted(allowed))}")
+            name = key if prefix == "(top level)" else f"{prefix}.{key}"
+            raise ConfigError(name, section[key], f"unknown field; known: {', '.join(sorted(allowed))}")
 
 
 def _get(section: Mapping[str, Any], prefix: str, key: str, kind: type, default: Any, *,
-         minimum: float | None = None, choices: tuple[Any, ...] | None = None) -> Any:
+         minimum: float | None = None, maximum: float | None = None, choices: tuple[Any, ...] | None = None) -> Any:
     value = section.get(key, default)
     name = f"{prefix}.{key}"
     if kind is float and isinstance(value, int) and not isinstance(value, bool):
-        value = float(value)
+        try:
+            value = float(value)
+        except OverflowError:
+            raise ConfigError(name, value, "is too large") from None
     if kind is not Path and ((isinstance(value, bool) and kind is not bool) or not isinstance(value, kind)):
         raise ConfigError(name, value, f"must be a {kind.__name__}")
     if minimum is not None and value < minimum:
         raise ConfigError(name, value, f"must be >= {minimum}")
+    if maximum is not None and value > maximum:
+        raise ConfigError(name, value, f"must be <= {maximum}")
     if choices is not None and value not in choices:
         raise ConfigError(name, value, f"must be one of {', '.join(map(str, choices))}")
     return value
@@ -144,7 +150,7 @@ def parse_config(raw: Any, base: Path, source: Path | None = None) -> GatewayCon
     d = ServerConfig()
     server = ServerConfig(
         host=_get(s, "server", "host", str, d.host),
-        port=_get(s, "server", "port", int, d.port, minimum=0),
+        port=_get(s, "server", "port", int, d.port, minimum=0, maximum=65535),
         max_body_bytes=_get(s, "server", "max_body_bytes", int, d.max_body_bytes, minimum=1024),
         worker_timeout_s=_get(s, "server", "worker_timeout_s", float, d.worker_timeout_s, minimum=0.1))
     m = _section(raw, "model")

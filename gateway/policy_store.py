@@ -93,4 +93,7 @@ class PolicyStore:
             await asyncio.sleep(interval_s)
             stat = self._stat()
             if stat is not None and stat != self._mtime:
-                self.reload_file("file")
+                try:
+                    self.reload_file("file")
+                except Exception:  # the watcher must outlive any surprise in a file
+                    log.exception("policy reload from file failed unexpectedly")

@@ -71,7 +71,10 @@ class PolicyConfig:
             elif expected == "float":
                 if isinstance(value, bool) or not isinstance(value, int | float):
                     raise PolicyConfigError(key, value, "must be a number")
-                value = float(value)
+                try:
+                    value = float(value)
+                except OverflowError:
+                    raise PolicyConfigError(key, value, "is too large") from None
             values[key] = value
         return cls(**values)
 

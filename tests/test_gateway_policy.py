@@ -1,0 +1,234 @@
+"""The fallback policy at work in a real gateway: temperature, acceptance, batch depth, live edits."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import json
+import random
+import signal
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import openai
+import pytest
+import yaml
+
+from tests.harness import Gateway, start_gateway, write_config
+
+CODE_PROMPT = "import os\nimport sys\n\n\ndef main(argv):\n    parser = "
+
+
+@pytest.fixture(scope="module")
+def gateway(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Gateway]:
+    tmp = tmp_path_factory.mktemp("gw-policy")
+    config = write_config(tmp / "config.yaml", policy={"probe_every": 3, "min_proposals": 32})
+    gw = start_gateway(config, tmp)
+    yield gw
+    gw.stop()
+
+
+@pytest.fixture
+def client(gateway: Gateway) -> Iterator[openai.OpenAI]:
+    with openai.OpenAI(base_url=gateway.base_url, api_key="unused", max_retries=0, timeout=60) as sdk:
+        yield sdk
+
+
+def mode_of(response: Any) -> str:
+    return str(response.headers["X-Specgate-Mode"])
+
+
+def complete(client: openai.OpenAI, session: str, prompt: str, **kw: Any) -> Any:
+    return client.completions.with_raw_response.create(model="specgate-demo", prompt=prompt,
+                                                       extra_headers={"X-Session-ID": session}, **kw)
+
+
+def test_hot_session_runs_plain(gateway: Gateway, client: openai.OpenAI) -> None:
+    before = gateway.metric("specgate_fallbacks_total", reason="high_temperature")
+    raw = complete(client, "hot", CODE_PROMPT, max_tokens=8, temperature=1.0)
+    assert mode_of(raw) == "plain; reason=high_temperature"
+    usage = raw.parse().usage
+    assert usage.model_extra["speculative"]["mode"] == "plain"
+    assert usage.model_extra["speculative"]["proposed"] == 0
+    record = gateway.get_json("/admin/sessions/hot")
+    assert record["mode"] == "plain" and record["reason"] == "high_temperature"
+    assert gateway.metric("specgate_fallbacks_total", reason="high_temperature") == before + 1
+
+
+def test_code_prompt_at_temperature_zero_speculates(gateway: Gateway, client: openai.OpenAI) -> None:
+    raw = complete(client, "coder", CODE_PROMPT, max_tokens=48, temperature=0)
+    assert mode_of(raw).startswith("speculative; k=")
+    speculative = raw.parse().usage.model_extra["speculative"]
+    assert speculative["mode"] == "speculative" and speculative["proposed"] > 0
+    record = gateway.get_json("/admin/sessions/coder")
+    assert record["mode"] == "speculative" and record["reason"] == "default"
+    assert record["evidence_drafted_tokens"] > 0
+    assert record["acceptance_estimate"] is not None
+
+
+def test_unpredictable_session_falls_back_and_is_probed(gateway: Gateway, client: openai.OpenAI) -> None:
+    """Random bytes sampled warm: the draft cannot predict the target, acceptance collapses."""
+    rng = random.Random(7)
+    modes = []
+    for _ in range(12):
+        noise = bytes(rng.randrange(256) for _ in range(200)).decode("latin-1")
+        raw = complete(client, "noise", noise, max_tokens=24, temperature=0.8, seed=rng.randrange(1 << 30))
+        modes.append(mode_of(raw))
+    record = gateway.get_json("/admin/sessions/noise")
+    assert "plain; reason=low_acceptance" in modes, (modes, record)
+    first_fallback = modes.index("plain; reason=low_acceptance")
+    after = modes[first_fallback:]
+    # probe_every: 3 -> two plain requests, then a probe with speculation.
+    assert any(m.startswith("speculative") and m.endswith("reason=probe") for m in after), (modes, record)
+    assert record["evidence_drafted_tokens"] >= 32
+    assert any(change["reason"] == "low_acceptance" for change in record["mode_changes"])
+
+
+async def _stream(session: aiohttp.ClientSession, url: str, index: int, max_tokens: int) -> dict[str, Any]:
+    body = {"model": "specgate-demo", "prompt": CODE_PROMPT, "max_tokens": max_tokens, "temperature": 0,
+            "stream": True}
+    async with session.post(url, json=body, headers={"X-Session-ID": f"load-{index}"}) as response:
+        assert response.status == 200
+        mode = response.headers["X-Specgate-Mode"]
+        steps = []
+        async for line in response.content:
+            if line.startswith(b"data: {"):
+                chunk = json.loads(line[6:])
+                if "specgate" in chunk:
+                    steps.append(chunk["specgate"])
+        return {"mode": mode, "steps": steps}
+
+
+def transitions(values: list[bool]) -> int:
+    return sum(1 for a, b in itertools.pairwise(values) if a != b)
+
+
+async def test_batch_depth_fallback_without_flapping(tmp_path: Path) -> None:
+    config = write_config(tmp_path / "config.yaml", workers={"count": 1, "max_slots": 16},
+                          policy={"max_batch": 4, "batch_resume": 2})
+    gw = await asyncio.to_thread(start_gateway, config, tmp_path)
+    try:
+        async with aiohttp.ClientSession() as http:
+            url = gw.base_url + "/completions"
+            tasks = []
+            for i in range(8):
+                tasks.append(asyncio.create_task(_stream(http, url, i, max_tokens=48 - 2 * i)))
+                await asyncio.sleep(0.05)
+            results = await asyncio.gather(*tasks)
+            admitted = [r["mode"] for r in results]
+            assert any(m == "plain; reason=batch_full" for m in admitted), admitted
+            assert admitted[0].startswith("speculative")
+            all_steps = [s for r in results for s in r["steps"]]
+            assert any(s["batch_depth"] > 4 and s["k"] == 0 for s in all_steps)
+            for result in results:
+                speculating = [s["k"] > 0 for s in result["steps"]]
+                # Depth rises then falls once: at most one switch each way per stream, never flapping.
+                assert transitions(speculating) <= 2, speculating
+            # Load has dropped: a new request speculates again.
+            after = await _stream(http, url, 99, max_tokens=8)
+            assert after["mode"].startswith("speculative"), after["mode"]
+            assert all(s["k"] > 0 for s in after["steps"][:-1])
+        assert gw.metric("specgate_fallbacks_total", reason="batch_full") >= 1
+    finally:
+        gw.stop()
+
+
+def _set_policy_file(path: Path, **policy: Any) -> None:
+    config = yaml.safe_load(path.read_text())
+    config["policy"] = {**config.get("policy", {}), **policy}
+    text = yaml.safe_dump(config, sort_keys=False)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(text)
+    tmp.replace(path)  # as editors do: write aside, rename over
+
+
+def _wait_for(predicate: Any, timeout_s: float) -> float:
+    started = time.monotonic()
+    while time.monotonic() - started < timeout_s:
+        if predicate():
+            return time.monotonic() - started
+        time.sleep(0.05)
+    raise AssertionError(f"condition not met within {timeout_s}s")
+
+
+def test_policy_file_edit_applies_within_two_seconds(gateway: Gateway, client: openai.OpenAI) -> None:
+    path = gateway.config_path
+    original = path.read_text()
+    try:
+        assert mode_of(complete(client, "edit", CODE_PROMPT, max_tokens=2, temperature=1.0)).startswith("plain")
+        _set_policy_file(path, max_temperature=1.5)
+        started = time.monotonic()
+        while mode_of(complete(client, "edit", CODE_PROMPT, max_tokens=2, temperature=1.0)).startswith("plain"):
+            assert time.monotonic() - started < 2.0, "policy edit not applied within 2 s"
+            time.sleep(0.05)
+        view = gateway.get_json("/admin/policy")
+        assert view["policy"]["max_temperature"] == 1.5 and view["source"] == "file"
+
+        failed_before = gateway.metric("specgate_policy_reloads_total", result="failed")
+        _set_policy_file(path, acceptance_floor=2.0)
+        _wait_for(lambda: gateway.metric("specgate_policy_reloads_total", result="failed") > failed_before, 2.0)
+        view = gateway.get_json("/admin/policy")
+        assert "policy.acceptance_floor" in view["last_error"] and "2.0" in view["last_error"]
+        assert view["policy"]["max_temperature"] == 1.5  # the old policy keeps serving
+        assert mode_of(complete(client, "edit", CODE_PROMPT, max_tokens=2, temperature=1.0)).startswith("speculative")
+        assert "keeping the running policy" in gateway.log()
+
+        path.write_text("policy: [unclosed")
+        _wait_for(lambda: "invalid YAML" in (gateway.get_json("/admin/policy")["last_error"] or ""), 2.0)
+        assert gateway.get_json("/admin/policy")["policy"]["max_temperature"] == 1.5
+    finally:
+        path.write_text(original)
+        _wait_for(lambda: gateway.get_json("/admin/policy")["policy"]["max_temperature"] == 0.8, 2.0)
+
+
+def test_sighup_reloads_the_file(gateway: Gateway) -> None:
+    path = gateway.config_path
+    original = path.read_text()
+    try:
+        config = yaml.safe_load(original)
+        config["policy"]["probe_every"] = 5
+        # Same size and a restored mtime would hide the edit from the watcher: SIGHUP still sees it.
+        path.write_text(yaml.safe_dump(config, sort_keys=False))
+        gateway.process.send_signal(signal.SIGHUP)
+        _wait_for(lambda: gateway.get_json("/admin/policy")["policy"]["probe_every"] == 5, 2.0)
+        assert gateway.metric("specgate_policy_reloads_total", source="sighup", result="ok") >= 1 or \
+            gateway.metric("specgate_policy_reloads_total", source="file", result="ok") >= 1
+    finally:
+        path.write_text(original)
+        _wait_for(lambda: gateway.get_json("/admin/policy")["policy"]["probe_every"] == 3, 2.0)
+
+
+def _put_policy(gateway: Gateway, body: bytes, content_type: str) -> tuple[int, Any]:
+    import urllib.error
+    import urllib.request
+
+    request = urllib.request.Request(gateway.url + "/admin/policy", data=body, method="PUT",
+                                     headers={"Content-Type": content_type})
+    try:
+        with urllib.request.urlopen(request, timeout=10) as response:
+            return response.status, json.loads(response.read())
+    except urllib.error.HTTPError as error:
+        with error:
+            return error.code, json.loads(error.read())
+
+
+def test_put_policy_json_yaml_and_invalid(gateway: Gateway) -> None:
+    original = gateway.get_json("/admin/policy")["policy"]
+    try:
+        status, view = _put_policy(gateway, json.dumps({**original, "num_speculative_tokens": 3}).encode(),
+                                   "application/json")
+        assert status == 200 and view["policy"]["num_speculative_tokens"] == 3 and view["source"] == "api"
+        status, view = _put_policy(gateway, b"policy:\n  max_batch: 32\n  batch_resume: 30\n", "application/yaml")
+        assert status == 200 and view["policy"]["max_batch"] == 32
+        status, error = _put_policy(gateway, b"max_batch: 8\nbatch_resume: 9\n", "application/yaml")
+        assert status == 400 and error["error"]["param"] == "policy.batch_resume"
+        assert "9" in error["error"]["message"]
+        status, error = _put_policy(gateway, b"{nope: ", "application/yaml")
+        assert status == 400
+        assert gateway.get_json("/admin/policy")["policy"]["max_batch"] == 32
+    finally:
+        status, _ = _put_policy(gateway, json.dumps(original).encode(), "application/json")
+        assert status == 200

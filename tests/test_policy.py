@@ -1,0 +1,877 @@
+"""The speculative fallback policy as pure data: states and facts in, decisions and states out.
+
+Every rule of ``decide`` and its precedence, every hysteresis edge of the two latches, the
+acceptance estimate's arithmetic, a full fallback/probe/recovery scenario, property tests, and
+``PolicyConfig`` validation. No I/O, no clock: each test builds frozen values and compares.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import replace
+from itertools import pairwise
+from typing import Any
+
+import pytest
+from hypothesis import given, note, settings
+from hypothesis import strategies as st
+
+from policies import (
+    REASONS,
+    Decision,
+    PolicyConfig,
+    PolicyConfigError,
+    RequestFacts,
+    SessionState,
+    StepDepth,
+    WorkerState,
+    acceptance_latch,
+    batch_latch,
+    decide,
+    observe,
+    record_decision,
+    step_depth,
+)
+from policies import (
+    tested_drafts as drafts_tested,  # aliased: pytest would collect a name starting with 'test'
+)
+
+POLICY = PolicyConfig()  # floor 0.60, resume 0.70, min_proposals 32, half-life 64, batch 64/56, T 0.8, probe 8, K 4
+FRESH = SessionState()
+LATCHED = SessionState(acceptance_ewma=0.2, proposals_seen=100, low_acceptance=True)
+IDLE = WorkerState(batch_depth=0, batch_full=False, max_k=8)
+COOL = RequestFacts(temperature=0.0)
+PROPERTY = settings(max_examples=200, deadline=None)
+
+
+def above(x: float) -> float:
+    return math.nextafter(x, math.inf)
+
+
+def below(x: float) -> float:
+    return math.nextafter(x, -math.inf)
+
+
+def fold(session: SessionState, steps: Sequence[tuple[int, int]], policy: PolicyConfig = POLICY) -> SessionState:
+    for proposed, accepted in steps:
+        session = observe(session, proposed, accepted, policy)
+    return session
+
+
+def serve(session: SessionState, worker: WorkerState = IDLE, request: RequestFacts = COOL,
+          policy: PolicyConfig = POLICY) -> tuple[Decision, SessionState]:
+    """One request as the gateway serves it: decide, then count the decision."""
+    decision = decide(session, worker, request, policy)
+    return decision, record_decision(session, decision)
+
+
+def transitions(latches: Sequence[bool]) -> int:
+    return sum(a != b for a, b in pairwise(latches))
+
+
+# --------------------------------------------------------------------------------------------
+# Decision.header
+
+
+@pytest.mark.parametrize(("decision", "header"), [
+    (Decision("speculative", 5, "default"), "speculative; k=5; reason=default"),
+    (Decision("speculative", 1, "probe"), "speculative; k=1; reason=probe"),
+    (Decision("plain", 0, "high_temperature"), "plain; reason=high_temperature"),
+    (Decision("plain", 0, "worker_plain_only"), "plain; reason=worker_plain_only"),
+    (Decision("plain", 0, "batch_full"), "plain; reason=batch_full"),
+    (Decision("plain", 0, "low_acceptance"), "plain; reason=low_acceptance"),
+])
+def test_header(decision: Decision, header: str) -> None:
+    assert decision.header == header
+
+
+def test_reasons_lists_every_rule() -> None:
+    assert set(REASONS) == {"default", "probe", "worker_plain_only", "high_temperature", "batch_full",
+                            "low_acceptance"}
+
+
+# --------------------------------------------------------------------------------------------
+# decide: each rule on its own
+
+
+@pytest.mark.parametrize(("worker", "expected"), [
+    (WorkerState(0, False, max_k=0), Decision("plain", 0, "worker_plain_only")),
+    (WorkerState(0, False, max_k=-1), Decision("plain", 0, "worker_plain_only")),
+    (WorkerState(0, False, max_k=4, serves_speculative=False), Decision("plain", 0, "worker_plain_only")),
+    (WorkerState(0, False, max_k=0, serves_speculative=False), Decision("plain", 0, "worker_plain_only")),
+    (WorkerState(0, False, max_k=1), Decision("speculative", 1, "default")),
+    (WorkerState(0, False, max_k=4, serves_speculative=True), Decision("speculative", 4, "default")),
+])
+def test_worker_plain_only(worker: WorkerState, expected: Decision) -> None:
+    assert decide(FRESH, worker, COOL, POLICY) == expected
+
+
+@pytest.mark.parametrize(("temperature", "expected"), [
+    (0.0, Decision("speculative", 4, "default")),
+    (below(0.8), Decision("speculative", 4, "default")),
+    (0.8, Decision("speculative", 4, "default")),  # exactly max_temperature still speculates
+    (above(0.8), Decision("plain", 0, "high_temperature")),
+    (0.81, Decision("plain", 0, "high_temperature")),
+    (2.0, Decision("plain", 0, "high_temperature")),
+    (math.inf, Decision("plain", 0, "high_temperature")),
+])
+def test_high_temperature(temperature: float, expected: Decision) -> None:
+    assert decide(FRESH, IDLE, RequestFacts(temperature), POLICY) == expected
+
+
+@pytest.mark.parametrize(("max_temperature", "temperature", "reason"), [
+    (0.0, 0.0, "default"),  # greedy only
+    (0.0, 1e-9, "high_temperature"),
+    (1.5, 1.5, "default"),
+    (1.5, above(1.5), "high_temperature"),
+])
+def test_high_temperature_follows_the_policy(max_temperature: float, temperature: float, reason: str) -> None:
+    policy = PolicyConfig(max_temperature=max_temperature)
+    assert decide(FRESH, IDLE, RequestFacts(temperature), policy).reason == reason
+
+
+@pytest.mark.parametrize(("worker", "expected"), [
+    (WorkerState(batch_depth=100, batch_full=True, max_k=8), Decision("plain", 0, "batch_full")),
+    # decide reads the latch, not the depth: the latch is batch_latch's job
+    (WorkerState(batch_depth=0, batch_full=True, max_k=8), Decision("plain", 0, "batch_full")),
+    (WorkerState(batch_depth=100, batch_full=False, max_k=8), Decision("speculative", 4, "default")),
+])
+def test_batch_full(worker: WorkerState, expected: Decision) -> None:
+    assert decide(FRESH, worker, COOL, POLICY) == expected
+
+
+@pytest.mark.parametrize(("session", "expected"), [
+    (LATCHED, Decision("plain", 0, "low_acceptance")),
+    (replace(LATCHED, plain_since_probe=6), Decision("plain", 0, "low_acceptance")),
+    (replace(LATCHED, plain_since_probe=7), Decision("speculative", 4, "probe")),  # the 8th request
+    (replace(LATCHED, plain_since_probe=50), Decision("speculative", 4, "probe")),
+    # decide reads the latch, not the estimate
+    (SessionState(acceptance_ewma=0.0, proposals_seen=1000, low_acceptance=False),
+     Decision("speculative", 4, "default")),
+    (SessionState(acceptance_ewma=1.0, proposals_seen=0, low_acceptance=True), Decision("plain", 0, "low_acceptance")),
+    (FRESH, Decision("speculative", 4, "default")),
+])
+def test_low_acceptance_and_probe(session: SessionState, expected: Decision) -> None:
+    assert decide(session, IDLE, COOL, POLICY) == expected
+
+
+@pytest.mark.parametrize("plain_since_probe", [0, 1, 5])
+def test_probe_every_one_probes_every_request(plain_since_probe: int) -> None:
+    policy = PolicyConfig(probe_every=1)
+    session = replace(LATCHED, plain_since_probe=plain_since_probe)
+    assert decide(session, IDLE, COOL, policy) == Decision("speculative", 4, "probe")
+
+
+@pytest.mark.parametrize(("num_speculative_tokens", "max_k", "k"), [
+    (4, 8, 4),
+    (4, 4, 4),
+    (4, 3, 3),
+    (4, 1, 1),
+    (1, 8, 1),
+    (16, 8, 8),
+    (16, 16, 16),
+])
+def test_default_k_is_capped_by_the_worker(num_speculative_tokens: int, max_k: int, k: int) -> None:
+    policy = PolicyConfig(num_speculative_tokens=num_speculative_tokens)
+    worker = WorkerState(0, False, max_k=max_k)
+    assert decide(FRESH, worker, COOL, policy) == Decision("speculative", k, "default")
+    probing = replace(LATCHED, plain_since_probe=policy.probe_every - 1)
+    assert decide(probing, worker, COOL, policy) == Decision("speculative", k, "probe")
+
+
+# --------------------------------------------------------------------------------------------
+# decide: precedence. Each row makes several rules apply; the earliest in the list must win.
+
+HOT = RequestFacts(temperature=1.0)
+PROBE_DUE = replace(LATCHED, plain_since_probe=7)
+PLAIN_ONLY = WorkerState(batch_depth=100, batch_full=True, max_k=0)
+NO_DRAFT_SERVER = WorkerState(batch_depth=100, batch_full=True, max_k=4, serves_speculative=False)
+FULL = WorkerState(batch_depth=100, batch_full=True, max_k=8)
+
+
+@pytest.mark.parametrize(("session", "worker", "request_", "reason"), [
+    # worker_plain_only beats everything
+    (LATCHED, PLAIN_ONLY, HOT, "worker_plain_only"),
+    (PROBE_DUE, NO_DRAFT_SERVER, HOT, "worker_plain_only"),
+    (FRESH, PLAIN_ONLY, COOL, "worker_plain_only"),
+    (PROBE_DUE, PLAIN_ONLY, COOL, "worker_plain_only"),
+    # high_temperature beats batch_full, low_acceptance and probe
+    (LATCHED, FULL, HOT, "high_temperature"),
+    (PROBE_DUE, FULL, HOT, "high_temperature"),
+    (PROBE_DUE, IDLE, HOT, "high_temperature"),
+    (LATCHED, IDLE, HOT, "high_temperature"),
+    # batch_full beats low_acceptance and probe
+    (LATCHED, FULL, COOL, "batch_full"),
+    (PROBE_DUE, FULL, COOL, "batch_full"),
+    # probe beats low_acceptance once due
+    (PROBE_DUE, IDLE, COOL, "probe"),
+    (LATCHED, IDLE, COOL, "low_acceptance"),
+    # nothing applies
+    (FRESH, IDLE, COOL, "default"),
+])
+def test_precedence(session: SessionState, worker: WorkerState, request_: RequestFacts, reason: str) -> None:
+    decision = decide(session, worker, request_, POLICY)
+    assert decision.reason == reason
+    assert decision.mode == ("speculative" if reason in ("default", "probe") else "plain")
+
+
+# --------------------------------------------------------------------------------------------
+# record_decision: only low_acceptance and probe touch the probe count
+
+
+@pytest.mark.parametrize(("decision", "plain_since_probe"), [
+    (Decision("plain", 0, "low_acceptance"), 4),
+    (Decision("speculative", 4, "probe"), 0),
+    (Decision("speculative", 4, "default"), 3),
+    (Decision("plain", 0, "high_temperature"), 3),
+    (Decision("plain", 0, "batch_full"), 3),
+    (Decision("plain", 0, "worker_plain_only"), 3),
+])
+def test_record_decision(decision: Decision, plain_since_probe: int) -> None:
+    session = replace(LATCHED, plain_since_probe=3)
+    assert record_decision(session, decision) == replace(session, plain_since_probe=plain_since_probe)
+
+
+def test_plain_for_other_reasons_does_not_advance_the_probe() -> None:
+    session = LATCHED
+    for _ in range(20):
+        decision, session = serve(session, worker=FULL)
+        assert decision.reason == "batch_full"
+        decision, session = serve(session, request=HOT)
+        assert decision.reason == "high_temperature"
+    assert session == LATCHED
+
+
+# --------------------------------------------------------------------------------------------
+# Acceptance latch edges
+
+FLOOR, RESUME, MIN = POLICY.acceptance_floor, POLICY.acceptance_resume, POLICY.min_proposals
+
+
+@pytest.mark.parametrize(("latched", "ewma", "seen", "after"), [
+    # unlatched: needs both evidence and an estimate strictly below the floor
+    (False, 0.0, MIN - 1, False),
+    (False, below(FLOOR), MIN - 1, False),
+    (False, 0.0, MIN, True),
+    (False, below(FLOOR), MIN, True),
+    (False, below(FLOOR), 10 * MIN, True),
+    (False, FLOOR, MIN, False),  # exactly at the floor: no fallback
+    (False, FLOOR, 10 * MIN, False),
+    (False, 0.65, 10 * MIN, False),  # inside the band, unlatched: stays unlatched
+    (False, below(RESUME), 10 * MIN, False),
+    (False, 1.0, 10 * MIN, False),
+    # latched: clears only at or above resume, whatever the evidence
+    (True, 0.0, 10 * MIN, True),
+    (True, below(FLOOR), 10 * MIN, True),
+    (True, FLOOR, 10 * MIN, True),
+    (True, 0.65, 10 * MIN, True),
+    (True, below(RESUME), 10 * MIN, True),
+    (True, RESUME, 10 * MIN, False),
+    (True, above(RESUME), 10 * MIN, False),
+    (True, 1.0, 10 * MIN, False),
+    (True, 0.65, 0, True),
+    (True, RESUME, 0, False),
+])
+def test_acceptance_latch(latched: bool, ewma: float, seen: int, after: bool) -> None:
+    assert acceptance_latch(latched, ewma, seen, POLICY) is after
+
+
+@pytest.mark.parametrize("min_proposals", [0, 1, 8])
+def test_acceptance_latch_trips_on_the_observation_that_reaches_min_proposals(min_proposals: int) -> None:
+    policy = PolicyConfig(min_proposals=min_proposals)
+    # Each (1, 0) step tests exactly one draft and rejects it: the estimate stays at 0.
+    session = FRESH
+    for seen in range(1, min_proposals + 3):
+        session = observe(session, 1, 0, policy)
+        assert session.acceptance_ewma == 0.0
+        assert session.proposals_seen == seen
+        assert session.low_acceptance is (seen >= min_proposals)
+
+
+# A half-life of 4 tested drafts makes a 4-draft step move the estimate exactly halfway, so the
+# estimate lands exactly on chosen thresholds (all values below are dyadic: no rounding).
+EDGE = PolicyConfig(acceptance_floor=0.5, acceptance_resume=0.75, min_proposals=0, acceptance_half_life=4)
+
+
+@pytest.mark.parametrize(("before", "step", "ewma", "latched"), [
+    # unlatched, 0.25 halfway to 0.75 (5 proposed, 3 accepted: 4 tested) lands exactly on the floor
+    (SessionState(0.25, 100, False), (5, 3), 0.5, False),
+    # 0.0 halfway to 0.75 lands below the floor (min_proposals is 0 here): trips
+    (SessionState(0.0, 100, False), (5, 3), 0.375, True),
+    # latched, 0.5 halfway to 1.0 lands exactly on resume: clears
+    (SessionState(0.5, 100, True, 3), (4, 4), 0.75, False),
+    # latched, 0.25 halfway to 1.0 lands inside the band: stays latched
+    (SessionState(0.25, 100, True, 3), (4, 4), 0.625, True),
+    # latched, 0.0 halfway to 1.0 lands exactly on the floor: still latched (below resume)
+    (SessionState(0.0, 100, True, 3), (4, 4), 0.5, True),
+    # unlatched stays unlatched at or above the floor
+    (SessionState(1.0, 100, False), (5, 3), 0.875, False),
+    (SessionState(0.75, 100, False), (5, 3), 0.75, False),
+])
+def test_observe_latch_edges(before: SessionState, step: tuple[int, int], ewma: float, latched: bool) -> None:
+    after = observe(before, *step, EDGE)
+    assert after.acceptance_ewma == ewma
+    assert after.low_acceptance is latched
+
+
+def test_observe_keeps_the_probe_count_while_latched_and_resets_it_on_clearing() -> None:
+    latched = SessionState(0.25, 100, True, plain_since_probe=3)
+    assert observe(latched, 4, 4, EDGE).plain_since_probe == 3  # 0.625: still latched
+    cleared = SessionState(0.5, 100, True, plain_since_probe=3)
+    assert observe(cleared, 4, 4, EDGE) == SessionState(0.75, 104, False, 0)
+
+
+# --------------------------------------------------------------------------------------------
+# Batch latch and the per-step depth rule (max_batch 64, batch_resume 56)
+
+BATCH_EDGES = [
+    # (latched before, depth, latched after)
+    (False, 0, False),
+    (False, 55, False),
+    (False, 56, False),
+    (False, 60, False),
+    (False, 64, False),  # exactly max_batch: does not trip
+    (False, 65, True),
+    (False, 1000, True),
+    (True, 1000, True),
+    (True, 65, True),
+    (True, 64, True),  # the band [56, 64] keeps the latch as it is
+    (True, 60, True),
+    (True, 56, True),  # exactly batch_resume: still latched
+    (True, 55, False),
+    (True, 0, False),
+]
+
+
+@pytest.mark.parametrize(("latched", "depth", "after"), BATCH_EDGES)
+def test_batch_latch(latched: bool, depth: int, after: bool) -> None:
+    assert batch_latch(latched, depth, POLICY) is after
+
+
+@pytest.mark.parametrize(("latched", "depth", "after"), BATCH_EDGES)
+@pytest.mark.parametrize("requested_k", [1, 4, 8])
+def test_step_depth(latched: bool, depth: int, after: bool, requested_k: int) -> None:
+    expected = StepDepth(k=0 if after else requested_k, batch_full=after)
+    assert step_depth(requested_k, depth, latched, POLICY.max_batch, POLICY.batch_resume) == expected
+
+
+@pytest.mark.parametrize(("latched", "depth", "after"), [
+    (False, 10, False),
+    (False, 11, True),
+    (True, 11, True),
+    (True, 10, True),  # band of one depth: [10, 10]
+    (True, 9, False),
+])
+def test_batch_latch_with_resume_equal_to_max(latched: bool, depth: int, after: bool) -> None:
+    policy = PolicyConfig(max_batch=10, batch_resume=10)
+    assert batch_latch(latched, depth, policy) is after
+    assert step_depth(4, depth, latched, 10, 10) == StepDepth(0 if after else 4, after)
+
+
+def test_batch_latch_rises_and_falls_once_through_the_band() -> None:
+    depths = [0, 30, 56, 64, 65, 70, 64, 60, 56, 55, 40, 56, 64, 60]
+    latch, history = False, []
+    for depth in depths:
+        latch = batch_latch(latch, depth, POLICY)
+        history.append(latch)
+    assert history == [False, False, False, False, True, True, True, True, True, False, False, False, False, False]
+
+
+# --------------------------------------------------------------------------------------------
+# observe: the acceptance estimate
+
+
+@pytest.mark.parametrize(("proposed", "accepted", "tested"), [
+    (1, 0, 1),
+    (1, 1, 1),
+    (4, 0, 1),  # the first draft was rejected; the other three were never tested
+    (4, 1, 2),
+    (4, 3, 4),
+    (4, 4, 4),  # all passed: K tested, no rejection
+    (8, 5, 6),
+    (16, 16, 16),
+])
+def test_tested_drafts(proposed: int, accepted: int, tested: int) -> None:
+    assert drafts_tested(proposed, accepted) == tested
+
+
+@pytest.mark.parametrize(("proposed", "accepted", "rate"), [
+    (4, 4, 1.0),
+    (4, 0, 0.0),
+    (4, 1, 0.5),
+    (4, 2, 2 / 3),
+    (4, 3, 0.75),
+    (8, 5, 5 / 6),
+    (1, 1, 1.0),
+])
+def test_first_observation_sets_the_estimate_to_the_steps_rate(proposed: int, accepted: int, rate: float) -> None:
+    after = observe(FRESH, proposed, accepted, POLICY)
+    assert after.acceptance_ewma == rate
+    assert after.proposals_seen == drafts_tested(proposed, accepted)
+
+
+@pytest.mark.parametrize("session", [FRESH, LATCHED, SessionState(0.9, 7), replace(LATCHED, plain_since_probe=5)])
+@pytest.mark.parametrize(("proposed", "accepted"), [(0, 0), (0, 3), (-1, 0), (-4, -4)])
+def test_no_drafts_is_a_no_op(session: SessionState, proposed: int, accepted: int) -> None:
+    assert observe(session, proposed, accepted, POLICY) == session
+
+
+@pytest.mark.parametrize(("accepted", "same_as"), [(5, 4), (100, 4), (-1, 0), (-100, 0)])
+def test_accepted_is_clamped_to_proposed(accepted: int, same_as: int) -> None:
+    for session in (FRESH, SessionState(0.5, 10, False), LATCHED):
+        assert observe(session, 4, accepted, POLICY) == observe(session, 4, same_as, POLICY)
+
+
+@pytest.mark.parametrize(("half_life", "before", "step", "after"), [
+    # a step testing exactly acceptance_half_life drafts moves the estimate exactly halfway
+    (4.0, 0.25, (4, 4), 0.625),
+    (4.0, 0.5, (4, 4), 0.75),
+    (4.0, 0.25, (5, 3), 0.5),  # rate 0.75, 4 tested
+    (4.0, 1.0, (8, 3), 0.875),  # rate 0.75, 4 tested
+    (64.0, 0.0, (64, 64), 0.5),  # the default half-life
+    (64.0, 1.0, (65, 63), 1.0 - 0.5 / 64),  # rate 63/64, 64 tested
+    (1.0, 0.0, (1, 1), 0.5),
+    (1.0, 0.0, (3, 0), 0.0),  # one tested, rejected: halfway from 0 to 0
+])
+def test_half_life(half_life: float, before: float, step: tuple[int, int], after: float) -> None:
+    policy = PolicyConfig(acceptance_half_life=half_life, min_proposals=10_000)
+    session = SessionState(before, 500, False)
+    assert drafts_tested(*step) == half_life
+    assert observe(session, *step, policy).acceptance_ewma == after
+
+
+def test_weight_is_measured_in_tested_drafts() -> None:
+    """Two steps of h/2 tested drafts at the same rate weigh as much as one step of h."""
+    policy = PolicyConfig(acceptance_half_life=8, min_proposals=10_000)
+    start = SessionState(0.0, 100, False)
+    one = observe(start, 8, 8, policy)
+    two = fold(start, [(4, 4), (4, 4)], policy)
+    assert one.acceptance_ewma == pytest.approx(0.5)
+    assert two.acceptance_ewma == pytest.approx(0.5)
+    assert one.proposals_seen == two.proposals_seen == 108
+    # the untested tail of a rejected step carries no weight: (8, 0) tests one draft, like (1, 0)
+    assert observe(one, 8, 0, policy) == observe(one, 1, 0, policy)
+
+
+def test_evidence_accumulates_tested_drafts() -> None:
+    steps = [(4, 0), (4, 2), (4, 4), (8, 5), (1, 1), (0, 0), (4, 9)]
+    session = fold(FRESH, steps, PolicyConfig(min_proposals=10_000))
+    assert session.proposals_seen == 1 + 3 + 4 + 6 + 1 + 0 + 4
+
+
+def test_acceptance_is_per_token_not_per_step() -> None:
+    """Accepting 3 of 4 drafts then rejecting the 4th is rate 3/4, not (3/4 of K) and not 0."""
+    assert observe(FRESH, 4, 3, POLICY).acceptance_ewma == 0.75
+    # ...and is the same whether K was 4 or 8: the drafts after the rejection were never tested
+    assert observe(FRESH, 8, 3, POLICY) == observe(FRESH, 4, 3, POLICY)
+
+
+# --------------------------------------------------------------------------------------------
+# A whole session: fallback, plain requests, probe, recovery or not
+
+
+def fall_back(policy: PolicyConfig = POLICY) -> SessionState:
+    """Alternating bad steps (no draft accepted, then one of four) until the latch trips."""
+    session, bad = FRESH, [(4, 0), (4, 1)]
+    previous, steps = session, 0
+    while not session.low_acceptance:
+        decision, session = serve(session, policy=policy)
+        assert decision == Decision("speculative", 4, "default")  # speculating until the trip
+        previous = session
+        session = observe(session, *bad[steps % 2], policy)
+        steps += 1
+        assert steps < 100
+    # the estimate was below the floor long before; the evidence is what tripped it
+    assert previous.acceptance_ewma is not None and previous.acceptance_ewma < policy.acceptance_floor
+    assert previous.proposals_seen < policy.min_proposals <= session.proposals_seen
+    assert session.plain_since_probe == 0
+    return session
+
+
+def test_scenario_fallback_needs_min_proposals_of_evidence() -> None:
+    session = fall_back()
+    # (4, 0) tests 1 draft, (4, 1) tests 2: 21 steps carry 31 drafts, the 22nd (a (4, 1)) reaches 33.
+    assert session.proposals_seen == 33
+
+
+def plain_until_probe(session: SessionState, policy: PolicyConfig = POLICY) -> SessionState:
+    for i in range(policy.probe_every - 1):
+        decision, session = serve(session, policy=policy)
+        assert decision == Decision("plain", 0, "low_acceptance")
+        assert session.plain_since_probe == i + 1
+    decision, session = serve(session, policy=policy)
+    assert decision == Decision("speculative", 4, "probe")
+    assert decision.header == "speculative; k=4; reason=probe"
+    assert session.plain_since_probe == 0
+    return session
+
+
+def test_scenario_good_probe_resumes_speculation() -> None:
+    session = plain_until_probe(fall_back())
+    # the probe's steps all accept every draft: the estimate climbs back above resume
+    steps = 0
+    while session.low_acceptance:
+        session = observe(session, 4, 4, POLICY)
+        steps += 1
+        assert steps < 100
+    assert session.acceptance_ewma is not None and session.acceptance_ewma >= POLICY.acceptance_resume
+    assert session.plain_since_probe == 0
+    for _ in range(3 * POLICY.probe_every):
+        decision, session = serve(session)
+        assert decision == Decision("speculative", 4, "default")
+
+
+def test_scenario_probe_climbing_into_the_band_is_not_enough() -> None:
+    session = plain_until_probe(fall_back())
+    while session.acceptance_ewma is not None and session.acceptance_ewma < POLICY.acceptance_floor:
+        session = observe(session, 4, 4, POLICY)
+    # climbing in steps of under 0.02 (4 drafts of a 64-draft half-life), it stops inside the band
+    assert session.acceptance_ewma is not None
+    assert POLICY.acceptance_floor <= session.acceptance_ewma < POLICY.acceptance_resume
+    assert session.low_acceptance
+    decision, _ = serve(session)
+    assert decision == Decision("plain", 0, "low_acceptance")
+
+
+def test_scenario_bad_probe_stays_plain_and_restarts_the_count() -> None:
+    session = plain_until_probe(fall_back())
+    session = fold(session, [(4, 0), (4, 1), (4, 0)])
+    assert session.low_acceptance
+    assert session.plain_since_probe == 0
+    # the full probe_every - 1 plain requests again, then the next probe
+    session = plain_until_probe(session)
+    session = fold(session, [(4, 1)])
+    session = plain_until_probe(session)
+    assert session.low_acceptance
+
+
+@pytest.mark.parametrize("probe_every", [1, 2, 3])
+def test_scenario_with_other_probe_periods(probe_every: int) -> None:
+    policy = PolicyConfig(probe_every=probe_every)
+    session = plain_until_probe(fall_back(policy), policy)
+    session = observe(session, 4, 0, policy)
+    plain_until_probe(session, policy)
+
+
+# --------------------------------------------------------------------------------------------
+# Properties
+
+
+@st.composite
+def policies(draw: st.DrawFn) -> PolicyConfig:
+    floor = draw(st.floats(0.0, 1.0))
+    resume = draw(st.floats(floor, 1.0))
+    max_batch = draw(st.integers(1, 200))
+    return PolicyConfig(
+        acceptance_floor=floor,
+        acceptance_resume=resume,
+        min_proposals=draw(st.integers(0, 200)),
+        acceptance_half_life=draw(st.floats(0.25, 500.0)),
+        max_batch=max_batch,
+        batch_resume=draw(st.integers(1, max_batch)),
+        max_temperature=draw(st.floats(0.0, 4.0)),
+        probe_every=draw(st.integers(1, 20)),
+        num_speculative_tokens=draw(st.integers(1, 16)),
+    )
+
+
+sessions = st.builds(
+    SessionState,
+    acceptance_ewma=st.none() | st.floats(0.0, 1.0),
+    proposals_seen=st.integers(0, 10_000),
+    low_acceptance=st.booleans(),
+    plain_since_probe=st.integers(0, 100),
+)
+workers = st.builds(
+    WorkerState,
+    batch_depth=st.integers(0, 1000),
+    batch_full=st.booleans(),
+    max_k=st.integers(-2, 32),
+    serves_speculative=st.booleans(),
+)
+steps = st.tuples(st.integers(-2, 20), st.integers(-5, 25))
+
+
+@PROPERTY
+@given(session=sessions, worker=workers, policy=policies(), excess=st.floats(0.0, 100.0), nudge=st.booleans())
+def test_never_speculative_above_max_temperature(session: SessionState, worker: WorkerState, policy: PolicyConfig,
+                                                 excess: float, nudge: bool) -> None:
+    temperature = above(policy.max_temperature) if nudge else policy.max_temperature + excess
+    if temperature <= policy.max_temperature:  # excess too small to change the float
+        temperature = above(policy.max_temperature)
+    decision = decide(session, worker, RequestFacts(temperature), policy)
+    assert decision.mode == "plain"
+    assert decision.k == 0
+    assert decision.reason in ("worker_plain_only", "high_temperature")
+
+
+@PROPERTY
+@given(session=sessions, worker=workers, policy=policies(), temperature=st.floats(0.0, 5.0))
+def test_k_is_zero_exactly_when_plain(session: SessionState, worker: WorkerState, policy: PolicyConfig,
+                                      temperature: float) -> None:
+    decision = decide(session, worker, RequestFacts(temperature), policy)
+    assert decision.reason in REASONS
+    assert (decision.k == 0) == (decision.mode == "plain")
+    if decision.mode == "speculative":
+        assert 1 <= decision.k <= min(policy.num_speculative_tokens, worker.max_k)
+        assert decision.reason in ("default", "probe")
+    else:
+        assert decision.reason not in ("default", "probe")
+    assert decision.header.startswith(decision.mode)
+
+
+@st.composite
+def banded_depths(draw: st.DrawFn) -> tuple[PolicyConfig, list[int]]:
+    max_batch = draw(st.integers(1, 200))
+    batch_resume = draw(st.integers(1, max_batch))
+    depths = draw(st.lists(st.integers(batch_resume, max_batch), max_size=100))
+    return PolicyConfig(max_batch=max_batch, batch_resume=batch_resume), depths
+
+
+@PROPERTY
+@given(case=banded_depths(), initial=st.booleans())
+def test_no_flapping_inside_the_batch_band(case: tuple[PolicyConfig, list[int]], initial: bool) -> None:
+    policy, depths = case
+    latch, history = initial, [initial]
+    step_latch = initial
+    for depth in depths:
+        latch = batch_latch(latch, depth, policy)
+        history.append(latch)
+        result = step_depth(4, depth, step_latch, policy.max_batch, policy.batch_resume)
+        step_latch = result.batch_full
+        assert result == StepDepth(0 if initial else 4, initial)
+    assert transitions(history) == 0
+
+
+@PROPERTY
+@given(policy=policies(), initial=st.booleans(), depths=st.lists(st.integers(0, 250), max_size=100))
+def test_batch_latch_moves_only_outside_the_band(policy: PolicyConfig, initial: bool, depths: list[int]) -> None:
+    latch = initial
+    for depth in depths:
+        after = batch_latch(latch, depth, policy)
+        assert step_depth(3, depth, latch, policy.max_batch, policy.batch_resume) == StepDepth(0 if after else 3, after)
+        if after and not latch:
+            assert depth > policy.max_batch
+        if latch and not after:
+            assert depth < policy.batch_resume
+        # and outside the band the latch always follows the depth
+        if depth > policy.max_batch:
+            assert after
+        if depth < policy.batch_resume:
+            assert not after
+        latch = after
+
+
+@st.composite
+def banded_sessions(draw: st.DrawFn) -> tuple[PolicyConfig, SessionState]:
+    policy = draw(policies().filter(lambda p: p.acceptance_floor < p.acceptance_resume))
+    ewma = draw(st.floats(policy.acceptance_floor, policy.acceptance_resume, exclude_max=True))
+    session = SessionState(ewma, draw(st.integers(0, 1000)), draw(st.booleans()), draw(st.integers(0, 30)))
+    return policy, session
+
+
+@PROPERTY
+@given(case=banded_sessions(), signal=st.lists(steps, max_size=60))
+def test_no_flapping_inside_the_acceptance_band(case: tuple[PolicyConfig, SessionState],
+                                                signal: list[tuple[int, int]]) -> None:
+    """Steps that would carry the estimate out of [floor, resume) are left out of the signal."""
+    policy, session = case
+    history = [session.low_acceptance]
+    used = 0
+    for proposed, accepted in signal:
+        nxt = observe(session, proposed, accepted, policy)
+        assert nxt.acceptance_ewma is not None
+        if not policy.acceptance_floor <= nxt.acceptance_ewma < policy.acceptance_resume:
+            continue
+        session = nxt
+        used += 1
+        history.append(session.low_acceptance)
+    note(f"{used} of {len(signal)} steps kept the estimate in the band")
+    assert transitions(history) == 0
+
+
+@PROPERTY
+@given(policy=policies(), session=sessions, signal=st.lists(steps, max_size=80))
+def test_acceptance_latch_moves_only_outside_the_band(policy: PolicyConfig, session: SessionState,
+                                                      signal: list[tuple[int, int]]) -> None:
+    for proposed, accepted in signal:
+        after = observe(session, proposed, accepted, policy)
+        if after.low_acceptance and not session.low_acceptance:
+            assert after.acceptance_ewma is not None and after.acceptance_ewma < policy.acceptance_floor
+            assert after.proposals_seen >= policy.min_proposals
+        if session.low_acceptance and not after.low_acceptance:
+            assert after.acceptance_ewma is not None and after.acceptance_ewma >= policy.acceptance_resume
+        if proposed > 0 and not after.low_acceptance:
+            assert after.plain_since_probe == 0
+        session = after
+
+
+@PROPERTY
+@given(policy=policies(), session=sessions, signal=st.lists(steps, max_size=80))
+def test_estimate_stays_in_unit_interval(policy: PolicyConfig, session: SessionState,
+                                         signal: list[tuple[int, int]]) -> None:
+    seen = session.proposals_seen
+    for proposed, accepted in signal:
+        session = observe(session, proposed, accepted, policy)
+        assert session.acceptance_ewma is None or 0.0 <= session.acceptance_ewma <= 1.0
+        assert session.proposals_seen >= seen  # evidence never shrinks
+        seen = session.proposals_seen
+
+
+@PROPERTY
+@given(policy=policies(), session=sessions, worker=workers, temperature=st.floats(0.0, 5.0),
+       signal=st.lists(steps, max_size=20))
+def test_serving_never_breaks_the_state(policy: PolicyConfig, session: SessionState, worker: WorkerState,
+                                        temperature: float, signal: list[tuple[int, int]]) -> None:
+    """decide -> record_decision -> observe, repeated: the probe count never exceeds its period."""
+    session = replace(session, plain_since_probe=0)
+    for proposed, accepted in signal:
+        decision, session = serve(session, worker, RequestFacts(temperature), policy)
+        assert session.plain_since_probe < policy.probe_every
+        if decision.mode == "speculative":
+            session = observe(session, min(proposed, decision.k), accepted, policy)
+        if not session.low_acceptance:
+            assert session.plain_since_probe == 0
+
+
+# --------------------------------------------------------------------------------------------
+# PolicyConfig validation
+
+
+def test_defaults() -> None:
+    assert PolicyConfig.from_mapping(None) == PolicyConfig()
+    assert PolicyConfig.from_mapping({}) == PolicyConfig()
+    assert PolicyConfig().as_dict() == {
+        "acceptance_floor": 0.60, "acceptance_resume": 0.70, "min_proposals": 32, "acceptance_half_life": 64.0,
+        "max_batch": 64, "batch_resume": 56, "max_temperature": 0.8, "probe_every": 8, "num_speculative_tokens": 4,
+    }
+
+
+def test_ints_are_accepted_for_float_fields() -> None:
+    policy = PolicyConfig.from_mapping({"acceptance_floor": 0, "acceptance_resume": 1, "acceptance_half_life": 32,
+                                        "max_temperature": 2})
+    assert policy == PolicyConfig(acceptance_floor=0.0, acceptance_resume=1.0, acceptance_half_life=32.0,
+                                  max_temperature=2.0)
+    for name in ("acceptance_floor", "acceptance_resume", "acceptance_half_life", "max_temperature"):
+        assert type(getattr(policy, name)) is float
+
+
+def test_missing_keys_take_defaults_and_as_dict_round_trips() -> None:
+    policy = PolicyConfig.from_mapping({"max_batch": 10, "batch_resume": 3})
+    assert policy == replace(PolicyConfig(), max_batch=10, batch_resume=3)
+    assert PolicyConfig.from_mapping(policy.as_dict()) == policy
+
+
+@pytest.mark.parametrize("raw", [
+    {"acceptance_floor": 0.0, "acceptance_resume": 0.0},
+    {"acceptance_floor": 1.0, "acceptance_resume": 1.0},
+    {"acceptance_floor": 0.5, "acceptance_resume": 0.5},  # no band: allowed
+    {"min_proposals": 0},
+    {"acceptance_half_life": 1e-3},
+    {"max_batch": 1, "batch_resume": 1},
+    {"max_batch": 64, "batch_resume": 64},
+    {"max_temperature": 0},
+    {"probe_every": 1},
+    {"num_speculative_tokens": 1},
+    {"num_speculative_tokens": 16},
+])
+def test_boundary_values_are_valid(raw: dict[str, Any]) -> None:
+    policy = PolicyConfig.from_mapping(raw)
+    for key, value in raw.items():
+        assert getattr(policy, key) == value
+
+
+INVALID: list[tuple[dict[str, Any], str, Any]] = [
+    # (mapping, field named in the error, bad value)
+    ({"acceptance_floor": 1.5}, "acceptance_floor", 1.5),
+    ({"acceptance_floor": -0.1}, "acceptance_floor", -0.1),
+    ({"acceptance_floor": math.nan}, "acceptance_floor", math.nan),
+    ({"acceptance_resume": 1.01}, "acceptance_resume", 1.01),
+    ({"acceptance_resume": -1}, "acceptance_resume", -1),
+    ({"acceptance_floor": 0.6, "acceptance_resume": 0.5}, "acceptance_resume", 0.5),
+    ({"acceptance_resume": below(0.6)}, "acceptance_resume", below(0.6)),  # below the default floor
+    ({"min_proposals": -1}, "min_proposals", -1),
+    ({"acceptance_half_life": 0}, "acceptance_half_life", 0),
+    ({"acceptance_half_life": -64}, "acceptance_half_life", -64),
+    ({"acceptance_half_life": math.inf}, "acceptance_half_life", math.inf),
+    ({"acceptance_half_life": math.nan}, "acceptance_half_life", math.nan),
+    ({"max_batch": 0}, "max_batch", 0),
+    ({"max_batch": -5}, "max_batch", -5),
+    ({"batch_resume": 0}, "batch_resume", 0),
+    ({"batch_resume": 65}, "batch_resume", 65),  # above the default max_batch
+    ({"max_batch": 10, "batch_resume": 11}, "batch_resume", 11),
+    ({"max_temperature": -0.1}, "max_temperature", -0.1),
+    ({"max_temperature": math.inf}, "max_temperature", math.inf),
+    ({"max_temperature": math.nan}, "max_temperature", math.nan),
+    ({"probe_every": 0}, "probe_every", 0),
+    ({"probe_every": -1}, "probe_every", -1),
+    ({"num_speculative_tokens": 0}, "num_speculative_tokens", 0),
+    ({"num_speculative_tokens": 17}, "num_speculative_tokens", 17),
+    # wrong types
+    ({"acceptance_floor": "abc"}, "acceptance_floor", "abc"),
+    ({"max_temperature": "0.8"}, "max_temperature", "0.8"),
+    ({"acceptance_half_life": True}, "acceptance_half_life", True),
+    ({"acceptance_floor": None}, "acceptance_floor", None),
+    ({"max_batch": True}, "max_batch", True),
+    ({"probe_every": False}, "probe_every", False),
+    ({"max_batch": 2.5}, "max_batch", 2.5),
+    ({"num_speculative_tokens": 4.0}, "num_speculative_tokens", 4.0),
+    ({"min_proposals": "32"}, "min_proposals", "32"),
+    ({"probe_every": [8]}, "probe_every", [8]),
+    # unknown keys
+    ({"acceptance_flor": 0.5}, "acceptance_flor", 0.5),
+    ({"max_batch": 8, "batch_resume": 4, "temperature": 1.0}, "temperature", 1.0),
+]
+
+
+@pytest.mark.parametrize(("raw", "field", "value"), INVALID)
+def test_invalid_fields_are_named(raw: dict[str, Any], field: str, value: Any) -> None:
+    with pytest.raises(PolicyConfigError) as info:
+        PolicyConfig.from_mapping(raw)
+    message = str(info.value)
+    assert info.value.field == field
+    assert message.startswith(f"policy.{field}: ")
+    assert repr(value) in message
+    if not (isinstance(value, float) and math.isnan(value)):
+        assert info.value.value == value
+    assert isinstance(info.value, ValueError)
+
+
+@pytest.mark.parametrize(("field", "value"), [
+    ("acceptance_floor", 1.5),
+    ("acceptance_half_life", 0.0),
+    ("max_batch", 0),
+    ("batch_resume", 100),
+    ("probe_every", 0),
+    ("num_speculative_tokens", 17),
+])
+def test_the_constructor_validates_too(field: str, value: Any) -> None:
+    with pytest.raises(PolicyConfigError, match=rf"^policy\.{field}: .*\(got {value!r}\)$"):
+        PolicyConfig(**{field: value})
+
+
+@pytest.mark.parametrize("raw", [[1, 2], "acceptance_floor: 0.5", 3])
+def test_the_section_must_be_a_mapping(raw: Any) -> None:
+    with pytest.raises(PolicyConfigError) as info:
+        PolicyConfig.from_mapping(raw)
+    assert info.value.field == "(section)"
+    assert repr(raw) in str(info.value)
+
+
+def test_huge_int_for_a_float_field_is_a_policy_error() -> None:
+    with pytest.raises(PolicyConfigError, match=r"^policy\.acceptance_half_life: "):
+        PolicyConfig.from_mapping({"acceptance_half_life": 10**400})
+
+
+def test_validation_is_pure() -> None:
+    """A rejected mapping leaves nothing behind; the same valid mapping always gives equal configs."""
+    raw: dict[str, Any] = {"max_batch": 8, "batch_resume": 4}
+    copy = dict(raw)
+    assert PolicyConfig.from_mapping(raw) == PolicyConfig.from_mapping(raw)
+    assert raw == copy
+    bad: dict[str, Any] = {"max_batch": 0}
+    for _ in range(2):
+        with pytest.raises(PolicyConfigError):
+            PolicyConfig.from_mapping(bad)
+    assert bad == {"max_batch": 0}
