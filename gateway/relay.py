@@ -172,6 +172,9 @@ async def relay(request: web.Request, kind: RequestKind, state: GatewayState) ->
             async for chunk in chunks:
                 _account(state, admission, tally, chunk, kind, started)
                 tally.collected.append(chunk)
+                if request.transport is None or request.transport.is_closing():
+                    # The client left: stop reading, which closes the worker stream and aborts it.
+                    raise WorkerFailed("client disconnected")
             return web.json_response(assemble(kind, tally.collected), headers=headers)
         out = await start_sse(request, headers)
         try:
