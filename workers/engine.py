@@ -130,6 +130,9 @@ class SpeculativeEngine:
 
     def add(self, request: GenerationRequest) -> None:
         self.validate(len(request.prompt_ids), request.max_tokens)
+        vocab = self.target.cfg.vocab_size
+        if any(not 0 <= t < vocab for t in request.prompt_ids):
+            raise ValueError(f"token ids must be in 0..{vocab - 1}")
         if request.request_id in self._running or any(r.request_id == request.request_id for r in self._waiting):
             raise ValueError(f"duplicate request id {request.request_id}")
         self._waiting.append(request)

@@ -163,8 +163,9 @@ def _prompt_ids(ctx: WorkerContext, req: CompletionRequest) -> list[int]:
     if req.kind == "chat":
         return ctx.codec.encode(render_chat(req.messages))
     if isinstance(req.prompt, list):
-        if any(t >= ctx.codec.vocab_size for t in req.prompt):
-            raise BadRequest(f"token ids must be below the vocabulary size {ctx.codec.vocab_size}", param="prompt")
+        vocab = ctx.runner.engine.target.cfg.vocab_size
+        if any(t >= vocab for t in req.prompt):
+            raise BadRequest(f"token ids must be below the vocabulary size {vocab}", param="prompt")
         return req.prompt
     return ctx.codec.encode(req.prompt or "")
 

@@ -27,7 +27,6 @@ class TextCodec:
     def __init__(self, tokenizer_path: Path, bos_token_id: int | None) -> None:
         self.tokenizer = Tokenizer.from_file(str(tokenizer_path))
         self.bos_token_id = bos_token_id
-        self.vocab_size = self.tokenizer.get_vocab_size()
 
     def encode(self, text: str) -> list[int]:
         ids: list[int] = self.tokenizer.encode(text, add_special_tokens=False).ids
