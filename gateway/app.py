@@ -26,7 +26,7 @@ from gateway.sessions import SessionTable
 from gateway.state import STATE_KEY, GatewayState
 from policies import PolicyConfigError
 from workers.protocol import BadRequest, NotFound, Unavailable
-from workers.web_common import Handler, openai_errors
+from workers.web_common import Handler, health, model_list, openai_errors
 
 log = logging.getLogger(__name__)
 
@@ -63,7 +63,7 @@ def create_app(config: GatewayConfig, metrics: GatewayMetrics | None = None) -> 
     app.router.add_post("/v1/chat/completions", _chat_completions)
     app.router.add_post("/v1/completions", _completions)
     app.router.add_get("/v1/models", _models)
-    app.router.add_get("/health", _health)
+    app.router.add_get("/health", health)
     app.router.add_get("/ready", _ready)
     app.router.add_get("/metrics", _metrics)
     app.router.add_get("/admin/policy", _get_policy)
@@ -101,13 +101,7 @@ async def _completions(request: web.Request) -> web.StreamResponse:
 
 
 async def _models(request: web.Request) -> web.Response:
-    name = request.app[STATE_KEY].config.model.name
-    return web.json_response({"object": "list", "data": [
-        {"id": name, "object": "model", "created": 0, "owned_by": "specgate"}]})
-
-
-async def _health(request: web.Request) -> web.Response:
-    return web.json_response({"status": "ok"})
+    return model_list(request.app[STATE_KEY].config.model.name)
 
 
 async def _ready(request: web.Request) -> web.Response:

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import openai
 import yaml
 
 REPO = Path(__file__).resolve().parent.parent
@@ -83,6 +84,11 @@ class Gateway:
             except subprocess.TimeoutExpired:
                 self.process.kill()
                 self.process.wait()
+
+
+def sdk_client(gateway: Gateway) -> openai.OpenAI:
+    """The official client, unmodified, pointed at the gateway (use it as a context manager)."""
+    return openai.OpenAI(base_url=gateway.base_url, api_key="unused", max_retries=0, timeout=60)
 
 
 def write_config(path: Path, **sections: dict[str, Any]) -> Path:

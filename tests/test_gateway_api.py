@@ -12,7 +12,7 @@ from typing import Any
 import openai
 import pytest
 
-from tests.harness import Gateway, start_gateway, write_config
+from tests.harness import Gateway, sdk_client, start_gateway, write_config
 
 CODE_PROMPT = "def read_lines(path):\n    with open(path) as f:\n        return f."
 
@@ -29,7 +29,7 @@ def gateway(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Gateway]:
 
 @pytest.fixture
 def client(gateway: Gateway) -> Iterator[openai.OpenAI]:
-    with openai.OpenAI(base_url=gateway.base_url, api_key="unused", max_retries=0, timeout=60) as sdk:
+    with sdk_client(gateway) as sdk:
         yield sdk
 
 

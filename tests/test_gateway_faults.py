@@ -10,9 +10,8 @@ import time
 from pathlib import Path
 
 import aiohttp
-import openai
 
-from tests.harness import start_gateway, write_config
+from tests.harness import sdk_client, start_gateway, write_config
 
 PROMPT = "class Config:\n    def __init__(self, path):\n        "
 
@@ -22,7 +21,7 @@ def test_killed_worker_is_restarted_and_its_sessions_move(tmp_path: Path) -> Non
     gw = start_gateway(config, tmp_path)
     try:
         gw.wait_workers_ready(2)
-        with openai.OpenAI(base_url=gw.base_url, api_key="unused", max_retries=0, timeout=60) as client:
+        with sdk_client(gw) as client:
             first = client.completions.with_raw_response.create(
                 model="specgate-demo", prompt=PROMPT, max_tokens=4, temperature=0,
                 extra_headers={"X-Session-ID": "survivor"})

@@ -17,7 +17,7 @@ import openai
 import pytest
 import yaml
 
-from tests.harness import Gateway, start_gateway, write_config
+from tests.harness import Gateway, sdk_client, start_gateway, write_config
 
 CODE_PROMPT = "import os\nimport sys\n\n\ndef main(argv):\n    parser = "
 
@@ -33,7 +33,7 @@ def gateway(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Gateway]:
 
 @pytest.fixture
 def client(gateway: Gateway) -> Iterator[openai.OpenAI]:
-    with openai.OpenAI(base_url=gateway.base_url, api_key="unused", max_retries=0, timeout=60) as sdk:
+    with sdk_client(gateway) as sdk:
         yield sdk
 
 

@@ -40,7 +40,7 @@ from workers.protocol import (
 from workers.runner import EngineRunner
 from workers.sampling import SamplingParams
 from workers.text import TextCodec, TextStream, render_chat
-from workers.web_common import openai_errors, read_json, sse_event, start_sse
+from workers.web_common import health, model_list, openai_errors, read_json, sse_event, start_sse
 
 
 @dataclass(frozen=True)
@@ -110,17 +110,13 @@ def create_worker_app(settings: WorkerSettings, registry: CollectorRegistry | No
     app.router.add_post("/v1/completions", _completions)
     app.router.add_post("/v1/chat/completions", _chat_completions)
     app.router.add_get("/v1/models", _models)
-    app.router.add_get("/health", _health)
+    app.router.add_get("/health", health)
     app.router.add_get("/specgate/worker", _describe)
     app.router.add_get("/metrics", _metrics)
     return app
 
 
 # -- handlers -----------------------------------------------------------------------------------------
-async def _health(request: web.Request) -> web.Response:
-    return web.json_response({"status": "ok"})
-
-
 def describe(ctx: WorkerContext) -> dict[str, Any]:
     engine = ctx.runner.engine
     stats = ctx.runner.stats
@@ -140,9 +136,7 @@ async def _describe(request: web.Request) -> web.Response:
 
 
 async def _models(request: web.Request) -> web.Response:
-    name = request.app[CONTEXT_KEY].settings.served_model_name
-    return web.json_response({"object": "list", "data": [
-        {"id": name, "object": "model", "created": 0, "owned_by": "specgate"}]})
+    return model_list(request.app[CONTEXT_KEY].settings.served_model_name)
 
 
 async def _metrics(request: web.Request) -> web.Response:

@@ -64,3 +64,13 @@ async def start_sse(request: web.Request, headers: Mapping[str, str] | None = No
                                            **(headers or {})})
     await response.prepare(request)
     return response
+
+
+def model_list(name: str) -> web.Response:
+    """``GET /v1/models`` for a server that serves one model."""
+    return web.json_response({"object": "list", "data": [
+        {"id": name, "object": "model", "created": 0, "owned_by": "specgate"}]})
+
+
+async def health(request: web.Request) -> web.Response:
+    return web.json_response({"status": "ok"})
