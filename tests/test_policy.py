@@ -37,7 +37,8 @@ from policies import (
     tested_drafts as drafts_tested,  # aliased: pytest would collect a name starting with 'test'
 )
 
-POLICY = PolicyConfig()  # floor 0.60, resume 0.70, min_proposals 32, half-life 64, batch 64/56, T 0.8, probe 8, K 4
+# floor 0.60, resume 0.70, min_proposals 32, half-life 64, batch 64/56, T 0.8, probe 8; K 4 (explicit)
+POLICY = PolicyConfig(num_speculative_tokens=4)
 FRESH = SessionState()
 LATCHED = SessionState(acceptance_ewma=0.2, proposals_seen=100, low_acceptance=True)
 IDLE = WorkerState(batch_depth=0, batch_full=False, max_k=8)
@@ -158,7 +159,7 @@ def test_low_acceptance_and_probe(session: SessionState, expected: Decision) -> 
 
 @pytest.mark.parametrize("plain_since_probe", [0, 1, 5])
 def test_probe_every_one_probes_every_request(plain_since_probe: int) -> None:
-    policy = PolicyConfig(probe_every=1)
+    policy = replace(POLICY, probe_every=1)
     session = replace(LATCHED, plain_since_probe=plain_since_probe)
     assert decide(session, IDLE, COOL, policy) == Decision("speculative", 4, "probe")
 
@@ -548,7 +549,7 @@ def test_scenario_bad_probe_stays_plain_and_restarts_the_count() -> None:
 
 @pytest.mark.parametrize("probe_every", [1, 2, 3])
 def test_scenario_with_other_probe_periods(probe_every: int) -> None:
-    policy = PolicyConfig(probe_every=probe_every)
+    policy = replace(POLICY, probe_every=probe_every)
     session = plain_until_probe(fall_back(policy), policy)
     session = observe(session, 4, 0, policy)
     plain_until_probe(session, policy)
@@ -744,7 +745,7 @@ def test_defaults() -> None:
     assert PolicyConfig.from_mapping({}) == PolicyConfig()
     assert PolicyConfig().as_dict() == {
         "acceptance_floor": 0.60, "acceptance_resume": 0.70, "min_proposals": 32, "acceptance_half_life": 64.0,
-        "max_batch": 64, "batch_resume": 56, "max_temperature": 0.8, "probe_every": 8, "num_speculative_tokens": 4,
+        "max_batch": 64, "batch_resume": 56, "max_temperature": 0.8, "probe_every": 8, "num_speculative_tokens": 2,
     }
 
 
