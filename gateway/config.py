@@ -17,6 +17,7 @@ from policies.config import PolicyConfig, PolicyConfigError
 
 EngineName = Literal["embedded"]
 RemoteMode = Literal["speculative", "plain"]
+RemoteProtocol = Literal["openai", "specgate"]
 
 
 class ConfigError(ValueError):
@@ -43,10 +44,13 @@ class ModelConfig:
 
 @dataclass(frozen=True)
 class RemoteWorker:
-    url: str  # base URL of an OpenAI-compatible server, e.g. http://10.0.0.5:8001
-    mode: RemoteMode = "plain"  # the one mode it serves
+    url: str  # base URL, e.g. http://10.0.0.5:8001
+    mode: RemoteMode = "plain"  # the one mode an "openai" server serves
     name: str = ""  # worker id in metrics and admin views (default: the URL)
-    max_k: int = 0  # its fixed K when mode is speculative
+    max_k: int = 0  # an "openai" server's fixed K when its mode is speculative
+    # "openai": any OpenAI-compatible server (e.g. vllm serve), serving one fixed mode;
+    # "specgate": a specgate worker (python -m workers --port N) that takes per-request decisions.
+    protocol: RemoteProtocol = "openai"
 
 
 @dataclass(frozen=True)
@@ -199,15 +203,17 @@ def _parse_remote(raw: Any) -> tuple[RemoteWorker, ...]:
         prefix = f"workers.remote[{i}]"
         if not isinstance(item, Mapping):
             raise ConfigError(prefix, item, "must be a mapping with url and mode")
-        _check_keys(item, prefix, {"url", "mode", "name", "max_k"})
+        _check_keys(item, prefix, {"url", "protocol", "mode", "name", "max_k"})
         url = _get(item, prefix, "url", str, None)
         if not url.startswith(("http://", "https://")):
             raise ConfigError(f"{prefix}.url", url, "must start with http:// or https://")
+        protocol = _get(item, prefix, "protocol", str, "openai", choices=("openai", "specgate"))
         mode = _get(item, prefix, "mode", str, "plain", choices=("speculative", "plain"))
         max_k = _get(item, prefix, "max_k", int, 0, minimum=0)
-        if mode == "speculative" and max_k < 1:
+        if protocol == "openai" and mode == "speculative" and max_k < 1:
             raise ConfigError(f"{prefix}.max_k", max_k, "a speculative remote worker needs max_k >= 1")
-        out.append(RemoteWorker(url.rstrip("/"), mode, _get(item, prefix, "name", str, url.rstrip("/")), max_k))
+        out.append(RemoteWorker(url.rstrip("/"), mode, _get(item, prefix, "name", str, url.rstrip("/")), max_k,
+                                protocol))
     return tuple(out)
 
 

@@ -41,6 +41,7 @@ class WorkerHandle:
     max_k: int
     socket_path: Path | None = None  # local workers only
     remote: bool = False
+    speaks_specgate: bool = True  # takes the specgate directive and reports steps (not a plain OpenAI server)
     status: WorkerStatus = "starting"
     process: asyncio.subprocess.Process | None = None
     restarts: int = 0
@@ -105,11 +106,13 @@ class Fleet:
             self._tasks.append(asyncio.create_task(self._poll(handle), name=f"poll-{handle.worker_id}"))
 
     def _remote_handle(self, remote: RemoteWorker) -> WorkerHandle:
-        modes: frozenset[Mode] = frozenset({remote.mode})
+        specgate = remote.protocol == "specgate"
+        # A specgate worker describes its own modes and max K on its first poll.
+        modes: frozenset[Mode] = frozenset() if specgate else frozenset({remote.mode})
+        max_k = 0 if specgate or remote.mode == "plain" else remote.max_k
         # Not routable until its first health check passes.
-        return WorkerHandle(remote.name, remote.url, aiohttp.ClientSession(), modes,
-                            remote.max_k if remote.mode == "speculative" else 0, remote=True, status="unhealthy",
-                            last_error="not checked yet")
+        return WorkerHandle(remote.name, remote.url, aiohttp.ClientSession(), modes, max_k, remote=True,
+                            speaks_specgate=specgate, status="unhealthy", last_error="not checked yet")
 
     async def stop(self) -> None:
         self._stopping = True
@@ -207,17 +210,20 @@ class Fleet:
 
     # -- polling ----------------------------------------------------------------------------------
     async def _probe(self, handle: WorkerHandle) -> bool:
-        path = "/health" if handle.remote else "/specgate/worker"
+        path = "/specgate/worker" if handle.speaks_specgate else "/health"
         try:
             async with handle.client.get(handle.base_url + path, timeout=aiohttp.ClientTimeout(total=2)) as resp:
                 if resp.status != 200:
                     handle.last_error = f"{path} answered {resp.status}"
                     return False
                 handle.last_error = ""
-                if not handle.remote:
-                    handle.info = await resp.json()
-                    handle.reported_depth = int(handle.info.get("batch_depth", 0)) + int(
-                        handle.info.get("queue_length", 0))
+                if handle.speaks_specgate:
+                    info = await resp.json()
+                    handle.info = info
+                    handle.reported_depth = int(info.get("batch_depth", 0)) + int(info.get("queue_length", 0))
+                    if handle.remote:
+                        handle.modes = frozenset(m for m in info.get("modes", []) if m in ("speculative", "plain"))
+                        handle.max_k = int(info.get("max_k", 0))
                 return True
         except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
             handle.last_error = f"{path}: {exc.__class__.__name__}: {exc}"

@@ -93,7 +93,7 @@ async def _admit(state: GatewayState, session: Session, req: CompletionRequest) 
         session.worker_id = worker_id
         decision = _decide(state, session, handle, req, policy)
         body = worker_body(req, Directive(decision.k, policy.max_batch, policy.batch_resume))
-        if handle.remote:
+        if not handle.speaks_specgate:
             body.pop(DIRECTIVE_FIELD)  # a plain OpenAI server serves its one fixed mode
         handle.in_flight += 1
         try:

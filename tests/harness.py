@@ -125,3 +125,27 @@ def start_gateway(config_path: Path, log_dir: Path, ready_timeout_s: float = 120
         time.sleep(0.2)
     gateway.stop()
     raise RuntimeError(f"gateway not ready within {ready_timeout_s}s:\n{gateway.log()}")
+
+
+def start_tcp_worker(log_dir: Path, *extra: str, ready_timeout_s: float = 120.0) -> tuple[subprocess.Popen[bytes], int]:
+    """A standalone specgate worker on TCP, as on another machine."""
+    port = free_port()
+    log_path = log_dir / f"worker-{port}.log"
+    with log_path.open("wb") as log:
+        process = subprocess.Popen(
+            [sys.executable, "-m", "workers", "--worker-id", f"tcp-{port}", "--port", str(port),
+             "--target", str(MODELS / "demo-target"), "--draft", str(MODELS / "demo-draft"), *extra],
+            cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
+    deadline = time.monotonic() + ready_timeout_s
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise RuntimeError(f"worker exited with {process.returncode}:\n{log_path.read_text()}")
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as response:
+                if response.status == 200:
+                    return process, port
+        except (urllib.error.URLError, ConnectionError, TimeoutError):
+            pass
+        time.sleep(0.2)
+    process.kill()
+    raise RuntimeError(f"worker not ready within {ready_timeout_s}s:\n{log_path.read_text()}")

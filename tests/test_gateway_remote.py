@@ -1,0 +1,51 @@
+"""Workers the gateway does not start: a specgate worker over TCP, and a plain OpenAI server."""
+
+from __future__ import annotations
+
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.harness import sdk_client, start_gateway, start_tcp_worker, write_config
+
+PROMPT = "import os\nimport sys\n\n\ndef main(argv):\n    "
+
+
+@pytest.fixture(scope="module")
+def tcp_worker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[int]:
+    # --default-k 0: without a gateway directive it decodes plain, like a fixed-mode server.
+    process, port = start_tcp_worker(tmp_path_factory.mktemp("tcp-worker"), "--default-k", "0")
+    yield port
+    process.terminate()
+    try:
+        process.wait(timeout=20)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait()
+
+
+@pytest.mark.parametrize(("protocol", "expected_mode", "proposes"), [
+    ("specgate", "speculative; k=2; reason=default", True),
+    ("openai", "plain; reason=worker_plain_only", False),
+])
+def test_remote_worker(tmp_path: Path, tcp_worker: int, protocol: str, expected_mode: str, proposes: bool) -> None:
+    remote = {"url": f"http://127.0.0.1:{tcp_worker}", "protocol": protocol, "name": f"remote-{protocol}",
+              "mode": "plain"}
+    config = write_config(tmp_path / "config.yaml", workers={"count": 0, "remote": [remote]})
+    gw = start_gateway(config, tmp_path)
+    try:
+        with sdk_client(gw) as client:
+            raw = client.completions.with_raw_response.create(model="specgate-demo", prompt=PROMPT, max_tokens=16,
+                                                              temperature=0)
+        assert raw.headers["X-Specgate-Mode"] == expected_mode
+        assert raw.headers["X-Specgate-Worker"] == f"remote-{protocol}"
+        usage = raw.parse().usage
+        assert usage is not None and usage.completion_tokens >= 1
+        assert (usage.model_extra["speculative"]["proposed"] > 0) == proposes
+        (worker,) = gw.get_json("/admin/workers")["workers"]
+        assert worker["remote"] is True and worker["status"] == "ready"
+        assert worker["modes"] == (["plain", "speculative"] if protocol == "specgate" else ["plain"])
+    finally:
+        gw.stop()
