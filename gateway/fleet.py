@@ -54,8 +54,10 @@ class WorkerHandle:
 
     @property
     def load(self) -> int:
-        # The gateway's count is current; the worker's report catches traffic from elsewhere.
-        return max(self.in_flight, self.reported_depth)
+        # A local worker's socket is private to this gateway, so the in-flight count is exact and
+        # current; the worker's own report lags by a poll. A remote worker may serve other
+        # clients too, so its report counts as well.
+        return max(self.in_flight, self.reported_depth) if self.remote else self.in_flight
 
     def candidate(self) -> Candidate:
         return Candidate(self.worker_id, self.status == "ready", self.load, self.modes)

@@ -25,7 +25,10 @@ CODE_PROMPT = "import os\nimport sys\n\n\ndef main(argv):\n    parser = "
 @pytest.fixture(scope="module")
 def gateway(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Gateway]:
     tmp = tmp_path_factory.mktemp("gw-policy")
-    config = write_config(tmp / "config.yaml", policy={"probe_every": 3, "min_proposals": 32})
+    # Floor and resume sit between what the demo models' draft achieves on held-out code at
+    # T=0 (alpha ~0.84, bench.engine) and on random bytes (~0.5): operators set them per model pair.
+    config = write_config(tmp / "config.yaml", policy={"probe_every": 3, "min_proposals": 32,
+                                                       "acceptance_floor": 0.7, "acceptance_resume": 0.8})
     gw = start_gateway(config, tmp)
     yield gw
     gw.stop()
@@ -70,12 +73,12 @@ def test_code_prompt_at_temperature_zero_speculates(gateway: Gateway, client: op
 
 
 def test_unpredictable_session_falls_back_and_is_probed(gateway: Gateway, client: openai.OpenAI) -> None:
-    """Random bytes sampled warm: the draft cannot predict the target, acceptance collapses."""
+    """Random bytes: the draft predicts the target far worse than on code, acceptance falls."""
     rng = random.Random(7)
     modes = []
     for _ in range(12):
         noise = bytes(rng.randrange(256) for _ in range(200)).decode("latin-1")
-        raw = complete(client, "noise", noise, max_tokens=24, temperature=0.8, seed=rng.randrange(1 << 30))
+        raw = complete(client, "noise", noise, max_tokens=32, temperature=0.5, seed=rng.randrange(1 << 30))
         modes.append(mode_of(raw))
     record = gateway.get_json("/admin/sessions/noise")
     assert "plain; reason=low_acceptance" in modes, (modes, record)
