@@ -43,7 +43,7 @@ def test_remote_worker(tmp_path: Path, tcp_worker: int, protocol: str, expected_
         assert raw.headers["X-Specgate-Worker"] == f"remote-{protocol}"
         usage = raw.parse().usage
         assert usage is not None and usage.completion_tokens >= 1
-        assert (usage.model_extra["speculative"]["proposed"] > 0) == proposes
+        assert ((usage.model_extra or {})["speculative"]["proposed"] > 0) == proposes
         (worker,) = gw.get_json("/admin/workers")["workers"]
         assert worker["remote"] is True and worker["status"] == "ready"
         assert worker["modes"] == (["plain", "speculative"] if protocol == "specgate" else ["plain"])
