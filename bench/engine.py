@@ -82,18 +82,25 @@ def run_sequential(engine: SpeculativeEngine, prompts: list[list[int]], max_toke
     return totals
 
 
-def forward_time(model: LlamaForCausalLM, reps: int, tokens: int = 1, context: int = 128) -> float:
-    """Seconds per cached forward of ``tokens`` new tokens at batch 1 after ``context`` tokens."""
-    cache = KVCache.allocate(model.cfg, 1, model.lm_head.weight.dtype)
-    new = torch.zeros((1, tokens), dtype=torch.long)
-    rows, cols = torch.zeros(tokens, dtype=torch.long), torch.arange(tokens)
+def forward_times(models: dict[str, tuple[LlamaForCausalLM, int]], reps: int, context: int = 128) -> dict[str, float]:
+    """Seconds per cached forward at batch 1 after ``context`` tokens, for each (model, new tokens).
+
+    The configurations take turns, one forward each, so machine noise hits them alike.
+    """
+    setups = {}
+    for name, (model, tokens) in models.items():
+        cache = KVCache.allocate(model.cfg, 1, model.lm_head.weight.dtype)
+        setups[name] = (model, cache, torch.zeros((1, tokens), dtype=torch.long), tokens)
+    totals = dict.fromkeys(models, 0.0)
     with torch.inference_mode():
         for i in range(reps + 5):
-            if i == 5:  # after warm-up
+            for name, (model, cache, new, tokens) in setups.items():
                 started = time.perf_counter()
-            batch = CacheBatch.build([0], [context], [tokens], tokens, model.cfg.max_position_embeddings)
-            model.forward_cached(new, cache, batch, rows, cols)
-    return (time.perf_counter() - started) / reps
+                batch = CacheBatch.build([0], [context], [tokens], tokens, model.cfg.max_position_embeddings)
+                model.forward_cached(new, cache, batch, torch.zeros(tokens, dtype=torch.long), torch.arange(tokens))
+                if i >= 5:  # after warm-up
+                    totals[name] += time.perf_counter() - started
+    return {name: total / reps for name, total in totals.items()}
 
 
 def speedup_bound(alpha: float, c: float, k: int) -> float:
@@ -143,15 +150,16 @@ def main() -> None:
             f"accepted/proposed {r.accepted / r.proposed:.3f}, speed-up {r.tok_s / plain.tok_s:.2f}x")
     best_k = max(by_k, key=lambda k: by_k[k].tok_s)
     best = by_k[best_k]
-    reps = 50 if args.quick else 300
-    target_s, draft_s = forward_time(target, reps), forward_time(draft, reps)
+    reps = 50 if args.quick else 200
+    timed = forward_times({"target": (target, 1), "draft": (draft, 1),
+                           **{f"verify{n}": (target, n) for n in range(2, args.kmax + 2)}}, reps)
+    target_s, draft_s = timed["target"], timed["draft"]
     c = draft_s / target_s
     bound = speedup_bound(best.alpha, c, best_k)
     speedup = best.tok_s / plain.tok_s
     log(f"forward at batch 1: target {1000 * target_s:.2f} ms, draft {1000 * draft_s:.2f} ms, c = {c:.3f}")
     # What the bound leaves out: verifying K+1 tokens is not free on a CPU.
-    verify_cost = {str(n): round(forward_time(target, reps // 3, tokens=n) / target_s, 3)
-                   for n in range(2, args.kmax + 2)}
+    verify_cost = {str(n): round(timed[f"verify{n}"] / target_s, 3) for n in range(2, args.kmax + 2)}
     log("target forward of n tokens / 1 token: " + ", ".join(f"n={n}: {v:.2f}" for n, v in verify_cost.items()))
     log(f"best K={best_k}: speed-up {speedup:.2f}x, bound S={bound:.2f}, measured/bound {speedup / bound:.2f}")
     alpha_by_t: dict[str, float] = {}
