@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import json
+import os
 import random
 import signal
 import time
@@ -190,15 +191,19 @@ def test_policy_file_edit_applies_within_two_seconds(gateway: Gateway, client: o
 def test_sighup_reloads_the_file(gateway: Gateway) -> None:
     path = gateway.config_path
     original = path.read_text()
+    before = path.stat()
     try:
-        config = yaml.safe_load(original)
-        config["policy"]["probe_every"] = 5
-        # Same size and a restored mtime would hide the edit from the watcher: SIGHUP still sees it.
-        path.write_text(yaml.safe_dump(config, sort_keys=False))
+        edited = original.replace("probe_every: 3", "probe_every: 5")
+        assert edited != original and len(edited) == len(original)
+        # Same size, old mtime: invisible to the file watcher, so only SIGHUP can load it.
+        path.write_text(edited)
+        os.utime(path, ns=(before.st_atime_ns, before.st_mtime_ns))
+        time.sleep(0.6)
+        assert gateway.get_json("/admin/policy")["policy"]["probe_every"] == 3
         gateway.process.send_signal(signal.SIGHUP)
         _wait_for(lambda: gateway.get_json("/admin/policy")["policy"]["probe_every"] == 5, 2.0)
-        assert gateway.metric("specgate_policy_reloads_total", source="sighup", result="ok") >= 1 or \
-            gateway.metric("specgate_policy_reloads_total", source="file", result="ok") >= 1
+        assert gateway.get_json("/admin/policy")["source"] == "sighup"
+        assert gateway.metric("specgate_policy_reloads_total", source="sighup", result="ok") >= 1
     finally:
         path.write_text(original)
         _wait_for(lambda: gateway.get_json("/admin/policy")["policy"]["probe_every"] == 3, 2.0)

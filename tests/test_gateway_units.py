@@ -1,0 +1,78 @@
+"""Pure pieces of the gateway: the session table and the router."""
+
+from __future__ import annotations
+
+import pytest
+
+from gateway.config import SessionsConfig
+from gateway.routing import Candidate, choose_worker
+from gateway.sessions import SessionTable
+from policies import Decision
+
+
+def test_lru_bound_evicts_least_recently_used() -> None:
+    table = SessionTable(SessionsConfig(max_sessions=3, idle_ttl_s=100, history=5))
+    for i, name in enumerate(["a", "b", "c"]):
+        table.touch(name, now=i)
+    table.touch("a", now=3)  # a is now the most recent
+    table.touch("d", now=4)  # evicts b, the least recently used
+    assert table.get("b") is None
+    assert [s for s in ("a", "c", "d") if table.get(s) is not None] == ["a", "c", "d"]
+    assert len(table) == 3 and table.evicted == 1
+
+
+def test_memory_stays_bounded_under_many_sessions() -> None:
+    table = SessionTable(SessionsConfig(max_sessions=100, idle_ttl_s=1e9, history=5))
+    for i in range(10_000):
+        table.touch(f"s{i}", now=i)
+    assert len(table) == 100 and table.evicted == 9_900
+
+
+def test_idle_sessions_expire() -> None:
+    table = SessionTable(SessionsConfig(max_sessions=10, idle_ttl_s=10, history=5))
+    table.touch("old", now=0)
+    table.touch("fresh", now=5)
+    table.touch("probe", now=10.5)  # old is 10.5 s idle: gone; fresh is 5.5 s idle: kept
+    assert table.get("old") is None and table.get("fresh") is not None
+    again = table.touch("old", now=11)
+    assert again.requests == 0 and again.worker_id is None  # a new session under the same id
+
+
+def test_new_ids_are_unique_and_history_is_bounded() -> None:
+    table = SessionTable(SessionsConfig(max_sessions=10, idle_ttl_s=10, history=2))
+    a, b = table.touch(None, now=0), table.touch(None, now=0)
+    assert a.session_id != b.session_id and a.session_id.startswith("sess-")
+    assert a.history.maxlen == 2
+
+
+def test_move_off_unpins_sessions_and_counts_modes() -> None:
+    table = SessionTable(SessionsConfig(max_sessions=10, idle_ttl_s=10, history=5))
+    for name, worker, mode in (("x", "w0", "speculative"), ("y", "w0", "plain"), ("z", "w1", None)):
+        session = table.touch(name, now=0)
+        session.worker_id = worker
+        if mode == "speculative":
+            session.last_decision = Decision("speculative", 2, "default")
+        elif mode == "plain":
+            session.last_decision = Decision("plain", 0, "high_temperature")
+    assert table.move_off("w0") == 2
+    assert [table.get(n).worker_id for n in ("x", "y", "z")] == [None, None, "w1"]  # type: ignore[union-attr]
+    assert table.counts_by_mode() == {"speculative": 1, "plain": 1, "undecided": 1}
+
+
+def ready(worker_id: str, load: int, modes: frozenset[str] = frozenset({"speculative", "plain"})) -> Candidate:
+    return Candidate(worker_id, True, load, modes)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(("current", "candidates", "prefer", "expected"), [
+    (None, [ready("a", 3), ready("b", 1), ready("c", 2)], None, "b"),  # least loaded
+    ("a", [ready("a", 3), ready("b", 1)], None, "a"),  # sticky while ready
+    ("a", [Candidate("a", False, 0, frozenset()), ready("b", 5)], None, "b"),  # moves when down
+    ("gone", [ready("a", 1)], None, "a"),  # its worker no longer exists
+    (None, [ready("a", 1), ready("b", 1)], None, "a"),  # ties: first listed
+    (None, [Candidate("a", False, 0, frozenset())], None, None),  # nothing ready
+    (None, [ready("a", 0, frozenset({"plain"})), ready("b", 4)], "speculative", "b"),  # serves the mode
+    (None, [ready("a", 0, frozenset({"plain"}))], "speculative", "a"),  # nobody does: any ready worker
+])
+def test_choose_worker(current: str | None, candidates: list[Candidate], prefer: str | None,
+                       expected: str | None) -> None:
+    assert choose_worker(current, candidates, prefer) == expected  # type: ignore[arg-type]
