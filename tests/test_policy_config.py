@@ -1,0 +1,156 @@
+"""PolicyConfig validation: every bad field is named with its value."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import replace
+from typing import Any
+
+import pytest
+
+from policies import (
+    PolicyConfig,
+    PolicyConfigError,
+)
+from tests.policy_data import below
+
+# --------------------------------------------------------------------------------------------
+# PolicyConfig validation
+
+
+def test_defaults() -> None:
+    assert PolicyConfig.from_mapping(None) == PolicyConfig()
+    assert PolicyConfig.from_mapping({}) == PolicyConfig()
+    assert PolicyConfig().as_dict() == {
+        "acceptance_floor": 0.60, "acceptance_resume": 0.70, "min_proposals": 32, "acceptance_half_life": 64.0,
+        "max_batch": 64, "batch_resume": 56, "max_temperature": 0.8, "probe_every": 8, "num_speculative_tokens": 2,
+    }
+
+
+def test_ints_are_accepted_for_float_fields() -> None:
+    policy = PolicyConfig.from_mapping({"acceptance_floor": 0, "acceptance_resume": 1, "acceptance_half_life": 32,
+                                        "max_temperature": 2})
+    assert policy == PolicyConfig(acceptance_floor=0.0, acceptance_resume=1.0, acceptance_half_life=32.0,
+                                  max_temperature=2.0)
+    for name in ("acceptance_floor", "acceptance_resume", "acceptance_half_life", "max_temperature"):
+        assert type(getattr(policy, name)) is float
+
+
+def test_missing_keys_take_defaults_and_as_dict_round_trips() -> None:
+    policy = PolicyConfig.from_mapping({"max_batch": 10, "batch_resume": 3})
+    assert policy == replace(PolicyConfig(), max_batch=10, batch_resume=3)
+    assert PolicyConfig.from_mapping(policy.as_dict()) == policy
+
+
+@pytest.mark.parametrize("raw", [
+    {"acceptance_floor": 0.0, "acceptance_resume": 0.0},
+    {"acceptance_floor": 1.0, "acceptance_resume": 1.0},
+    {"acceptance_floor": 0.5, "acceptance_resume": 0.5},  # no band: allowed
+    {"min_proposals": 0},
+    {"acceptance_half_life": 1e-3},
+    {"max_batch": 1, "batch_resume": 1},
+    {"max_batch": 64, "batch_resume": 64},
+    {"max_temperature": 0},
+    {"probe_every": 1},
+    {"num_speculative_tokens": 1},
+    {"num_speculative_tokens": 16},
+])
+def test_boundary_values_are_valid(raw: dict[str, Any]) -> None:
+    policy = PolicyConfig.from_mapping(raw)
+    for key, value in raw.items():
+        assert getattr(policy, key) == value
+
+
+INVALID: list[tuple[dict[str, Any], str, Any]] = [
+    # (mapping, field named in the error, bad value)
+    ({"acceptance_floor": 1.5}, "acceptance_floor", 1.5),
+    ({"acceptance_floor": -0.1}, "acceptance_floor", -0.1),
+    ({"acceptance_floor": math.nan}, "acceptance_floor", math.nan),
+    ({"acceptance_resume": 1.01}, "acceptance_resume", 1.01),
+    ({"acceptance_resume": -1}, "acceptance_resume", -1),
+    ({"acceptance_floor": 0.6, "acceptance_resume": 0.5}, "acceptance_resume", 0.5),
+    ({"acceptance_resume": below(0.6)}, "acceptance_resume", below(0.6)),  # below the default floor
+    ({"min_proposals": -1}, "min_proposals", -1),
+    ({"acceptance_half_life": 0}, "acceptance_half_life", 0),
+    ({"acceptance_half_life": -64}, "acceptance_half_life", -64),
+    ({"acceptance_half_life": math.inf}, "acceptance_half_life", math.inf),
+    ({"acceptance_half_life": math.nan}, "acceptance_half_life", math.nan),
+    ({"max_batch": 0}, "max_batch", 0),
+    ({"max_batch": -5}, "max_batch", -5),
+    ({"batch_resume": 0}, "batch_resume", 0),
+    ({"batch_resume": 65}, "batch_resume", 65),  # above the default max_batch
+    ({"max_batch": 10, "batch_resume": 11}, "batch_resume", 11),
+    ({"max_temperature": -0.1}, "max_temperature", -0.1),
+    ({"max_temperature": math.inf}, "max_temperature", math.inf),
+    ({"max_temperature": math.nan}, "max_temperature", math.nan),
+    ({"probe_every": 0}, "probe_every", 0),
+    ({"probe_every": -1}, "probe_every", -1),
+    ({"num_speculative_tokens": 0}, "num_speculative_tokens", 0),
+    ({"num_speculative_tokens": 17}, "num_speculative_tokens", 17),
+    # wrong types
+    ({"acceptance_floor": "abc"}, "acceptance_floor", "abc"),
+    ({"max_temperature": "0.8"}, "max_temperature", "0.8"),
+    ({"acceptance_half_life": True}, "acceptance_half_life", True),
+    ({"acceptance_floor": None}, "acceptance_floor", None),
+    ({"max_batch": True}, "max_batch", True),
+    ({"probe_every": False}, "probe_every", False),
+    ({"max_batch": 2.5}, "max_batch", 2.5),
+    ({"num_speculative_tokens": 4.0}, "num_speculative_tokens", 4.0),
+    ({"min_proposals": "32"}, "min_proposals", "32"),
+    ({"probe_every": [8]}, "probe_every", [8]),
+    # unknown keys
+    ({"acceptance_flor": 0.5}, "acceptance_flor", 0.5),
+    ({"max_batch": 8, "batch_resume": 4, "temperature": 1.0}, "temperature", 1.0),
+]
+
+
+@pytest.mark.parametrize(("raw", "field", "value"), INVALID)
+def test_invalid_fields_are_named(raw: dict[str, Any], field: str, value: Any) -> None:
+    with pytest.raises(PolicyConfigError) as info:
+        PolicyConfig.from_mapping(raw)
+    message = str(info.value)
+    assert info.value.field == field
+    assert message.startswith(f"policy.{field}: ")
+    assert repr(value) in message
+    if not (isinstance(value, float) and math.isnan(value)):
+        assert info.value.value == value
+    assert isinstance(info.value, ValueError)
+
+
+@pytest.mark.parametrize(("field", "value"), [
+    ("acceptance_floor", 1.5),
+    ("acceptance_half_life", 0.0),
+    ("max_batch", 0),
+    ("batch_resume", 100),
+    ("probe_every", 0),
+    ("num_speculative_tokens", 17),
+])
+def test_the_constructor_validates_too(field: str, value: Any) -> None:
+    with pytest.raises(PolicyConfigError, match=rf"^policy\.{field}: .*\(got {value!r}\)$"):
+        PolicyConfig(**{field: value})
+
+
+@pytest.mark.parametrize("raw", [[1, 2], "acceptance_floor: 0.5", 3])
+def test_the_section_must_be_a_mapping(raw: Any) -> None:
+    with pytest.raises(PolicyConfigError) as info:
+        PolicyConfig.from_mapping(raw)
+    assert info.value.field == "(section)"
+    assert repr(raw) in str(info.value)
+
+
+def test_huge_int_for_a_float_field_is_a_policy_error() -> None:
+    with pytest.raises(PolicyConfigError, match=r"^policy\.acceptance_half_life: "):
+        PolicyConfig.from_mapping({"acceptance_half_life": 10**400})
+
+
+def test_validation_is_pure() -> None:
+    """A rejected mapping leaves nothing behind; the same valid mapping always gives equal configs."""
+    raw: dict[str, Any] = {"max_batch": 8, "batch_resume": 4}
+    copy = dict(raw)
+    assert PolicyConfig.from_mapping(raw) == PolicyConfig.from_mapping(raw)
+    assert raw == copy
+    bad: dict[str, Any] = {"max_batch": 0}
+    for _ in range(2):
+        with pytest.raises(PolicyConfigError):
+            PolicyConfig.from_mapping(bad)
+    assert bad == {"max_batch": 0}
