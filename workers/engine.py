@@ -14,7 +14,6 @@ before they are ever attended to.
 
 from __future__ import annotations
 
-import itertools
 import random
 import time
 from collections import deque
@@ -272,9 +271,3 @@ class SpeculativeEngine:
             events.extend(e for e in self.step() if e.request_id == request.request_id)
         return events
 
-
-_request_ids = itertools.count()
-
-
-def next_request_id(prefix: str = "req") -> str:
-    return f"{prefix}-{next(_request_ids)}"
