@@ -7,6 +7,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+import aiohttp
 from aiohttp import web
 
 from gateway.fleet import WorkerHandle
@@ -57,8 +58,7 @@ def _session_id(request: web.Request, req: CompletionRequest) -> str | None:
     return session_id
 
 
-def _decide(state: GatewayState, session: Session, handle: WorkerHandle, req: CompletionRequest,
-            policy: PolicyConfig) -> Decision:
+def _decide(session: Session, handle: WorkerHandle, req: CompletionRequest, policy: PolicyConfig) -> Decision:
     handle.batch_full = batch_latch(handle.batch_full, handle.load, policy)
     worker = WorkerState(handle.load, handle.batch_full, handle.max_k, "speculative" in handle.modes)
     return decide(session.policy_state, worker, RequestFacts(req.temperature), policy)
@@ -78,7 +78,8 @@ def _record(state: GatewayState, session: Session, decision: Decision) -> None:
     session.policy_state = record_decision(session.policy_state, decision)
 
 
-async def _admit(state: GatewayState, session: Session, req: CompletionRequest) -> tuple[Admission, Any]:
+async def _admit(state: GatewayState, session: Session,
+                 req: CompletionRequest) -> tuple[Admission, aiohttp.ClientResponse]:
     """Routes, decides and opens the worker stream, retrying on other workers before the first chunk."""
     policy = state.policy.active
     tried: set[str] = set()
@@ -91,7 +92,7 @@ async def _admit(state: GatewayState, session: Session, req: CompletionRequest) 
             raise Unavailable("no worker is ready", retry_after_s=1.0)
         handle = state.fleet.workers[worker_id]
         session.worker_id = worker_id
-        decision = _decide(state, session, handle, req, policy)
+        decision = _decide(session, handle, req, policy)
         body = worker_body(req, Directive(decision.k, policy.max_batch, policy.batch_resume))
         if not handle.speaks_specgate:
             body.pop(DIRECTIVE_FIELD)  # a plain OpenAI server serves its one fixed mode
