@@ -483,3 +483,18 @@ def test_engine_generate_convenience(target_model: LlamaForCausalLM, draft_model
     events = engine.generate(GenerationRequest("g", PROMPTS[15], 12, GREEDY, k=2))
     assert {e.request_id for e in events} == {"g"}
     assert output_tokens(events) == greedy_reference(PROMPTS[15], 12)
+
+
+def test_set_k_reaches_queued_requests(target_model: LlamaForCausalLM, draft_model: LlamaForCausalLM) -> None:
+    engine = SpeculativeEngine(target_model, draft_model, max_slots=1, max_k=4)
+    engine.add(GenerationRequest("running", [1, 2, 3], 4, SamplingParams(temperature=0.0), k=0))
+    engine.add(GenerationRequest("queued", [4, 5, 6], 6, SamplingParams(temperature=0.0), k=0))
+    engine.step()
+    assert engine.queue_length == 1
+    assert engine.set_k("queued", 3) and not engine.set_k("unknown", 3)
+    proposed: list[int] = []
+    for _ in range(50):
+        if not engine.has_work:
+            break
+        proposed += [e.proposed for e in engine.step() if e.request_id == "queued"]
+    assert proposed and proposed[0] > 0  # admitted speculating, as set while it waited

@@ -18,7 +18,7 @@ import random
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Literal
 
 import torch
@@ -149,10 +149,18 @@ class SpeculativeEngine:
                 return True
         return False
 
-    def set_k(self, request_id: str, k: int) -> None:
+    def set_k(self, request_id: str, k: int) -> bool:
+        """Changes a sequence's depth from its next step on, queued or running. True if known."""
+        k = max(0, min(k, self.max_k))
         seq = self._running.get(request_id)
         if seq is not None:
-            seq.k = max(0, min(k, self.max_k))
+            seq.k = k
+            return True
+        for i, request in enumerate(self._waiting):
+            if request.request_id == request_id:
+                self._waiting[i] = replace(request, k=k)
+                return True
+        return False
 
     def _admit(self) -> None:
         while self._waiting and self._free_slots:

@@ -1,0 +1,24 @@
+"""bench.engine runs end to end and prints the figures the issue asks for (no timing asserted)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+from tests.harness import REPO
+
+REQUIRED = {"alpha_t0", "best_k", "speedup_b1", "bound_b1", "c", "tok_s_plain_b1", "tok_s_spec_b1",
+            "alpha_by_temperature", "verify_cost_by_tokens"}
+
+
+def test_bench_engine_quick_json() -> None:
+    run = subprocess.run([sys.executable, "-m", "bench.engine", "--quick", "--json"], cwd=REPO, capture_output=True,
+                         text=True, timeout=300, check=True)
+    result = json.loads(run.stdout.strip().splitlines()[-1])
+    assert set(result) >= REQUIRED
+    assert {"tok_s_b8_plain", "tok_s_b8_spec"} <= set(result)
+    assert 1 <= result["best_k"] <= 4
+    assert 0.0 <= result["alpha_t0"] <= 1.0 and result["c"] > 0
+    assert set(result["alpha_by_temperature"]) == {"0.0", "0.5", "0.8", "1.0"}
+    assert "best K=" in run.stdout
