@@ -135,8 +135,7 @@ def run_mixed(engine: SpeculativeEngine, params: SamplingParams,
             engine.add(GenerationRequest(rid, PROMPTS[plan.prompt], plan.max_tokens, seeded, k=plan.k))
             requested_k[rid] = min(plan.k, MAX_K)
         for rid, k in K_CHANGES.get(step, {}).items():
-            engine.set_k(rid, k)
-            if rid in engine._running:
+            if engine.set_k(rid, k):  # running or still queued: both take the new depth
                 requested_k[rid] = min(k, MAX_K)
         running_before = set(engine._running)
         expected_depth = min(MIXED_SLOTS, engine.batch_depth + engine.queue_length)
