@@ -64,6 +64,7 @@ class WorkersConfig:
     dtype: Literal["float32", "bfloat16"] = "float32"
     startup_timeout_s: float = 120.0  # a worker not healthy by then is restarted
     poll_interval_s: float = 0.5  # health and load polling period
+    unhealthy_restart_s: float = 10.0  # a live local worker failing health checks this long is killed and restarted
     restart_backoff_s: float = 0.5  # first restart delay, doubled per consecutive failure
     restart_backoff_max_s: float = 30.0
     socket_dir: Path | None = None  # where Unix sockets go (default: a fresh temporary directory)
@@ -178,6 +179,7 @@ def parse_config(raw: Any, base: Path, source: Path | None = None) -> GatewayCon
         dtype=_get(w, "workers", "dtype", str, wd.dtype, choices=("float32", "bfloat16")),
         startup_timeout_s=_get(w, "workers", "startup_timeout_s", float, wd.startup_timeout_s, minimum=1),
         poll_interval_s=_get(w, "workers", "poll_interval_s", float, wd.poll_interval_s, minimum=0.05),
+        unhealthy_restart_s=_get(w, "workers", "unhealthy_restart_s", float, wd.unhealthy_restart_s, minimum=0.1),
         restart_backoff_s=_get(w, "workers", "restart_backoff_s", float, wd.restart_backoff_s, minimum=0),
         restart_backoff_max_s=_get(w, "workers", "restart_backoff_max_s", float, wd.restart_backoff_max_s, minimum=0),
         socket_dir=socket_dir, remote=_parse_remote(w.get("remote")))

@@ -233,15 +233,30 @@ class Fleet:
 
     async def _poll(self, handle: WorkerHandle) -> None:
         interval = self.config.workers.poll_interval_s
+        hung_after = self.config.workers.unhealthy_restart_s
+        unhealthy_since: float | None = None
         while True:
             await asyncio.sleep(interval)
             if handle.status in ("starting", "restarting"):
+                unhealthy_since = None
                 continue
             ok = await self._probe(handle)
-            if ok and handle.status != "ready":
-                handle.status = "ready"
-                self.metrics.worker_up.labels(worker=handle.worker_id).set(1)
-            elif not ok and handle.status == "ready":
-                log.warning("%s failed its health check: %s", handle.worker_id, handle.last_error)
-                self._mark_down(handle, "unhealthy")
+            if ok:
+                unhealthy_since = None
+                if handle.status != "ready":
+                    handle.status = "ready"
+                    self.metrics.worker_up.labels(worker=handle.worker_id).set(1)
+            else:
+                if handle.status == "ready":
+                    log.warning("%s failed its health check: %s", handle.worker_id, handle.last_error)
+                    self._mark_down(handle, "unhealthy")
+                unhealthy_since = unhealthy_since or time.monotonic()
+                process = handle.process
+                # A local process that is alive but does not answer is hung: kill it, and the
+                # supervisor restarts it like any crashed worker.
+                if (process is not None and process.returncode is None
+                        and time.monotonic() - unhealthy_since > hung_after):
+                    log.warning("%s unresponsive for %.0fs; killing pid %d", handle.worker_id, hung_after, process.pid)
+                    process.kill()
+                    unhealthy_since = None
             self.metrics.worker_in_flight.labels(worker=handle.worker_id).set(handle.in_flight)

@@ -95,3 +95,26 @@ async def test_overload_answers_429_with_retry_after(tmp_path: Path) -> None:
                 assert payload["error"]["type"] == "rate_limit_error"  # type: ignore[index]
     finally:
         gw.stop()
+
+
+def test_hung_worker_is_killed_and_restarted(tmp_path: Path) -> None:
+    config = write_config(tmp_path / "config.yaml", workers={"count": 1, "unhealthy_restart_s": 1.0})
+    gw = start_gateway(config, tmp_path)
+    try:
+        (worker,) = gw.get_json("/admin/workers")["workers"]
+        pid = worker["pid"]
+        os.kill(pid, signal.SIGSTOP)  # alive, but answers nothing
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            (worker,) = gw.get_json("/admin/workers")["workers"]
+            if worker["status"] == "ready" and worker["pid"] != pid:
+                break
+            time.sleep(0.2)
+        else:
+            raise AssertionError(f"hung worker was not replaced:\n{gw.log()}")
+        assert worker["restarts"] == 1
+        assert "unresponsive" in gw.log()
+        with sdk_client(gw) as client:
+            assert client.completions.create(model="specgate-demo", prompt=PROMPT, max_tokens=4).choices[0].text
+    finally:
+        gw.stop()
