@@ -143,19 +143,30 @@ class Attention(nn.Module):
         b, length, _ = x.shape
         q, k, v = self._qkv(x)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        # Write only the valid (non-padding) tokens, each at its own (slot, position).
         k_layer, v_layer = cache.k[layer], cache.v[layer]
-        valid_k = k.transpose(1, 2)[batch.valid_rows, batch.valid_cols]  # (N, Hkv, D)
-        valid_v = v.transpose(1, 2)[batch.valid_rows, batch.valid_cols]
-        k_layer[batch.write_slots, :, batch.write_positions] = valid_k
-        v_layer[batch.write_slots, :, batch.write_positions] = valid_v
         span = batch.key_span
-        if batch.contiguous_slots is not None:
-            lo, hi = batch.contiguous_slots
-            keys, values = k_layer[lo:hi, :, :span], v_layer[lo:hi, :, :span]
+        mask: torch.Tensor | None = batch.mask
+        if batch.single is not None:
+            # One sequence (batch 1, the latency case): no padding, so write by slicing, and a
+            # single query sees every key up to its own position, so it needs no mask.
+            slot, start = batch.single
+            k_layer[slot, :, start:start + length] = k[0]
+            v_layer[slot, :, start:start + length] = v[0]
+            keys, values = k_layer[slot:slot + 1, :, :span], v_layer[slot:slot + 1, :, :span]
+            if length == 1:
+                mask = None
         else:
-            keys, values = k_layer[batch.slots, :, :span], v_layer[batch.slots, :, :span]
-        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=batch.mask, enable_gqa=True)
+            # Write only the valid (non-padding) tokens, each at its own (slot, position).
+            valid_k = k.transpose(1, 2)[batch.valid_rows, batch.valid_cols]  # (N, Hkv, D)
+            valid_v = v.transpose(1, 2)[batch.valid_rows, batch.valid_cols]
+            k_layer[batch.write_slots, :, batch.write_positions] = valid_k
+            v_layer[batch.write_slots, :, batch.write_positions] = valid_v
+            if batch.contiguous_slots is not None:
+                lo, hi = batch.contiguous_slots
+                keys, values = k_layer[lo:hi, :, :span], v_layer[lo:hi, :, :span]
+            else:
+                keys, values = k_layer[batch.slots, :, :span], v_layer[batch.slots, :, :span]
+        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=True)
         return F.linear(out.transpose(1, 2).reshape(b, length, -1), self.o_proj.weight)
 
 
@@ -238,6 +249,7 @@ class CacheBatch:
     key_span: int  # keys 0..key_span-1 are attended
     mask: torch.Tensor  # (B, 1, L, key_span) True where attention is allowed
     contiguous_slots: tuple[int, int] | None  # slots are lo..hi-1 in order: slice, don't gather
+    single: tuple[int, int] | None = None  # (slot, start) when the batch is one sequence
 
     @classmethod
     def build(cls, slots: list[int], starts: list[int], lengths: list[int], width: int,
@@ -260,8 +272,9 @@ class CacheBatch:
         contiguous = None
         if slots == list(range(slots[0], slots[0] + b)):
             contiguous = (slots[0], slots[0] + b)
+        single = (slots[0], starts[0]) if b == 1 and lengths[0] == width else None
         return cls(slot_t, positions.clamp(max=max_positions - 1), rows_idx, cols_idx, slot_t[rows_idx],
-                   positions[rows_idx, cols_idx], key_span, mask[:, None], contiguous)
+                   positions[rows_idx, cols_idx], key_span, mask[:, None], contiguous, single)
 
 
 class LlamaForCausalLM(nn.Module):
