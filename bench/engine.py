@@ -120,11 +120,13 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=96)
     parser.add_argument("--batches", default="8,32,64")
     parser.add_argument("--batch-max-tokens", type=int, default=32)
+    parser.add_argument("--alpha-prompts", type=int, default=32, help="held-out prompts for alpha per temperature")
     parser.add_argument("--quick", action="store_true", help="fewer prompts and tokens (smoke run)")
     parser.add_argument("--json", action="store_true", help="print one JSON object as the last line")
     args = parser.parse_args()
     if args.quick:
         args.prompts, args.max_tokens, args.kmax, args.batches, args.batch_max_tokens = 3, 32, 4, "8", 16
+        args.alpha_prompts = 8
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     dtype = torch.bfloat16 if args.dtype == "bfloat16" else torch.float32
@@ -132,9 +134,9 @@ def main() -> None:
     draft = LlamaForCausalLM.from_pretrained(args.draft, dtype)
     codec = TextCodec(args.target / "tokenizer.json", target.cfg.bos_token_id)
     batch_sizes = [int(b) for b in args.batches.split(",") if b]
-    texts = heldout_prompts(max(args.prompts, *batch_sizes), seed=1)
+    texts = heldout_prompts(max(args.prompts, args.alpha_prompts, *batch_sizes), seed=1)
     prompts = [codec.encode(t) for t in texts]
-    engine = SpeculativeEngine(target, draft, max_slots=max(batch_sizes), max_k=args.kmax)
+    engine = SpeculativeEngine(target, draft, max_slots=max(args.alpha_prompts, *batch_sizes), max_k=args.kmax)
     run_sequential(engine, prompts[:1], 8, [0, 2], 0.0)  # warm-up
 
     def log(message: str) -> None:
@@ -162,13 +164,14 @@ def main() -> None:
     verify_cost = {str(n): round(timed[f"verify{n}"] / target_s, 3) for n in range(2, args.kmax + 2)}
     log("target forward of n tokens / 1 token: " + ", ".join(f"n={n}: {v:.2f}" for n, v in verify_cost.items()))
     log(f"best K={best_k}: speed-up {speedup:.2f}x, bound S={bound:.2f}, measured/bound {speedup / bound:.2f}")
+    # Acceptance needs many drafts, not quiet timing: measure it batched, over more prompts.
+    alpha_prompts = prompts[:args.alpha_prompts]
     alpha_by_t: dict[str, float] = {}
     for temperature in TEMPERATURES:
-        result = best
-        if temperature > 0.0:
-            result = run_sequential(engine, b1, args.max_tokens, [best_k], temperature)[best_k]
+        result = run_batch(engine, alpha_prompts, args.max_tokens, best_k, temperature, seed=7)
         alpha_by_t[str(temperature)] = round(result.alpha, 4)
-        log(f"batch 1, K={best_k}, T={temperature}: alpha {result.alpha:.3f}, {result.tok_s:.1f} tok/s")
+        log(f"{len(alpha_prompts)} prompts, K={best_k}, T={temperature}: alpha {result.alpha:.3f} "
+            f"over {result.tested} tested drafts")
     batched: dict[str, float] = {}
     for size in batch_sizes:
         group = (prompts * (size // len(prompts) + 1))[:size]

@@ -27,7 +27,7 @@ def tcp_worker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[int]:
 
 
 @pytest.mark.parametrize(("protocol", "expected_mode", "proposes"), [
-    ("specgate", "speculative; k=2; reason=default", True),
+    ("specgate", "speculative; k=4; reason=default", True),
     ("openai", "plain; reason=worker_plain_only", False),
 ])
 def test_remote_worker(tmp_path: Path, tcp_worker: int, protocol: str, expected_mode: str, proposes: bool) -> None:
