@@ -259,4 +259,3 @@ class Fleet:
                     log.warning("%s unresponsive for %.0fs; killing pid %d", handle.worker_id, hung_after, process.pid)
                     process.kill()
                     unhealthy_since = None
-            self.metrics.worker_in_flight.labels(worker=handle.worker_id).set(handle.in_flight)

@@ -46,11 +46,8 @@ class StreamTally:
 
     proposed: int = 0
     accepted: int = 0
-    tokens: int = 0
-    chunks: int = 0
     first_token_at: float | None = None
     last_at: float = 0.0  # when the last chunk with tokens arrived
-    usage: dict[str, Any] | None = None
     collected: list[dict[str, Any]] = field(default_factory=list)
 
 

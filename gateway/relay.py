@@ -117,7 +117,6 @@ def _account(state: GatewayState, admission: Admission, tally: StreamTally, chun
              kind: RequestKind, started: float) -> None:
     now = time.monotonic()
     report = StepReport.from_json(chunk.get("specgate"))
-    tokens = 0
     if report is not None:
         session = admission.session
         session.policy_state = observe(session.policy_state, report.proposed, report.accepted, admission.policy)
@@ -137,7 +136,6 @@ def _account(state: GatewayState, admission: Admission, tally: StreamTally, chun
             gap = (now - tally.last_at) / tokens
             for _ in range(tokens):
                 state.metrics.inter_token_latency.labels(mode=mode).observe(gap)
-        tally.tokens += tokens
         tally.last_at = now
     if chunk.get("usage"):
         usage = dict(chunk["usage"])

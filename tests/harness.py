@@ -112,19 +112,28 @@ def start_gateway(config_path: Path, log_dir: Path, ready_timeout_s: float = 120
         process = subprocess.Popen([sys.executable, "-m", "gateway", "--config", str(config_path), "--port", str(port)],
                                    cwd=REPO, stdout=log, stderr=subprocess.STDOUT, env=env)
     gateway = Gateway(process, port, config_path, log_path)
-    deadline = time.monotonic() + ready_timeout_s
+    try:
+        wait_until_ok(process, gateway.url + "/ready", log_path, ready_timeout_s)
+    except RuntimeError:
+        gateway.stop()
+        raise
+    return gateway
+
+
+def wait_until_ok(process: subprocess.Popen[bytes], url: str, log_path: Path, timeout_s: float) -> None:
+    """Polls ``url`` until it answers 200; fails early, with the log, if the process exits."""
+    deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if process.poll() is not None:
-            raise RuntimeError(f"gateway exited with {process.returncode}:\n{gateway.log()}")
+            raise RuntimeError(f"{url}: process exited with {process.returncode}:\n{log_path.read_text()}")
         try:
-            with urllib.request.urlopen(gateway.url + "/ready", timeout=2) as response:
+            with urllib.request.urlopen(url, timeout=2) as response:
                 if response.status == 200:
-                    return gateway
+                    return
         except (urllib.error.URLError, ConnectionError, TimeoutError):
             pass
         time.sleep(0.2)
-    gateway.stop()
-    raise RuntimeError(f"gateway not ready within {ready_timeout_s}s:\n{gateway.log()}")
+    raise RuntimeError(f"{url}: not ready within {timeout_s}s:\n{log_path.read_text()}")
 
 
 def start_tcp_worker(log_dir: Path, *extra: str, ready_timeout_s: float = 120.0) -> tuple[subprocess.Popen[bytes], int]:
@@ -136,16 +145,10 @@ def start_tcp_worker(log_dir: Path, *extra: str, ready_timeout_s: float = 120.0)
             [sys.executable, "-m", "workers", "--worker-id", f"tcp-{port}", "--port", str(port),
              "--target", str(MODELS / "demo-target"), "--draft", str(MODELS / "demo-draft"), *extra],
             cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
-    deadline = time.monotonic() + ready_timeout_s
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            raise RuntimeError(f"worker exited with {process.returncode}:\n{log_path.read_text()}")
-        try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as response:
-                if response.status == 200:
-                    return process, port
-        except (urllib.error.URLError, ConnectionError, TimeoutError):
-            pass
-        time.sleep(0.2)
-    process.kill()
-    raise RuntimeError(f"worker not ready within {ready_timeout_s}s:\n{log_path.read_text()}")
+    try:
+        wait_until_ok(process, f"http://127.0.0.1:{port}/health", log_path, ready_timeout_s)
+    except RuntimeError:
+        process.kill()
+        process.wait()
+        raise
+    return process, port
