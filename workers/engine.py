@@ -132,7 +132,7 @@ class SpeculativeEngine:
         vocab = self.target.cfg.vocab_size
         if any(not 0 <= t < vocab for t in request.prompt_ids):
             raise ValueError(f"token ids must be in 0..{vocab - 1}")
-        if request.request_id in self._running or any(r.request_id == request.request_id for r in self._waiting):
+        if request.request_id in self._running or self._waiting_index(request.request_id) is not None:
             raise ValueError(f"duplicate request id {request.request_id}")
         self._waiting.append(request)
 
@@ -143,10 +143,10 @@ class SpeculativeEngine:
             self._free_slots.append(seq.slot)
             self._free_slots.sort()
             return True
-        for request in self._waiting:
-            if request.request_id == request_id:
-                self._waiting.remove(request)
-                return True
+        index = self._waiting_index(request_id)
+        if index is not None:
+            del self._waiting[index]
+            return True
         return False
 
     def set_k(self, request_id: str, k: int) -> bool:
@@ -156,11 +156,14 @@ class SpeculativeEngine:
         if seq is not None:
             seq.k = k
             return True
-        for i, request in enumerate(self._waiting):
-            if request.request_id == request_id:
-                self._waiting[i] = replace(request, k=k)
-                return True
+        index = self._waiting_index(request_id)
+        if index is not None:
+            self._waiting[index] = replace(self._waiting[index], k=k)
+            return True
         return False
+
+    def _waiting_index(self, request_id: str) -> int | None:
+        return next((i for i, r in enumerate(self._waiting) if r.request_id == request_id), None)
 
     def _admit(self) -> None:
         while self._waiting and self._free_slots:
