@@ -61,7 +61,7 @@ class WorkersConfig:
     max_queue: int = 64  # waiting sequences per worker before 429
     max_k: int = 8  # deepest speculation a worker supports
     threads: int = 1  # torch threads per worker process
-    dtype: Literal["float32", "bfloat16"] = "float32"
+    dtype: Literal["float32", "bfloat16"] = "bfloat16"
     startup_timeout_s: float = 120.0  # a worker not healthy by then is restarted
     poll_interval_s: float = 0.5  # health and load polling period
     unhealthy_restart_s: float = 10.0  # a live local worker failing health checks this long is killed and restarted

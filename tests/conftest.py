@@ -35,11 +35,7 @@ VerifyFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Generator],
 
 def prepare_for_inference(model: LlamaForCausalLM) -> LlamaForCausalLM:
     """What ``from_pretrained`` does after loading: eval, no grad, fused projections."""
-    model.eval().requires_grad_(False)
-    for layer in model.model.blocks():
-        layer.self_attn.fuse()
-        layer.mlp.fuse()
-    return model
+    return model.prepare_inference()
 
 
 def build_target(cfg: ModelConfig, seed: int = TARGET_SEED) -> LlamaForCausalLM:
@@ -71,6 +67,13 @@ def copy_with_config(source: LlamaForCausalLM, cfg: ModelConfig) -> LlamaForCaus
     model = LlamaForCausalLM(cfg)
     model.load_state_dict(source.state_dict())
     return prepare_for_inference(model)
+
+
+def converted(source: LlamaForCausalLM, dtype: torch.dtype) -> LlamaForCausalLM:
+    """``source``'s weights in another dtype, prepared for inference as a worker loads them."""
+    model = LlamaForCausalLM(source.cfg)
+    model.load_state_dict(source.state_dict())
+    return model.to(dtype).prepare_inference()
 
 
 def greedy_by_full_forward(model: LlamaForCausalLM, prompt: Sequence[int], n: int) -> list[int]:
@@ -153,6 +156,13 @@ def target_model(tiny_config: ModelConfig, _single_thread: None) -> LlamaForCaus
 @pytest.fixture(scope="session")
 def draft_model(target_model: LlamaForCausalLM) -> LlamaForCausalLM:
     return build_noisy_copy(target_model, DRAFT_NOISE_SEED, DRAFT_NOISE)
+
+
+@pytest.fixture(scope="session")
+def bf16_models(target_model: LlamaForCausalLM, draft_model: LlamaForCausalLM
+                ) -> tuple[LlamaForCausalLM, LlamaForCausalLM]:
+    """The target/draft pair in bfloat16 (the serving default), with prepacked projections."""
+    return converted(target_model, torch.bfloat16), converted(draft_model, torch.bfloat16)
 
 
 @pytest.fixture(scope="session")

@@ -3,6 +3,7 @@ KV-cache rewind, scheduling (join/leave/abort), stopping and per-step accounting
 
 from __future__ import annotations
 
+import dataclasses
 from collections import defaultdict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -11,8 +12,10 @@ import pytest
 import torch
 
 from workers.engine import GenerationRequest, SpeculativeEngine, StepDepthRule, StepEvent
-from workers.model import CacheBatch, KVCache, LlamaForCausalLM
+from workers.model import CacheBatch, KVCache, LlamaForCausalLM, ModelConfig
 from workers.sampling import SamplingParams, Verdict
+
+from .conftest import converted
 
 GreedyReference = Callable[[Sequence[int], int], list[int]]
 ChiSquare = Callable[[Sequence[int], torch.Tensor], float]
@@ -197,6 +200,43 @@ def test_greedy_parity_mixed_batch(target_model: LlamaForCausalLM, draft_model: 
     assert any(0 < e.proposed == e.accepted for s in run.steps for e in s)
 
 
+# -- 1b & 2b. the same parity in bfloat16 (the serving default) -----------------------------------
+# The reference is the engine's own plain decoding in bfloat16: a float32 cache-free forward
+# rounds differently, so it is the wrong yardstick for "speculation changes nothing".
+@pytest.fixture(scope="module")
+def bf16_plain_reference(bf16_models: tuple[LlamaForCausalLM, LlamaForCausalLM]) -> GreedyReference:
+    engine = SpeculativeEngine(bf16_models[0], None, max_slots=1)
+    memo: dict[tuple[tuple[int, ...], int], list[int]] = {}
+
+    def reference(prompt: Sequence[int], n: int) -> list[int]:
+        key = (tuple(prompt), n)
+        if key not in memo:
+            memo[key] = output_tokens(generate(engine, GenerationRequest("ref", list(prompt), n, GREEDY, k=0)))
+        return memo[key]
+
+    return reference
+
+
+@pytest.mark.parametrize("k", range(1, MAX_K + 1))
+def test_greedy_parity_bfloat16_batch1(k: int, bf16_models: tuple[LlamaForCausalLM, LlamaForCausalLM],
+                                       bf16_plain_reference: GreedyReference) -> None:
+    engine = SpeculativeEngine(*bf16_models, max_slots=2, max_k=MAX_K)
+    accepted = 0
+    for i, prompt in enumerate(PROMPTS):
+        max_tokens = 16 + i % 9
+        events = generate(engine, GenerationRequest(f"p{i}", prompt, max_tokens, GREEDY, k=k))
+        assert output_tokens(events) == bf16_plain_reference(prompt, max_tokens), f"prompt {i}"
+        accepted += sum(e.accepted for e in events)
+    assert accepted > 0
+
+
+def test_greedy_parity_bfloat16_mixed_batch(bf16_models: tuple[LlamaForCausalLM, LlamaForCausalLM],
+                                            bf16_plain_reference: GreedyReference) -> None:
+    run = run_mixed(SpeculativeEngine(*bf16_models, max_slots=MIXED_SLOTS, max_k=MAX_K), GREEDY)
+    for rid, plan in MIXED.items():
+        assert output_tokens(run.events[rid]) == bf16_plain_reference(PROMPTS[plan.prompt], plan.max_tokens), rid
+
+
 def test_step_accounting_sampled_with_depth_rule(target_model: LlamaForCausalLM,
                                                  draft_model: LlamaForCausalLM) -> None:
     def rule(k: int, depth: int) -> int:
@@ -274,6 +314,48 @@ def test_distribution_harness_rejects_wrong_rule(
     monkeypatch.setattr("workers.engine.verify", wrong_verify)
     firsts, _ = first_two_tokens(target_model, far_draft_model, seed0=100_000)
     assert chi_square(firsts, p1) < 1e-6
+
+
+# -- 3b. row invariance: a verification scores each token exactly as decoding it alone would -------
+def test_verification_logits_equal_one_at_a_time_bitwise(tiny_config: ModelConfig) -> None:
+    # bfloat16 (the serving default, prepacked projections) promises bit-identical rows. float32
+    # matmuls round one row differently from several, so float32 is only close (1e-6), which the
+    # float32 parity tests cover. The demo models' head size (64) and long contexts: that is
+    # where the fused kernel's blocking changes with the number of queries.
+    dtype = torch.bfloat16
+    cfg = dataclasses.replace(tiny_config, hidden_size=384, num_attention_heads=6, num_key_value_heads=2,
+                              num_hidden_layers=1, max_position_embeddings=640)
+    source = LlamaForCausalLM(cfg)
+    source.init_weights(seed=4)
+    model = converted(source, dtype)
+    gen = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(0, cfg.vocab_size, (n,), generator=gen).tolist() for n in (5, 250, 500)]
+    drafts = [torch.randint(0, cfg.vocab_size, (6,), generator=gen).tolist() for _ in prompts]
+    with torch.inference_mode():
+        cache = KVCache.allocate(cfg, 3, dtype)
+        for slot, prompt in enumerate(prompts):
+            model.forward_cached(torch.tensor([prompt]), cache,
+                                 CacheBatch.build([slot], [0], [len(prompt)], len(prompt), cfg.max_position_embeddings))
+        alone = []
+        for slot, (prompt, new) in enumerate(zip(prompts, drafts, strict=True)):
+            scratch = KVCache([k.clone() for k in cache.k], [v.clone() for v in cache.v])
+            alone.append(torch.cat([model.forward_cached(
+                torch.tensor([[token]]), scratch,
+                CacheBatch.build([slot], [len(prompt) + i], [1], 1, cfg.max_position_embeddings))[0]
+                for i, token in enumerate(new)]))
+        for slot, (prompt, new) in enumerate(zip(prompts, drafts, strict=True)):  # one (K+1)-token forward
+            scratch = KVCache([k.clone() for k in cache.k], [v.clone() for v in cache.v])
+            batch = CacheBatch.build([slot], [len(prompt)], [len(new)], len(new), cfg.max_position_embeddings)
+            assert torch.equal(model.forward_cached(torch.tensor([new]), scratch, batch)[0], alone[slot])
+        # All three sequences in one batch, with different numbers of new tokens (padding).
+        widths = [6, 3, 1]
+        tokens = torch.zeros((3, 6), dtype=torch.long)
+        for row, (new, width) in enumerate(zip(drafts, widths, strict=True)):
+            tokens[row, :width] = torch.tensor(new[:width])
+        batch = CacheBatch.build([0, 1, 2], [len(p) for p in prompts], widths, 6, cfg.max_position_embeddings)
+        batched = model.forward_cached(tokens, cache, batch)
+        for row, width in enumerate(widths):
+            assert torch.equal(batched[row, :width], alone[row][:width]), row
 
 
 # -- 4. KV rewind ---------------------------------------------------------------------------------

@@ -266,7 +266,8 @@ class SpeculativeEngine:
                 logit_rows += [b] * row.n_logits
                 logit_cols += range(n - row.n_logits, n)
             batch = CacheBatch.build([rows[i].slot for i in group], [rows[i].start for i in group],
-                                     [len(rows[i].new_tokens) for i in group], width, self.max_positions)
+                                     [len(rows[i].new_tokens) for i in group], width, self.max_positions,
+                                     row_invariant=model is self.target)
             logits = model.forward_cached(tokens, cache, batch, torch.tensor(logit_rows), torch.tensor(logit_cols))
             splits = logits.split([rows[i].n_logits for i in group])
             for i, chunk in zip(group, splits, strict=True):

@@ -2,9 +2,10 @@
 
 The same directory (``config.json`` with ``LlamaForCausalLM`` fields, ``model.safetensors``,
 ``tokenizer.json``) loads unchanged in transformers and vLLM. Parameter names follow the
-Hugging Face layout so the state dict round-trips; at inference the q/k/v and gate/up
-projections are fused into single matmuls because on a CPU at batch 1 the per-op overhead,
-not the FLOPs, dominates a small model's step time.
+Hugging Face layout so the state dict round-trips. ``prepare_inference`` then fuses the q/k/v
+and gate/up projections into single matmuls (on a CPU at batch 1 the per-op overhead, not the
+FLOPs, dominates a small model's step time) and lays every projection out once for the CPU's
+matmul library (``FrozenLinear``).
 
 Two forward paths share the weights:
 - ``forward_train(tokens)``: full causal attention, no cache (training, reference passes).
@@ -77,6 +78,37 @@ class ModelConfig:
         }
 
 
+def _onednn_packing_available() -> bool:
+    ops = torch.ops.mkldnn
+    return (torch.backends.mkldnn.is_available() and hasattr(ops, "_reorder_linear_weight")
+            and hasattr(ops, "_linear_pointwise") and bool(ops._is_mkldnn_bf16_supported()))
+
+
+class FrozenLinear:
+    """An inference-only projection ``y = x Wᵀ`` whose weight is laid out once, at load.
+
+    In bfloat16 the weight is prepacked into oneDNN's blocked layout (what torch.compile's CPU
+    backend does with frozen weights). On CPUs with AMX or AVX512-BF16 a packed projection then
+    costs about the same for 1 row as for 9, which is what lets the target verify K drafts in
+    one forward for little more than the price of one token; ``F.linear`` on a plain bfloat16
+    weight re-lays it out on every call and is slower at batch 1. The packed kernel's rows do
+    not depend on how many rows there are, so verification sees the same logits as a plain
+    step. Where packing is unavailable (other dtypes, builds without oneDNN) it is ``F.linear``.
+    """
+
+    def __init__(self, weight: torch.Tensor) -> None:
+        self.weight = weight.detach().contiguous()
+        self.packed: torch.Tensor | None = None
+        if self.weight.dtype == torch.bfloat16 and _onednn_packing_available():
+            self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight, 1)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.packed is not None:
+            out: torch.Tensor = torch.ops.mkldnn._linear_pointwise(x, self.packed, None, "none", [None], "")
+            return out
+        return F.linear(x, self.weight)
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
@@ -111,17 +143,24 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(cfg.hidden_size, cfg.num_key_value_heads * hd, bias=False)
         self.v_proj = nn.Linear(cfg.hidden_size, cfg.num_key_value_heads * hd, bias=False)
         self.o_proj = nn.Linear(cfg.num_attention_heads * hd, cfg.hidden_size, bias=False)
-        self.qkv_fused: torch.Tensor | None = None
+        self.qkv_fused: FrozenLinear | None = None
+        self.o_frozen: FrozenLinear | None = None
 
-    def fuse(self) -> None:
-        self.qkv_fused = torch.cat([self.q_proj.weight, self.k_proj.weight, self.v_proj.weight]).detach()
+    def prepare_inference(self) -> None:
+        self.qkv_fused = FrozenLinear(torch.cat([self.q_proj.weight, self.k_proj.weight, self.v_proj.weight]))
+        self.o_frozen = FrozenLinear(self.o_proj.weight)
+
+    def _out(self, attended: torch.Tensor) -> torch.Tensor:
+        if self.o_frozen is not None:
+            return self.o_frozen(attended)
+        return F.linear(attended, self.o_proj.weight)
 
     def _qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         cfg = self.cfg
         b, length, _ = x.shape
         hd = cfg.head_dim
         if self.qkv_fused is not None:
-            qkv = F.linear(x, self.qkv_fused)
+            qkv = self.qkv_fused(x)
             q, k, v = qkv.split([cfg.num_attention_heads * hd, cfg.num_key_value_heads * hd,
                                  cfg.num_key_value_heads * hd], dim=-1)
         else:
@@ -136,7 +175,7 @@ class Attention(nn.Module):
         q, k, v = self._qkv(x)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
-        return F.linear(out.transpose(1, 2).reshape(b, length, -1), self.o_proj.weight)
+        return self._out(out.transpose(1, 2).reshape(b, length, -1))
 
     def forward_cached(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache,
                        layer: int, batch: CacheBatch) -> torch.Tensor:
@@ -145,16 +184,12 @@ class Attention(nn.Module):
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         k_layer, v_layer = cache.k[layer], cache.v[layer]
         span = batch.key_span
-        mask: torch.Tensor | None = batch.mask
         if batch.single is not None:
-            # One sequence (batch 1, the latency case): no padding, so write by slicing, and a
-            # single query sees every key up to its own position, so it needs no mask.
+            # One sequence (batch 1, the latency case): no padding, so write by slicing.
             slot, start = batch.single
             k_layer[slot, :, start:start + length] = k[0]
             v_layer[slot, :, start:start + length] = v[0]
             keys, values = k_layer[slot:slot + 1, :, :span], v_layer[slot:slot + 1, :, :span]
-            if length == 1:
-                mask = None
         else:
             # Write only the valid (non-padding) tokens, each at its own (slot, position).
             valid_k = k.transpose(1, 2)[batch.valid_rows, batch.valid_cols]  # (N, Hkv, D)
@@ -166,8 +201,38 @@ class Attention(nn.Module):
                 keys, values = k_layer[lo:hi, :, :span], v_layer[lo:hi, :, :span]
             else:
                 keys, values = k_layer[batch.slots, :, :span], v_layer[batch.slots, :, :span]
-        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=True)
-        return F.linear(out.transpose(1, 2).reshape(b, length, -1), self.o_proj.weight)
+        if batch.row_invariant:
+            out = _attend_per_query(q, keys, values, batch.mask)
+        else:
+            mask = None if batch.single is not None and length == 1 else batch.mask
+            out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=True)
+        return self._out(out.transpose(1, 2).reshape(b, length, -1))
+
+
+def _attend_per_query(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Attention computed for every query as if it were decoded alone.
+
+    q (B, H, L, D); keys/values (B, Hkv, S, D); mask (B, 1, L, S), True where allowed.
+    The fused kernel picks its blocking from the number of queries, so a token scored inside
+    a (K+1)-token verification would round differently from the same token decoded alone, and
+    greedy speculative output would drift from plain output at near-ties (often, in bfloat16).
+    Feeding it one query per call row makes each row's arithmetic independent of its
+    neighbours; the key span is padded to whole KEY_BLOCKs (masked) so that it also does not
+    depend on how far the longest row in the call reaches.
+    """
+    b, _, length, _ = q.shape
+    if length == 1:
+        return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=True)
+    if b == 1:
+        # The L queries become L batch rows over the same keys (expand is a view, not a copy).
+        rows = F.scaled_dot_product_attention(
+            q.transpose(0, 2), keys.expand(length, -1, -1, -1), values.expand(length, -1, -1, -1),
+            attn_mask=mask.transpose(0, 2), enable_gqa=True)
+        return rows.transpose(0, 2)
+    # Several sequences: one call per query column keeps every row a single-query problem
+    # without copying each sequence's keys once per query.
+    return torch.cat([F.scaled_dot_product_attention(q[:, :, i:i + 1], keys, values, attn_mask=mask[:, :, i:i + 1],
+                                                     enable_gqa=True) for i in range(length)], dim=2)
 
 
 class MLP(nn.Module):
@@ -176,16 +241,18 @@ class MLP(nn.Module):
         self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
         self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
-        self.gate_up_fused: torch.Tensor | None = None
+        self.gate_up_fused: FrozenLinear | None = None
+        self.down_frozen: FrozenLinear | None = None
 
-    def fuse(self) -> None:
-        self.gate_up_fused = torch.cat([self.gate_proj.weight, self.up_proj.weight]).detach()
+    def prepare_inference(self) -> None:
+        self.gate_up_fused = FrozenLinear(torch.cat([self.gate_proj.weight, self.up_proj.weight]))
+        self.down_frozen = FrozenLinear(self.down_proj.weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.gate_up_fused is not None:
-            gate, up = F.linear(x, self.gate_up_fused).chunk(2, dim=-1)
-        else:
-            gate, up = self.gate_proj(x), self.up_proj(x)
+        if self.gate_up_fused is not None and self.down_frozen is not None:
+            gate, up = self.gate_up_fused(x).chunk(2, dim=-1)
+            return self.down_frozen(F.silu(gate) * up)
+        gate, up = self.gate_proj(x), self.up_proj(x)
         return F.linear(F.silu(gate) * up, self.down_proj.weight)
 
 
@@ -222,16 +289,29 @@ class Backbone(nn.Module):
         return [layer for layer in self.layers if isinstance(layer, DecoderLayer)]
 
 
+# Row-invariant attention spans are padded to whole blocks of this many keys (masked), so a
+# token's attention reads the same number of keys whether it is decoded alone or verified
+# among K drafts, in any batch (see _attend_per_query).
+KEY_BLOCK = 64
+
+
+def padded_span(positions: int) -> int:
+    return -(-positions // KEY_BLOCK) * KEY_BLOCK
+
+
 @dataclass
 class KVCache:
-    """Per-layer key/value tensors, (slots, kv_heads, max_positions, head_dim), allocated once."""
+    """Per-layer key/value tensors, (slots, kv_heads, positions, head_dim), allocated once.
+
+    ``positions`` is max_position_embeddings rounded up to whole KEY_BLOCKs.
+    """
 
     k: list[torch.Tensor]
     v: list[torch.Tensor]
 
     @classmethod
     def allocate(cls, cfg: ModelConfig, slots: int, dtype: torch.dtype) -> KVCache:
-        shape = (slots, cfg.num_key_value_heads, cfg.max_position_embeddings, cfg.head_dim)
+        shape = (slots, cfg.num_key_value_heads, padded_span(cfg.max_position_embeddings), cfg.head_dim)
         return cls([torch.zeros(shape, dtype=dtype) for _ in range(cfg.num_hidden_layers)],
                    [torch.zeros(shape, dtype=dtype) for _ in range(cfg.num_hidden_layers)])
 
@@ -246,14 +326,17 @@ class CacheBatch:
     valid_cols: torch.Tensor  # (N,) column of each real token
     write_slots: torch.Tensor  # (N,) slot each real token's K/V goes to
     write_positions: torch.Tensor  # (N,) position each real token's K/V goes to
-    key_span: int  # keys 0..key_span-1 are attended
+    key_span: int  # keys 0..key_span-1 are read: the longest row (padded to KEY_BLOCKs if row_invariant)
     mask: torch.Tensor  # (B, 1, L, key_span) True where attention is allowed
     contiguous_slots: tuple[int, int] | None  # slots are lo..hi-1 in order: slice, don't gather
     single: tuple[int, int] | None = None  # (slot, start) when the batch is one sequence
+    # Every token's logits independent of the batch's shape (see _attend_per_query): what a
+    # target needs so verification scores exactly what plain decoding would. A draft can skip it.
+    row_invariant: bool = True
 
     @classmethod
     def build(cls, slots: list[int], starts: list[int], lengths: list[int], width: int,
-              max_positions: int) -> CacheBatch:
+              max_positions: int, row_invariant: bool = True) -> CacheBatch:
         b = len(slots)
         slot_t = torch.tensor(slots, dtype=torch.long)
         start_t = torch.tensor(starts, dtype=torch.long)
@@ -262,9 +345,10 @@ class CacheBatch:
         positions = start_t[:, None] + cols[None, :]
         valid = cols[None, :] < len_t[:, None]
         rows_idx, cols_idx = valid.nonzero(as_tuple=True)
-        key_span = int((start_t + len_t).max().item())
-        if key_span > max_positions:
-            raise ValueError(f"sequence needs {key_span} positions, cache holds {max_positions}")
+        needed = int((start_t + len_t).max().item())
+        if needed > max_positions:
+            raise ValueError(f"sequence needs {needed} positions, cache holds {max_positions}")
+        key_span = padded_span(needed) if row_invariant else needed
         keys = torch.arange(key_span, dtype=torch.long)
         # Padding rows attend causally like real rows (never to nothing, so no NaN); their
         # outputs are discarded by the caller.
@@ -274,7 +358,7 @@ class CacheBatch:
             contiguous = (slots[0], slots[0] + b)
         single = (slots[0], starts[0]) if b == 1 and lengths[0] == width else None
         return cls(slot_t, positions.clamp(max=max_positions - 1), rows_idx, cols_idx, slot_t[rows_idx],
-                   positions[rows_idx, cols_idx], key_span, mask[:, None], contiguous, single)
+                   positions[rows_idx, cols_idx], key_span, mask[:, None], contiguous, single, row_invariant)
 
 
 class LlamaForCausalLM(nn.Module):
@@ -288,6 +372,7 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
+        self.head_frozen: FrozenLinear | None = None
         cos, sin = rotary_tables(cfg, torch.float32)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
@@ -319,11 +404,20 @@ class LlamaForCausalLM(nn.Module):
         missing = [m for m in missing if not (cfg.tie_word_embeddings and m == "lm_head.weight")]
         if missing or unexpected:
             raise ValueError(f"{directory}: checkpoint mismatch, missing={missing} unexpected={unexpected}")
-        model.to(dtype).eval().requires_grad_(False)
-        for layer in model.model.blocks():
-            layer.self_attn.fuse()
-            layer.mlp.fuse()
-        return model
+        model.to(dtype)
+        return model.prepare_inference()
+
+    def prepare_inference(self) -> LlamaForCausalLM:
+        """Freeze for serving: eval, no grad, fused and prepacked projections (see FrozenLinear).
+
+        The frozen projections snapshot the weights: call this after the last weight change.
+        """
+        self.eval().requires_grad_(False)
+        for layer in self.model.blocks():
+            layer.self_attn.prepare_inference()
+            layer.mlp.prepare_inference()
+        self.head_frozen = FrozenLinear(self.lm_head.weight)
+        return self
 
     def save_pretrained(self, directory: Path | str, dtype: torch.dtype = torch.bfloat16) -> None:
         directory = Path(directory)
@@ -362,5 +456,6 @@ class LlamaForCausalLM(nn.Module):
             x = layer.forward_cached(x, cos, sin, cache, i, batch)
         if logit_rows is not None and logit_cols is not None:
             x = x[logit_rows, logit_cols]
-        logits: torch.Tensor = self.lm_head(self.model.norm(x))
+        x = self.model.norm(x)
+        logits = self.head_frozen(x) if self.head_frozen is not None else self.lm_head(x)
         return logits.float()

@@ -53,7 +53,7 @@ class WorkerSettings:
     max_k: int = 8  # deepest speculation this worker runs
     default_k: int = 4  # K for requests without a gateway directive
     max_queue: int = 64  # waiting sequences before 429
-    dtype: Literal["float32", "bfloat16"] = "float32"
+    dtype: Literal["float32", "bfloat16"] = "bfloat16"
     max_body_bytes: int = 1 << 20
 
 
