@@ -116,7 +116,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--target", type=Path, default=REPO / "models/demo-target")
     parser.add_argument("--draft", type=Path, default=REPO / "models/demo-draft")
-    parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="bfloat16")
+    parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="bfloat16", help="the target's dtype")
+    parser.add_argument("--draft-dtype", choices=["float32", "bfloat16"], default="float32")
     parser.add_argument("--threads", type=int, default=1, help="torch threads (a worker uses 1 by default)")
     parser.add_argument("--kmax", type=int, default=8)
     parser.add_argument("--prompts", type=int, default=8, help="held-out prompts at batch 1")
@@ -132,9 +133,9 @@ def main() -> None:
         args.alpha_prompts = 8
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
-    dtype = torch.bfloat16 if args.dtype == "bfloat16" else torch.float32
-    target = LlamaForCausalLM.from_pretrained(args.target, dtype)
-    draft = LlamaForCausalLM.from_pretrained(args.draft, dtype)
+    dtypes = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+    target = LlamaForCausalLM.from_pretrained(args.target, dtypes[args.dtype])
+    draft = LlamaForCausalLM.from_pretrained(args.draft, dtypes[args.draft_dtype])
     codec = TextCodec(args.target / "tokenizer.json", target.cfg.bos_token_id)
     batch_sizes = [int(b) for b in args.batches.split(",") if b]
     texts = heldout_prompts(max(args.prompts, args.alpha_prompts, *batch_sizes), seed=1)
@@ -184,7 +185,8 @@ def main() -> None:
         log(f"batch {size}, T=0: plain {p.tok_s:.1f} tok/s, speculative K={best_k} {s.tok_s:.1f} tok/s "
             f"({s.tok_s / p.tok_s:.2f}x), alpha {s.alpha:.3f}")
     summary = {
-        "bench": "engine", "dtype": args.dtype, "threads": args.threads, "prompts": len(b1),
+        "bench": "engine", "dtype": args.dtype, "draft_dtype": args.draft_dtype, "threads": args.threads,
+        "prompts": len(b1),
         "max_tokens": args.max_tokens, "alpha_t0": round(best.alpha, 4), "best_k": best_k,
         "acceptance_rate_t0": round(best.accepted / best.proposed, 4),
         "speedup_b1": round(speedup, 3), "bound_b1": round(bound, 3), "speedup_over_bound": round(speedup / bound, 3),

@@ -154,7 +154,8 @@ class Fleet:
                    "--target", str(cfg.model.target), "--served-model-name", cfg.model.name,
                    "--max-slots", str(wc.max_slots), "--max-queue", str(wc.max_queue), "--max-k", str(wc.max_k),
                    "--default-k", str(cfg.policy.num_speculative_tokens), "--threads", str(wc.threads),
-                   "--dtype", wc.dtype, "--max-body-bytes", str(cfg.server.max_body_bytes)]
+                   "--dtype", wc.dtype, "--draft-dtype", wc.draft_dtype,
+                   "--max-body-bytes", str(cfg.server.max_body_bytes)]
         if cfg.model.draft is not None:
             command += ["--draft", str(cfg.model.draft)]
         return command

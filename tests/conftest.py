@@ -161,8 +161,8 @@ def draft_model(target_model: LlamaForCausalLM) -> LlamaForCausalLM:
 @pytest.fixture(scope="session")
 def bf16_models(target_model: LlamaForCausalLM, draft_model: LlamaForCausalLM
                 ) -> tuple[LlamaForCausalLM, LlamaForCausalLM]:
-    """The target/draft pair in bfloat16 (the serving default), with prepacked projections."""
-    return converted(target_model, torch.bfloat16), converted(draft_model, torch.bfloat16)
+    """The serving defaults: a bfloat16 target with prepacked projections, a float32 draft."""
+    return converted(target_model, torch.bfloat16), converted(draft_model, torch.float32)
 
 
 @pytest.fixture(scope="session")

@@ -125,17 +125,17 @@ def test_every_section_is_read() -> None:
     config = parse_config({
         "server": {"host": "0.0.0.0", "port": 0, "max_body_bytes": 1024, "worker_timeout_s": 0.1},
         "model": {"name": "m", "target": "t", "draft": "d"},
-        "workers": {"count": 3, "max_slots": 4, "max_queue": 1, "max_k": 0, "threads": 2, "dtype": "bfloat16",
-                    "startup_timeout_s": 1, "poll_interval_s": 0.05, "restart_backoff_s": 0,
+        "workers": {"count": 3, "max_slots": 4, "max_queue": 1, "max_k": 0, "threads": 2, "dtype": "float32",
+                    "draft_dtype": "bfloat16", "startup_timeout_s": 1, "poll_interval_s": 0.05, "restart_backoff_s": 0,
                     "restart_backoff_max_s": 0},
         "sessions": {"max_sessions": 1, "idle_ttl_s": 1, "history": 1},
         "policy": {"max_batch": 8, "batch_resume": 2, "probe_every": 1},
     }, BASE)
     assert config.server == ServerConfig("0.0.0.0", 0, 1024, 0.1)
     assert config.model == ModelConfig("m", BASE / "t", BASE / "d")
-    assert config.workers == WorkersConfig(count=3, max_slots=4, max_queue=1, max_k=0, threads=2, dtype="bfloat16",
-                                           startup_timeout_s=1.0, poll_interval_s=0.05, restart_backoff_s=0.0,
-                                           restart_backoff_max_s=0.0)
+    assert config.workers == WorkersConfig(count=3, max_slots=4, max_queue=1, max_k=0, threads=2, dtype="float32",
+                                           draft_dtype="bfloat16", startup_timeout_s=1.0, poll_interval_s=0.05,
+                                           restart_backoff_s=0.0, restart_backoff_max_s=0.0)
     assert config.sessions == SessionsConfig(1, 1.0, 1)
     assert config.policy == PolicyConfig(max_batch=8, batch_resume=2, probe_every=1)
 
@@ -191,6 +191,7 @@ ERRORS: list[tuple[Any, str, Any]] = [
     ({"workers": {"count": 0, "remote": []}}, "workers.count", 0),
     ({"workers": {"count": 0, "remote": None}}, "workers.count", 0),
     ({"workers": {"dtype": "float16"}}, "workers.dtype", "float16"),
+    ({"workers": {"draft_dtype": "int8"}}, "workers.draft_dtype", "int8"),
     ({"workers": {"engine": "vllm"}}, "workers.engine", "vllm"),
     ({"workers": {"max_slots": 0}}, "workers.max_slots", 0),
     ({"workers": {"max_queue": 0}}, "workers.max_queue", 0),

@@ -24,7 +24,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--max-k", type=int, default=8)
     parser.add_argument("--default-k", type=int, default=4)
     parser.add_argument("--max-queue", type=int, default=64)
-    parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="bfloat16")
+    parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="bfloat16", help="the target's dtype")
+    parser.add_argument("--draft-dtype", choices=["float32", "bfloat16"], default="float32")
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
     parser.add_argument("--max-body-bytes", type=int, default=1 << 20)
     where = parser.add_mutually_exclusive_group(required=True)
@@ -41,7 +42,7 @@ def main(argv: list[str] | None = None) -> None:
     settings = WorkerSettings(
         worker_id=args.worker_id, target=args.target, draft=args.draft, served_model_name=args.served_model_name,
         max_slots=args.max_slots, max_k=args.max_k, default_k=args.default_k, max_queue=args.max_queue,
-        dtype=args.dtype, max_body_bytes=args.max_body_bytes)
+        dtype=args.dtype, draft_dtype=args.draft_dtype, max_body_bytes=args.max_body_bytes)
     app = create_worker_app(settings)
     uvloop.install()
     if args.uds is not None:

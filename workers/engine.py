@@ -89,9 +89,11 @@ class SpeculativeEngine:
         self.max_positions = target.cfg.max_position_embeddings
         if draft is not None:
             self.max_positions = min(self.max_positions, draft.cfg.max_position_embeddings)
-        dtype = target.lm_head.weight.dtype
-        self.target_cache = KVCache.allocate(target.cfg, max_slots, dtype)
-        self.draft_cache = KVCache.allocate(draft.cfg, max_slots, dtype) if draft is not None else None
+        # Each cache in its model's dtype: the draft may run in another dtype than the target.
+        self.target_cache = KVCache.allocate(target.cfg, max_slots, target.lm_head.weight.dtype)
+        self.draft_cache = None
+        if draft is not None:
+            self.draft_cache = KVCache.allocate(draft.cfg, max_slots, draft.lm_head.weight.dtype)
         self.eos_ids = frozenset(target.cfg.eos_token_ids)
         self.step_depth_rule = step_depth_rule
         self._waiting: deque[GenerationRequest] = deque()
@@ -255,6 +257,18 @@ class SpeculativeEngine:
         groups = [short] if short else []
         groups += [[i] for i, r in enumerate(rows) if len(r.new_tokens) > self._batched_row_limit]
         for group in groups:
+            if len(group) == 1:
+                # One row (batch 1, every draft step there): no padding, no gather; only the
+                # positions whose logits are read go through the LM head.
+                row = rows[group[0]]
+                n = len(row.new_tokens)
+                batch = CacheBatch.build([row.slot], [row.start], [n], n, self.max_positions,
+                                         row_invariant=model is self.target)
+                wanted = None if row.n_logits == n else torch.arange(n - row.n_logits, n)
+                logits = model.forward_cached(torch.tensor([row.new_tokens]), cache, batch,
+                                              None if wanted is None else torch.zeros_like(wanted), wanted)
+                out[group[0]] = logits[0] if wanted is None else logits
+                continue
             width = max(len(rows[i].new_tokens) for i in group)
             tokens = torch.zeros((len(group), width), dtype=torch.long)
             logit_rows: list[int] = []

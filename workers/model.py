@@ -128,7 +128,7 @@ def rotary_tables(cfg: ModelConfig, dtype: torch.dtype) -> tuple[torch.Tensor, t
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    # x: (B, H, L, D); cos/sin: (B, 1, L, D)
+    # x: (B, L, H, D); cos/sin: (B, L, 1, D)
     half = x.shape[-1] // 2
     rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
     return x * cos + rotated * sin
@@ -155,57 +155,55 @@ class Attention(nn.Module):
             return self.o_frozen(attended)
         return F.linear(attended, self.o_proj.weight)
 
-    def _qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def _qkv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q (B, H, L, D) and k, v (B, Hkv, L, D), rotary applied; cos/sin (B, L, 1, D)."""
         cfg = self.cfg
         b, length, _ = x.shape
-        hd = cfg.head_dim
+        heads, kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
         if self.qkv_fused is not None:
             qkv = self.qkv_fused(x)
-            q, k, v = qkv.split([cfg.num_attention_heads * hd, cfg.num_key_value_heads * hd,
-                                 cfg.num_key_value_heads * hd], dim=-1)
         else:
-            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
-        q = q.view(b, length, cfg.num_attention_heads, hd).transpose(1, 2)
-        k = k.view(b, length, cfg.num_key_value_heads, hd).transpose(1, 2)
-        v = v.view(b, length, cfg.num_key_value_heads, hd).transpose(1, 2)
-        return q, k, v
+            qkv = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=-1)
+        qkv = qkv.view(b, length, heads + 2 * kv_heads, cfg.head_dim)
+        # One rotary pass over the query and key heads together: half the small ops of two.
+        qk = apply_rotary(qkv[:, :, :heads + kv_heads], cos, sin)
+        q, k = qk[:, :, :heads].transpose(1, 2), qk[:, :, heads:].transpose(1, 2)
+        return q, k, qkv[:, :, heads + kv_heads:].transpose(1, 2)
 
     def forward_train(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         b, length, _ = x.shape
-        q, k, v = self._qkv(x)
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        q, k, v = self._qkv(x, cos, sin)
         out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
         return self._out(out.transpose(1, 2).reshape(b, length, -1))
 
     def forward_cached(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache,
                        layer: int, batch: CacheBatch) -> torch.Tensor:
         b, length, _ = x.shape
-        q, k, v = self._qkv(x)
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        q, k, v = self._qkv(x, cos, sin)
         k_layer, v_layer = cache.k[layer], cache.v[layer]
         span = batch.key_span
         if batch.single is not None:
-            # One sequence (batch 1, the latency case): no padding, so write by slicing.
             slot, start = batch.single
             k_layer[slot, :, start:start + length] = k[0]
             v_layer[slot, :, start:start + length] = v[0]
             keys, values = k_layer[slot:slot + 1, :, :span], v_layer[slot:slot + 1, :, :span]
         else:
+            sc = batch.scatter
+            assert sc is not None
             # Write only the valid (non-padding) tokens, each at its own (slot, position).
-            valid_k = k.transpose(1, 2)[batch.valid_rows, batch.valid_cols]  # (N, Hkv, D)
-            valid_v = v.transpose(1, 2)[batch.valid_rows, batch.valid_cols]
-            k_layer[batch.write_slots, :, batch.write_positions] = valid_k
-            v_layer[batch.write_slots, :, batch.write_positions] = valid_v
-            if batch.contiguous_slots is not None:
-                lo, hi = batch.contiguous_slots
+            k_layer[sc.write_slots, :, sc.write_positions] = k.transpose(1, 2)[sc.valid_rows, sc.valid_cols]
+            v_layer[sc.write_slots, :, sc.write_positions] = v.transpose(1, 2)[sc.valid_rows, sc.valid_cols]
+            if sc.contiguous_slots is not None:
+                lo, hi = sc.contiguous_slots
                 keys, values = k_layer[lo:hi, :, :span], v_layer[lo:hi, :, :span]
             else:
-                keys, values = k_layer[batch.slots, :, :span], v_layer[batch.slots, :, :span]
+                keys, values = k_layer[sc.slots, :, :span], v_layer[sc.slots, :, :span]
         if batch.row_invariant:
+            assert batch.mask is not None
             out = _attend_per_query(q, keys, values, batch.mask)
         else:
-            mask = None if batch.single is not None and length == 1 else batch.mask
-            out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=True)
+            out = F.scaled_dot_product_attention(q, keys, values, attn_mask=batch.mask, enable_gqa=True)
         return self._out(out.transpose(1, 2).reshape(b, length, -1))
 
 
@@ -316,20 +314,32 @@ class KVCache:
                    [torch.zeros(shape, dtype=dtype) for _ in range(cfg.num_hidden_layers)])
 
 
-@dataclass
-class CacheBatch:
-    """Index tensors for one cached forward over B sequences padded to L new tokens."""
+@dataclass(frozen=True)
+class Scatter:
+    """Where a padded batch's real tokens go: their (row, col) in the batch, (slot, position) in the cache."""
 
     slots: torch.Tensor  # (B,) cache slot of each row
-    positions: torch.Tensor  # (B, L) absolute position of each new token (padding clamped)
     valid_rows: torch.Tensor  # (N,) row of each real token
     valid_cols: torch.Tensor  # (N,) column of each real token
     write_slots: torch.Tensor  # (N,) slot each real token's K/V goes to
     write_positions: torch.Tensor  # (N,) position each real token's K/V goes to
-    key_span: int  # keys 0..key_span-1 are read: the longest row (padded to KEY_BLOCKs if row_invariant)
-    mask: torch.Tensor  # (B, 1, L, key_span) True where attention is allowed
     contiguous_slots: tuple[int, int] | None  # slots are lo..hi-1 in order: slice, don't gather
-    single: tuple[int, int] | None = None  # (slot, start) when the batch is one sequence
+
+
+@dataclass(frozen=True)
+class CacheBatch:
+    """Index tensors for one cached forward over B sequences padded to L new tokens.
+
+    A single unpadded sequence (batch 1, the latency case, and every draft step there) needs
+    no scatter indices: its K/V are written by slicing. Building those indices costs more than
+    a small model's layer, so they exist only for real batches.
+    """
+
+    positions: torch.Tensor  # (B, L) absolute position of each new token (padding clamped)
+    key_span: int  # keys 0..key_span-1 are read: the longest row (padded to KEY_BLOCKs if row_invariant)
+    mask: torch.Tensor | None  # (B, 1, L, key_span) True where allowed; None: one query sees every key
+    single: tuple[int, int] | None  # (slot, start) when the batch is one unpadded sequence
+    scatter: Scatter | None  # otherwise
     # Every token's logits independent of the batch's shape (see _attend_per_query): what a
     # target needs so verification scores exactly what plain decoding would. A draft can skip it.
     row_invariant: bool = True
@@ -337,28 +347,29 @@ class CacheBatch:
     @classmethod
     def build(cls, slots: list[int], starts: list[int], lengths: list[int], width: int,
               max_positions: int, row_invariant: bool = True) -> CacheBatch:
-        b = len(slots)
-        slot_t = torch.tensor(slots, dtype=torch.long)
-        start_t = torch.tensor(starts, dtype=torch.long)
-        len_t = torch.tensor(lengths, dtype=torch.long)
-        cols = torch.arange(width, dtype=torch.long)
-        positions = start_t[:, None] + cols[None, :]
-        valid = cols[None, :] < len_t[:, None]
-        rows_idx, cols_idx = valid.nonzero(as_tuple=True)
-        needed = int((start_t + len_t).max().item())
+        needed = max(start + length for start, length in zip(starts, lengths, strict=True))
         if needed > max_positions:
             raise ValueError(f"sequence needs {needed} positions, cache holds {max_positions}")
         key_span = padded_span(needed) if row_invariant else needed
         keys = torch.arange(key_span, dtype=torch.long)
+        if len(slots) == 1 and lengths[0] == width:
+            positions = torch.arange(starts[0], starts[0] + width, dtype=torch.long)[None]
+            mask = None
+            if row_invariant or width > 1:
+                mask = (keys[None, :] <= positions[0, :, None])[None, None]
+            return cls(positions, key_span, mask, (slots[0], starts[0]), None, row_invariant)
+        b = len(slots)
+        slot_t = torch.tensor(slots, dtype=torch.long)
+        len_t = torch.tensor(lengths, dtype=torch.long)
+        cols = torch.arange(width, dtype=torch.long)
+        positions = torch.tensor(starts, dtype=torch.long)[:, None] + cols[None, :]
+        rows_idx, cols_idx = (cols[None, :] < len_t[:, None]).nonzero(as_tuple=True)
         # Padding rows attend causally like real rows (never to nothing, so no NaN); their
         # outputs are discarded by the caller.
-        mask = keys[None, None, :] <= positions[:, :, None]
-        contiguous = None
-        if slots == list(range(slots[0], slots[0] + b)):
-            contiguous = (slots[0], slots[0] + b)
-        single = (slots[0], starts[0]) if b == 1 and lengths[0] == width else None
-        return cls(slot_t, positions.clamp(max=max_positions - 1), rows_idx, cols_idx, slot_t[rows_idx],
-                   positions[rows_idx, cols_idx], key_span, mask[:, None], contiguous, single, row_invariant)
+        mask = (keys[None, None, :] <= positions[:, :, None])[:, None]
+        contiguous = (slots[0], slots[0] + b) if slots == list(range(slots[0], slots[0] + b)) else None
+        scatter = Scatter(slot_t, rows_idx, cols_idx, slot_t[rows_idx], positions[rows_idx, cols_idx], contiguous)
+        return cls(positions.clamp(max=max_positions - 1), key_span, mask, None, scatter, row_invariant)
 
 
 class LlamaForCausalLM(nn.Module):
@@ -432,8 +443,8 @@ class LlamaForCausalLM(nn.Module):
     def forward_train(self, tokens: torch.Tensor) -> torch.Tensor:
         """tokens (B, T) -> logits (B, T, V), full causal attention, no cache."""
         _, length = tokens.shape
-        cos = self.rope_cos[:length].to(self.lm_head.weight.dtype)[None, None]
-        sin = self.rope_sin[:length].to(self.lm_head.weight.dtype)[None, None]
+        cos = self.rope_cos[:length].to(self.lm_head.weight.dtype)[None, :, None]
+        sin = self.rope_sin[:length].to(self.lm_head.weight.dtype)[None, :, None]
         x = self.model.embed_tokens(tokens)
         for layer in self.model.blocks():
             x = layer.forward_train(x, cos, sin)
@@ -448,9 +459,13 @@ class LlamaForCausalLM(nn.Module):
         Returns (B, L, V), or (N, V) for the (row, col) pairs given, which avoids the LM head
         over padding and prefill positions whose logits nobody reads.
         """
-        dtype = self.lm_head.weight.dtype
-        cos = self.rope_cos[batch.positions].to(dtype)[:, None]
-        sin = self.rope_sin[batch.positions].to(dtype)[:, None]
+        # The rotary tables were cast with the model (buffers follow .to(dtype)).
+        if batch.single is not None:
+            start, length = batch.single[1], tokens.shape[1]
+            cos = self.rope_cos[start:start + length][None, :, None]
+            sin = self.rope_sin[start:start + length][None, :, None]
+        else:
+            cos, sin = self.rope_cos[batch.positions][:, :, None], self.rope_sin[batch.positions][:, :, None]
         x = self.model.embed_tokens(tokens)
         for i, layer in enumerate(self.model.blocks()):
             x = layer.forward_cached(x, cos, sin, cache, i, batch)
