@@ -83,7 +83,8 @@ def run_interleaved(engines: dict[int, SpeculativeEngine], prompts: list[list[in
         for k in engines:
             outputs[k].append([])
         for k, engine in engines.items():
-            engine.add(GenerationRequest(f"p{i}", ids, max_tokens, SamplingParams(temperature=temperature, seed=i), k=k))
+            params = SamplingParams(temperature=temperature, seed=i)
+            engine.add(GenerationRequest(f"p{i}", ids, max_tokens, params, k=k))
         while any(engine.has_work for engine in engines.values()):
             for k, engine in engines.items():
                 if not engine.has_work:

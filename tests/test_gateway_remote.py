@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import json
 import subprocess
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -24,6 +26,14 @@ def tcp_worker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[int]:
     except subprocess.TimeoutExpired:
         process.kill()
         process.wait()
+
+
+def test_worker_describes_its_precision(tcp_worker: int) -> None:
+    with urllib.request.urlopen(f"http://127.0.0.1:{tcp_worker}/specgate/worker", timeout=10) as response:
+        described = json.load(response)
+    # The serving defaults; this CPU (and CI's) has AVX512-BF16, so the target runs prepacked.
+    assert described["precision"] == {"target": "bfloat16", "draft": "float32", "target_prepacked": True}
+    assert described["modes"] == ["speculative", "plain"] and described["max_k"] == 8
 
 
 @pytest.mark.parametrize(("protocol", "expected_mode", "proposes"), [

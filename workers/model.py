@@ -418,6 +418,11 @@ class LlamaForCausalLM(nn.Module):
         model.to(dtype)
         return model.prepare_inference()
 
+    @property
+    def prepacked(self) -> bool:
+        """Whether the projections run on oneDNN's prepacked weights (see FrozenLinear)."""
+        return self.head_frozen is not None and self.head_frozen.packed is not None
+
     def prepare_inference(self) -> LlamaForCausalLM:
         """Freeze for serving: eval, no grad, fused and prepacked projections (see FrozenLinear).
 

@@ -10,6 +10,7 @@ gateway's ``specgate`` directive (K and batch thresholds for this request) and a
 from __future__ import annotations
 
 import asyncio
+import logging
 import secrets
 import time
 from collections.abc import AsyncGenerator, AsyncIterator
@@ -41,6 +42,8 @@ from workers.runner import EngineRunner
 from workers.sampling import SamplingParams
 from workers.text import TextCodec, TextStream, render_chat
 from workers.web_common import health, model_list, openai_errors, read_json, sse_event, start_sse
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -79,6 +82,9 @@ def load_engine(settings: WorkerSettings) -> tuple[SpeculativeEngine, TextCodec]
     draft = None
     if settings.draft is not None:
         draft = LlamaForCausalLM.from_pretrained(settings.draft, TORCH_DTYPES[settings.draft_dtype])
+    if settings.dtype == "bfloat16" and not target.prepacked:
+        log.warning("bfloat16 target without oneDNN prepacking on this CPU (no AVX512-BF16/AMX?): expect slow "
+                    "steps; workers.dtype: float32 may be faster here")
     engine = SpeculativeEngine(target, draft, max_slots=settings.max_slots, max_k=settings.max_k)
     return engine, TextCodec(settings.target / "tokenizer.json", target.cfg.bos_token_id)
 
@@ -129,6 +135,8 @@ def describe(ctx: WorkerContext) -> dict[str, Any]:
         "worker_id": ctx.settings.worker_id, "engine": "embedded", "model": ctx.settings.served_model_name,
         "modes": ["speculative", "plain"] if engine.max_k > 0 else ["plain"], "max_k": engine.max_k,
         "max_slots": engine.max_slots, "context_window": ctx.context_window,
+        "precision": {"target": ctx.settings.dtype, "draft": ctx.settings.draft_dtype if engine.draft else None,
+                      "target_prepacked": engine.target.prepacked},
         "batch_depth": ctx.runner.batch_depth, "queue_length": ctx.runner.queue_length,
         "batch_full": ctx.runner.batch_full,
         "stats": {"steps": stats.steps, "draft_tokens": stats.draft_tokens, "accepted_tokens": stats.accepted_tokens,
