@@ -37,10 +37,12 @@ class RunResult:
     proposed: int
     accepted: int
     tested: int
+    draft_seconds: float = 0.0  # of ``seconds``, spent proposing drafts
 
     def __add__(self, other: RunResult) -> RunResult:
         return RunResult(self.tokens + other.tokens, self.seconds + other.seconds, self.proposed + other.proposed,
-                         self.accepted + other.accepted, self.tested + other.tested)
+                         self.accepted + other.accepted, self.tested + other.tested,
+                         self.draft_seconds + other.draft_seconds)
 
     @property
     def tok_s(self) -> float:
@@ -50,41 +52,39 @@ class RunResult:
     def alpha(self) -> float:
         return self.accepted / self.tested if self.tested else float("nan")
 
+    @property
+    def draft_share(self) -> float:
+        return self.draft_seconds / self.seconds
+
+
+def add_group(engine: SpeculativeEngine, prompts: list[list[int]], max_tokens: int, k: int, temperature: float,
+              seed: int) -> None:
+    for i, ids in enumerate(prompts):
+        engine.add(GenerationRequest(f"r{i}", ids, max_tokens, SamplingParams(temperature=temperature, seed=seed + i),
+                                     k=k))
+
 
 def run_batch(engine: SpeculativeEngine, prompts: list[list[int]], max_tokens: int, k: int,
               temperature: float, seed: int = 0) -> RunResult:
     """All prompts at once (batch = len(prompts)), each to max_tokens or EOS."""
-    for i, ids in enumerate(prompts):
-        engine.add(GenerationRequest(f"b{i}", ids, max_tokens, SamplingParams(temperature=temperature, seed=seed + i),
-                                     k=k))
-    tokens = proposed = accepted = tested = 0
-    started = time.perf_counter()
-    while engine.has_work:
-        for event in engine.step():
-            tokens += len(event.tokens)
-            proposed += event.proposed
-            accepted += event.accepted
-            tested += tested_drafts(event.proposed, event.accepted)
-    return RunResult(tokens, time.perf_counter() - started, proposed, accepted, tested)
+    return run_interleaved({k: engine}, [prompts], max_tokens, temperature, seed)[0][k]
 
 
-def run_interleaved(engines: dict[int, SpeculativeEngine], prompts: list[list[int]], max_tokens: int,
-                    temperature: float) -> tuple[dict[int, RunResult], dict[int, list[list[int]]]]:
-    """Batch 1, one prompt after another, every K on each prompt at once, step by step.
+def run_interleaved(engines: dict[int, SpeculativeEngine], groups: list[list[list[int]]], max_tokens: int,
+                    temperature: float, seed: int = 0) -> tuple[dict[int, RunResult], dict[int, list[list[int]]]]:
+    """Each group of prompts as one batch, one group after another, under every K at once.
 
     Each K has its own engine (sharing the models) and the engines take turns one step each,
     so a noisy neighbour's slow second lands on all configurations alike and the ratios
     between them stay meaningful on a shared machine. Prefill is in the first step's time.
-    Returns the totals per K and each K's output tokens per prompt.
+    Returns the totals per K and each K's output tokens per prompt, in order.
     """
     totals = {k: RunResult(0, 0.0, 0, 0, 0) for k in engines}
     outputs: dict[int, list[list[int]]] = {k: [] for k in engines}
-    for i, ids in enumerate(prompts):
-        for k in engines:
-            outputs[k].append([])
+    for g, group in enumerate(groups):
         for k, engine in engines.items():
-            params = SamplingParams(temperature=temperature, seed=i)
-            engine.add(GenerationRequest(f"p{i}", ids, max_tokens, params, k=k))
+            add_group(engine, group, max_tokens, k, temperature, seed + g)
+        produced: dict[int, dict[str, list[int]]] = {k: {f"r{i}": [] for i in range(len(group))} for k in engines}
         while any(engine.has_work for engine in engines.values()):
             for k, engine in engines.items():
                 if not engine.has_work:
@@ -93,10 +93,12 @@ def run_interleaved(engines: dict[int, SpeculativeEngine], prompts: list[list[in
                 events = engine.step()
                 elapsed = time.perf_counter() - started
                 for event in events:
-                    outputs[k][i].extend(event.tokens)
+                    produced[k][event.request_id].extend(event.tokens)
                     totals[k] += RunResult(len(event.tokens), 0.0, event.proposed, event.accepted,
                                            tested_drafts(event.proposed, event.accepted))
-                totals[k] += RunResult(0, elapsed, 0, 0, 0)
+                totals[k] += RunResult(0, elapsed, 0, 0, 0, engine.last_draft_s)
+        for k in engines:
+            outputs[k].extend(produced[k][f"r{i}"] for i in range(len(group)))
     return totals, outputs
 
 
@@ -158,15 +160,15 @@ def main() -> None:
     batch_sizes = [int(b) for b in args.batches.split(",") if b]
     texts = heldout_prompts(max(args.prompts, args.alpha_prompts, *batch_sizes), seed=1)
     prompts = [codec.encode(t) for t in texts]
-    engine = SpeculativeEngine(target, draft, max_slots=max(args.alpha_prompts, *batch_sizes), max_k=args.kmax)
+    engine = SpeculativeEngine(target, draft, max_slots=args.alpha_prompts, max_k=args.kmax)
     b1_engines = {k: SpeculativeEngine(target, draft, max_slots=1, max_k=args.kmax) for k in range(args.kmax + 1)}
-    run_interleaved(b1_engines, prompts[:1], 8, 0.0)  # warm-up
+    run_interleaved(b1_engines, [prompts[:1]], 8, 0.0)  # warm-up
 
     def log(message: str) -> None:
         print(message, flush=True)
 
     b1 = prompts[:args.prompts]
-    greedy, outputs = run_interleaved(b1_engines, b1, args.max_tokens, 0.0)
+    greedy, outputs = run_interleaved(b1_engines, [[ids] for ids in b1], args.max_tokens, 0.0)
     # Exactness on the real models: at T=0 every K must reproduce plain decoding token for token.
     identical = sum(outputs[k][i] == outputs[0][i] for k in range(1, args.kmax + 1) for i in range(len(b1)))
     compared = args.kmax * len(b1)
@@ -200,13 +202,17 @@ def main() -> None:
         log(f"{len(alpha_prompts)} prompts, K={best_k}, T={temperature}: alpha {result.alpha:.3f} "
             f"over {result.tested} tested drafts")
     batched: dict[str, float] = {}
+    del engine  # its caches; the batched runs get a plain and a speculative engine of their own
     for size in batch_sizes:
         group = (prompts * (size // len(prompts) + 1))[:size]
-        p = run_batch(engine, group, args.batch_max_tokens, 0, 0.0)
-        s = run_batch(engine, group, args.batch_max_tokens, best_k, 0.0)
+        pair = {0: SpeculativeEngine(target, draft, max_slots=size, max_k=args.kmax),
+                best_k: SpeculativeEngine(target, draft, max_slots=size, max_k=args.kmax)}
+        both, _ = run_interleaved(pair, [group], args.batch_max_tokens, 0.0)
+        p, s = both[0], both[best_k]
         batched[f"tok_s_b{size}_plain"], batched[f"tok_s_b{size}_spec"] = round(p.tok_s, 1), round(s.tok_s, 1)
+        batched[f"draft_share_b{size}_spec"] = round(s.draft_share, 3)
         log(f"batch {size}, T=0: plain {p.tok_s:.1f} tok/s, speculative K={best_k} {s.tok_s:.1f} tok/s "
-            f"({s.tok_s / p.tok_s:.2f}x), alpha {s.alpha:.3f}")
+            f"({s.tok_s / p.tok_s:.2f}x), alpha {s.alpha:.3f}, drafting {100 * s.draft_share:.0f}% of its time")
     summary = {
         "bench": "engine", "dtype": args.dtype, "draft_dtype": args.draft_dtype, "threads": args.threads,
         "prompts": len(b1),
@@ -217,6 +223,7 @@ def main() -> None:
         "tok_s_plain_b1": round(plain.tok_s, 1), "tok_s_spec_b1": round(best.tok_s, 1),
         "tok_s_b1_by_k": {str(k): round(r.tok_s, 1) for k, r in by_k.items()},
         "alpha_b1_by_k": {str(k): round(r.alpha, 4) for k, r in by_k.items()},
+        "draft_share_b1_spec": round(best.draft_share, 3),
         "greedy_identical_runs": identical, "greedy_compared_runs": compared,
         "verify_cost_by_tokens": verify_cost, "alpha_by_temperature": alpha_by_t, **batched,
     }
