@@ -102,12 +102,12 @@ def run_interleaved(engines: dict[int, SpeculativeEngine], groups: list[list[lis
     return totals, outputs
 
 
-def forward_times(models: dict[str, tuple[LlamaForCausalLM, int]], draft: LlamaForCausalLM, reps: int,
+def forward_times(models: dict[str, tuple[LlamaForCausalLM, int]], drafts: tuple[LlamaForCausalLM, ...], reps: int,
                   context: int = 128) -> dict[str, float]:
     """Seconds per cached forward at batch 1 after ``context`` tokens, for each (model, new tokens).
 
     The configurations take turns, one forward each, so machine noise hits them alike. Like the
-    engine, the draft skips row-invariant attention (only the target's rows must be exact).
+    engine, drafts skip row-invariant attention (only the target's rows must be exact).
     """
     setups = {}
     for name, (model, tokens) in models.items():
@@ -119,7 +119,7 @@ def forward_times(models: dict[str, tuple[LlamaForCausalLM, int]], draft: LlamaF
             for name, (model, cache, new, tokens) in setups.items():
                 started = time.perf_counter()
                 batch = CacheBatch.build([0], [context], [tokens], tokens, model.cfg.max_position_embeddings,
-                                         row_invariant=model is not draft)
+                                         row_invariant=all(model is not d for d in drafts))
                 model.forward_cached(new, cache, batch, torch.zeros(tokens, dtype=torch.long), torch.arange(tokens))
                 if i >= 5:  # after warm-up
                     totals[name] += time.perf_counter() - started
@@ -182,8 +182,15 @@ def main() -> None:
     best_k = max(by_k, key=lambda k: by_k[k].tok_s)
     best = by_k[best_k]
     reps = 50 if args.quick else 200
+    # The same two models in the other dtype each: what the dtype defaults rest on (docs/engine.md).
+    other = {"float32": "bfloat16", "bfloat16": "float32"}
+    target_alt = LlamaForCausalLM.from_pretrained(args.target, dtypes[other[args.dtype]])
+    draft_alt = LlamaForCausalLM.from_pretrained(args.draft, dtypes[other[args.draft_dtype]])
+    last = args.kmax + 1
     timed = forward_times({"target": (target, 1), "draft": (draft, 1),
-                           **{f"verify{n}": (target, n) for n in range(2, args.kmax + 2)}}, draft, reps)
+                           **{f"verify{n}": (target, n) for n in range(2, last + 1)},
+                           "target_alt": (target_alt, 1), f"verify{last}_alt": (target_alt, last),
+                           "draft_alt": (draft_alt, 1)}, (draft, draft_alt), reps)
     target_s, draft_s = timed["target"], timed["draft"]
     c = draft_s / target_s
     bound = speedup_bound(best.alpha, c, best_k)
@@ -192,6 +199,9 @@ def main() -> None:
     # What the bound leaves out: verifying K+1 tokens is not free on a CPU.
     verify_cost = {str(n): round(timed[f"verify{n}"] / target_s, 3) for n in range(2, args.kmax + 2)}
     log("target forward of n tokens / 1 token: " + ", ".join(f"n={n}: {v:.2f}" for n, v in verify_cost.items()))
+    alt_verify_cost = timed[f"verify{last}_alt"] / timed["target_alt"]
+    log(f"other dtypes: target in {other[args.dtype]} {1000 * timed['target_alt']:.2f} ms, n={last} / 1 token "
+        f"{alt_verify_cost:.2f}; draft in {other[args.draft_dtype]} {1000 * timed['draft_alt']:.2f} ms")
     log(f"best K={best_k}: speed-up {speedup:.2f}x, bound S={bound:.2f}, measured/bound {speedup / bound:.2f}")
     # Acceptance needs many drafts, not quiet timing: measure it batched, over more prompts.
     alpha_prompts = prompts[:args.alpha_prompts]
@@ -225,7 +235,11 @@ def main() -> None:
         "alpha_b1_by_k": {str(k): round(r.alpha, 4) for k, r in by_k.items()},
         "draft_share_b1_spec": round(best.draft_share, 3),
         "greedy_identical_runs": identical, "greedy_compared_runs": compared,
-        "verify_cost_by_tokens": verify_cost, "alpha_by_temperature": alpha_by_t, **batched,
+        "verify_cost_by_tokens": verify_cost,
+        "other_dtypes": {"target": other[args.dtype], "target_forward_ms": round(1000 * timed["target_alt"], 3),
+                         f"verify_cost_{last}_tokens": round(alt_verify_cost, 3), "draft": other[args.draft_dtype],
+                         "draft_forward_ms": round(1000 * timed["draft_alt"], 3)},
+        "alpha_by_temperature": alpha_by_t, **batched,
     }
     if args.json:
         print(json.dumps(summary))
