@@ -31,7 +31,7 @@ class PolicyConfig:
     batch_resume: int = 56  # ...and speculative again only once it is below this
     max_temperature: float = 0.8  # plain for requests sampled hotter than this
     probe_every: int = 8  # a low-acceptance session is re-probed with speculation every N requests
-    num_speculative_tokens: int = 4  # K, drafts proposed per step (the best K bench.engine measured)
+    num_speculative_tokens: int = 6  # K, drafts proposed per step (the best K bench.engine measured)
 
     def __post_init__(self) -> None:
         def require(ok: bool, name: str, problem: str) -> None:

@@ -37,7 +37,7 @@ def test_worker_describes_its_precision(tcp_worker: int) -> None:
 
 
 @pytest.mark.parametrize(("protocol", "expected_mode", "proposes"), [
-    ("specgate", "speculative; k=4; reason=default", True),
+    ("specgate", "speculative; k=6; reason=default", True),
     ("openai", "plain; reason=worker_plain_only", False),
 ])
 def test_remote_worker(tmp_path: Path, tcp_worker: int, protocol: str, expected_mode: str, proposes: bool) -> None:

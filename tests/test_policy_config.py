@@ -23,7 +23,7 @@ def test_defaults() -> None:
     assert PolicyConfig.from_mapping({}) == PolicyConfig()
     assert PolicyConfig().as_dict() == {
         "acceptance_floor": 0.60, "acceptance_resume": 0.70, "min_proposals": 32, "acceptance_half_life": 64.0,
-        "max_batch": 64, "batch_resume": 56, "max_temperature": 0.8, "probe_every": 8, "num_speculative_tokens": 4,
+        "max_batch": 64, "batch_resume": 56, "max_temperature": 0.8, "probe_every": 8, "num_speculative_tokens": 6,
     }
 
 

@@ -22,7 +22,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--served-model-name", default="specgate-demo")
     parser.add_argument("--max-slots", type=int, default=16)
     parser.add_argument("--max-k", type=int, default=8)
-    parser.add_argument("--default-k", type=int, default=4)
+    parser.add_argument("--default-k", type=int, default=6)
     parser.add_argument("--max-queue", type=int, default=64)
     parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="bfloat16", help="the target's dtype")
     parser.add_argument("--draft-dtype", choices=["float32", "bfloat16"], default="float32")

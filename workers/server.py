@@ -54,7 +54,7 @@ class WorkerSettings:
     served_model_name: str
     max_slots: int = 16  # sequences batched together
     max_k: int = 8  # deepest speculation this worker runs
-    default_k: int = 4  # K for requests without a gateway directive
+    default_k: int = 6  # K for requests without a gateway directive
     max_queue: int = 64  # waiting sequences before 429
     dtype: Literal["float32", "bfloat16"] = "bfloat16"  # the target's
     # The draft's: float32 by default, because for a model this small bfloat16's upcasts around
