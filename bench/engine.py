@@ -126,6 +126,25 @@ def forward_times(models: dict[str, tuple[LlamaForCausalLM, int]], drafts: tuple
     return {name: total / reps for name, total in totals.items()}
 
 
+def prefill_times(target: LlamaForCausalLM, prompt_tokens: int, reps: int) -> dict[str, float]:
+    """Seconds to prefill a prompt with the fused attention kernel (what the engine uses for a
+    prefill) and with row-invariant attention (what decode rows need), taking turns."""
+    cache = KVCache.allocate(target.cfg, 1, target.lm_head.weight.dtype)
+    prompt = torch.randint(5, target.cfg.vocab_size, (1, prompt_tokens), generator=torch.Generator().manual_seed(0))
+    totals = {"fused": 0.0, "row_invariant": 0.0}
+    with torch.inference_mode():
+        for i in range(reps + 1):
+            for name in totals:
+                started = time.perf_counter()
+                batch = CacheBatch.build([0], [0], [prompt_tokens], prompt_tokens, target.cfg.max_position_embeddings,
+                                         row_invariant=name == "row_invariant")
+                target.forward_cached(prompt, cache, batch, torch.zeros(1, dtype=torch.long),
+                                      torch.tensor([prompt_tokens - 1]))
+                if i >= 1:
+                    totals[name] += time.perf_counter() - started
+    return {name: total / reps for name, total in totals.items()}
+
+
 def speedup_bound(alpha: float, c: float, k: int) -> float:
     if alpha >= 1.0:
         return (k + 1) / (c * k + 1)
@@ -202,6 +221,9 @@ def main() -> None:
     alt_verify_cost = timed[f"verify{last}_alt"] / timed["target_alt"]
     log(f"other dtypes: target in {other[args.dtype]} {1000 * timed['target_alt']:.2f} ms, n={last} / 1 token "
         f"{alt_verify_cost:.2f}; draft in {other[args.draft_dtype]} {1000 * timed['draft_alt']:.2f} ms")
+    prefill = prefill_times(target, 512, 3 if args.quick else 10)
+    log(f"prefill of 512 tokens: fused attention {1000 * prefill['fused']:.1f} ms, row-invariant "
+        f"{1000 * prefill['row_invariant']:.1f} ms")
     log(f"best K={best_k}: speed-up {speedup:.2f}x, bound S={bound:.2f}, measured/bound {speedup / bound:.2f}")
     # Acceptance needs many drafts, not quiet timing: measure it batched, over more prompts.
     alpha_prompts = prompts[:args.alpha_prompts]
@@ -239,6 +261,7 @@ def main() -> None:
         "other_dtypes": {"target": other[args.dtype], "target_forward_ms": round(1000 * timed["target_alt"], 3),
                          f"verify_cost_{last}_tokens": round(alt_verify_cost, 3), "draft": other[args.draft_dtype],
                          "draft_forward_ms": round(1000 * timed["draft_alt"], 3)},
+        "prefill_512_ms": {name: round(1000 * s, 1) for name, s in prefill.items()},
         "alpha_by_temperature": alpha_by_t, **batched,
     }
     if args.json:
