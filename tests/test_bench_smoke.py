@@ -22,3 +22,7 @@ def test_bench_engine_quick_json() -> None:
     assert 0.0 <= result["alpha_t0"] <= 1.0 and result["c"] > 0
     assert set(result["alpha_by_temperature"]) == {"0.0", "0.5", "0.8", "1.0"}
     assert "best K=" in run.stdout
+    # Exactness on the real models (deterministic, not a timing): at T=0 every K reproduced plain
+    # decoding token for token on every prompt.
+    assert result["greedy_compared_runs"] == 3 * 4
+    assert result["greedy_identical_runs"] == result["greedy_compared_runs"]
