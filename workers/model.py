@@ -97,15 +97,18 @@ class FrozenLinear:
     """
 
     def __init__(self, weight: torch.Tensor) -> None:
-        self.weight = weight.detach().contiguous()
+        weight = weight.detach().contiguous()
+        # Exactly one of the two is kept: a packed copy replaces the plain weight.
         self.packed: torch.Tensor | None = None
-        if self.weight.dtype == torch.bfloat16 and _onednn_packing_available():
-            self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight, 1)
+        self.weight: torch.Tensor | None = weight
+        if weight.dtype == torch.bfloat16 and _onednn_packing_available():
+            self.packed, self.weight = torch.ops.mkldnn._reorder_linear_weight(weight, 1), None
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed is not None:
             out: torch.Tensor = torch.ops.mkldnn._linear_pointwise(x, self.packed, None, "none", [None], "")
             return out
+        assert self.weight is not None
         return F.linear(x, self.weight)
 
 
