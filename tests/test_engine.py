@@ -319,6 +319,35 @@ def test_distribution_harness_rejects_wrong_rule(
     assert chi_square(firsts, p1) < 1e-6
 
 
+def test_drafts_are_always_verified_with_row_invariant_attention(target_model: LlamaForCausalLM,
+                                                                 draft_model: LlamaForCausalLM) -> None:
+    """Only a bare long prompt (a prefill) may take the fused kernel; any forward that scores
+    drafts must be row-invariant, including a short prompt plus K drafts that, together, are
+    longer than what rides in a batched forward."""
+    target = converted(target_model, torch.bfloat16)
+    seen: list[tuple[int, int, bool]] = []  # (new tokens, logits, row_invariant)
+    original = target.forward_cached
+
+    def recording(tokens: torch.Tensor, cache: KVCache, batch: CacheBatch, rows: torch.Tensor | None = None,
+                  cols: torch.Tensor | None = None) -> torch.Tensor:
+        logits = original(tokens, cache, batch, rows, cols)
+        seen.append((tokens.shape[1], logits.shape[0] if rows is not None else logits.shape[1], batch.row_invariant))
+        return logits
+
+    target.forward_cached = recording  # type: ignore[method-assign]
+    engine = SpeculativeEngine(target, draft_model, max_slots=3, max_k=MAX_K)
+    limit = MAX_K + 2  # rows up to this long ride in a batched decode forward
+    short = next(p for p in PROMPTS if limit < len(p) + MAX_K and len(p) <= limit)
+    long = next(p for p in PROMPTS if len(p) > limit)
+    for name, prompt in (("short", short), ("long", long)):
+        events = generate(engine, GenerationRequest(name, prompt, 12, GREEDY, k=MAX_K))
+        assert events[0].proposed == (MAX_K if name == "short" else 0)  # a prefill never drafts
+    assert any(n > limit and logits > 1 for n, logits, _ in seen)  # the short prompt + drafts case ran
+    assert any(n > limit and logits == 1 for n, logits, _ in seen)  # and a prefill did
+    for n, logits, row_invariant in seen:
+        assert row_invariant == (logits > 1 or n <= limit), (n, logits, row_invariant)
+
+
 # -- 3b. row invariance: a verification scores each token exactly as decoding it alone would -------
 def test_verification_logits_equal_one_at_a_time_bitwise(tiny_config: ModelConfig) -> None:
     # bfloat16 (the serving default, prepacked projections) promises bit-identical rows. float32

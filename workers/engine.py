@@ -75,6 +75,9 @@ class _Row:
     start: int
     new_tokens: list[int]
     n_logits: int  # logits wanted for the last n_logits new tokens
+    # A long prompt's prefill (see step): the bare prompt in a forward of its own, computed the
+    # same way in every mode, so the target may use fused attention for it.
+    prefill: bool = False
 
 
 class SpeculativeEngine:
@@ -188,7 +191,7 @@ class SpeculativeEngine:
             remaining = seq.request.max_tokens - seq.emitted
             # More than remaining-1 drafts could never be emitted; the cache must hold them too.
             seq.step_k = max(0, min(k, self.max_k, remaining - 1, self.max_positions - len(seq.tokens) - 1))
-            if len(seq.tokens) - seq.target_len > self._batched_row_limit:
+            if self._prefilling(seq):
                 # A prefill: the prompt alone, in a forward of its own, whatever the mode, so the
                 # cache it writes is the same for plain and speculative decoding and the fast
                 # fused attention may serve it (see _forward). Drafting starts next step.
@@ -197,10 +200,15 @@ class SpeculativeEngine:
         started = time.perf_counter()
         self._propose([s for s in seqs if s.step_k > 0])
         proposed = time.perf_counter()
-        rows = [_Row(s.slot, s.target_len, s.tokens[s.target_len:] + s.drafts, s.step_k + 1) for s in seqs]
+        rows = [_Row(s.slot, s.target_len, s.tokens[s.target_len:] + s.drafts, s.step_k + 1, self._prefilling(s))
+                for s in seqs]
         target_logits = self._forward(self.target, self.target_cache, rows)
         self.last_draft_s, self.last_target_s = proposed - started, time.perf_counter() - proposed
         return [self._settle(seq, logits, depth) for seq, logits in zip(seqs, target_logits, strict=True)]
+
+    def _prefilling(self, seq: _Sequence) -> bool:
+        """More pending prompt tokens than ride along in a batched decode forward."""
+        return len(seq.tokens) - seq.target_len > self._batched_row_limit
 
     def _propose(self, seqs: list[_Sequence]) -> None:
         """Draft K_i tokens for each sequence, batched across sequences per draft position."""
@@ -262,11 +270,12 @@ class SpeculativeEngine:
         groups = [short] if short else []
         groups += [[i] for i, r in enumerate(rows) if len(r.new_tokens) > self._batched_row_limit]
         for group in groups:
-            # The target's decode rows must score each token exactly as plain decoding would
-            # (row-invariant attention). A prefill row is always the bare prompt in a forward of
-            # its own (see step), so it is computed identically in every mode and may use the
-            # fused kernel, 2-3x faster on long prompts. Drafts never need it.
-            row_invariant = model is self.target and len(rows[group[0]].new_tokens) <= self._batched_row_limit
+            # The target's rows must score each token exactly as plain decoding would
+            # (row-invariant attention), drafts above all, even in a long row (a short prompt
+            # plus K drafts). A prefill row is always the bare prompt in a forward of its own
+            # (see step), so it is computed identically in every mode and may use the fused
+            # kernel, 2-3x faster on long prompts. The draft's numerics never reach the output.
+            row_invariant = model is self.target and not any(rows[i].prefill for i in group)
             if len(group) == 1:
                 # One row (batch 1, every draft step there): no padding, no gather; only the
                 # positions whose logits are read go through the LM head.
