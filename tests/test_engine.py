@@ -320,7 +320,8 @@ def test_distribution_harness_rejects_wrong_rule(
 
 
 def test_drafts_are_always_verified_with_row_invariant_attention(target_model: LlamaForCausalLM,
-                                                                 draft_model: LlamaForCausalLM) -> None:
+                                                                 draft_model: LlamaForCausalLM,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
     """Only a bare long prompt (a prefill) may take the fused kernel; any forward that scores
     drafts must be row-invariant, including a short prompt plus K drafts that, together, are
     longer than what rides in a batched forward."""
@@ -328,13 +329,14 @@ def test_drafts_are_always_verified_with_row_invariant_attention(target_model: L
     seen: list[tuple[int, int, bool]] = []  # (new tokens, logits, row_invariant)
     original = target.forward_cached
 
-    def recording(tokens: torch.Tensor, cache: KVCache, batch: CacheBatch, rows: torch.Tensor | None = None,
-                  cols: torch.Tensor | None = None) -> torch.Tensor:
-        logits = original(tokens, cache, batch, rows, cols)
-        seen.append((tokens.shape[1], logits.shape[0] if rows is not None else logits.shape[1], batch.row_invariant))
+    def recording(tokens: torch.Tensor, cache: KVCache, batch: CacheBatch, logit_rows: torch.Tensor | None = None,
+                  logit_cols: torch.Tensor | None = None) -> torch.Tensor:
+        logits = original(tokens, cache, batch, logit_rows, logit_cols)
+        wanted = logits.shape[0] if logit_rows is not None else logits.shape[1]
+        seen.append((tokens.shape[1], wanted, batch.row_invariant))
         return logits
 
-    target.forward_cached = recording  # type: ignore[method-assign]
+    monkeypatch.setattr(target, "forward_cached", recording)
     engine = SpeculativeEngine(target, draft_model, max_slots=3, max_k=MAX_K)
     limit = MAX_K + 2  # rows up to this long ride in a batched decode forward
     short = next(p for p in PROMPTS if limit < len(p) + MAX_K and len(p) <= limit)
