@@ -1,0 +1,63 @@
+"""The model outside the engine: checkpoints round-trip in the Hugging Face layout, and the
+demo training loop resumes from its checkpoint exactly (so a later session can finish a run)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import torch
+
+from workers.model import FrozenLinear, LlamaForCausalLM, ModelConfig
+from workers.train_demo import SEQ_LEN, Stage, run_stage
+
+from .conftest import converted
+
+
+def test_save_and_load_round_trip(tmp_path: Path, target_model: LlamaForCausalLM) -> None:
+    target_model.save_pretrained(tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    assert config["architectures"] == ["LlamaForCausalLM"] and config["torch_dtype"] == "bfloat16"
+    loaded = LlamaForCausalLM.from_pretrained(tmp_path, torch.bfloat16)
+    reference = converted(target_model, torch.bfloat16)  # what was saved: the weights in bfloat16
+    tokens = torch.tensor([[3, 1, 4, 1, 5, 9, 2, 6]])
+    with torch.inference_mode():
+        assert torch.equal(loaded.forward_train(tokens), reference.forward_train(tokens))
+    assert loaded.prepacked == reference.prepacked
+
+
+def test_frozen_linear_matches_f_linear_bitwise_and_row_by_row() -> None:
+    gen = torch.Generator().manual_seed(0)
+    weight = torch.randn(96, 64, generator=gen).bfloat16()
+    rows = torch.randn(9, 64, generator=gen).bfloat16()
+    frozen = FrozenLinear(weight)
+    together = frozen(rows)
+    assert torch.equal(together, torch.nn.functional.linear(rows, weight))
+    for i in range(len(rows)):  # a row's result does not depend on the other rows
+        assert torch.equal(frozen(rows[i:i + 1])[0], together[i])
+
+
+def test_training_resumes_from_its_checkpoint_exactly(tmp_path: Path, tiny_config: ModelConfig) -> None:
+    tiny_config = dataclasses.replace(tiny_config, max_position_embeddings=SEQ_LEN)
+    stream = torch.randint(0, tiny_config.vocab_size, (8 * SEQ_LEN,), generator=torch.Generator().manual_seed(1))
+    heldout = torch.randint(0, tiny_config.vocab_size, (4 * SEQ_LEN,), generator=torch.Generator().manual_seed(2))
+    # Both steps of the interrupted first half are warm-up, whose learning rate does not depend
+    # on the stage's length, so a 2-step run is exactly the first half of the 4-step one.
+    full, half = Stage("s", steps=4, batch=2, lr=1e-3, warmup=2), Stage("s", steps=2, batch=2, lr=1e-3, warmup=2)
+
+    def fresh() -> LlamaForCausalLM:
+        model = LlamaForCausalLM(tiny_config)
+        model.init_weights(seed=3)
+        return model
+
+    straight, resumed = fresh(), fresh()
+    for work in ("straight", "resumed"):
+        (tmp_path / work).mkdir()
+    report = run_stage(full, straight, None, stream, heldout, tmp_path / "straight", seed=5)
+    assert report["steps"] == 4 and torch.isfinite(torch.tensor(report["heldout_loss"]))
+    run_stage(half, fresh(), None, stream, heldout, tmp_path / "resumed", seed=5)  # then "the session ends"
+    assert int(torch.load(tmp_path / "resumed" / "s.pt", weights_only=True)["step"]) == 2
+    run_stage(full, resumed, None, stream, heldout, tmp_path / "resumed", seed=5)  # a new process resumes
+    for (name, a), (_, b) in zip(straight.state_dict().items(), resumed.state_dict().items(), strict=True):
+        assert torch.equal(a, b), name
