@@ -22,7 +22,7 @@ import torch
 from policies import tested_drafts
 from workers.demo_corpus import heldout_prompts
 from workers.engine import GenerationRequest, SpeculativeEngine
-from workers.model import CacheBatch, KVCache, LlamaForCausalLM
+from workers.model import CacheBatch, KVCache, LlamaForCausalLM, resolve_dtype
 from workers.sampling import SamplingParams
 from workers.text import TextCodec
 
@@ -155,7 +155,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--target", type=Path, default=REPO / "models/demo-target")
     parser.add_argument("--draft", type=Path, default=REPO / "models/demo-draft")
-    parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="bfloat16", help="the target's dtype")
+    parser.add_argument("--dtype", choices=["auto", "float32", "bfloat16"], default="auto",
+                        help="the target's dtype (auto: as a worker resolves it)")
     parser.add_argument("--draft-dtype", choices=["float32", "bfloat16"], default="float32")
     parser.add_argument("--threads", type=int, default=1, help="torch threads (a worker uses 1 by default)")
     parser.add_argument("--kmax", type=int, default=8)
@@ -173,6 +174,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     dtypes = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+    args.dtype = resolve_dtype(args.dtype)
     target = LlamaForCausalLM.from_pretrained(args.target, dtypes[args.dtype])
     draft = LlamaForCausalLM.from_pretrained(args.draft, dtypes[args.draft_dtype])
     codec = TextCodec(args.target / "tokenizer.json", target.cfg.bos_token_id)
@@ -246,7 +248,8 @@ def main() -> None:
         log(f"batch {size}, T=0: plain {p.tok_s:.1f} tok/s, speculative K={best_k} {s.tok_s:.1f} tok/s "
             f"({s.tok_s / p.tok_s:.2f}x), alpha {s.alpha:.3f}, drafting {100 * s.draft_share:.0f}% of its time")
     summary = {
-        "bench": "engine", "dtype": args.dtype, "draft_dtype": args.draft_dtype, "threads": args.threads,
+        "bench": "engine", "dtype": args.dtype, "target_prepacked": target.prepacked,
+        "draft_dtype": args.draft_dtype, "threads": args.threads,
         "prompts": len(b1),
         "max_tokens": args.max_tokens, "alpha_t0": round(best.alpha, 4), "best_k": best_k,
         "acceptance_rate_t0": round(best.accepted / best.proposed, 4),

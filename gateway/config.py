@@ -61,7 +61,7 @@ class WorkersConfig:
     max_queue: int = 64  # waiting sequences per worker before 429
     max_k: int = 8  # deepest speculation a worker supports
     threads: int = 1  # torch threads per worker process
-    dtype: Literal["float32", "bfloat16"] = "bfloat16"  # the target's
+    dtype: Literal["auto", "float32", "bfloat16"] = "auto"  # the target's (auto: see workers/server.py)
     draft_dtype: Literal["float32", "bfloat16"] = "float32"
     startup_timeout_s: float = 120.0  # a worker not healthy by then is restarted
     poll_interval_s: float = 0.5  # health and load polling period
@@ -177,7 +177,7 @@ def parse_config(raw: Any, base: Path, source: Path | None = None) -> GatewayCon
         max_queue=_get(w, "workers", "max_queue", int, wd.max_queue, minimum=1),
         max_k=_get(w, "workers", "max_k", int, wd.max_k, minimum=0),
         threads=_get(w, "workers", "threads", int, wd.threads, minimum=1),
-        dtype=_get(w, "workers", "dtype", str, wd.dtype, choices=("float32", "bfloat16")),
+        dtype=_get(w, "workers", "dtype", str, wd.dtype, choices=("auto", "float32", "bfloat16")),
         draft_dtype=_get(w, "workers", "draft_dtype", str, wd.draft_dtype, choices=("float32", "bfloat16")),
         startup_timeout_s=_get(w, "workers", "startup_timeout_s", float, wd.startup_timeout_s, minimum=1),
         poll_interval_s=_get(w, "workers", "poll_interval_s", float, wd.poll_interval_s, minimum=0.05),

@@ -16,7 +16,7 @@ import pytest
 import torch
 from scipy import stats
 
-from workers.model import LlamaForCausalLM, ModelConfig
+from workers.model import LlamaForCausalLM, ModelConfig, bf16_prepacking_available
 from workers.sampling import Verdict, sample
 
 VOCAB = 48
@@ -27,6 +27,12 @@ BODY_SCALE = 4.0  # non-norm, non-head weights are multiplied by this
 HEAD_SCALE = 20.0  # the (untied) LM head by this: logits spread over several nats
 DRAFT_NOISE = 0.1  # draft = target + DRAFT_NOISE * std(weight) * N(0, 1), per weight
 FAR_DRAFT_NOISE = 0.3  # a draft that disagrees more (distribution tests)
+
+# Bit-identical verification is a property of the prepacked bfloat16 path. On a CPU without
+# AVX512-BF16/AMX, workers.dtype auto serves float32 instead, which promises closeness only.
+requires_bf16_prepacking = pytest.mark.skipif(
+    not bf16_prepacking_available(),
+    reason="this CPU cannot prepack bfloat16 (no AVX512-BF16/AMX); workers serve float32 there")
 
 GreedyReference = Callable[[Sequence[int], int], list[int]]
 ChiSquare = Callable[[Sequence[int], torch.Tensor], float]

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from tests.harness import sdk_client, start_gateway, start_tcp_worker, write_config
+from workers.model import bf16_prepacking_available
 
 PROMPT = "import os\nimport sys\n\n\ndef main(argv):\n    "
 
@@ -31,8 +32,11 @@ def tcp_worker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[int]:
 def test_worker_describes_its_precision(tcp_worker: int) -> None:
     with urllib.request.urlopen(f"http://127.0.0.1:{tcp_worker}/specgate/worker", timeout=10) as response:
         described = json.load(response)
-    # The serving defaults; this CPU (and CI's) has AVX512-BF16, so the target runs prepacked.
-    assert described["precision"] == {"target": "bfloat16", "draft": "float32", "target_prepacked": True}
+    # The serving defaults: workers.dtype auto is bfloat16, prepacked, where the CPU can (AVX512-BF16
+    # or AMX, as on these machines), else float32.
+    packed = bf16_prepacking_available()
+    assert described["precision"] == {"target": "bfloat16" if packed else "float32", "draft": "float32",
+                                      "target_prepacked": packed}
     assert described["modes"] == ["speculative", "plain"] and described["max_k"] == 8
 
 

@@ -24,7 +24,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--max-k", type=int, default=8)
     parser.add_argument("--default-k", type=int, default=6)
     parser.add_argument("--max-queue", type=int, default=64)
-    parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="bfloat16", help="the target's dtype")
+    parser.add_argument("--dtype", choices=["auto", "float32", "bfloat16"], default="auto",
+                        help="the target's dtype; auto: bfloat16 where this CPU runs it prepacked, else float32")
     parser.add_argument("--draft-dtype", choices=["float32", "bfloat16"], default="float32")
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
     parser.add_argument("--max-body-bytes", type=int, default=1 << 20)

@@ -20,6 +20,7 @@ import json
 import math
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Literal
 
 import torch
 import torch.nn.functional as F
@@ -78,10 +79,19 @@ class ModelConfig:
         }
 
 
-def _onednn_packing_available() -> bool:
+def bf16_prepacking_available() -> bool:
+    """Whether this CPU and build run bfloat16 projections on oneDNN's prepacked weights."""
     ops = torch.ops.mkldnn
     return (torch.backends.mkldnn.is_available() and hasattr(ops, "_reorder_linear_weight")
             and hasattr(ops, "_linear_pointwise") and bool(ops._is_mkldnn_bf16_supported()))
+
+
+def resolve_dtype(requested: Literal["auto", "float32", "bfloat16"]) -> Literal["float32", "bfloat16"]:
+    """"auto" is bfloat16 where it runs prepacked (fast, bit-identical verification), else
+    float32, which is then faster than unpacked bfloat16 and close to, not bit-for-bit, exact."""
+    if requested == "auto":
+        return "bfloat16" if bf16_prepacking_available() else "float32"
+    return requested
 
 
 class FrozenLinear:
@@ -101,7 +111,7 @@ class FrozenLinear:
         # Exactly one of the two is kept: a packed copy replaces the plain weight.
         self.packed: torch.Tensor | None = None
         self.weight: torch.Tensor | None = weight
-        if weight.dtype == torch.bfloat16 and _onednn_packing_available():
+        if weight.dtype == torch.bfloat16 and bf16_prepacking_available():
             self.packed, self.weight = torch.ops.mkldnn._reorder_linear_weight(weight, 1), None
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:

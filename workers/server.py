@@ -24,7 +24,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_l
 
 from workers.engine import GenerationRequest, SpeculativeEngine, StepEvent
 from workers.metrics import WorkerMetrics
-from workers.model import LlamaForCausalLM
+from workers.model import LlamaForCausalLM, resolve_dtype
 from workers.protocol import (
     ApiError,
     BadRequest,
@@ -56,7 +56,9 @@ class WorkerSettings:
     max_k: int = 8  # deepest speculation this worker runs
     default_k: int = 6  # K for requests without a gateway directive
     max_queue: int = 64  # waiting sequences before 429
-    dtype: Literal["float32", "bfloat16"] = "bfloat16"  # the target's
+    # The target's. "auto": bfloat16 where it runs prepacked (fast, bit-identical verification),
+    # else float32, which is faster than unpacked bfloat16 and makes no bit-for-bit promise.
+    dtype: Literal["auto", "float32", "bfloat16"] = "auto"
     # The draft's: float32 by default, because for a model this small bfloat16's upcasts around
     # every norm cost more than its cheaper matmuls save; its numerics never reach the output.
     draft_dtype: Literal["float32", "bfloat16"] = "float32"
@@ -78,13 +80,13 @@ TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
 def load_engine(settings: WorkerSettings) -> tuple[SpeculativeEngine, TextCodec]:
-    target = LlamaForCausalLM.from_pretrained(settings.target, TORCH_DTYPES[settings.dtype])
+    target = LlamaForCausalLM.from_pretrained(settings.target, TORCH_DTYPES[resolve_dtype(settings.dtype)])
     draft = None
     if settings.draft is not None:
         draft = LlamaForCausalLM.from_pretrained(settings.draft, TORCH_DTYPES[settings.draft_dtype])
     if settings.dtype == "bfloat16" and not target.prepacked:
         log.warning("bfloat16 target without oneDNN prepacking on this CPU (no AVX512-BF16/AMX?): expect slow "
-                    "steps; workers.dtype: float32 may be faster here")
+                    "steps and no bit-identical verification; workers.dtype: auto picks float32 here")
     engine = SpeculativeEngine(target, draft, max_slots=settings.max_slots, max_k=settings.max_k)
     return engine, TextCodec(settings.target / "tokenizer.json", target.cfg.bos_token_id)
 
@@ -135,7 +137,8 @@ def describe(ctx: WorkerContext) -> dict[str, Any]:
         "worker_id": ctx.settings.worker_id, "engine": "embedded", "model": ctx.settings.served_model_name,
         "modes": ["speculative", "plain"] if engine.max_k > 0 else ["plain"], "max_k": engine.max_k,
         "max_slots": engine.max_slots, "context_window": ctx.context_window,
-        "precision": {"target": ctx.settings.dtype, "draft": ctx.settings.draft_dtype if engine.draft else None,
+        "precision": {"target": resolve_dtype(ctx.settings.dtype),
+                      "draft": ctx.settings.draft_dtype if engine.draft else None,
                       "target_prepacked": engine.target.prepacked},
         "batch_depth": ctx.runner.batch_depth, "queue_length": ctx.runner.queue_length,
         "batch_full": ctx.runner.batch_full,
