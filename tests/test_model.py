@@ -7,9 +7,11 @@ import dataclasses
 import json
 from pathlib import Path
 
+import pytest
 import torch
 
-from workers.model import FrozenLinear, LlamaForCausalLM, ModelConfig
+from workers import model as model_module
+from workers.model import FrozenLinear, LlamaForCausalLM, ModelConfig, resolve_dtype
 from workers.train_demo import SEQ_LEN, Stage, run_stage
 
 from .conftest import converted, requires_bf16_prepacking
@@ -63,3 +65,19 @@ def test_training_resumes_from_its_checkpoint_exactly(tmp_path: Path, tiny_confi
     run_stage(full, resumed, None, stream, heldout, tmp_path / "resumed", seed=5)  # a new process resumes
     for (name, a), (_, b) in zip(straight.state_dict().items(), resumed.state_dict().items(), strict=True):
         assert torch.equal(a, b), name
+
+
+def test_without_prepacking_auto_serves_float32_and_bfloat16_falls_back(monkeypatch: pytest.MonkeyPatch,
+                                                                          target_model: LlamaForCausalLM) -> None:
+    """A CPU without AVX512-BF16/AMX, simulated: auto picks float32; a forced bfloat16 model
+    still runs (plain F.linear), only not prepacked."""
+    monkeypatch.setattr(model_module, "bf16_prepacking_available", lambda: False)
+    assert resolve_dtype("auto") == "float32"
+    assert resolve_dtype("bfloat16") == "bfloat16" and resolve_dtype("float32") == "float32"
+    unpacked = converted(target_model, torch.bfloat16)
+    assert not unpacked.prepacked
+    monkeypatch.undo()
+    packed = converted(target_model, torch.bfloat16)
+    tokens = torch.tensor([[3, 1, 4, 1, 5]])
+    with torch.inference_mode():  # the same weights compute the same function in either layout
+        assert torch.allclose(unpacked.forward_train(tokens), packed.forward_train(tokens))
