@@ -68,7 +68,8 @@ class WorkerHandle:
             if self.remote else str(self.socket_path), "pid": self.process.pid if self.process else None,
             "modes": sorted(self.modes), "max_k": self.max_k, "restarts": self.restarts, "in_flight": self.in_flight,
             "batch_depth": self.info.get("batch_depth", self.in_flight), "queue_length": self.info.get("queue_length"),
-            "batch_full": self.batch_full, "stats": self.info.get("stats"), "last_error": self.last_error or None,
+            "batch_full": self.batch_full, "precision": self.info.get("precision"), "stats": self.info.get("stats"),
+            "last_error": self.last_error or None,
         }
 
 

@@ -13,6 +13,7 @@ import openai
 import pytest
 
 from tests.harness import Gateway, sdk_client, start_gateway, write_config
+from workers.model import bf16_prepacking_available
 
 CODE_PROMPT = "def read_lines(path):\n    with open(path) as f:\n        return f."
 
@@ -198,6 +199,10 @@ def test_health_ready_and_workers(gateway: Gateway) -> None:
     workers = gateway.get_json("/admin/workers")["workers"]
     assert {w["worker_id"] for w in workers} == {"worker-0", "worker-1"}
     assert all(w["status"] == "ready" and w["modes"] == ["plain", "speculative"] for w in workers)
+    # Each worker's precision as it resolved workers.dtype (auto) on this CPU.
+    packed = bf16_prepacking_available()
+    assert all(w["precision"] == {"target": "bfloat16" if packed else "float32", "draft": "float32",
+                                  "target_prepacked": packed} for w in workers)
 
 
 def test_metrics_cover_gateway_and_workers(gateway: Gateway, client: openai.OpenAI) -> None:
