@@ -22,7 +22,7 @@ import torch
 from policies import tested_drafts
 from workers.demo_corpus import heldout_prompts
 from workers.engine import GenerationRequest, SpeculativeEngine
-from workers.model import CacheBatch, KVCache, LlamaForCausalLM, resolve_dtype
+from workers.model import TORCH_DTYPES, CacheBatch, KVCache, LlamaForCausalLM, resolve_dtype
 from workers.sampling import SamplingParams
 from workers.text import TextCodec
 
@@ -173,10 +173,9 @@ def main() -> None:
         args.alpha_prompts = 8
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
-    dtypes = {"float32": torch.float32, "bfloat16": torch.bfloat16}
     args.dtype = resolve_dtype(args.dtype)
-    target = LlamaForCausalLM.from_pretrained(args.target, dtypes[args.dtype])
-    draft = LlamaForCausalLM.from_pretrained(args.draft, dtypes[args.draft_dtype])
+    target = LlamaForCausalLM.from_pretrained(args.target, TORCH_DTYPES[args.dtype])
+    draft = LlamaForCausalLM.from_pretrained(args.draft, TORCH_DTYPES[args.draft_dtype])
     codec = TextCodec(args.target / "tokenizer.json", target.cfg.bos_token_id)
     batch_sizes = [int(b) for b in args.batches.split(",") if b]
     texts = heldout_prompts(max(args.prompts, args.alpha_prompts, *batch_sizes), seed=1)
@@ -205,8 +204,8 @@ def main() -> None:
     reps = 50 if args.quick else 200
     # The same two models in the other dtype each: what the dtype defaults rest on (docs/engine.md).
     other = {"float32": "bfloat16", "bfloat16": "float32"}
-    target_alt = LlamaForCausalLM.from_pretrained(args.target, dtypes[other[args.dtype]])
-    draft_alt = LlamaForCausalLM.from_pretrained(args.draft, dtypes[other[args.draft_dtype]])
+    target_alt = LlamaForCausalLM.from_pretrained(args.target, TORCH_DTYPES[other[args.dtype]])
+    draft_alt = LlamaForCausalLM.from_pretrained(args.draft, TORCH_DTYPES[other[args.draft_dtype]])
     last = args.kmax + 1
     timed = forward_times({"target": (target, 1), "draft": (draft, 1),
                            **{f"verify{n}": (target, n) for n in range(2, last + 1)},

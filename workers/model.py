@@ -86,6 +86,9 @@ def bf16_prepacking_available() -> bool:
             and hasattr(ops, "_linear_pointwise") and bool(ops._is_mkldnn_bf16_supported()))
 
 
+TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}  # config names -> torch dtypes
+
+
 def resolve_dtype(requested: Literal["auto", "float32", "bfloat16"]) -> Literal["float32", "bfloat16"]:
     """"auto" is bfloat16 where it runs prepacked (fast, bit-identical verification), else
     float32, which is then faster than unpacked bfloat16 and close to, not bit-for-bit, exact."""

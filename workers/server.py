@@ -18,13 +18,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-import torch
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
 from workers.engine import GenerationRequest, SpeculativeEngine, StepEvent
 from workers.metrics import WorkerMetrics
-from workers.model import LlamaForCausalLM, resolve_dtype
+from workers.model import TORCH_DTYPES, LlamaForCausalLM, resolve_dtype
 from workers.protocol import (
     ApiError,
     BadRequest,
@@ -76,7 +75,6 @@ class WorkerContext:
 
 
 CONTEXT_KEY = web.AppKey("worker_context", WorkerContext)
-TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
 def load_engine(settings: WorkerSettings) -> tuple[SpeculativeEngine, TextCodec]:
