@@ -176,7 +176,7 @@ def main() -> None:
     args.dtype = resolve_dtype(args.dtype)
     target = LlamaForCausalLM.from_pretrained(args.target, TORCH_DTYPES[args.dtype])
     draft = LlamaForCausalLM.from_pretrained(args.draft, TORCH_DTYPES[args.draft_dtype])
-    codec = TextCodec(args.target / "tokenizer.json", target.cfg.bos_token_id)
+    codec = TextCodec.from_model_dir(args.target)
     batch_sizes = [int(b) for b in args.batches.split(",") if b]
     texts = heldout_prompts(max(args.prompts, args.alpha_prompts, *batch_sizes), seed=1)
     prompts = [codec.encode(t) for t in texts]

@@ -39,6 +39,7 @@ SESSION_HEADER = "X-Session-ID"
 MODE_HEADER = "X-Specgate-Mode"
 WORKER_HEADER = "X-Specgate-Worker"
 MAX_SESSION_ID = 256
+MAX_LATE_STEPS = 1 << 16  # a worker's late report cannot make the gateway loop without bound
 _PATHS: dict[RequestKind, str] = {"chat": "/v1/chat/completions", "completion": "/v1/completions"}
 
 
@@ -122,6 +123,12 @@ def _account(state: GatewayState, admission: Admission, tally: StreamTally, chun
         session.policy_state = observe(session.policy_state, report.proposed, report.accepted, admission.policy)
         tally.proposed += report.proposed
         tally.accepted += report.accepted
+        for group in report.late_steps:  # acceptance the engine learned late (vLLM: at the end)
+            for _ in range(min(group.count, MAX_LATE_STEPS)):
+                session.policy_state = observe(session.policy_state, group.proposed, group.accepted,
+                                               admission.policy)
+            tally.proposed += group.proposed * group.count
+            tally.accepted += group.accepted * group.count
         tokens = report.tokens
         mode = "speculative" if report.k > 0 else "plain"
     else:

@@ -2,19 +2,21 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
 
 from workers.protocol import ChatMessage
-from workers.text import TextCodec, TextStream, render_chat
+from workers.text import TextCodec, TextStream
 
-TOKENIZER = Path(__file__).resolve().parent.parent / "models" / "demo-target" / "tokenizer.json"
+MODEL_DIR = Path(__file__).resolve().parent.parent / "models" / "demo-target"
+BOS = 0
 
 
 @pytest.fixture(scope="module")
 def codec() -> TextCodec:
-    return TextCodec(TOKENIZER, bos_token_id=0)
+    return TextCodec.from_model_dir(MODEL_DIR)
 
 
 def stream_all(codec: TextCodec, text: str, stop: tuple[str, ...] = ()) -> tuple[list[str], TextStream]:
@@ -26,16 +28,28 @@ def stream_all(codec: TextCodec, text: str, stop: tuple[str, ...] = ()) -> tuple
     return deltas, stream
 
 
-def test_chat_template_matches_tokenizer_config() -> None:
-    rendered = render_chat([ChatMessage("system", "be brief"), ChatMessage("user", "hi")])
-    assert rendered == "<|system|>\nbe brief<|end|>\n<|user|>\nhi<|end|>\n<|assistant|>\n"
-    config = (TOKENIZER.parent / "tokenizer_config.json").read_text()
-    assert "<|assistant|>" in config and "add_generation_prompt" in config
+def test_chat_is_rendered_by_the_model_directorys_template(codec: TextCodec) -> None:
+    rendered = codec.render_chat([ChatMessage("system", "be brief"), ChatMessage("user", "hi")])
+    assert rendered == "<|endoftext|><|system|>\nbe brief<|end|>\n<|user|>\nhi<|end|>\n<|assistant|>\n"
 
 
 def test_special_tokens_are_single_ids(codec: TextCodec) -> None:
     ids = codec.encode("<|user|>\nx<|end|>")
-    assert ids[0] == 0 and ids[1] == 2 and 4 in ids
+    assert ids[0] == BOS and ids[1] == 2 and 4 in ids
+
+
+@pytest.mark.parametrize("model", ["demo-target", "demo-draft"])
+def test_one_prompt_encoding_declared_by_the_model_directory(model: str) -> None:
+    """D1: text and chat prompts start with exactly one BOS, as the directory declares for
+    every tokenizer that reads it (tokenizer.json post-processor, add_bos_token, template)."""
+    codec = TextCodec.from_model_dir(MODEL_DIR.parent / model)
+    config = json.loads((MODEL_DIR.parent / model / "tokenizer_config.json").read_text())
+    assert config["add_bos_token"] is True and config["bos_token"] == "<|endoftext|>"
+    bare = codec.tokenizer.encode("def f():", add_special_tokens=False).ids
+    assert codec.encode("def f():") == [BOS, *bare]
+    chat = codec.encode_chat([ChatMessage("user", "hi")])
+    assert chat[0] == BOS and chat[1] != BOS and chat[1] == 2  # <|user|>
+    assert codec.encode("") == [BOS]
 
 
 @pytest.mark.parametrize("text", ["def f(x):\n    return x + 1\n", "naïve café – 日本語 ✓", "a\tb\r\nc"])

@@ -1,4 +1,9 @@
-"""Worker process entry point: ``python -m workers --target DIR --draft DIR (--uds PATH | --port N)``."""
+"""Worker process entry point: ``python -m workers --target DIR --draft DIR (--uds PATH | --port N)``.
+
+``--engine`` picks what runs the models: ``embedded`` (PyTorch, this repo), ``vllm`` (vLLM's
+AsyncLLM with specgate's per-request scheduler plugin; run this with the vLLM environment's
+interpreter). The HTTP server, protocol and metrics are the same for every engine.
+"""
 
 from __future__ import annotations
 
@@ -7,16 +12,17 @@ import logging
 import os
 from pathlib import Path
 
-import torch
 import uvloop
 from aiohttp import web
 
+from workers.engine_api import Engine
 from workers.server import WorkerSettings, create_worker_app
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m workers", description=__doc__)
     parser.add_argument("--worker-id", default=f"worker-{os.getpid()}")
+    parser.add_argument("--engine", choices=["embedded", "vllm"], default="embedded")
     parser.add_argument("--target", type=Path, required=True, help="target model directory (Hugging Face format)")
     parser.add_argument("--draft", type=Path, default=None, help="draft model directory; omit for plain only")
     parser.add_argument("--served-model-name", default="specgate-demo")
@@ -25,9 +31,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--default-k", type=int, default=6)
     parser.add_argument("--max-queue", type=int, default=64)
     parser.add_argument("--dtype", choices=["auto", "float32", "bfloat16"], default="auto",
-                        help="the target's dtype; auto: bfloat16 where this CPU runs it prepacked, else float32")
-    parser.add_argument("--draft-dtype", choices=["float32", "bfloat16"], default="float32")
+                        help="the target's dtype; auto: bfloat16 where this CPU runs it prepacked, else float32 "
+                             "(embedded); the checkpoint's own dtype (vllm)")
+    parser.add_argument("--draft-dtype", choices=["float32", "bfloat16"], default="float32",
+                        help="the draft's dtype (embedded; vLLM runs the draft in the target's dtype)")
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
+    parser.add_argument("--max-model-len", type=int, default=None, help="vllm: context window (default: the model's)")
     parser.add_argument("--max-body-bytes", type=int, default=1 << 20)
     where = parser.add_mutually_exclusive_group(required=True)
     where.add_argument("--uds", type=Path, help="listen on this Unix domain socket")
@@ -36,15 +45,30 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
+def build_engine(args: argparse.Namespace) -> Engine:
+    # Each engine's module is imported only when chosen: vLLM lives in its own environment.
+    if args.engine == "vllm":
+        from workers.engines.vllm import VllmEngine, VllmSettings
+
+        return VllmEngine(VllmSettings(target=args.target, draft=args.draft, max_slots=args.max_slots,
+                                       max_k=args.max_k, dtype=args.dtype, max_model_len=args.max_model_len,
+                                       threads=args.threads))
+    import torch
+
+    from workers.engines.embedded import EmbeddedEngine, EmbeddedSettings
+
+    torch.set_num_threads(args.threads)
+    return EmbeddedEngine(EmbeddedSettings(target=args.target, draft=args.draft, max_slots=args.max_slots,
+                                           max_k=args.max_k, dtype=args.dtype, draft_dtype=args.draft_dtype))
+
+
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s {args.worker_id} %(levelname)s %(name)s: %(message)s")
-    torch.set_num_threads(args.threads)
     settings = WorkerSettings(
-        worker_id=args.worker_id, target=args.target, draft=args.draft, served_model_name=args.served_model_name,
-        max_slots=args.max_slots, max_k=args.max_k, default_k=args.default_k, max_queue=args.max_queue,
-        dtype=args.dtype, draft_dtype=args.draft_dtype, max_body_bytes=args.max_body_bytes)
-    app = create_worker_app(settings)
+        worker_id=args.worker_id, tokenizer_dir=args.target, served_model_name=args.served_model_name,
+        default_k=args.default_k, max_queue=args.max_queue, max_body_bytes=args.max_body_bytes)
+    app = create_worker_app(settings, build_engine(args))
     uvloop.install()
     if args.uds is not None:
         args.uds.unlink(missing_ok=True)

@@ -19,37 +19,16 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
-from typing import Literal
 
 import torch
 
+from workers.engine_api import FinishReason, GenerationRequest, StepEvent
 from workers.model import CacheBatch, KVCache, LlamaForCausalLM
-from workers.sampling import SamplingParams, Verdict, probabilities, sample, verify, verify_greedy
+from workers.sampling import Verdict, probabilities, sample, verify, verify_greedy
 
-FinishReason = Literal["stop", "length", "abort"]
+__all__ = ["GenerationRequest", "SpeculativeEngine", "StepDepthRule", "StepEvent"]
 # (requested K, batch depth) -> K for this step. The worker plugs in the policy's batch rule.
 StepDepthRule = Callable[[int, int], int]
-
-
-@dataclass(frozen=True)
-class GenerationRequest:
-    request_id: str
-    prompt_ids: list[int]
-    max_tokens: int
-    params: SamplingParams = field(default_factory=SamplingParams)
-    k: int = 0  # requested speculation depth; 0 = plain
-
-
-@dataclass(frozen=True)
-class StepEvent:
-    """What one step did for one sequence."""
-
-    request_id: str
-    tokens: list[int]  # emitted this step (EOS excluded)
-    proposed: int  # drafts proposed this step (= K used)
-    accepted: int  # drafts accepted this step
-    batch_depth: int  # running sequences in this step
-    finish_reason: FinishReason | None = None
 
 
 @dataclass

@@ -17,6 +17,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Literal
 
+from workers.engine_api import SpecSteps
+
 RequestKind = Literal["chat", "completion"]
 MAX_STOP_SEQUENCES = 4
 DIRECTIVE_FIELD = "specgate"
@@ -244,18 +246,25 @@ class StepReport:
     batch_depth: int  # the worker's running sequences at that step
     k: int  # K used at that step (0: plain)
     tokens: int  # tokens the step emitted
+    # Steps whose acceptance the engine learned late (vLLM reports it when a request ends):
+    # ``count`` steps of ``proposed`` drafts with ``accepted`` accepted each.
+    late_steps: tuple[SpecSteps, ...] = ()
 
-    def to_json(self) -> dict[str, int]:
-        return {"proposed": self.proposed, "accepted": self.accepted, "batch_depth": self.batch_depth, "k": self.k,
-                "tokens": self.tokens}
+    def to_json(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"proposed": self.proposed, "accepted": self.accepted, "batch_depth": self.batch_depth,
+                               "k": self.k, "tokens": self.tokens}
+        if self.late_steps:
+            out["late_steps"] = [[g.proposed, g.accepted, g.count] for g in self.late_steps]
+        return out
 
     @classmethod
     def from_json(cls, raw: Any) -> StepReport | None:
         if not isinstance(raw, Mapping):
             return None
         try:
+            late = tuple(SpecSteps(int(p), int(a), int(c)) for p, a, c in raw.get("late_steps") or ())
             return cls(int(raw["proposed"]), int(raw["accepted"]), int(raw["batch_depth"]), int(raw["k"]),
-                       int(raw["tokens"]))
+                       int(raw["tokens"]), late)
         except (KeyError, TypeError, ValueError):
             return None
 

@@ -16,7 +16,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from policies.speculation import step_depth
-from workers.engine import GenerationRequest, SpeculativeEngine, StepEvent
+from workers.engine import SpeculativeEngine
+from workers.engine_api import EngineTotals, GenerationRequest, StepEvent, StepObserver, StepStats
 
 log = logging.getLogger(__name__)
 
@@ -34,22 +35,13 @@ class _Abort:
     request_id: str
 
 
-@dataclass
-class RunnerStats:
-    steps: int = 0
-    draft_tokens: int = 0
-    accepted_tokens: int = 0
-    emitted_tokens: int = 0
-    verification_s_total: float = 0.0
-
-
 class EngineRunner:
     def __init__(self, engine: SpeculativeEngine, loop: asyncio.AbstractEventLoop,
-                 on_step: Callable[[SpeculativeEngine, list[StepEvent]], None] | None = None) -> None:
+                 on_step: StepObserver | None = None) -> None:
         self.engine = engine
         self.loop = loop
         self.on_step = on_step
-        self.stats = RunnerStats()
+        self.stats = EngineTotals()
         self._commands: queue.SimpleQueue[_Add | _Abort | None] = queue.SimpleQueue()
         self._sinks: dict[str, EventSink] = {}
         self._pending_adds = 0
@@ -149,11 +141,12 @@ class EngineRunner:
                     self._sinks.pop(event.request_id, None)
 
     def _account(self, events: list[StepEvent]) -> None:
-        stats = self.stats
-        stats.steps += 1
-        stats.draft_tokens += sum(e.proposed for e in events)
-        stats.accepted_tokens += sum(e.accepted for e in events)
-        stats.emitted_tokens += sum(len(e.tokens) for e in events)
-        stats.verification_s_total += self.engine.last_target_s
+        engine = self.engine
+        stats = StepStats(
+            proposed=sum(e.proposed for e in events), accepted=sum(e.accepted for e in events),
+            emitted=sum(len(e.tokens) for e in events), batch_depth=engine.batch_depth,
+            queue_length=engine.queue_length, step_s=engine.last_draft_s + engine.last_target_s,
+            verify_s=engine.last_target_s)
+        self.stats.add(stats)
         if self.on_step is not None:
-            self.on_step(self.engine, events)
+            self.on_step(stats)

@@ -13,13 +13,9 @@ from dataclasses import dataclass
 
 import torch
 
+from workers.engine_api import SamplingParams
 
-@dataclass(frozen=True)
-class SamplingParams:
-    temperature: float = 1.0  # 0 means greedy
-    top_p: float = 1.0  # nucleus mass kept, (0, 1]
-    top_k: int = 0  # 0 disables
-    seed: int | None = None  # fixes the request's random stream
+__all__ = ["SamplingParams", "Verdict", "probabilities", "sample", "verify", "verify_greedy"]
 
 
 def probabilities(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:

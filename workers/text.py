@@ -6,35 +6,69 @@ and ids back into the text a client receives.
 
 from __future__ import annotations
 
+import json
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
+from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer
 
 from workers.protocol import ChatMessage
 
-# The chat template, also stored as Jinja in the models' tokenizer_config.json:
-#   <|role|>\n{content}<|end|>\n   for each message, then   <|assistant|>\n
-# Generation ends at <|end|>, one of the models' EOS ids.
-
-
-def render_chat(messages: tuple[ChatMessage, ...] | list[ChatMessage]) -> str:
-    rendered = "".join(f"<|{m.role}|>\n{m.content}<|end|>\n" for m in messages)
-    return rendered + "<|assistant|>\n"
-
 
 class TextCodec:
-    def __init__(self, tokenizer_path: Path, bos_token_id: int | None) -> None:
-        self.tokenizer = Tokenizer.from_file(str(tokenizer_path))
-        self.bos_token_id = bos_token_id
+    """A model directory's own prompt encoding, as vLLM and transformers read it.
+
+    ``tokenizer.json`` (its post-processor adds BOS where the model wants one) encodes a text
+    prompt with special tokens; a chat is rendered by ``tokenizer_config.json``'s Jinja chat
+    template (which writes BOS itself) and encoded without, exactly as vLLM's OpenAI server
+    does. So the same request is the same token ids on every engine.
+    """
+
+    def __init__(self, tokenizer: Tokenizer, chat_template: str | None, special: Mapping[str, str]) -> None:
+        self.tokenizer = tokenizer
+        self.special = dict(special)  # bos_token, eos_token, ... as the template sees them
+        self._template = _JINJA.from_string(chat_template) if chat_template else None
+
+    @classmethod
+    def from_model_dir(cls, model_dir: Path) -> TextCodec:
+        tokenizer = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
+        config_path = model_dir / "tokenizer_config.json"
+        config: dict[str, Any] = json.loads(config_path.read_text()) if config_path.is_file() else {}
+        special = {name: _token_text(config.get(name)) for name in ("bos_token", "eos_token", "pad_token")}
+        return cls(tokenizer, config.get("chat_template"), {k: v for k, v in special.items() if v is not None})
 
     def encode(self, text: str) -> list[int]:
-        ids: list[int] = self.tokenizer.encode(text, add_special_tokens=False).ids
-        return ([self.bos_token_id] if self.bos_token_id is not None else []) + ids
+        """A text prompt (``/v1/completions``): special tokens as the tokenizer adds them."""
+        ids: list[int] = self.tokenizer.encode(text, add_special_tokens=True).ids
+        return ids
+
+    def encode_chat(self, messages: Sequence[ChatMessage]) -> list[int]:
+        ids: list[int] = self.tokenizer.encode(self.render_chat(messages), add_special_tokens=False).ids
+        return ids
+
+    def render_chat(self, messages: Sequence[ChatMessage]) -> str:
+        if self._template is None:
+            raise ValueError("the model has no chat template (tokenizer_config.json chat_template)")
+        return self._template.render(messages=[{"role": m.role, "content": m.content} for m in messages],
+                                     add_generation_prompt=True, **self.special)
 
     def decode(self, ids: list[int]) -> str:
         text: str = self.tokenizer.decode(ids, skip_special_tokens=True)
         return text
+
+
+def _token_text(value: Any) -> str | None:
+    """tokenizer_config.json writes a special token as a string or as an AddedToken mapping."""
+    if isinstance(value, Mapping):
+        value = value.get("content")
+    return value if isinstance(value, str) else None
+
+
+# Chat templates are data from a model directory: render them sandboxed, as transformers does.
+_JINJA = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
 
 
 @dataclass

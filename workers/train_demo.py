@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
 from workers.demo_corpus import (
     ASSISTANT_TOKEN,
@@ -46,7 +46,12 @@ TARGET = ModelConfig(vocab_size=VOCAB_SIZE, hidden_size=384, intermediate_size=1
                      eos_token_id=[0, 4])
 DRAFT = replace(TARGET, hidden_size=256, intermediate_size=768, num_hidden_layers=2, num_attention_heads=4)
 
+# Training joins documents with <|endoftext|> (build_stream), so every document the models
+# saw starts right after it: it is the BOS of every prompt, text and chat alike. The model
+# directory says so in the tokenizer's post-processor and the chat template, so every engine
+# and tokenizer (specgate's, vLLM's, transformers') encodes a prompt the same way.
 CHAT_TEMPLATE = (
+    "{{ bos_token }}"
     "{% for message in messages %}"
     "{{ '<|' + message['role'] + '|>\\n' + message['content'] + '<|end|>\\n' }}"
     "{% endfor %}"
@@ -74,12 +79,18 @@ def train_tokenizer(texts: list[str], out: Path) -> Tokenizer:
     return tok
 
 
+def declare_bos(tok: Tokenizer) -> None:
+    """Text prompts start with BOS: the tokenizer adds it when asked for special tokens."""
+    tok.post_processor = processors.TemplateProcessing(single=f"{EOT_TOKEN} $A", pair=f"{EOT_TOKEN} $A {EOT_TOKEN} $B",
+                                                       special_tokens=[(EOT_TOKEN, 0)])
+
+
 def write_tokenizer_metadata(out: Path) -> None:
     (out / "tokenizer_config.json").write_text(json.dumps({
         "tokenizer_class": "PreTrainedTokenizerFast",
         "bos_token": EOT_TOKEN, "eos_token": END_TOKEN, "pad_token": EOT_TOKEN, "unk_token": None,
         "additional_special_tokens": [SYSTEM_TOKEN, USER_TOKEN, ASSISTANT_TOKEN],
-        "model_max_length": MAX_POSITIONS, "add_bos_token": False, "chat_template": CHAT_TEMPLATE,
+        "model_max_length": MAX_POSITIONS, "add_bos_token": True, "chat_template": CHAT_TEMPLATE,
     }, indent=2) + "\n")
     (out / "generation_config.json").write_text(json.dumps({
         "bos_token_id": 0, "eos_token_id": [0, 4], "pad_token_id": 0}, indent=2) + "\n")
@@ -211,6 +222,7 @@ def main() -> None:
     report["draft"] = run_stage(Stage("draft", args.draft_steps, args.batch, 3e-3), draft, target,
                                 stream, heldout, args.work, args.seed + 1)
 
+    declare_bos(tok)
     for directory, model in ((target_dir, target), (draft_dir, draft)):
         model.save_pretrained(directory)
         tok.save(str(directory / "tokenizer.json"))

@@ -1,0 +1,154 @@
+"""The one interface every worker engine implements, and the types that cross it. No torch.
+
+A worker's HTTP server, protocol and metrics (``workers/server.py``) drive any engine through
+``Engine``: the embedded PyTorch engine (``workers/engines/embedded.py``), vLLM's ``AsyncLLM``
+with specgate's scheduler plugin (``workers/engines/vllm.py``), or the simulated GPU engine.
+The shape follows vLLM's own ``AsyncLLM.generate``: a request in, an async stream of per-step
+deltas out, cancelled by closing the stream. Engines speak token ids only; text, stop strings
+and usage are the server's, so every engine answers the same request the same way.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncGenerator, Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any, Literal, Protocol
+
+FinishReason = Literal["stop", "length", "abort"]
+EngineKind = Literal["embedded", "vllm", "sim"]
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    temperature: float = 1.0  # 0 means greedy
+    top_p: float = 1.0  # nucleus mass kept, (0, 1]
+    top_k: int = 0  # 0 disables
+    seed: int | None = None  # fixes the request's random stream
+
+
+@dataclass(frozen=True)
+class GenerationRequest:
+    request_id: str
+    prompt_ids: list[int]
+    max_tokens: int
+    params: SamplingParams = field(default_factory=SamplingParams)
+    k: int = 0  # requested speculation depth; 0 = plain
+
+
+@dataclass(frozen=True)
+class SpecSteps:
+    """Speculative steps folded together: ``count`` steps that each drafted ``proposed`` and
+    accepted ``accepted``. Engines that learn acceptance only when a request ends (vLLM's
+    per-request histogram) report it this way; the gateway folds each step into the session."""
+
+    proposed: int
+    accepted: int
+    count: int
+
+
+@dataclass(frozen=True)
+class StepEvent:
+    """What one engine step did for one sequence."""
+
+    request_id: str
+    tokens: list[int]  # emitted this step (EOS excluded)
+    proposed: int  # drafts proposed this step (= K used)
+    accepted: int  # drafts accepted this step
+    batch_depth: int  # running sequences in this step
+    finish_reason: FinishReason | None = None
+    # Acceptance of earlier steps that the engine reports late (see SpecSteps); the per-step
+    # proposed/accepted above are then 0.
+    late_steps: tuple[SpecSteps, ...] = ()
+
+
+class EngineRequestError(ValueError):
+    """The request cannot run (too long, bad token ids): the client's fault, a 400."""
+
+
+@dataclass(frozen=True)
+class StepStats:
+    """One engine step, worker-wide: what the metrics record."""
+
+    proposed: int  # drafts proposed across the batch
+    accepted: int
+    emitted: int  # tokens emitted across the batch
+    batch_depth: int  # running sequences
+    queue_length: int  # waiting sequences
+    step_s: float  # wall time of the step (0 when the engine does not time its steps)
+    verify_s: float  # of which the target's verification forward
+
+
+@dataclass
+class EngineTotals:
+    """Counters since the engine started (``/specgate/worker``)."""
+
+    steps: int = 0
+    draft_tokens: int = 0
+    accepted_tokens: int = 0
+    emitted_tokens: int = 0
+    verification_s_total: float = 0.0
+
+    def add(self, stats: StepStats) -> None:
+        self.steps += 1
+        self.draft_tokens += stats.proposed
+        self.accepted_tokens += stats.accepted
+        self.emitted_tokens += stats.emitted
+        self.verification_s_total += stats.verify_s
+
+
+StepObserver = Callable[[StepStats], None]
+
+
+@dataclass(frozen=True)
+class EngineInfo:
+    """What an engine is; fixed once it has started."""
+
+    kind: EngineKind
+    max_k: int  # deepest speculation it runs; 0: plain only
+    max_slots: int  # sequences batched together
+    context_window: int  # prompt + output tokens a request may use
+    vocab_size: int
+    eos_token_ids: frozenset[int]
+    details: Mapping[str, Any] = field(default_factory=dict)  # engine-specific (precision, vLLM version, ...)
+
+
+class Engine(Protocol):
+    """A draft+target engine behind a worker. Methods are called on the worker's event loop."""
+
+    @property
+    def info(self) -> EngineInfo: ...
+
+    @property
+    def batch_depth(self) -> int:
+        """Sequences running now."""
+        ...
+
+    @property
+    def queue_length(self) -> int:
+        """Sequences waiting for a batch slot."""
+        ...
+
+    @property
+    def batch_full(self) -> bool:
+        """The per-step batch latch: steps run plain while it is set."""
+        ...
+
+    @property
+    def totals(self) -> EngineTotals: ...
+
+    async def start(self, observer: StepObserver) -> None:
+        """Loads models and starts serving; ``observer`` hears every step, possibly from the
+        engine's compute thread, so it must be cheap and thread-safe (metrics are)."""
+
+    async def stop(self) -> None: ...
+
+    def set_batch_thresholds(self, max_batch: int, batch_resume: int) -> None:
+        """The policy's batch rule (from the latest gateway directive) for the per-step latch."""
+
+    def generate(self, request: GenerationRequest) -> AsyncGenerator[StepEvent, None]:
+        """Per-step events until one carries a finish reason; closing the stream aborts it.
+
+        Raises ``EngineRequestError`` (the request's fault) or any other exception (the
+        engine's fault, failing this request alone).
+        """
+        ...

@@ -1,0 +1,125 @@
+"""The embedded PyTorch engine (``workers/engine.py``) behind the worker's engine interface.
+
+The model steps run on the runner's compute thread (``workers/runner.py``); this adapter turns
+its per-step callbacks into the async event stream ``Engine.generate`` promises.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncGenerator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+from workers.engine import SpeculativeEngine
+from workers.engine_api import (
+    EngineInfo,
+    EngineRequestError,
+    EngineTotals,
+    GenerationRequest,
+    StepEvent,
+    StepObserver,
+)
+from workers.model import TORCH_DTYPES, LlamaForCausalLM, resolve_dtype
+from workers.runner import EngineRunner
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class EmbeddedSettings:
+    target: Path
+    draft: Path | None
+    max_slots: int = 16  # sequences batched together
+    max_k: int = 8  # deepest speculation this worker runs
+    # The target's. "auto": bfloat16 where it runs prepacked (fast, bit-identical verification),
+    # else float32, which is faster than unpacked bfloat16 and makes no bit-for-bit promise.
+    dtype: Literal["auto", "float32", "bfloat16"] = "auto"
+    # The draft's: float32 by default, because for a model this small bfloat16's upcasts around
+    # every norm cost more than its cheaper matmuls save; its numerics never reach the output.
+    draft_dtype: Literal["float32", "bfloat16"] = "float32"
+
+
+def load_speculative_engine(settings: EmbeddedSettings) -> SpeculativeEngine:
+    target = LlamaForCausalLM.from_pretrained(settings.target, TORCH_DTYPES[resolve_dtype(settings.dtype)])
+    draft = None
+    if settings.draft is not None:
+        draft = LlamaForCausalLM.from_pretrained(settings.draft, TORCH_DTYPES[settings.draft_dtype])
+    if settings.dtype == "bfloat16" and not target.prepacked:
+        log.warning("bfloat16 target without oneDNN prepacking on this CPU (no AVX512-BF16/AMX?): expect slow "
+                    "steps and no bit-identical verification; workers.dtype: auto picks float32 here")
+    return SpeculativeEngine(target, draft, max_slots=settings.max_slots, max_k=settings.max_k)
+
+
+class EmbeddedEngine:
+    def __init__(self, settings: EmbeddedSettings) -> None:
+        self.settings = settings
+        self._runner: EngineRunner | None = None
+        self._info: EngineInfo | None = None
+
+    @property
+    def runner(self) -> EngineRunner:
+        if self._runner is None:
+            raise RuntimeError("engine not started")
+        return self._runner
+
+    @property
+    def info(self) -> EngineInfo:
+        if self._info is None:
+            raise RuntimeError("engine not started")
+        return self._info
+
+    @property
+    def batch_depth(self) -> int:
+        return self.runner.batch_depth
+
+    @property
+    def queue_length(self) -> int:
+        return self.runner.queue_length
+
+    @property
+    def batch_full(self) -> bool:
+        return self.runner.batch_full
+
+    @property
+    def totals(self) -> EngineTotals:
+        return self.runner.stats
+
+    async def start(self, observer: StepObserver) -> None:
+        engine = load_speculative_engine(self.settings)
+        self._runner = EngineRunner(engine, asyncio.get_running_loop(), observer)
+        self._runner.start()
+        self._info = EngineInfo(
+            kind="embedded", max_k=engine.max_k, max_slots=engine.max_slots,
+            context_window=engine.max_positions - engine.max_k, vocab_size=engine.target.cfg.vocab_size,
+            eos_token_ids=engine.eos_ids,
+            details={"precision": {"target": resolve_dtype(self.settings.dtype),
+                                   "draft": self.settings.draft_dtype if engine.draft else None,
+                                   "target_prepacked": engine.target.prepacked}})
+
+    async def stop(self) -> None:
+        if self._runner is not None:
+            self._runner.stop()
+
+    def set_batch_thresholds(self, max_batch: int, batch_resume: int) -> None:
+        self.runner.set_batch_thresholds(max_batch, batch_resume)
+
+    async def generate(self, request: GenerationRequest) -> AsyncGenerator[StepEvent, None]:
+        events: asyncio.Queue[StepEvent | BaseException] = asyncio.Queue()
+        runner = self.runner
+        runner.submit(request, events.put_nowait)
+        finished = False
+        try:
+            while not finished:
+                item = await events.get()
+                if isinstance(item, ValueError):
+                    raise EngineRequestError(str(item))
+                if isinstance(item, BaseException):
+                    raise item
+                finished = item.finish_reason is not None
+                yield item
+        finally:
+            if not finished:
+                runner.abort(request.request_id)
