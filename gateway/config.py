@@ -15,9 +15,9 @@ import yaml
 
 from policies.config import PolicyConfig, PolicyConfigError
 
-EngineName = Literal["embedded"]
+EngineName = Literal["embedded", "vllm"]
 RemoteMode = Literal["speculative", "plain"]
-RemoteProtocol = Literal["openai", "specgate"]
+RemoteProtocol = Literal["openai", "specgate", "vllm"]
 
 
 class ConfigError(ValueError):
@@ -47,16 +47,19 @@ class RemoteWorker:
     url: str  # base URL, e.g. http://10.0.0.5:8001
     mode: RemoteMode = "plain"  # the one mode an "openai" server serves
     name: str = ""  # worker id in metrics and admin views (default: the URL)
-    max_k: int = 0  # an "openai" server's fixed K when its mode is speculative
-    # "openai": any OpenAI-compatible server (e.g. vllm serve), serving one fixed mode;
-    # "specgate": a specgate worker (python -m workers --port N) that takes per-request decisions.
+    max_k: int = 0  # an "openai" server's fixed K when speculative; a "vllm" server's num_speculative_tokens
+    # "openai": any OpenAI-compatible server, serving one fixed mode;
+    # "specgate": a specgate worker (python -m workers --port N) that takes per-request decisions;
+    # "vllm": a vLLM OpenAI server with specgate's scheduler plugin, driven per request (vllm_xargs).
     protocol: RemoteProtocol = "openai"
 
 
 @dataclass(frozen=True)
 class WorkersConfig:
     count: int = 2  # local worker processes
-    engine: EngineName = "embedded"
+    engine: EngineName = "embedded"  # embedded: PyTorch in this repo; vllm: vLLM's AsyncLLM with specgate's plugin
+    python: Path | None = None  # interpreter for local workers (vllm: the vLLM environment's); default: the gateway's
+    vllm_args: Mapping[str, Any] = field(default_factory=dict)  # further vLLM engine args (AsyncEngineArgs fields)
     max_slots: int = 16  # sequences one worker batches together
     max_queue: int = 64  # waiting sequences per worker before 429
     max_k: int = 8  # deepest speculation a worker supports
@@ -172,7 +175,9 @@ def parse_config(raw: Any, base: Path, source: Path | None = None) -> GatewayCon
     socket_dir = _path(w, "workers", "socket_dir", None, base, nullable=True)
     workers = WorkersConfig(
         count=_get(w, "workers", "count", int, wd.count, minimum=0),
-        engine=_get(w, "workers", "engine", str, wd.engine, choices=("embedded",)),
+        engine=_get(w, "workers", "engine", str, wd.engine, choices=("embedded", "vllm")),
+        python=_path(w, "workers", "python", None, base, nullable=True),
+        vllm_args=_vllm_args(w.get("vllm_args")),
         max_slots=_get(w, "workers", "max_slots", int, wd.max_slots, minimum=1),
         max_queue=_get(w, "workers", "max_queue", int, wd.max_queue, minimum=1),
         max_k=_get(w, "workers", "max_k", int, wd.max_k, minimum=0),
@@ -197,6 +202,17 @@ def parse_config(raw: Any, base: Path, source: Path | None = None) -> GatewayCon
     return GatewayConfig(server, model, workers, sessions, parse_policy(raw.get("policy")), source)
 
 
+def _vllm_args(raw: Any) -> Mapping[str, Any]:
+    if raw is None:
+        return {}
+    if not isinstance(raw, Mapping) or not all(isinstance(k, str) for k in raw):
+        raise ConfigError("workers.vllm_args", raw, "must be a mapping of vLLM engine argument names to values")
+    for key in ("model", "speculative_config", "max_num_seqs", "scheduler_cls", "per_request_spec_decode_metrics"):
+        if key in raw:
+            raise ConfigError(f"workers.vllm_args.{key}", raw[key], "is set by specgate from model.* and workers.*")
+    return dict(raw)
+
+
 def _parse_remote(raw: Any) -> tuple[RemoteWorker, ...]:
     if raw is None:
         return ()
@@ -211,7 +227,7 @@ def _parse_remote(raw: Any) -> tuple[RemoteWorker, ...]:
         url = _get(item, prefix, "url", str, None)
         if not url.startswith(("http://", "https://")):
             raise ConfigError(f"{prefix}.url", url, "must start with http:// or https://")
-        protocol = _get(item, prefix, "protocol", str, "openai", choices=("openai", "specgate"))
+        protocol = _get(item, prefix, "protocol", str, "openai", choices=("openai", "specgate", "vllm"))
         mode = _get(item, prefix, "mode", str, "plain", choices=("speculative", "plain"))
         max_k = _get(item, prefix, "max_k", int, 0, minimum=0)
         if protocol == "openai" and mode == "speculative" and max_k < 1:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import os
 import sys
@@ -23,7 +24,7 @@ from typing import Any, Literal
 import aiohttp
 from prometheus_client import multiprocess
 
-from gateway.config import GatewayConfig, RemoteWorker
+from gateway.config import GatewayConfig, RemoteProtocol, RemoteWorker
 from gateway.metrics import GatewayMetrics
 from gateway.routing import Candidate
 from policies import Mode
@@ -41,7 +42,9 @@ class WorkerHandle:
     max_k: int
     socket_path: Path | None = None  # local workers only
     remote: bool = False
-    speaks_specgate: bool = True  # takes the specgate directive and reports steps (not a plain OpenAI server)
+    # specgate: takes the directive and reports every step; vllm: a vLLM server with specgate's
+    # plugin, driven through vllm_xargs; openai: any OpenAI server, serving one fixed mode.
+    protocol: RemoteProtocol = "specgate"
     status: WorkerStatus = "starting"
     process: asyncio.subprocess.Process | None = None
     restarts: int = 0
@@ -51,6 +54,10 @@ class WorkerHandle:
     info: dict[str, Any] = field(default_factory=dict)
     last_error: str = ""
     started_at: float = 0.0
+
+    @property
+    def speaks_specgate(self) -> bool:
+        return self.protocol == "specgate"
 
     @property
     def load(self) -> int:
@@ -64,7 +71,8 @@ class WorkerHandle:
 
     def view(self) -> dict[str, Any]:
         return {
-            "worker_id": self.worker_id, "status": self.status, "remote": self.remote, "url": self.base_url
+            "worker_id": self.worker_id, "status": self.status, "remote": self.remote, "protocol": self.protocol,
+            "engine": self.info.get("engine"), "url": self.base_url
             if self.remote else str(self.socket_path), "pid": self.process.pid if self.process else None,
             "modes": sorted(self.modes), "max_k": self.max_k, "restarts": self.restarts, "in_flight": self.in_flight,
             "batch_depth": self.info.get("batch_depth", self.in_flight), "queue_length": self.info.get("queue_length"),
@@ -109,13 +117,17 @@ class Fleet:
             self._tasks.append(asyncio.create_task(self._poll(handle), name=f"poll-{handle.worker_id}"))
 
     def _remote_handle(self, remote: RemoteWorker) -> WorkerHandle:
-        specgate = remote.protocol == "specgate"
-        # A specgate worker describes its own modes and max K on its first poll.
-        modes: frozenset[Mode] = frozenset() if specgate else frozenset({remote.mode})
-        max_k = 0 if specgate or remote.mode == "plain" else remote.max_k
+        modes: frozenset[Mode]
+        if remote.protocol == "specgate":  # describes its own modes and max K on its first poll
+            modes, max_k = frozenset(), 0
+        elif remote.protocol == "vllm":  # one engine serves both modes, up to its num_speculative_tokens
+            modes = frozenset({"speculative", "plain"} if remote.max_k > 0 else {"plain"})
+            max_k = remote.max_k
+        else:
+            modes, max_k = frozenset({remote.mode}), remote.max_k if remote.mode == "speculative" else 0
         # Not routable until its first health check passes.
         return WorkerHandle(remote.name, remote.url, aiohttp.ClientSession(), modes, max_k, remote=True,
-                            speaks_specgate=specgate, status="unhealthy", last_error="not checked yet")
+                            protocol=remote.protocol, status="unhealthy", last_error="not checked yet")
 
     async def stop(self) -> None:
         self._stopping = True
@@ -151,7 +163,9 @@ class Fleet:
     # -- local workers ------------------------------------------------------------------------------
     def _command(self, handle: WorkerHandle) -> list[str]:
         cfg, wc = self.config, self.config.workers
-        command = [sys.executable, "-m", "workers", "--worker-id", handle.worker_id, "--uds", str(handle.socket_path),
+        python = str(wc.python) if wc.python is not None else sys.executable
+        command = [python, "-m", "workers", "--engine", wc.engine, "--worker-id", handle.worker_id,
+                   "--uds", str(handle.socket_path),
                    "--target", str(cfg.model.target), "--served-model-name", cfg.model.name,
                    "--max-slots", str(wc.max_slots), "--max-queue", str(wc.max_queue), "--max-k", str(wc.max_k),
                    "--default-k", str(cfg.policy.num_speculative_tokens), "--threads", str(wc.threads),
@@ -159,6 +173,8 @@ class Fleet:
                    "--max-body-bytes", str(cfg.server.max_body_bytes)]
         if cfg.model.draft is not None:
             command += ["--draft", str(cfg.model.draft)]
+        if wc.engine == "vllm" and wc.vllm_args:
+            command += ["--vllm-args", json.dumps(dict(wc.vllm_args))]
         return command
 
     async def _supervise(self, handle: WorkerHandle) -> None:
@@ -228,10 +244,27 @@ class Fleet:
                     if handle.remote:
                         handle.modes = frozenset(m for m in info.get("modes", []) if m in ("speculative", "plain"))
                         handle.max_k = int(info.get("max_k", 0))
-                return True
+            if handle.protocol == "vllm":
+                await self._probe_vllm_depth(handle)
+            return True
         except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
             handle.last_error = f"{path}: {exc.__class__.__name__}: {exc}"
             return False
+
+    async def _probe_vllm_depth(self, handle: WorkerHandle) -> None:
+        """A vLLM server's depth, from its own Prometheus gauges (it serves other clients too)."""
+        async with handle.client.get(handle.base_url + "/metrics", timeout=aiohttp.ClientTimeout(total=2)) as resp:
+            if resp.status != 200:
+                return
+            text = await resp.text()
+        running = waiting = 0.0
+        for line in text.splitlines():
+            if line.startswith("vllm:num_requests_running"):
+                running += float(line.rsplit(" ", 1)[1])
+            elif line.startswith("vllm:num_requests_waiting"):
+                waiting += float(line.rsplit(" ", 1)[1])
+        handle.info = {"engine": "vllm", "batch_depth": int(running), "queue_length": int(waiting)}
+        handle.reported_depth = int(running + waiting)
 
     async def _poll(self, handle: WorkerHandle) -> None:
         interval = self.config.workers.poll_interval_s

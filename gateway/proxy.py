@@ -17,9 +17,11 @@ from typing import Any
 
 import aiohttp
 
+from gateway.config import RemoteProtocol
 from gateway.fleet import WorkerHandle
 from workers.protocol import (
     DIRECTIVE_FIELD,
+    VLLM_XARGS_FIELD,
     ApiError,
     BadRequest,
     CompletionRequest,
@@ -30,6 +32,7 @@ from workers.protocol import (
     Unavailable,
     WorkerFailed,
     WorkerTimeout,
+    vllm_xargs,
 )
 
 _STATUS_ERRORS: dict[int, type[ApiError]] = {400: BadRequest, 404: NotFound, 413: PayloadTooLarge, 429: Overloaded,
@@ -51,11 +54,17 @@ class StreamTally:
     collected: list[dict[str, Any]] = field(default_factory=list)
 
 
-def worker_body(request: CompletionRequest, directive: Directive) -> dict[str, Any]:
+def worker_body(request: CompletionRequest, directive: Directive, protocol: RemoteProtocol) -> dict[str, Any]:
+    """The request as the worker takes it: always streamed with usage, plus the decision in the
+    worker's own terms (a specgate directive, vLLM plugin arguments, or nothing for a server of
+    one fixed mode)."""
     body = dict(request.raw)
     body["stream"] = True
     body["stream_options"] = {"include_usage": True}
-    body[DIRECTIVE_FIELD] = directive.to_json()
+    if protocol == "specgate":
+        body[DIRECTIVE_FIELD] = directive.to_json()
+    elif protocol == "vllm":
+        body[VLLM_XARGS_FIELD] = vllm_xargs(directive)
     return body
 
 

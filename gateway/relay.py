@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import aiohttp
@@ -12,12 +12,23 @@ from aiohttp import web
 
 from gateway.fleet import WorkerHandle
 from gateway.proxy import StreamTally, WorkerUnreachable, iter_chunks, open_stream, worker_body
-from gateway.routing import choose_worker
+from gateway.routing import Candidate, choose_worker
 from gateway.sessions import ModeChange, Session
 from gateway.state import GatewayState
-from policies import Decision, PolicyConfig, RequestFacts, WorkerState, batch_latch, decide, observe, record_decision
+from policies import (
+    FIXED_MODE_REASONS,
+    Decision,
+    PolicyConfig,
+    RequestFacts,
+    WorkerState,
+    batch_latch,
+    decide,
+    observe,
+    record_decision,
+)
 from workers.protocol import (
     DIRECTIVE_FIELD,
+    VLLM_XARGS_FIELD,
     ApiError,
     BadRequest,
     CompletionRequest,
@@ -31,6 +42,7 @@ from workers.protocol import (
     chunk_text,
     parse_request,
     speculative_usage,
+    vllm_step_report,
 )
 from workers.web_common import read_json, sse_event, start_sse
 
@@ -59,10 +71,45 @@ def _session_id(request: web.Request, req: CompletionRequest) -> str | None:
     return session_id
 
 
-def _decide(session: Session, handle: WorkerHandle, req: CompletionRequest, policy: PolicyConfig) -> Decision:
+def _decide(session: Session, handle: WorkerHandle, req: CompletionRequest, policy: PolicyConfig,
+            any_mode: bool = False) -> Decision:
+    """The decision on ``handle``; with ``any_mode``, what the rules want were it to serve both modes."""
     handle.batch_full = batch_latch(handle.batch_full, handle.load, policy)
-    worker = WorkerState(handle.load, handle.batch_full, handle.max_k, "speculative" in handle.modes)
+    worker = WorkerState(handle.load, handle.batch_full, handle.max_k, "speculative" in handle.modes,
+                         "plain" in handle.modes)
+    if any_mode:
+        worker = replace(worker, max_k=max(handle.max_k, policy.num_speculative_tokens), serves_speculative=True,
+                         serves_plain=True)
     return decide(session.policy_state, worker, RequestFacts(req.temperature), policy)
+
+
+def _route(state: GatewayState, session: Session, candidates: list[Candidate], req: CompletionRequest,
+           policy: PolicyConfig) -> tuple[WorkerHandle, Decision] | None:
+    """The session's worker and the decision there; mode-aware when workers serve one fixed mode.
+
+    When the sticky (or least-loaded) worker cannot serve the mode the rules want, the request
+    goes to a worker that can, so ``X-Specgate-Mode`` tells what runs. The session moves only
+    when the other worker's decision really is the wanted mode.
+    """
+    worker_id = choose_worker(session.worker_id, candidates)
+    if worker_id is None:
+        return None
+    handle = state.fleet.workers[worker_id]
+    decision = _decide(session, handle, req, policy)
+    if decision.reason in FIXED_MODE_REASONS:
+        wanted = _decide(session, handle, req, policy, any_mode=True)
+        others = [c for c in candidates if c.worker_id != worker_id and c.ready and wanted.mode in c.modes]
+        other_id = choose_worker(None, others, prefer_mode=wanted.mode) if wanted.mode != decision.mode else None
+        if other_id is not None:
+            other = state.fleet.workers[other_id]
+            other_decision = _decide(session, other, req, policy)
+            if other_decision.mode == wanted.mode:
+                # It runs what the rules want, for the rules' reason (a plain-only worker's
+                # decision would otherwise name the worker, not why plain was wanted).
+                if other_decision.reason in FIXED_MODE_REASONS:
+                    other_decision = replace(other_decision, reason=wanted.reason)
+                return other, other_decision
+    return handle, decision
 
 
 def _record(state: GatewayState, session: Session, decision: Decision) -> None:
@@ -86,17 +133,14 @@ async def _admit(state: GatewayState, session: Session,
     tried: set[str] = set()
     while True:
         candidates = [c for c in state.fleet.candidates() if c.worker_id not in tried]
-        worker_id = choose_worker(session.worker_id, candidates)
-        if worker_id is None:
+        routed = _route(state, session, candidates, req, policy)
+        if routed is None:
             if tried:
                 raise WorkerFailed(f"no worker could take the request (tried {', '.join(sorted(tried))})")
             raise Unavailable("no worker is ready", retry_after_s=1.0)
-        handle = state.fleet.workers[worker_id]
-        session.worker_id = worker_id
-        decision = _decide(session, handle, req, policy)
-        body = worker_body(req, Directive(decision.k, policy.max_batch, policy.batch_resume))
-        if not handle.speaks_specgate:
-            body.pop(DIRECTIVE_FIELD)  # a plain OpenAI server serves its one fixed mode
+        handle, decision = routed
+        worker_id = session.worker_id = handle.worker_id
+        body = worker_body(req, Directive(decision.k, policy.max_batch, policy.batch_resume), handle.protocol)
         handle.in_flight += 1
         try:
             response = await open_stream(handle, _PATHS[req.kind], body, state.config.server.worker_timeout_s)
@@ -117,7 +161,10 @@ async def _admit(state: GatewayState, session: Session,
 def _account(state: GatewayState, admission: Admission, tally: StreamTally, chunk: dict[str, Any],
              kind: RequestKind, started: float) -> None:
     now = time.monotonic()
-    report = StepReport.from_json(chunk.get("specgate"))
+    report = StepReport.from_json(chunk.get(DIRECTIVE_FIELD))
+    if admission.handle.protocol == "vllm" and chunk.get("usage"):
+        report = vllm_step_report(chunk, admission.decision.k)
+        chunk.pop("metrics", None)  # vLLM's own; usage.speculative says it in specgate's terms
     if report is not None:
         session = admission.session
         session.policy_state = observe(session.policy_state, report.proposed, report.accepted, admission.policy)
@@ -166,6 +213,9 @@ async def relay(request: web.Request, kind: RequestKind, state: GatewayState) ->
                        param="model", code="model_not_found")
     if req.directive is not None:
         raise BadRequest(f"'{DIRECTIVE_FIELD}' is set by the gateway, not by clients", param=DIRECTIVE_FIELD)
+    if VLLM_XARGS_FIELD in req.raw:
+        raise BadRequest(f"'{VLLM_XARGS_FIELD}' is not accepted: the gateway decides speculation",
+                         param=VLLM_XARGS_FIELD)
     session = state.sessions.touch(_session_id(request, req), started)
     session.requests += 1
     admission, response = await _admit(state, session, req)

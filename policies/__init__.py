@@ -2,6 +2,7 @@
 
 from policies.config import PolicyConfig, PolicyConfigError
 from policies.speculation import (
+    FIXED_MODE_REASONS,
     REASONS,
     Decision,
     Mode,
@@ -20,6 +21,7 @@ from policies.speculation import (
 )
 
 __all__ = [
+    "FIXED_MODE_REASONS",
     "REASONS",
     "Decision",
     "Mode",

@@ -5,6 +5,9 @@ torch or aiohttp; the gateway owns time and storage and calls these functions.
 
 Rules, in the order ``decide`` applies them (thresholds named as in config.yaml):
 1. ``worker_plain_only``: the worker cannot speculate (no draft, or it serves one plain mode).
+   (Its mirror, ``worker_speculative_only``, is the last word: a worker that serves one fixed
+   speculative mode speculates whatever the rules below say. The gateway first looks for a
+   worker that serves the mode the rules want; these two reasons say it found none.)
 2. ``high_temperature``: the request samples hotter than ``max_temperature``.
 3. ``batch_full``: the worker's batch depth went above ``max_batch`` and has not yet fallen
    below ``batch_resume`` (hysteresis latch, see ``batch_latch``).
@@ -23,9 +26,12 @@ from typing import Literal
 from policies.config import PolicyConfig
 
 Mode = Literal["speculative", "plain"]
-Reason = Literal["default", "probe", "worker_plain_only", "high_temperature", "batch_full", "low_acceptance"]
-REASONS: tuple[Reason, ...] = ("default", "probe", "worker_plain_only", "high_temperature", "batch_full",
-                               "low_acceptance")
+Reason = Literal["default", "probe", "worker_plain_only", "worker_speculative_only", "high_temperature",
+                 "batch_full", "low_acceptance"]
+REASONS: tuple[Reason, ...] = ("default", "probe", "worker_plain_only", "worker_speculative_only",
+                               "high_temperature", "batch_full", "low_acceptance")
+# Decisions forced by what a fixed-mode worker serves, not by the rules.
+FIXED_MODE_REASONS: frozenset[Reason] = frozenset({"worker_plain_only", "worker_speculative_only"})
 
 
 @dataclass(frozen=True)
@@ -56,6 +62,7 @@ class WorkerState:
     batch_full: bool  # the batch latch (see batch_latch)
     max_k: int  # 0 when the worker cannot speculate
     serves_speculative: bool = True  # False for a worker that serves one fixed plain mode
+    serves_plain: bool = True  # False for a worker that serves one fixed speculative mode
 
 
 @dataclass(frozen=True)
@@ -64,6 +71,16 @@ class RequestFacts:
 
 
 def decide(session: SessionState, worker: WorkerState, request: RequestFacts, policy: PolicyConfig) -> Decision:
+    decision = _rules(session, worker, request, policy)
+    if not worker.serves_plain and worker.max_k > 0:
+        # One fixed speculative mode: it runs its own K, whatever the rules wanted.
+        if decision.mode == "plain":
+            return Decision("speculative", worker.max_k, "worker_speculative_only")
+        return replace(decision, k=worker.max_k)
+    return decision
+
+
+def _rules(session: SessionState, worker: WorkerState, request: RequestFacts, policy: PolicyConfig) -> Decision:
     if worker.max_k <= 0 or not worker.serves_speculative:
         return Decision("plain", 0, "worker_plain_only")
     if request.temperature > policy.max_temperature:

@@ -63,3 +63,41 @@ def test_remote_worker(tmp_path: Path, tcp_worker: int, protocol: str, expected_
         assert worker["modes"] == (["plain", "speculative"] if protocol == "specgate" else ["plain"])
     finally:
         gw.stop()
+
+
+@pytest.fixture(scope="module")
+def speculative_tcp_worker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[int]:
+    # --default-k 3: without a directive it always speculates with K = 3, like a fixed-mode server.
+    process, port = start_tcp_worker(tmp_path_factory.mktemp("tcp-spec-worker"), "--default-k", "3")
+    yield port
+    process.terminate()
+    try:
+        process.wait(timeout=20)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait()
+
+
+def test_mode_aware_routing_over_fixed_mode_workers(tmp_path: Path, tcp_worker: int,
+                                                    speculative_tcp_worker: int) -> None:
+    """Each decision goes to a worker that serves its mode, and the header says what ran."""
+    remotes = [{"url": f"http://127.0.0.1:{tcp_worker}", "protocol": "openai", "mode": "plain", "name": "plain-a"},
+               {"url": f"http://127.0.0.1:{speculative_tcp_worker}", "protocol": "openai", "mode": "speculative",
+                "max_k": 3, "name": "spec-b"}]
+    config = write_config(tmp_path / "config.yaml", workers={"count": 0, "remote": remotes})
+    gw = start_gateway(config, tmp_path)
+    try:
+        gw.wait_workers_ready(2)
+        with sdk_client(gw) as client:
+            for temperature, worker, mode, proposes in [(0.0, "spec-b", "speculative; k=3; reason=default", True),
+                                                         (1.0, "plain-a", "plain; reason=high_temperature", False),
+                                                         (0.0, "spec-b", "speculative; k=3; reason=default", True)]:
+                raw = client.completions.with_raw_response.create(
+                    model="specgate-demo", prompt=PROMPT, max_tokens=12, temperature=temperature,
+                    extra_headers={"X-Session-ID": "one-session"})
+                assert (raw.headers["X-Specgate-Worker"], raw.headers["X-Specgate-Mode"]) == (worker, mode)
+                usage = raw.parse().usage
+                assert usage is not None
+                assert ((usage.model_extra or {})["speculative"]["proposed"] > 0) == proposes
+    finally:
+        gw.stop()

@@ -48,8 +48,27 @@ def test_header(decision: Decision, header: str) -> None:
 
 
 def test_reasons_lists_every_rule() -> None:
-    assert set(REASONS) == {"default", "probe", "worker_plain_only", "high_temperature", "batch_full",
-                            "low_acceptance"}
+    assert set(REASONS) == {"default", "probe", "worker_plain_only", "worker_speculative_only", "high_temperature",
+                            "batch_full", "low_acceptance"}
+
+
+SPEC_ONLY = WorkerState(0, False, max_k=5, serves_plain=False)
+
+
+@pytest.mark.parametrize(("session", "worker", "facts", "expected"), [
+    # A worker of one fixed speculative mode runs its own K, whatever the rules want.
+    (SessionState(), SPEC_ONLY, RequestFacts(0.0), Decision("speculative", 5, "default")),
+    (SessionState(), SPEC_ONLY, RequestFacts(1.0), Decision("speculative", 5, "worker_speculative_only")),
+    (SessionState(), replace(SPEC_ONLY, batch_full=True), RequestFacts(0.0),
+     Decision("speculative", 5, "worker_speculative_only")),
+    (SessionState(0.1, 100, True, 0), SPEC_ONLY, RequestFacts(0.0),
+     Decision("speculative", 5, "worker_speculative_only")),
+    # Serving both modes, nothing changes.
+    (SessionState(), WorkerState(0, False, max_k=5), RequestFacts(1.0), Decision("plain", 0, "high_temperature")),
+])
+def test_worker_speculative_only(session: SessionState, worker: WorkerState, facts: RequestFacts,
+                                 expected: Decision) -> None:
+    assert decide(session, worker, facts, POLICY) == expected
 
 
 # --------------------------------------------------------------------------------------------

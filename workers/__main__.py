@@ -8,6 +8,7 @@ interpreter). The HTTP server, protocol and metrics are the same for every engin
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import os
 from pathlib import Path
@@ -37,6 +38,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="the draft's dtype (embedded; vLLM runs the draft in the target's dtype)")
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
     parser.add_argument("--max-model-len", type=int, default=None, help="vllm: context window (default: the model's)")
+    parser.add_argument("--vllm-args", type=json.loads, default={},
+                        help="vllm: further AsyncEngineArgs as a JSON object, e.g. '{\"enforce_eager\": true}'")
     parser.add_argument("--max-body-bytes", type=int, default=1 << 20)
     where = parser.add_mutually_exclusive_group(required=True)
     where.add_argument("--uds", type=Path, help="listen on this Unix domain socket")
@@ -52,7 +55,7 @@ def build_engine(args: argparse.Namespace) -> Engine:
 
         return VllmEngine(VllmSettings(target=args.target, draft=args.draft, max_slots=args.max_slots,
                                        max_k=args.max_k, dtype=args.dtype, max_model_len=args.max_model_len,
-                                       threads=args.threads))
+                                       threads=args.threads, engine_args=args.vllm_args))
     import torch
 
     from workers.engines.embedded import EmbeddedEngine, EmbeddedSettings

@@ -22,6 +22,10 @@ from workers.engine_api import SpecSteps
 RequestKind = Literal["chat", "completion"]
 MAX_STOP_SEQUENCES = 4
 DIRECTIVE_FIELD = "specgate"
+# Towards a vLLM server with specgate's scheduler plugin the directive travels in vLLM's own
+# per-request extension field, under the plugin's names (workers/vllm_plugin/specgate_vllm/rules.py).
+VLLM_XARGS_FIELD = "vllm_xargs"
+VLLM_SPEC_K, VLLM_MAX_BATCH, VLLM_BATCH_RESUME = "spec_k", "spec_max_batch", "spec_batch_resume"
 
 
 # -- errors -------------------------------------------------------------------------------------
@@ -96,6 +100,10 @@ class Directive:
 
     def to_json(self) -> dict[str, int]:
         return {"k": self.k, "max_batch": self.max_batch, "batch_resume": self.batch_resume}
+
+
+def vllm_xargs(directive: Directive) -> dict[str, int]:
+    return {VLLM_SPEC_K: directive.k, VLLM_MAX_BATCH: directive.max_batch, VLLM_BATCH_RESUME: directive.batch_resume}
 
 
 @dataclass(frozen=True)
@@ -267,6 +275,32 @@ class StepReport:
                        int(raw["tokens"]), late)
         except (KeyError, TypeError, ValueError):
             return None
+
+
+def vllm_step_report(chunk: Mapping[str, Any], k: int) -> StepReport | None:
+    """A vLLM server's final usage chunk as a step report: its per-request speculative metrics
+    (``--per-request-spec-decode-metrics``), whose histogram counts steps by drafts accepted."""
+    metrics = chunk.get("metrics")
+    spec = metrics.get("speculative_decoding") if isinstance(metrics, Mapping) else None
+    if not isinstance(spec, Mapping):
+        return None
+    groups: dict[tuple[int, int], int] = {}
+    drafted, accepted = spec.get("per_step_drafted"), spec.get("per_step_accepted")
+    try:
+        if isinstance(drafted, list) and isinstance(accepted, list):
+            for d, a in zip(drafted, accepted, strict=False):
+                if int(d) > 0:
+                    groups[(int(d), int(a))] = groups.get((int(d), int(a)), 0) + 1
+        else:
+            # Summary level: every speculative step of a request drafted min(K, engine K).
+            step_k = min(k, int(spec.get("num_spec_tokens", k)))
+            for j, count in enumerate(spec.get("acceptance_histogram") or []):
+                if int(count) > 0 and step_k > 0:
+                    groups[(step_k, min(j, step_k))] = groups.get((step_k, min(j, step_k)), 0) + int(count)
+    except (TypeError, ValueError):
+        return None
+    late = tuple(SpecSteps(d, a, c) for (d, a), c in sorted(groups.items()))
+    return StepReport(0, 0, 0, 0, 0, late)
 
 
 def speculative_usage(proposed: int, accepted: int, mode: str) -> dict[str, Any]:

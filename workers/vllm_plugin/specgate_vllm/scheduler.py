@@ -57,7 +57,7 @@ class _PerRequestDepth:
         if self.specgate_latch.latched:
             return 0
         params = request.sampling_params
-        return requested_k(params.extra_args if params is not None else None, self.num_spec_tokens)
+        return int(requested_k(params.extra_args if params is not None else None, self.num_spec_tokens))
 
     def _update_after_schedule(self, scheduler_output: SchedulerOutput) -> None:
         if self.num_spec_tokens > 0:
