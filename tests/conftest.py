@@ -16,6 +16,7 @@ import pytest
 import torch
 from scipy import stats
 
+from tests.vllm_harness import VllmServer, start_vllm_server
 from workers.model import LlamaForCausalLM, ModelConfig, bf16_prepacking_available
 from workers.sampling import Verdict, sample
 
@@ -210,3 +211,21 @@ def chi_square() -> ChiSquare:
 @pytest.fixture(scope="session")
 def wrong_verify() -> VerifyFn:
     return verify_resampling_from_p
+
+
+# -- the vLLM lane: real vLLM OpenAI servers, started once per session when a test asks ------------
+@pytest.fixture(scope="session")
+def vllm_plugin_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[VllmServer]:
+    """vLLM with the demo pair (K = 3) and specgate's scheduler plugin, per-step metrics."""
+    server = start_vllm_server(tmp_path_factory.mktemp("vllm-plugin"), speculative=True, plugin=True,
+                               metrics_level="detailed")
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="session")
+def vllm_plain_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[VllmServer]:
+    """vLLM with the target alone: the no-speculation reference."""
+    server = start_vllm_server(tmp_path_factory.mktemp("vllm-plain"), speculative=False, plugin=False)
+    yield server
+    server.stop()

@@ -134,10 +134,11 @@ class VllmEngine:
         speculative: dict[str, Any] | None = None
         if s.draft is not None and s.max_k > 0:
             speculative = {"method": "draft_model", "model": str(s.draft), "num_speculative_tokens": s.max_k}
-        args = AsyncEngineArgs(
-            model=str(s.target), dtype=s.dtype, max_model_len=s.max_model_len, max_num_seqs=s.max_slots,
-            speculative_config=speculative, per_request_spec_decode_metrics="detailed", disable_log_stats=False,
-            **dict(s.engine_args))
+        # Operators' vLLM arguments (workers.vllm_args) win over the worker's generic ones.
+        fields: dict[str, Any] = {"dtype": s.dtype, "max_model_len": s.max_model_len}
+        fields.update(s.engine_args)
+        args = AsyncEngineArgs(model=str(s.target), max_num_seqs=s.max_slots, speculative_config=speculative,
+                               per_request_spec_decode_metrics="detailed", disable_log_stats=False, **fields)
         vllm_config = args.create_engine_config()
         # The plugin's base class must match the engine's scheduling (see specgate_vllm.scheduler).
         scheduler = vllm_config.scheduler_config

