@@ -24,6 +24,7 @@ from policies import (
     batch_latch,
     decide,
     observe,
+    observe_steps,
     record_decision,
 )
 from workers.protocol import (
@@ -51,7 +52,6 @@ SESSION_HEADER = "X-Session-ID"
 MODE_HEADER = "X-Specgate-Mode"
 WORKER_HEADER = "X-Specgate-Worker"
 MAX_SESSION_ID = 256
-MAX_LATE_STEPS = 1 << 16  # a worker's late report cannot make the gateway loop without bound
 _PATHS: dict[RequestKind, str] = {"chat": "/v1/chat/completions", "completion": "/v1/completions"}
 
 
@@ -170,12 +170,12 @@ def _account(state: GatewayState, admission: Admission, tally: StreamTally, chun
         session.policy_state = observe(session.policy_state, report.proposed, report.accepted, admission.policy)
         tally.proposed += report.proposed
         tally.accepted += report.accepted
-        for group in report.late_steps:  # acceptance the engine learned late (vLLM: at the end)
-            for _ in range(min(group.count, MAX_LATE_STEPS)):
-                session.policy_state = observe(session.policy_state, group.proposed, group.accepted,
-                                               admission.policy)
-            tally.proposed += group.proposed * group.count
-            tally.accepted += group.accepted * group.count
+        if report.late_steps:  # acceptance the engine learned late (vLLM: when the request ended)
+            session.policy_state = observe_steps(
+                session.policy_state, ((g.proposed, g.accepted, g.count) for g in report.late_steps),
+                admission.policy)
+            tally.proposed += sum(g.proposed * g.count for g in report.late_steps)
+            tally.accepted += sum(g.accepted * g.count for g in report.late_steps)
         tokens = report.tokens
         mode = "speculative" if report.k > 0 else "plain"
     else:

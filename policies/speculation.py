@@ -20,6 +20,7 @@ Rules, in the order ``decide`` applies them (thresholds named as in config.yaml)
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, replace
 from typing import Literal
 
@@ -117,7 +118,30 @@ def observe(session: SessionState, proposed: int, accepted: int, policy: PolicyC
     if proposed <= 0:
         return session
     accepted = max(0, min(accepted, proposed))
-    tested = tested_drafts(proposed, accepted)
+    return _fold(session, tested_drafts(proposed, accepted), accepted, policy)
+
+
+def observe_steps(session: SessionState, steps: Iterable[tuple[int, int, int]], policy: PolicyConfig) -> SessionState:
+    """Folds steps reported together, as (proposed, accepted, count) groups, into one block.
+
+    Engines that learn acceptance only when a request ends (vLLM's per-request histogram)
+    report steps without their order. Folding them one by one would make the estimate depend
+    on an arbitrary order (an EWMA started by a run of rejections stays low); the block's own
+    rate, weighted by all the drafts it tested, is the same evidence with no order at all.
+    """
+    tested = accepted = 0
+    for proposed, step_accepted, count in steps:
+        if proposed <= 0 or count <= 0:
+            continue
+        step_accepted = max(0, min(step_accepted, proposed))
+        tested += count * tested_drafts(proposed, step_accepted)
+        accepted += count * step_accepted
+    if tested == 0:
+        return session
+    return _fold(session, tested, accepted, policy)
+
+
+def _fold(session: SessionState, tested: int, accepted: int, policy: PolicyConfig) -> SessionState:
     rate = accepted / tested
     if session.acceptance_ewma is None:
         ewma = rate

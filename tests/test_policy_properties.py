@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 from dataclasses import replace
+from random import Random
 
+import pytest
 from hypothesis import given, note
 from hypothesis import strategies as st
 
@@ -17,8 +19,10 @@ from policies import (
     batch_latch,
     decide,
     observe,
+    observe_steps,
     step_depth,
 )
+from policies import tested_drafts as drafts_tested  # aliased: pytest would collect a name starting with 'test'
 from tests.policy_data import PROPERTY, above, serve, transitions
 
 # --------------------------------------------------------------------------------------------
@@ -200,3 +204,32 @@ def test_serving_never_breaks_the_state(policy: PolicyConfig, session: SessionSt
             session = observe(session, min(proposed, decision.k), accepted, policy)
         if not session.low_acceptance:
             assert session.plain_since_probe == 0
+
+
+# -- acceptance reported late, in blocks (vLLM) --------------------------------------------------------
+_groups = st.lists(st.tuples(st.integers(1, 8), st.integers(0, 8), st.integers(1, 20)), max_size=8)
+
+
+@given(_groups, st.randoms(use_true_random=False))
+def test_observe_steps_ignores_the_order_of_a_block(groups: list[tuple[int, int, int]], rng: Random) -> None:
+    shuffled = list(groups)
+    rng.shuffle(shuffled)
+    start = SessionState(0.8, 100, False, 0)
+    assert observe_steps(start, groups, PolicyConfig()) == observe_steps(start, shuffled, PolicyConfig())
+
+
+@given(_groups)
+def test_observe_steps_counts_every_tested_draft(groups: list[tuple[int, int, int]]) -> None:
+    state = observe_steps(SessionState(), groups, PolicyConfig())
+    tested = sum(c * drafts_tested(p, min(a, p)) for p, a, c in groups)
+    assert state.proposals_seen == tested
+    if tested:
+        accepted = sum(c * min(a, p) for p, a, c in groups)
+        assert state.acceptance_ewma == pytest.approx(accepted / tested)  # a fresh session takes the block's rate
+
+
+@given(st.integers(1, 8), st.integers(0, 8), st.floats(0.0, 1.0), st.integers(0, 500))
+def test_a_block_of_one_step_is_one_observation(proposed: int, accepted: int, ewma: float, seen: int) -> None:
+    start = SessionState(ewma, seen, False, 0)
+    assert observe_steps(start, [(proposed, accepted, 1)], PolicyConfig()) == observe(start, proposed, accepted,
+                                                                                     PolicyConfig())
