@@ -164,7 +164,10 @@ def _account(state: GatewayState, admission: Admission, tally: StreamTally, chun
     report = StepReport.from_json(chunk.get(DIRECTIVE_FIELD))
     if admission.handle.protocol == "vllm" and chunk.get("usage"):
         report = vllm_step_report(chunk, admission.decision.k)
-        chunk.pop("metrics", None)  # vLLM's own; usage.speculative says it in specgate's terms
+        # vLLM's own field, restated in specgate's terms: every engine's chunks look alike.
+        chunk.pop("metrics", None)
+        if report is not None:
+            chunk[DIRECTIVE_FIELD] = report.to_json()
     if report is not None:
         session = admission.session
         session.policy_state = observe(session.policy_state, report.proposed, report.accepted, admission.policy)
