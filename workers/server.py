@@ -108,7 +108,8 @@ def create_worker_app(settings: WorkerSettings, registry: CollectorRegistry | No
             metrics.verification_ms.labels(**labels).set(1000 * stats.verification_s_total / max(1, stats.steps))
             metrics.batch_depth.labels(**labels).set(engine.batch_depth)
             metrics.queue_length.labels(**labels).set(engine.queue_length)
-            metrics.step_seconds.labels(**labels).observe(engine.last_draft_s + engine.last_target_s)
+            if events:  # none: the runner reports the engine went idle (gauges only, no step ran)
+                metrics.step_seconds.labels(**labels).observe(engine.last_draft_s + engine.last_target_s)
 
         runner = EngineRunner(engine, asyncio.get_running_loop(), on_step)
         runner.start()
