@@ -60,8 +60,8 @@ def _completion_operation(summary: str, body: type[BaseModel], response: type[Ba
     return {
         "summary": summary,
         "parameters": [{"name": "X-Session-ID", "in": "header", "required": False,
-                        "description": "the session key (else the `user` field, else a new one)",
-                        "schema": {"type": "string", "minLength": 1, "maxLength": 256}}],
+                        "description": "the session key (if empty or absent: the `user` field, else a new one)",
+                        "schema": {"type": "string", "maxLength": 256}}],
         "requestBody": {"required": True, "content": {"application/json": {"schema": _ref(body)}}},
         "responses": {
             "200": {"description": "the completion; a server-sent event stream of chunks ending in "

@@ -21,6 +21,10 @@ DEFAULT_BODY_TIMEOUT_S = 30.0  # a body not fully received by then gets a 408
 # Temperatures below this decode greedily, as in vLLM: logits divided by less overflow float32
 # to inf, and softmax turns that into NaN.
 GREEDY_BELOW = 1e-5
+# top_p below this keeps the top token alone, as any smaller positive top_p does (the top token's
+# probability is at least 1/V >= 1e-6). Smaller values round to 0 in float32, which keeps nothing
+# and samples from NaN, so they are raised to this.
+MIN_TOP_P = 1e-6
 
 
 class InputRefused(ValueError):
@@ -73,5 +77,7 @@ def check_sampling(params: SamplingParams) -> SamplingParams:
     if params.top_k < -1:
         raise InputRefused(f"top_k must be -1, 0 or positive, got {params.top_k!r}")
     if 0 < params.temperature < GREEDY_BELOW:
-        return replace(params, temperature=0.0)
+        params = replace(params, temperature=0.0)
+    if params.top_p < MIN_TOP_P:
+        params = replace(params, top_p=MIN_TOP_P)
     return params
