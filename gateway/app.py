@@ -27,6 +27,7 @@ from gateway.safe_yaml import YamlRefused, load_yaml
 from gateway.sessions import SessionTable
 from gateway.state import STATE_KEY, GatewayState
 from policies import PolicyConfigError
+from workers.limits import InputRefused, loads_json
 from workers.protocol import BadRequest, NotFound, Unavailable
 from workers.web_common import BODY_TIMEOUT_KEY, Handler, health, model_list, openai_errors, read_body
 
@@ -148,8 +149,12 @@ async def _get_policy(request: web.Request) -> web.Response:
 async def _put_policy(request: web.Request) -> web.Response:
     """Body: the policy mapping, as YAML or JSON, bare or under a ``policy:`` key."""
     store = request.app[STATE_KEY].policy
+    data = await read_body(request, MAX_POLICY_BYTES)
     try:
-        raw = load_yaml((await read_body(request, MAX_POLICY_BYTES)).decode(), MAX_POLICY_BYTES)
+        try:  # JSON first: PyYAML (YAML 1.1) misreads some JSON, e.g. keys over 1024 characters
+            raw = loads_json(data)
+        except InputRefused:
+            raw = load_yaml(data.decode(), MAX_POLICY_BYTES)
     except UnicodeDecodeError:
         raise _refuse(store, "body is not valid UTF-8") from None
     except YamlRefused as exc:

@@ -68,7 +68,7 @@ def assert_poison_failed_alone(engine: SpeculativeEngine, events: dict[str, list
 def test_degenerate_sampling_values_are_refused_at_add(params: SamplingParams, target_model: LlamaForCausalLM,
                                                        draft_model: LlamaForCausalLM) -> None:
     engine = make_engine(target_model, draft_model)
-    with pytest.raises(ValueError, match="temperature|top_p|top_k"):
+    with pytest.raises(ValueError, match=r"temperature|top_p|top_k"):
         engine.add(GenerationRequest("bad", [1, 2, 3], 4, params, k=4))
     assert not engine.has_work
 
@@ -164,9 +164,16 @@ async def test_runner_delivers_a_failure_to_its_request_alone(target_model: Llam
         return original(seq, logits, depth)
 
     monkeypatch.setattr(engine, "_settle", settle)
+    loop = asyncio.get_running_loop()
     steps: list[tuple[int, int]] = []  # (events, batch depth) per on_step call
-    runner = EngineRunner(engine, asyncio.get_running_loop(),
-                          lambda eng, events: steps.append((len(events), eng.batch_depth)))
+    idle = asyncio.Event()
+
+    def on_step(eng: SpeculativeEngine, events: list[StepEvent]) -> None:  # on the compute thread
+        steps.append((len(events), eng.batch_depth))
+        if not events and eng.batch_depth == 0:
+            loop.call_soon_threadsafe(idle.set)
+
+    runner = EngineRunner(engine, loop, on_step)
     received: dict[str, list[StepEvent | BaseException]] = defaultdict(list)
     done: dict[str, asyncio.Event] = defaultdict(asyncio.Event)
 
@@ -181,10 +188,7 @@ async def test_runner_delivers_a_failure_to_its_request_alone(target_model: Llam
     try:
         runner.submit(GenerationRequest("honest", HONEST[2], 40, GREEDY, k=4), sink("honest"))
         runner.submit(GenerationRequest(POISON, [5, 6, 7], 40, GREEDY, k=4), sink(POISON))
-        await asyncio.wait_for(asyncio.gather(done["honest"].wait(), done[POISON].wait()), timeout=60)
-        deadline = asyncio.get_running_loop().time() + 10
-        while steps[-1] != (0, 0) and asyncio.get_running_loop().time() < deadline:
-            await asyncio.sleep(0.01)
+        await asyncio.wait_for(asyncio.gather(done["honest"].wait(), done[POISON].wait(), idle.wait()), timeout=60)
     finally:
         runner.stop()
     honest = received["honest"]

@@ -92,7 +92,7 @@ async def read_body(request: web.Request, max_bytes: int | None = None) -> bytes
     except web.HTTPRequestEntityTooLarge:
         raise PayloadTooLarge(f"request body exceeds {limit} bytes") from None
     except (web.RequestPayloadError, HttpProcessingError) as exc:  # e.g. Content-Encoding: gzip that is not
-        raise BadRequest(f"request body could not be decoded: {bounded_text(str(exc).strip())}") from None
+        raise BadRequest(f"request body could not be decoded: {bounded_text(' '.join(str(exc).split()))}") from None
     if len(raw) > limit:
         raise PayloadTooLarge(f"request body exceeds {limit} bytes")
     return raw

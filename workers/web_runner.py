@@ -68,7 +68,7 @@ class _OpenAIRequestHandler(RequestHandler):
         # the rest and hits the same decoding error: the client's fault, already answered.
         exc = kw.get("exc_info")
         if isinstance(exc, web.RequestPayloadError | HttpProcessingError):
-            log.info("dropped an undecodable request body: %s", bounded_text(str(exc).strip()))
+            log.info("dropped an undecodable request body: %s", bounded_text(" ".join(str(exc).split())))
             return
         super().log_exception(*args, **kw)
 
