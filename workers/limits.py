@@ -50,17 +50,19 @@ def loads_json(raw: bytes) -> Any:
     return value
 
 
+_CONTAINERS = (dict, list)  # what json.loads builds (exactly these types)
+
+
 def _depth_within(value: Any, limit: int) -> bool:
-    """Iterative (a recursive walk is what the limit protects against)."""
-    stack: list[tuple[Any, int]] = [(value, 1)]
+    """Iterative (a recursive walk is what the limit protects against); a comprehension skims
+    long scalar lists (a prompt of token ids) at C speed."""
+    stack: list[tuple[Any, int]] = [(value, 1)] if type(value) in _CONTAINERS else []
     while stack:
         item, depth = stack.pop()
-        children = item.values() if isinstance(item, dict) else item if isinstance(item, list) else ()
-        for child in children:
-            if isinstance(child, dict | list):
-                if depth + 1 > limit:
-                    return False
-                stack.append((child, depth + 1))
+        nested = [c for c in (item.values() if type(item) is dict else item) if type(c) in _CONTAINERS]
+        if nested and depth >= limit:
+            return False
+        stack.extend((child, depth + 1) for child in nested)
     return True
 
 
