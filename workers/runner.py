@@ -142,6 +142,7 @@ class EngineRunner:
                     self._deliver(request_id, exc)
                     self.engine.abort(request_id)
                 self._sinks.clear()
+                self._went_idle()
                 continue
             self._account(events)
             for event in events:
