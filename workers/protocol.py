@@ -158,8 +158,9 @@ def _path(loc: tuple[int | str, ...]) -> str:
 def _bad_request(exc: ValidationError) -> BadRequest:
     error = exc.errors(include_url=False, include_context=False)[0]
     loc = tuple(error["loc"])
-    if error["type"] == "extra_forbidden":
-        name = bounded_text(_path(loc), 100)
+    if error["type"] == "extra_forbidden":  # the unknown name last, after its fields (no union labels)
+        kept = tuple(x for x in loc[:-1] if isinstance(x, int) or x in FIELD_NAMES)
+        name = bounded_text(_path((*kept, loc[-1])), 100)
         return BadRequest(f"Unrecognized request argument supplied: {name}", param=name)
     # pydantic labels the member of a union in the location; the client's path ends before it.
     label = next((i for i, item in enumerate(loc) if isinstance(item, str) and item not in FIELD_NAMES), len(loc))
