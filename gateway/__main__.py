@@ -25,11 +25,11 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("PROMETHEUS_MULTIPROC_DIR", multiproc.name)
 
     import uvloop
-    from aiohttp import web
 
     from gateway.app import create_app
     from gateway.config import ConfigError, load_config
     from policies import PolicyConfigError
+    from workers.web_runner import run_app
 
     try:
         config = load_config(args.config)
@@ -46,7 +46,7 @@ def main(argv: list[str] | None = None) -> int:
     uvloop.install()
     logging.getLogger(__name__).info("serving %s on http://%s:%d/v1", config.model.name, server.host, server.port)
     try:
-        web.run_app(create_app(config), host=server.host, port=server.port, print=None, access_log=None)
+        run_app(create_app(config), host=server.host, port=server.port)
     finally:
         multiproc.cleanup()
     return 0

@@ -8,29 +8,32 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import signal
 import time
 from collections.abc import AsyncIterator
 from typing import Any
 
-import yaml
 from aiohttp import web
 
 from gateway.config import GatewayConfig, parse_policy
 from gateway.fleet import Fleet
 from gateway.metrics import GatewayMetrics
+from gateway.openapi import openapi_document
 from gateway.policy_store import PolicyStore
 from gateway.relay import relay
+from gateway.safe_yaml import YamlRefused, load_yaml
 from gateway.sessions import SessionTable
 from gateway.state import STATE_KEY, GatewayState
 from policies import PolicyConfigError
+from workers.limits import InputRefused, loads_json
 from workers.protocol import BadRequest, NotFound, Unavailable
-from workers.web_common import Handler, health, model_list, openai_errors
+from workers.web_common import BODY_TIMEOUT_KEY, Handler, health, model_list, openai_errors, read_body
 
 log = logging.getLogger(__name__)
-
-
+MAX_POLICY_BYTES = 64 << 10  # a policy is nine numbers; YAML beyond this is not a policy
+OPENAPI_KEY = web.AppKey("openapi", bytes)
 
 @web.middleware
 async def count_requests(request: web.Request, handler: Handler) -> web.StreamResponse:
@@ -57,6 +60,8 @@ def create_app(config: GatewayConfig, metrics: GatewayMetrics | None = None) -> 
         moved = sessions.move_off(worker_id)
         log.warning("%s is down; %d sessions will move on their next request", worker_id, moved)
 
+    app[BODY_TIMEOUT_KEY] = config.server.body_timeout_s
+    app[OPENAPI_KEY] = json.dumps(openapi_document(config.model.name)).encode()
     app[STATE_KEY] = GatewayState(config, metrics, sessions, PolicyStore(config.policy, config.source, metrics),
                                   Fleet(config, metrics, worker_down))
     app.cleanup_ctx.append(_background)
@@ -66,6 +71,7 @@ def create_app(config: GatewayConfig, metrics: GatewayMetrics | None = None) -> 
     app.router.add_get("/health", health)
     app.router.add_get("/ready", _ready)
     app.router.add_get("/metrics", _metrics)
+    app.router.add_get("/openapi.json", _openapi)
     app.router.add_get("/admin/policy", _get_policy)
     app.router.add_put("/admin/policy", _put_policy)
     app.router.add_get("/admin/sessions/{session_id}", _get_session)
@@ -104,6 +110,10 @@ async def _models(request: web.Request) -> web.Response:
     return model_list(request.app[STATE_KEY].config.model.name)
 
 
+async def _openapi(request: web.Request) -> web.Response:
+    return web.Response(body=request.app[OPENAPI_KEY], content_type="application/json")
+
+
 async def _ready(request: web.Request) -> web.Response:
     fleet = request.app[STATE_KEY].fleet
     ready = fleet.ready_count()
@@ -139,14 +149,21 @@ async def _get_policy(request: web.Request) -> web.Response:
 async def _put_policy(request: web.Request) -> web.Response:
     """Body: the policy mapping, as YAML or JSON, bare or under a ``policy:`` key."""
     store = request.app[STATE_KEY].policy
-    text = await request.text()
+    data = await read_body(request, MAX_POLICY_BYTES)
     try:
-        raw = yaml.safe_load(text)
-    except yaml.YAMLError as exc:
-        store.reject(exc, "api")
-        raise BadRequest(f"body is not valid YAML or JSON: {exc}") from None
+        try:  # JSON first: PyYAML (YAML 1.1) misreads some JSON, e.g. keys over 1024 characters
+            raw = loads_json(data)
+        except InputRefused:
+            raw = load_yaml(data.decode(), MAX_POLICY_BYTES)
+    except UnicodeDecodeError:
+        raise _refuse(store, "body is not valid UTF-8") from None
+    except YamlRefused as exc:
+        raise _refuse(store, f"body is not valid YAML or JSON: {exc}") from None
     if isinstance(raw, dict) and set(raw) == {"policy"}:
         raw = raw["policy"]
+    if raw is None:  # an empty body (or "policy:" with nothing under it) is a mistake, not "all defaults"
+        raise _refuse(store, "body is empty: send the policy mapping (PUT replaces the whole policy; "
+                      "fields left out take their defaults)")
     try:
         candidate = parse_policy(raw)
     except PolicyConfigError as exc:
@@ -154,6 +171,12 @@ async def _put_policy(request: web.Request) -> web.Response:
         raise BadRequest(str(exc), param=f"policy.{exc.field}") from None
     store.apply(candidate, "api")
     return web.json_response(_policy_view(store))
+
+
+def _refuse(store: PolicyStore, message: str) -> BadRequest:
+    error = BadRequest(message)
+    store.reject(error, "api")
+    return error
 
 
 async def _get_session(request: web.Request) -> web.Response:

@@ -11,18 +11,19 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-import yaml
-
-from policies.config import PolicyConfig, PolicyConfigError
+from gateway.safe_yaml import YamlRefused, load_yaml
+from policies.config import PolicyConfig, PolicyConfigError, bounded_repr, bounded_text
 
 EngineName = Literal["embedded", "vllm"]
 RemoteMode = Literal["speculative", "plain"]
 RemoteProtocol = Literal["openai", "specgate", "vllm"]
+MAX_CONFIG_BYTES = 1 << 20  # config.yaml is a few KiB; anything near this is not a config file
 
 
 class ConfigError(ValueError):
     def __init__(self, field: str, value: object, problem: str) -> None:
-        super().__init__(f"{field}: {problem} (got {value!r})")
+        field = bounded_text(field, 100)  # an unknown key is the file's text
+        super().__init__(f"{field}: {problem} (got {bounded_repr(value)})")
         self.field = field
         self.value = value
 
@@ -33,6 +34,7 @@ class ServerConfig:
     port: int = 8000
     max_body_bytes: int = 1 << 20  # larger request bodies get 413
     worker_timeout_s: float = 60.0  # a worker silent this long (first token included) gets a 504
+    body_timeout_s: float = 30.0  # a request body not fully received by then gets a 408
 
 
 @dataclass(frozen=True)
@@ -161,7 +163,8 @@ def parse_config(raw: Any, base: Path, source: Path | None = None) -> GatewayCon
         host=_get(s, "server", "host", str, d.host),
         port=_get(s, "server", "port", int, d.port, minimum=0, maximum=65535),
         max_body_bytes=_get(s, "server", "max_body_bytes", int, d.max_body_bytes, minimum=1024),
-        worker_timeout_s=_get(s, "server", "worker_timeout_s", float, d.worker_timeout_s, minimum=0.1))
+        worker_timeout_s=_get(s, "server", "worker_timeout_s", float, d.worker_timeout_s, minimum=0.1),
+        body_timeout_s=_get(s, "server", "body_timeout_s", float, d.body_timeout_s, minimum=0.1))
     m = _section(raw, "model")
     _check_keys(m, "model", {"name", "target", "draft"})
     md = ModelConfig()
@@ -239,11 +242,17 @@ def _parse_remote(raw: Any) -> tuple[RemoteWorker, ...]:
 
 def _read_yaml(path: Path) -> Any:
     try:
-        raw = yaml.safe_load(path.read_text())
+        with path.open("rb") as file:
+            data = file.read(MAX_CONFIG_BYTES + 1)  # never more, whatever the file holds
+        if len(data) > MAX_CONFIG_BYTES:
+            raise ConfigError("(file)", str(path), f"is larger than {MAX_CONFIG_BYTES} bytes")
+        raw = load_yaml(data.decode(), MAX_CONFIG_BYTES)
     except OSError as exc:
         raise ConfigError("(file)", str(path), f"cannot read: {exc.strerror}") from None
-    except yaml.YAMLError as exc:
-        raise ConfigError("(file)", str(path), f"invalid YAML: {exc}") from None
+    except UnicodeDecodeError:
+        raise ConfigError("(file)", str(path), "is not valid UTF-8") from None
+    except YamlRefused as exc:
+        raise ConfigError("(file)", str(path), str(exc)) from None
     if raw is not None and not isinstance(raw, Mapping):
         raise ConfigError("(top level)", raw, "config must be a mapping")
     return raw or {}

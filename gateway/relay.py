@@ -29,9 +29,10 @@ from policies import (
 )
 from workers.protocol import (
     DIRECTIVE_FIELD,
-    VLLM_XARGS_FIELD,
+    GATEWAY_FIELDS,
     ApiError,
     BadRequest,
+    ClientDisconnected,
     CompletionRequest,
     Directive,
     NotFound,
@@ -208,17 +209,22 @@ def _worth_sending(kind: RequestKind, chunk: dict[str, Any]) -> bool:
     return bool(chunk_text(kind, chunk) or choice.get("finish_reason") or (choice.get("delta") or {}).get("role"))
 
 
+async def _send(out: web.StreamResponse, data: bytes) -> None:
+    try:
+        await out.write(data)
+    except ConnectionResetError as exc:  # the client left mid-stream (aiohttp's ClientConnectionResetError)
+        raise ClientDisconnected(f"client disconnected mid-stream: {exc}") from None
+
+
 async def relay(request: web.Request, kind: RequestKind, state: GatewayState) -> web.StreamResponse:
     started = time.monotonic()
     req = parse_request(kind, await read_json(request))
     if req.model != state.config.model.name:
         raise NotFound(f"model '{req.model}' does not exist; available: '{state.config.model.name}'",
                        param="model", code="model_not_found")
-    if req.directive is not None:
-        raise BadRequest(f"'{DIRECTIVE_FIELD}' is set by the gateway, not by clients", param=DIRECTIVE_FIELD)
-    if VLLM_XARGS_FIELD in req.raw:
-        raise BadRequest(f"'{VLLM_XARGS_FIELD}' is not accepted: the gateway decides speculation",
-                         param=VLLM_XARGS_FIELD)
+    for name in GATEWAY_FIELDS:  # the specgate directive and vllm_xargs: the gateway decides speculation
+        if req.raw.get(name) is not None:
+            raise BadRequest(f"'{name}' is set by the gateway, not by clients", param=name)
     session = state.sessions.touch(_session_id(request, req), started)
     session.requests += 1
     admission, response = await _admit(state, session, req)
@@ -233,7 +239,7 @@ async def relay(request: web.Request, kind: RequestKind, state: GatewayState) ->
                 tally.collected.append(chunk)
                 if request.transport is None or request.transport.is_closing():
                     # The client left: stop reading, which closes the worker stream and aborts it.
-                    raise WorkerFailed("client disconnected")
+                    raise ClientDisconnected("client disconnected while its completion was generated")
             return web.json_response(assemble(kind, tally.collected), headers=headers)
         out = await start_sse(request, headers)
         try:
@@ -242,11 +248,13 @@ async def relay(request: web.Request, kind: RequestKind, state: GatewayState) ->
                 if chunk.get("usage") is not None and not req.include_usage:
                     continue
                 if _worth_sending(kind, chunk):
-                    await out.write(sse_event(chunk))
-            await out.write(sse_event("[DONE]"))
+                    await _send(out, sse_event(chunk))
+            await _send(out, sse_event("[DONE]"))
+        except ClientDisconnected:
+            raise
         except ApiError as error:  # the response has started: the stream carries the error
             log.warning("stream for session %s failed mid-way: %s", session.session_id, error.message)
-            await out.write(sse_event(error.body()))
+            await _send(out, sse_event(error.body()))
         return out
     finally:
         await chunks.aclose()  # closes the worker stream; a worker aborts sequences whose reader left

@@ -1,6 +1,6 @@
 """The speculative fallback policy: pure functions, no I/O (see policies/speculation.py)."""
 
-from policies.config import PolicyConfig, PolicyConfigError
+from policies.config import PolicyConfig, PolicyConfigError, bounded_repr, bounded_text
 from policies.speculation import (
     FIXED_MODE_REASONS,
     REASONS,
@@ -35,6 +35,8 @@ __all__ = [
     "WorkerState",
     "acceptance_latch",
     "batch_latch",
+    "bounded_repr",
+    "bounded_text",
     "decide",
     "observe",
     "observe_steps",

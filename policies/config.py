@@ -11,12 +11,36 @@ from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from typing import Any
 
+EXCERPT_CHARS = 200  # error messages quote at most this much of a value
+
+
+def bounded_repr(value: object, limit: int = EXCERPT_CHARS) -> str:
+    """``repr(value)`` cut to ``limit`` characters.
+
+    Error messages quote values that clients and operators sent; an unbounded repr of a huge
+    (or alias-expanded) value would make the error itself the attack. An int too long for
+    ``repr`` (Python refuses over 4300 digits) is described by its size instead.
+    """
+    try:
+        text = repr(value)
+    except ValueError:
+        return f"<int of {value.bit_length() if isinstance(value, int) else '?'} bits>"
+    except RecursionError:
+        return "<too deeply nested to show>"
+    return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} characters)"
+
+
+def bounded_text(text: str, limit: int = EXCERPT_CHARS) -> str:
+    """``text`` itself (no quotes), cut to ``limit`` characters: for names taken from input."""
+    return text if len(text) <= limit else f"{text[:limit]}..."
+
 
 class PolicyConfigError(ValueError):
     """A policy field failed validation; ``field`` and ``value`` say which and what."""
 
     def __init__(self, field: str, value: object, problem: str) -> None:
-        super().__init__(f"policy.{field}: {problem} (got {value!r})")
+        field = bounded_text(field, 100)  # an unknown key is the sender's text
+        super().__init__(f"policy.{field}: {problem} (got {bounded_repr(value)})")
         self.field = field
         self.value = value
 

@@ -14,10 +14,10 @@ import os
 from pathlib import Path
 
 import uvloop
-from aiohttp import web
 
 from workers.engine_api import Engine
 from workers.server import WorkerSettings, create_worker_app
+from workers.web_runner import run_app
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -75,9 +75,9 @@ def main(argv: list[str] | None = None) -> None:
     uvloop.install()
     if args.uds is not None:
         args.uds.unlink(missing_ok=True)
-        web.run_app(app, path=str(args.uds), print=None, access_log=None)
+        run_app(app, path=args.uds)
     else:
-        web.run_app(app, host=args.host, port=args.port, print=None, access_log=None)
+        run_app(app, host=args.host, port=args.port)
 
 
 if __name__ == "__main__":

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from workers.engine_api import FinishReason, GenerationRequest, StepEvent
+from workers.limits import check_sampling
 from workers.model import CacheBatch, KVCache, LlamaForCausalLM
 from workers.sampling import Verdict, probabilities, sample, verify, verify_greedy
 
@@ -113,6 +114,7 @@ class SpeculativeEngine:
 
     def add(self, request: GenerationRequest) -> None:
         self.validate(len(request.prompt_ids), request.max_tokens)
+        request = replace(request, params=check_sampling(request.params))  # no NaN reaches a kernel
         vocab = self.target.cfg.vocab_size
         if any(not 0 <= t < vocab for t in request.prompt_ids):
             raise ValueError(f"token ids must be in 0..{vocab - 1}")
@@ -176,38 +178,85 @@ class SpeculativeEngine:
                 # fused attention may serve it (see _forward). Drafting starts next step.
                 seq.step_k = 0
             seq.drafts, seq.draft_probs = [], []
+        failed: dict[str, Exception] = {}  # one sequence's failure must not end the others
         started = time.perf_counter()
-        self._propose([s for s in seqs if s.step_k > 0])
+        self._propose([s for s in seqs if s.step_k > 0], failed)
         proposed = time.perf_counter()
+        seqs = [s for s in seqs if s.request.request_id not in failed]
         rows = [_Row(s.slot, s.target_len, s.tokens[s.target_len:] + s.drafts, s.step_k + 1, self._prefilling(s))
                 for s in seqs]
-        target_logits = self._forward(self.target, self.target_cache, rows)
+        target_logits = self._forward_isolated(self.target, self.target_cache, seqs, rows, failed)
         self.last_draft_s, self.last_target_s = proposed - started, time.perf_counter() - proposed
-        return [self._settle(seq, logits, depth) for seq, logits in zip(seqs, target_logits, strict=True)]
+        events = []
+        for seq, logits in zip(seqs, target_logits, strict=True):
+            if logits is None:
+                continue
+            try:
+                events.append(self._settle(seq, logits, depth))
+            except Exception as exc:
+                failed[seq.request.request_id] = exc
+        for request_id, error in failed.items():
+            self.abort(request_id)
+            events.append(StepEvent(request_id, [], 0, 0, depth, error=error))
+        return events
+
+    def _forward_isolated(self, model: LlamaForCausalLM, cache: KVCache, seqs: list[_Sequence], rows: list[_Row],
+                          failed: dict[str, Exception]) -> list[torch.Tensor | None]:
+        """``_forward``; if the batch raises, each row again alone, so only the failing rows fail.
+
+        Rerunning a row rewrites the same cache positions with the same values, and the target
+        scores a row alone exactly as in a batch (row-invariant attention), so the survivors'
+        outputs do not change.
+        """
+        try:
+            return list(self._forward(model, cache, rows))
+        except Exception as batch_exc:
+            if len(rows) == 1:
+                failed[seqs[0].request.request_id] = batch_exc
+                return [None]
+        out: list[torch.Tensor | None] = []
+        for seq, row in zip(seqs, rows, strict=True):
+            try:
+                out.append(self._forward(model, cache, [row])[0])
+            except Exception as exc:
+                failed[seq.request.request_id] = exc
+                out.append(None)
+        return out
 
     def _prefilling(self, seq: _Sequence) -> bool:
         """More pending prompt tokens than ride along in a batched decode forward."""
         return len(seq.tokens) - seq.target_len > self._batched_row_limit
 
-    def _propose(self, seqs: list[_Sequence]) -> None:
-        """Draft K_i tokens for each sequence, batched across sequences per draft position."""
+    def _propose(self, seqs: list[_Sequence], failed: dict[str, Exception]) -> None:
+        """Draft K_i tokens for each sequence, batched across sequences per draft position.
+
+        A sequence whose drafting raises is recorded in ``failed`` and drafts no further.
+        """
         if not seqs:
             return
         assert self.draft is not None and self.draft_cache is not None
         for j in range(max(s.step_k for s in seqs)):
-            active = [s for s in seqs if s.step_k > j]
+            active = [s for s in seqs if s.step_k > j and s.request.request_id not in failed]
             # First position: catch the draft cache up (1-2 tokens, more after a plain spell).
             rows = [_Row(s.slot, s.draft_len, s.tokens[s.draft_len:] if j == 0 else [s.drafts[-1]], 1)
                     for s in active]
-            logits = self._forward(self.draft, self.draft_cache, rows)
+            logits = self._forward_isolated(self.draft, self.draft_cache, active, rows, failed)
             for seq, row, row_logits in zip(active, rows, logits, strict=True):
-                seq.draft_len += len(row.new_tokens)
-                if seq.request.params.temperature <= 0.0:
-                    seq.drafts.append(int(row_logits[0].argmax()))
+                if row_logits is None:
                     continue
-                q = probabilities(row_logits[0], seq.request.params)
-                seq.drafts.append(int(sample(q, seq.generator).item()))
-                seq.draft_probs.append(q)
+                seq.draft_len += len(row.new_tokens)
+                try:
+                    self._draft_token(seq, row_logits[0])
+                except Exception as exc:
+                    failed[seq.request.request_id] = exc
+
+    def _draft_token(self, seq: _Sequence, logits: torch.Tensor) -> None:
+        if seq.request.params.temperature <= 0.0:
+            seq.drafts.append(int(logits.argmax()))
+            return
+        q = probabilities(logits, seq.request.params)
+        seq.drafts.append(int(sample(q, seq.generator).item()))
+        seq.draft_probs.append(q)
 
     def _settle(self, seq: _Sequence, logits: torch.Tensor, depth: int) -> StepEvent:
         before = len(seq.tokens)

@@ -59,6 +59,9 @@ class StepEvent:
     # Acceptance of earlier steps that the engine reports late (see SpecSteps); the per-step
     # proposed/accepted above are then 0.
     late_steps: tuple[SpecSteps, ...] = ()
+    # This sequence failed alone (its sampling or its row of a forward raised): it is dropped,
+    # its slot freed, and the rest of the batch goes on.
+    error: Exception | None = None
 
 
 class EngineRequestError(ValueError):
@@ -67,7 +70,8 @@ class EngineRequestError(ValueError):
 
 @dataclass(frozen=True)
 class StepStats:
-    """One engine step, worker-wide: what the metrics record."""
+    """One engine step, worker-wide: what the metrics record. A report with ``step_s`` 0 and
+    nothing proposed or emitted only refreshes the gauges (the engine went idle)."""
 
     proposed: int  # drafts proposed across the batch
     accepted: int

@@ -12,20 +12,31 @@
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Literal
 
+from pydantic import ValidationError
+
+from policies import bounded_repr, bounded_text
+from workers.api_models import (
+    DEFAULT_ONLY,
+    FIELD_NAMES,
+    MAX_STOP_SEQUENCES,
+    ChatCompletionBody,
+    CompletionBody,
+)
 from workers.engine_api import SpecSteps
+from workers.limits import GREEDY_BELOW
 
 RequestKind = Literal["chat", "completion"]
-MAX_STOP_SEQUENCES = 4
 DIRECTIVE_FIELD = "specgate"
 # Towards a vLLM server with specgate's scheduler plugin the directive travels in vLLM's own
 # per-request extension field, under the plugin's names (workers/vllm_plugin/specgate_vllm/rules.py).
 VLLM_XARGS_FIELD = "vllm_xargs"
 VLLM_SPEC_K, VLLM_MAX_BATCH, VLLM_BATCH_RESUME = "spec_k", "spec_max_batch", "spec_batch_resume"
+# Fields the gateway sets for its workers; a client sending one is refused.
+GATEWAY_FIELDS = (DIRECTIVE_FIELD, VLLM_XARGS_FIELD)
 
 
 # -- errors -------------------------------------------------------------------------------------
@@ -83,6 +94,26 @@ class WorkerTimeout(ApiError):
     status, error_type, client_fault = 504, "server_error", False
 
 
+class RequestTimeout(ApiError):
+    """The request body did not arrive in time (the connection is closed after the answer)."""
+
+    status, error_type, client_fault = 408, "invalid_request_error", True
+
+
+class HeadersTooLarge(ApiError):
+    status, error_type, client_fault = 431, "invalid_request_error", True
+
+
+class ClientDisconnected(ApiError):
+    """The client went away before its answer was complete; nobody reads this error.
+
+    Counted under nginx's 499 ("client closed request") and logged at INFO: a client that
+    leaves is not a server error.
+    """
+
+    status, error_type, client_fault = 499, "invalid_request_error", True
+
+
 # -- requests -----------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class ChatMessage:
@@ -125,123 +156,79 @@ class CompletionRequest:
     raw: Mapping[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
 
-def _number(body: Mapping[str, Any], name: str, default: float, lo: float, hi: float) -> float:
-    value = body.get(name)
-    if value is None:
-        return default
-    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
-        raise BadRequest(f"'{name}' must be a number, got {value!r}", param=name)
-    if not lo <= value <= hi:
-        raise BadRequest(f"'{name}' must be between {lo} and {hi}, got {value!r}", param=name)
-    return float(value)
+def _path(loc: tuple[int | str, ...]) -> str:
+    """An error location as the client wrote it: ``messages[0].content``."""
+    out = ""
+    for item in loc:
+        out += f"[{item}]" if isinstance(item, int) else (f".{item}" if out else item)
+    return out
 
 
-def _integer(body: Mapping[str, Any], name: str, lo: int, hi: int) -> int | None:
-    value = body.get(name)
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise BadRequest(f"'{name}' must be an integer, got {value!r}", param=name)
-    if not lo <= value <= hi:
-        raise BadRequest(f"'{name}' must be between {lo} and {hi}, got {value!r}", param=name)
-    return value
+def _bad_request(exc: ValidationError) -> BadRequest:
+    error = exc.errors(include_url=False, include_context=False)[0]
+    loc = tuple(error["loc"])
+    if error["type"] == "extra_forbidden":  # the unknown name last, after its fields (no union labels)
+        kept = tuple(x for x in loc[:-1] if isinstance(x, int) or x in FIELD_NAMES)
+        name = bounded_text(_path((*kept, loc[-1])), 100)
+        return BadRequest(f"Unrecognized request argument supplied: {name}", param=name)
+    # pydantic labels the member of a union in the location; the client's path ends before it.
+    label = next((i for i, item in enumerate(loc) if isinstance(item, str) and item not in FIELD_NAMES), len(loc))
+    names = [item for item in loc[:label] if isinstance(item, str)]
+    param = _path(loc[:label])
+    default_only = next((n for n in names if n in DEFAULT_ONLY), None)
+    if default_only is not None:
+        param = _path(loc[:loc.index(default_only) + 1])
+        return BadRequest(f"'{param}' is not supported: only {DEFAULT_ONLY[default_only]} is accepted "
+                          f"(got {bounded_repr(error['input'])})", param=param)
+    if error["type"] == "missing":
+        return BadRequest(f"'{param}' is required", param=param)
+    if label < len(loc) and names and names[-1] in _UNION_SHAPES:
+        return BadRequest(f"'{param}' must be {_UNION_SHAPES[names[-1]]}", param=param)
+    return BadRequest(f"'{param}': {error['msg']} (got {bounded_repr(error['input'])})", param=param)
 
 
-def _text_content(content: Any, param: str) -> str:
-    if isinstance(content, str):
-        return content
-    if isinstance(content, list):  # the content-parts form: only text parts are supported
-        parts = []
-        for i, part in enumerate(content):
-            if not isinstance(part, Mapping) or part.get("type") != "text" or not isinstance(part.get("text"), str):
-                raise BadRequest("only text content parts are supported", param=f"{param}[{i}]")
-            parts.append(part["text"])
-        return "".join(parts)
-    raise BadRequest(f"'{param}' must be a string or a list of text parts", param=param)
+_UNION_SHAPES = {
+    "prompt": "a string or a list of token ids (batches of several prompts are not supported)",
+    "content": "a string or a list of text parts ({\"type\": \"text\", \"text\": ...})",
+    "stop": f"a non-empty string or a list of at most {MAX_STOP_SEQUENCES} non-empty strings",
+}
 
 
 def parse_request(kind: RequestKind, body: Any) -> CompletionRequest:
+    """Validates a request body (see workers/api_models.py) into a ``CompletionRequest``."""
     if not isinstance(body, Mapping):
         raise BadRequest("request body must be a JSON object")
-    model = body.get("model")
-    if not isinstance(model, str) or not model:
-        raise BadRequest("'model' is required and must be a string", param="model")
+    try:
+        parsed: CompletionBody | ChatCompletionBody = (
+            ChatCompletionBody.model_validate(body) if kind == "chat" else CompletionBody.model_validate(body))
+    except ValidationError as exc:
+        raise _bad_request(exc) from None
     prompt: str | list[int] | None = None
-    messages: list[ChatMessage] = []
-    if kind == "completion":
-        raw_prompt = body.get("prompt")
-        if isinstance(raw_prompt, list) and len(raw_prompt) == 1 and isinstance(raw_prompt[0], str | list):
+    messages: tuple[ChatMessage, ...] = ()
+    max_tokens = parsed.max_tokens
+    if isinstance(parsed, CompletionBody):
+        raw_prompt = parsed.prompt
+        if isinstance(raw_prompt, list) and isinstance(raw_prompt[0], str | list):
             raw_prompt = raw_prompt[0]  # a batch of one
-        if isinstance(raw_prompt, str):
-            prompt = raw_prompt
-        elif isinstance(raw_prompt, list) and raw_prompt and all(
-                isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in raw_prompt):
-            prompt = list(raw_prompt)
-        else:
-            raise BadRequest("'prompt' must be a string or a list of token ids (batches of several prompts "
-                             "are not supported)", param="prompt")
+        prompt = raw_prompt if isinstance(raw_prompt, str) else list(raw_prompt)
     else:
-        raw_messages = body.get("messages")
-        if not isinstance(raw_messages, list) or not raw_messages:
-            raise BadRequest("'messages' must be a non-empty list", param="messages")
-        for i, message in enumerate(raw_messages):
-            if not isinstance(message, Mapping):
-                raise BadRequest("each message must be an object", param=f"messages[{i}]")
-            role = message.get("role")
-            if role == "developer":
-                role = "system"
-            if role not in ("system", "user", "assistant"):
-                raise BadRequest(f"unsupported role {role!r}", param=f"messages[{i}].role")
-            messages.append(ChatMessage(role, _text_content(message.get("content"), f"messages[{i}].content")))
-    max_tokens = _integer(body, "max_completion_tokens", 1, 1 << 20) if kind == "chat" else None
-    if max_tokens is None:
-        max_tokens = _integer(body, "max_tokens", 1, 1 << 20)
-    n = _integer(body, "n", 1, 1 << 20)
-    if n is not None and n != 1:
-        raise BadRequest("only n=1 is supported", param="n")
-    for unsupported in ("logprobs", "echo", "best_of", "tools", "functions", "logit_bias"):
-        if body.get(unsupported) not in (None, False, 0, [], {}):
-            raise BadRequest(f"'{unsupported}' is not supported", param=unsupported)
-    for penalty in ("presence_penalty", "frequency_penalty"):
-        if _number(body, penalty, 0.0, -2.0, 2.0) != 0.0:
-            raise BadRequest(f"'{penalty}' is not supported (must be 0)", param=penalty)
-    stop_raw = body.get("stop")
-    stop: tuple[str, ...] = ()
-    if isinstance(stop_raw, str):
-        stop = (stop_raw,)
-    elif isinstance(stop_raw, list) and all(isinstance(s, str) for s in stop_raw):
-        stop = tuple(stop_raw)
-    elif stop_raw is not None:
-        raise BadRequest("'stop' must be a string or a list of strings", param="stop")
-    if len(stop) > MAX_STOP_SEQUENCES or any(not s for s in stop):
-        raise BadRequest(f"'stop' takes at most {MAX_STOP_SEQUENCES} non-empty strings", param="stop")
-    stream = body.get("stream", False)
-    if not isinstance(stream, bool) and stream is not None:
-        raise BadRequest("'stream' must be a boolean", param="stream")
-    options = body.get("stream_options")
-    if options is not None and not isinstance(options, Mapping):
-        raise BadRequest("'stream_options' must be an object", param="stream_options")
-    user = body.get("user")
-    if user is not None and not isinstance(user, str):
-        raise BadRequest("'user' must be a string", param="user")
-    seed = _integer(body, "seed", -(1 << 63), (1 << 63) - 1)
+        messages = tuple(ChatMessage("system" if m.role == "developer" else m.role,
+                                     m.content if isinstance(m.content, str) else "".join(p.text for p in m.content))
+                         for m in parsed.messages)
+        if parsed.max_completion_tokens is not None:
+            max_tokens = parsed.max_completion_tokens
+    stop = (parsed.stop,) if isinstance(parsed.stop, str) else tuple(parsed.stop or ())
+    temperature = 1.0 if parsed.temperature is None else parsed.temperature
+    if temperature < GREEDY_BELOW:
+        temperature = 0.0
+    directive = parsed.specgate
     return CompletionRequest(
-        kind=kind, model=model, prompt=prompt, messages=tuple(messages), max_tokens=max_tokens,
-        temperature=_number(body, "temperature", 1.0, 0.0, 2.0), top_p=_number(body, "top_p", 1.0, 0.0, 1.0),
-        top_k=_integer(body, "top_k", -1, 1 << 20) or 0, seed=seed, stop=stop, stream=bool(stream),
-        include_usage=bool(options and options.get("include_usage")), user=user,
-        directive=_parse_directive(body.get(DIRECTIVE_FIELD)), raw=body)
-
-
-def _parse_directive(raw: Any) -> Directive | None:
-    if raw is None:
-        return None
-    if not isinstance(raw, Mapping):
-        raise BadRequest(f"'{DIRECTIVE_FIELD}' must be an object", param=DIRECTIVE_FIELD)
-    k = _integer(raw, "k", 0, 64)
-    max_batch = _integer(raw, "max_batch", 1, 1 << 20)
-    batch_resume = _integer(raw, "batch_resume", 1, 1 << 20)
-    return Directive(k or 0, max_batch or (1 << 20), batch_resume or (1 << 20))
+        kind=kind, model=parsed.model, prompt=prompt, messages=messages, max_tokens=max_tokens,
+        temperature=temperature, top_p=1.0 if parsed.top_p is None else parsed.top_p,
+        top_k=max(0, parsed.top_k or 0), seed=parsed.seed, stop=stop, stream=bool(parsed.stream),
+        include_usage=bool(parsed.stream_options and parsed.stream_options.include_usage), user=parsed.user,
+        directive=None if directive is None else Directive(directive.k, directive.max_batch, directive.batch_resume),
+        raw=body)
 
 
 # -- responses ------------------------------------------------------------------------------------

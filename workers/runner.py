@@ -124,21 +124,39 @@ class EngineRunner:
                     return
                 self._apply(command)
             if not self.engine.has_work:
+                self._went_idle()
                 continue
             try:
                 events = self.engine.step()
-            except Exception as exc:  # a bug or OOM: fail what is in flight, keep serving
+            except Exception as exc:  # outside any one sequence's work (a bug): fail what is in flight
                 log.exception("engine step failed")
                 for request_id in list(self._sinks):
                     self._deliver(request_id, exc)
                     self.engine.abort(request_id)
                 self._sinks.clear()
+                self._went_idle()
                 continue
             self._account(events)
             for event in events:
+                if event.error is not None:  # this sequence alone failed; the engine dropped it
+                    log.error("sequence %s failed: %s", event.request_id, event.error, exc_info=event.error)
+                    self._deliver(event.request_id, event.error)
+                    self._sinks.pop(event.request_id, None)
+                    continue
                 self._deliver(event.request_id, event)
                 if event.finish_reason is not None:
                     self._sinks.pop(event.request_id, None)
+            if not self.engine.has_work:
+                self._went_idle()
+
+    def _went_idle(self) -> None:
+        """The last sequence finished or was aborted: steps stop, so report the empty batch now.
+
+        ``on_step`` with no events refreshes gauges (batch depth, queue length) that would
+        otherwise keep the last busy step's values while the engine sleeps.
+        """
+        if self.on_step is not None:
+            self.on_step(StepStats(0, 0, 0, self.engine.batch_depth, self.engine.queue_length, 0.0, 0.0))
 
     def _account(self, events: list[StepEvent]) -> None:
         engine = self.engine

@@ -1,7 +1,9 @@
-"""aiohttp pieces the gateway and the workers share: OpenAI error responses and SSE. No torch."""
+"""aiohttp pieces the gateway and the workers share: OpenAI error responses, bounded request
+bodies, client disconnects, and SSE. No torch."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import math
@@ -9,11 +11,25 @@ from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
 from aiohttp import web
+from aiohttp.http_exceptions import HttpProcessingError
 
-from workers.protocol import ApiError, BadRequest, MethodNotAllowed, NotFound, PayloadTooLarge
+from policies import bounded_text
+from workers.limits import DEFAULT_BODY_TIMEOUT_S, InputRefused, loads_json
+from workers.protocol import (
+    ApiError,
+    BadRequest,
+    ClientDisconnected,
+    MethodNotAllowed,
+    NotFound,
+    PayloadTooLarge,
+    RequestTimeout,
+)
 
 log = logging.getLogger(__name__)
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+# Seconds a request body may take to arrive (server.body_timeout_s); DEFAULT_BODY_TIMEOUT_S if unset.
+BODY_TIMEOUT_KEY = web.AppKey("body_timeout_s", float)
+CLIENT_CLOSED_REQUEST = 499  # nginx's status for "the client went away before the answer"
 
 
 def error_response(error: ApiError) -> web.Response:
@@ -28,8 +44,13 @@ async def openai_errors(request: web.Request, handler: Handler) -> web.StreamRes
     """Every failure leaves as an OpenAI error object with the right status; never a traceback."""
     try:
         return await handler(request)
+    except ClientDisconnected as error:
+        return _client_gone(request, error.message)
     except ApiError as error:
-        return error_response(error)
+        response = error_response(error)
+        if isinstance(error, RequestTimeout):
+            response.force_close()  # the rest of the body may still be on its way
+        return response
     except web.HTTPRequestEntityTooLarge:
         return error_response(PayloadTooLarge(f"request body exceeds {request.client_max_size} bytes"))
     except web.HTTPNotFound:
@@ -38,20 +59,51 @@ async def openai_errors(request: web.Request, handler: Handler) -> web.StreamRes
         return error_response(MethodNotAllowed(f"method {request.method} not allowed on {request.path}"))
     except web.HTTPException:
         raise
+    except ConnectionResetError as exc:  # writing to a client that has gone
+        if request.transport is None or request.transport.is_closing():
+            return _client_gone(request, str(exc))
+        log.exception("unhandled error on %s %s", request.method, request.path)
+        return error_response(ApiError("internal error; see the server log"))
     except Exception:
         log.exception("unhandled error on %s %s", request.method, request.path)
         return error_response(ApiError("internal error; see the server log"))
 
 
-async def read_json(request: web.Request) -> Any:
+def _client_gone(request: web.Request, detail: str) -> web.Response:
+    """A client that leaves is not a server error: INFO, and 499 for the request counter.
+
+    Nobody reads the response; aiohttp drops it on the closed connection.
+    """
+    log.info("client went away during %s %s: %s", request.method, request.path, detail)
+    return web.Response(status=CLIENT_CLOSED_REQUEST)
+
+
+async def read_body(request: web.Request, max_bytes: int | None = None) -> bytes:
+    """The whole body, within the size limit and the body timeout; every failure is an ApiError."""
+    limit = request.client_max_size if max_bytes is None else min(max_bytes, request.client_max_size)
+    if request.content_length is not None and request.content_length > limit:
+        raise PayloadTooLarge(f"request body exceeds {limit} bytes")
+    timeout_s = request.app.get(BODY_TIMEOUT_KEY, DEFAULT_BODY_TIMEOUT_S)
     try:
-        raw = await request.read()
+        async with asyncio.timeout(timeout_s):
+            raw = await request.read()
+    except TimeoutError:
+        raise RequestTimeout(f"request body not received within {timeout_s:g} s") from None
     except web.HTTPRequestEntityTooLarge:
-        raise PayloadTooLarge(f"request body exceeds {request.client_max_size} bytes") from None
+        raise PayloadTooLarge(f"request body exceeds {limit} bytes") from None
+    except (web.RequestPayloadError, HttpProcessingError) as exc:  # e.g. Content-Encoding: gzip that is not
+        raise BadRequest(f"request body could not be decoded: {bounded_text(' '.join(str(exc).split()))}") from None
+    if len(raw) > limit:
+        raise PayloadTooLarge(f"request body exceeds {limit} bytes")
+    return raw
+
+
+async def read_json(request: web.Request) -> Any:
+    raw = await read_body(request)
     try:
-        return json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise BadRequest(f"request body is not valid JSON: {exc}") from None
+        return loads_json(raw)
+    except InputRefused as exc:
+        raise BadRequest(str(exc)) from None
 
 
 def sse_event(payload: Mapping[str, Any] | str) -> bytes:

@@ -92,6 +92,7 @@ class VllmEngine:
         self._max_batch = 1 << 30
         self._batch_resume = 1 << 30
         self._latched = False  # the frontend's mirror of the plugin's latch (the plugin's runs in the engine core)
+        self._observer: StepObserver | None = None
 
     @property
     def info(self) -> EngineInfo:
@@ -144,6 +145,7 @@ class VllmEngine:
         scheduler = vllm_config.scheduler_config
         scheduler.scheduler_cls = ASYNC_SCHEDULER if scheduler.async_scheduling else SYNC_SCHEDULER
         totals = self._totals
+        self._observer = observer
 
         class StepStatsLogger(StatLoggerBase):  # type: ignore[misc]
             """vLLM's per-step scheduler stats, as specgate's StepStats."""
@@ -245,3 +247,6 @@ class VllmEngine:
         finally:
             self._in_flight -= 1
             await outputs.aclose()  # aborts the request in vLLM if it has not finished
+            if self._in_flight == 0 and self._observer is not None:
+                # vLLM's stats stop with its last step: report the empty batch for the gauges.
+                self._observer(StepStats(0, 0, 0, 0, 0, 0.0, 0.0))

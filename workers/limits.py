@@ -1,0 +1,85 @@
+"""Limits on what input may do: JSON depth, request-body time, sampling values. Imports no torch.
+
+Each limit turns an input that would otherwise cost a 500, a stall or a poisoned batch into
+a clear client error. The HTTP layers (gateway and worker) use the JSON and body limits; the
+engine checks sampling parameters itself as well, so no caller can hand a kernel a value it
+cannot handle (a NaN distribution fails every sequence sampled in the same call).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import replace
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # the engine's type; importing it here would pull torch into the gateway
+    from workers.sampling import SamplingParams
+
+MAX_JSON_DEPTH = 64  # an OpenAI request nests 5 levels (messages[i].content[j].text)
+DEFAULT_BODY_TIMEOUT_S = 30.0  # a body not fully received by then gets a 408
+# Temperatures below this decode greedily, as in vLLM: logits divided by less overflow float32
+# to inf, and softmax turns that into NaN.
+GREEDY_BELOW = 1e-5
+# top_p below this keeps the top token alone, as any smaller positive top_p does (the top token's
+# probability is at least 1/V >= 1e-6). Smaller values round to 0 in float32, which keeps nothing
+# and samples from NaN, so they are raised to this.
+MIN_TOP_P = 1e-6
+
+
+class InputRefused(ValueError):
+    """The input breaks a limit; the message says which (HTTP layers answer 400)."""
+
+
+def _refuse_constant(name: str) -> Any:
+    raise InputRefused(f"{name} is not valid JSON")
+
+
+def loads_json(raw: bytes) -> Any:
+    """Parses a request body: UTF-8 JSON, no NaN/Infinity, nested at most MAX_JSON_DEPTH deep."""
+    try:
+        value = json.loads(raw, parse_constant=_refuse_constant)
+    except RecursionError:  # the C scanner recurses per level: thousands of levels end here
+        raise InputRefused(f"JSON nested more than {MAX_JSON_DEPTH} levels deep") from None
+    except UnicodeDecodeError:
+        raise InputRefused("request body is not valid UTF-8") from None
+    except ValueError as exc:  # JSONDecodeError, and integers of more than 4300 digits
+        raise InputRefused(f"request body is not valid JSON: {str(exc)[:200]}") from None
+    if not _depth_within(value, MAX_JSON_DEPTH):
+        raise InputRefused(f"JSON nested more than {MAX_JSON_DEPTH} levels deep")
+    return value
+
+
+_CONTAINERS = (dict, list)  # what json.loads builds (exactly these types)
+
+
+def _depth_within(value: Any, limit: int) -> bool:
+    """Iterative (a recursive walk is what the limit protects against); a comprehension skims
+    long scalar lists (a prompt of token ids) at C speed."""
+    stack: list[tuple[Any, int]] = [(value, 1)] if type(value) in _CONTAINERS else []
+    while stack:
+        item, depth = stack.pop()
+        nested = [c for c in (item.values() if type(item) is dict else item) if type(c) in _CONTAINERS]
+        if nested and depth >= limit:
+            return False
+        stack.extend((child, depth + 1) for child in nested)
+    return True
+
+
+def check_sampling(params: SamplingParams) -> SamplingParams:
+    """Raises ValueError for sampling values no kernel should see; makes tiny temperatures greedy.
+
+    The API layer refuses these first (workers/api_models.py); this is the engine's own guard,
+    whoever its caller is.
+    """
+    if not (math.isfinite(params.temperature) and params.temperature >= 0):
+        raise InputRefused(f"temperature must be a finite number >= 0, got {params.temperature!r}")
+    if not 0 < params.top_p <= 1:  # also false for NaN
+        raise InputRefused(f"top_p must be in (0, 1], got {params.top_p!r}")
+    if params.top_k < -1:
+        raise InputRefused(f"top_k must be -1, 0 or positive, got {params.top_k!r}")
+    if 0 < params.temperature < GREEDY_BELOW:
+        params = replace(params, temperature=0.0)
+    if params.top_p < MIN_TOP_P:
+        params = replace(params, top_p=MIN_TOP_P)
+    return params
