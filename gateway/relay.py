@@ -74,7 +74,7 @@ def _session_id(request: web.Request, req: CompletionRequest) -> str | None:
     header = request.headers.get(SESSION_HEADER)
     if header:
         if len(header) > MAX_SESSION_ID or not header.isprintable():
-            raise BadRequest(f"session id must be printable and at most {MAX_SESSION_ID} characters",
+            raise BadRequest(f"{SESSION_HEADER} must be printable and at most {MAX_SESSION_ID} characters",
                              param=SESSION_HEADER)
         return header
     if req.user:

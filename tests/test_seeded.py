@@ -21,7 +21,7 @@ import torch
 
 from workers.engine import GenerationRequest, SpeculativeEngine, StepEvent
 from workers.model import LlamaForCausalLM
-from workers.sampling import SamplingParams, Verdict, noise_key, probabilities, seeded_noise
+from workers.sampling import SamplingParams, Verdict, noise_key, probabilities, seeded_noise, verify
 
 from .test_engine import PROMPTS, output_tokens, run_until_idle
 
@@ -124,15 +124,12 @@ def test_seeds_differ_and_unseeded_requests_use_the_standard_rule(
         target_model: LlamaForCausalLM, draft_model: LlamaForCausalLM, reference: list[int],
         monkeypatch: pytest.MonkeyPatch) -> None:
     calls: list[int] = []
-    from workers import engine as engine_module
-
-    real_verify = engine_module.verify
 
     def counting(drafts: torch.Tensor, q: torch.Tensor, p: torch.Tensor, gen: torch.Generator) -> Verdict:
         calls.append(len(drafts))
-        return real_verify(drafts, q, p, gen)
+        return verify(drafts, q, p, gen)
 
-    monkeypatch.setattr(engine_module, "verify", counting)
+    monkeypatch.setattr("workers.engine.verify", counting)
     engine = SpeculativeEngine(target_model, draft_model, max_slots=2, max_k=MAX_K)
     other = output_tokens(run_until_idle(engine_with(engine, seeded("s", 3, seed=SEED + 1)))["s"])
     assert other != reference and not calls  # seeded: the Gumbel-max rule, not verify
