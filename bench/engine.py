@@ -5,14 +5,17 @@
 Measures, in one run: tokens/s plain vs speculative at batch 1 for K = 1..Kmax; per-token
 acceptance α per temperature; the cost ratio c = draft forward time / target forward time;
 the speed-up bound S = (1 − α^(K+1)) / ((1 − α)(cK + 1)) of Leviathan et al. for the measured
-α and c; tokens/s plain vs speculative at batch 8, 32 and 64. With ``--json`` the last line
-printed is one JSON object with every figure.
+α and c; tokens/s plain vs speculative at batch 8, 32 and 64; α of seeded requests, whose
+Gumbel-max sampling is coupled across modes (same answer in every mode), against the standard
+rule's α at the same temperatures. With ``--json`` the last line printed is one JSON object
+with every figure.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import random
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -58,20 +61,22 @@ class RunResult:
 
 
 def add_group(engine: SpeculativeEngine, prompts: list[list[int]], max_tokens: int, k: int, temperature: float,
-              seed: int) -> None:
+              seed: int | None) -> None:
+    """``seed`` None: unseeded requests (standard speculative sampling; the engine's rng is fixed)."""
     for i, ids in enumerate(prompts):
-        engine.add(GenerationRequest(f"r{i}", ids, max_tokens, SamplingParams(temperature=temperature, seed=seed + i),
-                                     k=k))
+        params = SamplingParams(temperature=temperature, seed=None if seed is None else seed + i)
+        engine.add(GenerationRequest(f"r{i}", ids, max_tokens, params, k=k))
 
 
 def run_batch(engine: SpeculativeEngine, prompts: list[list[int]], max_tokens: int, k: int,
-              temperature: float, seed: int = 0) -> RunResult:
+              temperature: float, seed: int | None = 0) -> RunResult:
     """All prompts at once (batch = len(prompts)), each to max_tokens or EOS."""
     return run_interleaved({k: engine}, [prompts], max_tokens, temperature, seed)[0][k]
 
 
 def run_interleaved(engines: dict[int, SpeculativeEngine], groups: list[list[list[int]]], max_tokens: int,
-                    temperature: float, seed: int = 0) -> tuple[dict[int, RunResult], dict[int, list[list[int]]]]:
+                    temperature: float, seed: int | None = 0
+                    ) -> tuple[dict[int, RunResult], dict[int, list[list[int]]]]:
     """Each group of prompts as one batch, one group after another, under every K at once.
 
     Each K has its own engine (sharing the models) and the engines take turns one step each,
@@ -83,7 +88,7 @@ def run_interleaved(engines: dict[int, SpeculativeEngine], groups: list[list[lis
     outputs: dict[int, list[list[int]]] = {k: [] for k in engines}
     for g, group in enumerate(groups):
         for k, engine in engines.items():
-            add_group(engine, group, max_tokens, k, temperature, seed + g)
+            add_group(engine, group, max_tokens, k, temperature, None if seed is None else seed + g)
         produced: dict[int, dict[str, list[int]]] = {k: {f"r{i}": [] for i in range(len(group))} for k in engines}
         while any(engine.has_work for engine in engines.values()):
             for k, engine in engines.items():
@@ -180,7 +185,8 @@ def main() -> None:
     batch_sizes = [int(b) for b in args.batches.split(",") if b]
     texts = heldout_prompts(max(args.prompts, args.alpha_prompts, *batch_sizes), seed=1)
     prompts = [codec.encode(t) for t in texts]
-    engine = SpeculativeEngine(target, draft, max_slots=args.alpha_prompts, max_k=args.kmax)
+    # Unseeded requests draw their streams' seeds from this engine's rng: fixed, so runs repeat.
+    engine = SpeculativeEngine(target, draft, max_slots=args.alpha_prompts, max_k=args.kmax, rng=random.Random(7))
     b1_engines = {k: SpeculativeEngine(target, draft, max_slots=1, max_k=args.kmax) for k in range(args.kmax + 1)}
     run_interleaved(b1_engines, [prompts[:1]], 8, 0.0)  # warm-up
 
@@ -229,11 +235,18 @@ def main() -> None:
     # Acceptance needs many drafts, not quiet timing: measure it batched, over more prompts.
     alpha_prompts = prompts[:args.alpha_prompts]
     alpha_by_t: dict[str, float] = {}
+    coupled_by_t: dict[str, float] = {}
     for temperature in TEMPERATURES:
-        result = run_batch(engine, alpha_prompts, args.max_tokens, best_k, temperature, seed=7)
+        # Unseeded: standard speculative sampling, what an unseeded request gets.
+        result = run_batch(engine, alpha_prompts, args.max_tokens, best_k, temperature, seed=None)
         alpha_by_t[str(temperature)] = round(result.alpha, 4)
-        log(f"{len(alpha_prompts)} prompts, K={best_k}, T={temperature}: alpha {result.alpha:.3f} "
-            f"over {result.tested} tested drafts")
+        line = f"{len(alpha_prompts)} prompts, K={best_k}, T={temperature}: alpha {result.alpha:.3f}"
+        if temperature > 0:
+            # Seeded: the Gumbel-max sampler coupled across modes, which accepts less.
+            coupled = run_batch(engine, alpha_prompts, args.max_tokens, best_k, temperature, seed=7)
+            coupled_by_t[str(temperature)] = round(coupled.alpha, 4)
+            line += f", seeded (coupled) {coupled.alpha:.3f} over {coupled.tested} tested drafts"
+        log(f"{line}; standard over {result.tested} tested drafts")
     batched: dict[str, float] = {}
     del engine  # its caches; the batched runs get a plain and a speculative engine of their own
     for size in batch_sizes:
@@ -264,7 +277,7 @@ def main() -> None:
                          f"verify_cost_{last}_tokens": round(alt_verify_cost, 3), "draft": other[args.draft_dtype],
                          "draft_forward_ms": round(1000 * timed["draft_alt"], 3)},
         "prefill_512_ms": {name: round(1000 * s, 1) for name, s in prefill.items()},
-        "alpha_by_temperature": alpha_by_t, **batched,
+        "alpha_by_temperature": alpha_by_t, "alpha_seeded_coupled_by_temperature": coupled_by_t, **batched,
     }
     if args.json:
         print(json.dumps(summary))

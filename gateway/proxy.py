@@ -49,6 +49,7 @@ class StreamTally:
 
     proposed: int = 0
     accepted: int = 0
+    speculative_steps: int = 0
     first_token_at: float | None = None
     last_at: float = 0.0  # when the last chunk with tokens arrived
     collected: list[dict[str, Any]] = field(default_factory=list)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import time
 from dataclasses import dataclass, replace
@@ -65,11 +66,26 @@ class Admission:
 
 
 def _session_id(request: web.Request, req: CompletionRequest) -> str | None:
-    session_id = request.headers.get(SESSION_HEADER) or req.user or None
-    if session_id is not None and (len(session_id) > MAX_SESSION_ID or not session_id.isprintable()):
-        raise BadRequest(f"session id must be printable and at most {MAX_SESSION_ID} characters",
-                         param=SESSION_HEADER if request.headers.get(SESSION_HEADER) else "user")
-    return session_id
+    """The session key: the ``X-Session-ID`` header, else a digest of ``user``, else None (new).
+
+    The header is a key the client chose, so it is held to a key's rules. ``user`` is
+    OpenAI's end-user id, which may be any string (long, tabs, newlines, U+2028): it is never
+    refused, and keys the session through a bounded, printable digest of it.
+    """
+    header = request.headers.get(SESSION_HEADER)
+    if header:
+        if len(header) > MAX_SESSION_ID or not header.isprintable():
+            raise BadRequest(f"{SESSION_HEADER} must be printable and at most {MAX_SESSION_ID} characters",
+                             param=SESSION_HEADER)
+        return header
+    if req.user:
+        return user_session_id(req.user)
+    return None
+
+
+def user_session_id(user: str) -> str:
+    # surrogatepass: a JSON body may carry a lone surrogate (\ud800), which plain UTF-8 refuses.
+    return "user-" + hashlib.sha256(user.encode("utf-8", "surrogatepass")).hexdigest()[:32]
 
 
 def _decide(session: Session, handle: WorkerHandle, req: CompletionRequest, policy: PolicyConfig,
@@ -174,6 +190,7 @@ def _account(state: GatewayState, admission: Admission, tally: StreamTally, chun
         session.policy_state = observe(session.policy_state, report.proposed, report.accepted, admission.policy)
         tally.proposed += report.proposed
         tally.accepted += report.accepted
+        tally.speculative_steps += int(report.proposed > 0) + sum(g.count for g in report.late_steps)
         if report.late_steps:  # acceptance the engine learned late (vLLM: when the request ended)
             session.policy_state = observe_steps(
                 session.policy_state, ((g.proposed, g.accepted, g.count) for g in report.late_steps),
@@ -197,7 +214,10 @@ def _account(state: GatewayState, admission: Admission, tally: StreamTally, chun
         tally.last_at = now
     if chunk.get("usage"):
         usage = dict(chunk["usage"])
-        usage.setdefault("speculative", speculative_usage(tally.proposed, tally.accepted, admission.decision.mode))
+        # A specgate worker's usage says what ran (its step counts); a server that reports no
+        # steps gets the gateway's tally, and the plain steps it cannot see stay unknown.
+        usage.setdefault("speculative", speculative_usage(tally.proposed, tally.accepted, admission.decision.mode,
+                                                          tally.speculative_steps if tally.proposed else None))
         chunk["usage"] = usage
 
 

@@ -22,6 +22,7 @@ def test_bench_engine_quick_json() -> None:
     assert 1 <= result["best_k"] <= 4
     assert 0.0 <= result["alpha_t0"] <= 1.0 and result["c"] > 0
     assert set(result["alpha_by_temperature"]) == {"0.0", "0.5", "0.8", "1.0"}
+    assert set(result["alpha_seeded_coupled_by_temperature"]) == {"0.5", "0.8", "1.0"}
     assert "best K=" in run.stdout
     assert result["greedy_compared_runs"] == 3 * 4
     assert result["target_prepacked"] == bf16_prepacking_available()

@@ -4,6 +4,7 @@ KV-cache rewind, scheduling (join/leave/abort), stopping and per-step accounting
 from __future__ import annotations
 
 import dataclasses
+import random
 from collections import defaultdict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -261,15 +262,20 @@ DIST_DRAWS = 6000
 DIST_SLOTS = 1000
 
 
-def first_two_tokens(target: LlamaForCausalLM, draft: LlamaForCausalLM, seed0: int) -> tuple[list[int], list[int]]:
-    """DIST_DRAWS independent generations of 3 tokens, batched DIST_SLOTS at a time."""
-    engine = SpeculativeEngine(target, draft, max_slots=DIST_SLOTS, max_k=MAX_K)
+def first_two_tokens(target: LlamaForCausalLM, draft: LlamaForCausalLM, seed0: int,
+                     seeded: bool = False) -> tuple[list[int], list[int]]:
+    """DIST_DRAWS independent generations of 3 tokens, batched DIST_SLOTS at a time.
+
+    Unseeded requests take standard speculative sampling (the engine's rng is fixed, so the
+    run repeats); seeded ones (``seeded``) take the Gumbel-max sampler coupled across modes.
+    """
+    engine = SpeculativeEngine(target, draft, max_slots=DIST_SLOTS, max_k=MAX_K, rng=random.Random(seed0))
     firsts: list[int] = []
     seconds: list[int] = []
     first_step_accepts: set[int] = set()
     for r in range(DIST_DRAWS // DIST_SLOTS):
         for i in range(DIST_SLOTS):
-            params = SamplingParams(temperature=1.0, seed=seed0 + r * DIST_SLOTS + i)
+            params = SamplingParams(temperature=1.0, seed=seed0 + r * DIST_SLOTS + i if seeded else None)
             engine.add(GenerationRequest(f"d{r}-{i}", DIST_PROMPT, DIST_K + 1, params, k=DIST_K))
         events = run_until_idle(engine)
         assert len(events) == DIST_SLOTS
@@ -302,6 +308,17 @@ def test_speculative_sampling_matches_target_distribution(
         dist_reference: tuple[torch.Tensor, torch.Tensor, torch.Tensor]) -> None:
     p1, p2, _ = dist_reference
     firsts, seconds = first_two_tokens(target_model, far_draft_model, seed0=100_000)
+    assert chi_square(firsts, p1) > 1e-3
+    assert chi_square(seconds, p2) > 1e-3
+
+
+def test_seeded_coupled_sampling_matches_target_distribution(
+        target_model: LlamaForCausalLM, far_draft_model: LlamaForCausalLM, chi_square: ChiSquare,
+        dist_reference: tuple[torch.Tensor, torch.Tensor, torch.Tensor]) -> None:
+    """D4: over many seeds, the Gumbel-max sampler's tokens (drafted, verified, replaced, bonus)
+    follow the target's distribution, the first token and the marginal of the second."""
+    p1, p2, _ = dist_reference
+    firsts, seconds = first_two_tokens(target_model, far_draft_model, seed0=200_000, seeded=True)
     assert chi_square(firsts, p1) > 1e-3
     assert chi_square(seconds, p2) > 1e-3
 
@@ -404,13 +421,14 @@ def cache_logits(model: LlamaForCausalLM, cache: KVCache, slot: int, start: int,
     return model.forward_cached(torch.tensor([new_tokens]), scratch, batch)[0, -1]
 
 
-@pytest.mark.parametrize("temperature", [0.0, 1.0])
-def test_kv_rewind_after_rejection(temperature: float, target_model: LlamaForCausalLM,
+# (1.0, None): standard speculative sampling; (1.0, 5): seeded, the Gumbel-max sampler.
+@pytest.mark.parametrize(("temperature", "seed"), [(0.0, 5), (1.0, None), (1.0, 5)])
+def test_kv_rewind_after_rejection(temperature: float, seed: int | None, target_model: LlamaForCausalLM,
                                    draft_model: LlamaForCausalLM) -> None:
-    engine = SpeculativeEngine(target_model, draft_model, max_slots=3, max_k=MAX_K)
+    engine = SpeculativeEngine(target_model, draft_model, max_slots=3, max_k=MAX_K, rng=random.Random(5))
     plans = {"x": (PROMPTS[9], 4), "y": (PROMPTS[10], 6), "z": (PROMPTS[11], 0)}  # z goes plain -> spec
     for rid, (prompt, k) in plans.items():
-        engine.add(GenerationRequest(rid, prompt, 60, SamplingParams(temperature=temperature, seed=5), k=k))
+        engine.add(GenerationRequest(rid, prompt, 60, SamplingParams(temperature=temperature, seed=seed), k=k))
     checked_after_rejection = checked_after_full = 0
     step = 0
     with torch.inference_mode():

@@ -99,10 +99,10 @@ def test_failed_draft_sampling_fails_only_its_sequence(target_model: LlamaForCau
     engine = make_engine(target_model, draft_model)
     original = engine._draft_token
 
-    def draft_token(seq: Any, logits: torch.Tensor) -> None:
+    def draft_token(seq: Any, logits: torch.Tensor, position: int) -> None:
         if seq.request.request_id == POISON and seq.emitted >= 3:  # fails mid-sequence, not at once
             raise RuntimeError("probability tensor contains either `inf`, `nan` or element < 0")
-        original(seq, logits)
+        original(seq, logits, position)
 
     monkeypatch.setattr(engine, "_draft_token", draft_token)
     add_batch(engine, GenerationRequest(POISON, [1, 2, 3], 24, SamplingParams(temperature=0.7), k=4))

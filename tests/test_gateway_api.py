@@ -12,6 +12,7 @@ from typing import Any
 import openai
 import pytest
 
+from gateway.relay import user_session_id
 from tests.harness import Gateway, sdk_client, start_gateway, write_config
 from workers.model import bf16_prepacking_available
 
@@ -177,7 +178,7 @@ def test_session_header_user_field_and_new_ids(gateway: Gateway) -> None:
         _, _, again = raw_post(gateway, "/v1/completions", json.dumps(body).encode(), {"X-Session-ID": "sess-header"})
         assert again["X-Specgate-Worker"] == first_worker
     _, _, by_user = raw_post(gateway, "/v1/completions", json.dumps({**body, "user": "alice"}).encode())
-    assert by_user["X-Session-ID"] == "alice"
+    assert by_user["X-Session-ID"] == user_session_id("alice")
     _, _, fresh1 = raw_post(gateway, "/v1/completions", json.dumps(body).encode())
     _, _, fresh2 = raw_post(gateway, "/v1/completions", json.dumps(body).encode())
     assert fresh1["X-Session-ID"] != fresh2["X-Session-ID"]

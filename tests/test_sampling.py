@@ -7,12 +7,13 @@ from collections.abc import Callable, Sequence
 import pytest
 import torch
 
-from workers.sampling import SamplingParams, Verdict, probabilities, sample, verify
+from workers.sampling import SamplingParams, Verdict, gumbel_max, probabilities, sample, seeded_noise, verify
 
 ChiSquare = Callable[[Sequence[int], torch.Tensor], float]
 VerifyFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Generator], Verdict]
 
 DRAWS = 20_000
+GUMBEL_DRAWS = 5_000  # one seeded generator each: slower per draw
 
 # Target distributions at K=2 draft positions plus the bonus position, and the draft's at the two
 # draft positions. They differ a lot, so both the acceptance and the residual paths carry mass.
@@ -123,3 +124,20 @@ def test_probabilities_truncation(params: SamplingParams, support: set[int]) -> 
 def test_temperature_scales_logits() -> None:
     logits = torch.tensor([1.0, 2.0, 3.0])
     assert torch.allclose(probabilities(logits, SamplingParams(temperature=0.5)), torch.softmax(logits / 0.5, -1))
+
+
+def test_gumbel_max_draws_follow_the_distribution(chi_square: ChiSquare) -> None:
+    """Over seeds, argmax(log p + G) with the seeded noise is a draw from p, per position."""
+    params = SamplingParams(temperature=1.0)
+    logits = torch.log(P)
+    for position in range(P.shape[0]):
+        draws = [gumbel_max(logits[position:position + 1], params, seeded_noise(seed, position, P.shape[1])[None])[0]
+                 for seed in range(GUMBEL_DRAWS)]
+        assert chi_square(draws, P[position]) > 1e-3
+
+
+def test_gumbel_max_never_picks_a_filtered_token() -> None:
+    logits = torch.log(torch.tensor([[0.1, 0.6, 0.05, 0.25]]))
+    params = SamplingParams(temperature=1.0, top_k=2)
+    picked = {gumbel_max(logits, params, seeded_noise(seed, 0, 4)[None])[0] for seed in range(2000)}
+    assert picked == {1, 3}

@@ -76,3 +76,16 @@ def test_nothing_after_a_stop(codec: TextCodec) -> None:
     stream.push(codec.encode("abc STOP")[1:])
     assert stream.stopped
     assert stream.push(codec.encode(" more")[1:]) == "" and stream.flush() == ""
+
+
+def test_a_stop_inside_a_multi_token_push_keeps_tokens_up_to_it(codec: TextCodec) -> None:
+    """A speculative step pushes several tokens at once; only those up to the one that completed
+    the stop string count (vLLM adds tokens one by one and stops there)."""
+    ids = codec.encode("alpha beta gamma delta epsilon")[1:]
+    needed = next(n for n in range(1, len(ids) + 1) if "gam" in codec.decode(ids[:n]))
+    assert needed < len(ids)
+    stream = TextStream(codec, ("gam",))
+    first = stream.push(ids[:1])
+    assert stream.last_kept == 1 and not stream.stopped
+    assert first + stream.push(ids[1:]) == "alpha beta "
+    assert stream.stopped and stream.last_kept == needed - 1 and stream.ids == ids[:needed]

@@ -10,6 +10,10 @@ each model's KV cache holds. At the start of a step ``target_len == len(tokens) 
 token is fed in the step, followed by the K drafts. After verification the cache is "rewound"
 by setting ``target_len`` to the accepted prefix; stale positions beyond it are overwritten
 before they are ever attended to.
+
+Sampling: greedy at temperature 0; unseeded requests use standard speculative sampling (the
+highest acceptance); seeded requests use Gumbel-max sampling with noise keyed by (seed, output
+position), shared by draft and target, so the answer is the same in every mode (``sampling.gumbel_max``).
 """
 
 from __future__ import annotations
@@ -25,7 +29,7 @@ import torch
 from workers.engine_api import FinishReason, GenerationRequest, StepEvent
 from workers.limits import check_sampling
 from workers.model import CacheBatch, KVCache, LlamaForCausalLM
-from workers.sampling import Verdict, probabilities, sample, verify, verify_greedy
+from workers.sampling import Verdict, gumbel_max, probabilities, sample, seeded_noise, verify, verify_greedy
 
 __all__ = ["GenerationRequest", "SpeculativeEngine", "StepDepthRule", "StepEvent"]
 # (requested K, batch depth) -> K for this step. The worker plugs in the policy's batch rule.
@@ -45,6 +49,23 @@ class _Sequence:
     step_k: int = 0
     drafts: list[int] = field(default_factory=list)
     draft_probs: list[torch.Tensor] = field(default_factory=list)
+    # Seeded requests: Gumbel noise by output position, drawn once, read by draft and target.
+    noise: dict[int, torch.Tensor] = field(default_factory=dict)
+
+    @property
+    def coupled(self) -> bool:
+        """Sampled with a seed: Gumbel-max sampling, the same answer in every mode."""
+        params = self.request.params
+        return params.seed is not None and params.temperature > 0.0
+
+    def noise_at(self, j: int, vocab: int) -> torch.Tensor:
+        """The noise for the j-th token from now (output position emitted + j)."""
+        position = self.request.params.position_offset + self.emitted + j
+        noise = self.noise.get(position)
+        if noise is None:
+            assert self.request.params.seed is not None
+            noise = self.noise[position] = seeded_noise(self.request.params.seed, position, vocab)
+        return noise
 
 
 @dataclass(frozen=True)
@@ -62,7 +83,8 @@ class _Row:
 
 class SpeculativeEngine:
     def __init__(self, target: LlamaForCausalLM, draft: LlamaForCausalLM | None, *, max_slots: int = 8,
-                 max_k: int = 8, step_depth_rule: StepDepthRule | None = None) -> None:
+                 max_k: int = 8, step_depth_rule: StepDepthRule | None = None,
+                 rng: random.Random | None = None) -> None:
         if draft is not None and draft.cfg.vocab_size != target.cfg.vocab_size:
             raise ValueError("draft and target must share a vocabulary")
         self.target = target
@@ -79,6 +101,8 @@ class SpeculativeEngine:
             self.draft_cache = KVCache.allocate(draft.cfg, max_slots, draft.lm_head.weight.dtype)
         self.eos_ids = frozenset(target.cfg.eos_token_ids)
         self.step_depth_rule = step_depth_rule
+        # Seeds for unseeded requests' streams (a fixed rng makes tests and benchmarks repeatable).
+        self._rng = rng if rng is not None else random.Random()
         self._waiting: deque[GenerationRequest] = deque()
         self._running: dict[str, _Sequence] = {}
         self._free_slots = list(range(max_slots))
@@ -154,7 +178,7 @@ class SpeculativeEngine:
     def _admit(self) -> None:
         while self._waiting and self._free_slots:
             request = self._waiting.popleft()
-            seed = request.params.seed if request.params.seed is not None else random.getrandbits(63)
+            seed = request.params.seed if request.params.seed is not None else self._rng.getrandbits(63)
             self._running[request.request_id] = _Sequence(
                 request=request, slot=self._free_slots.pop(0), tokens=list(request.prompt_ids),
                 generator=torch.Generator().manual_seed(seed), k=max(0, min(request.k, self.max_k)))
@@ -246,13 +270,18 @@ class SpeculativeEngine:
                     continue
                 seq.draft_len += len(row.new_tokens)
                 try:
-                    self._draft_token(seq, row_logits[0])
+                    self._draft_token(seq, row_logits[0], j)
                 except Exception as exc:
                     failed[seq.request.request_id] = exc
 
-    def _draft_token(self, seq: _Sequence, logits: torch.Tensor) -> None:
+    def _draft_token(self, seq: _Sequence, logits: torch.Tensor, position: int) -> None:
+        """logits (V,): the draft's proposal at draft position ``position`` of this step."""
         if seq.request.params.temperature <= 0.0:
             seq.drafts.append(int(logits.argmax()))
+            return
+        if seq.coupled:
+            noise = seq.noise_at(position, logits.shape[-1])[None]
+            seq.drafts.append(gumbel_max(logits[None], seq.request.params, noise)[0])
             return
         q = probabilities(logits, seq.request.params)
         seq.drafts.append(int(sample(q, seq.generator).item()))
@@ -264,6 +293,11 @@ class SpeculativeEngine:
             # Greedy: the general rule with one-hot p and q reduces to comparing argmaxes; doing
             # that directly skips building V-wide distributions on the hot path.
             verdict = verify_greedy(seq.drafts, logits.argmax(dim=-1).tolist())
+        elif seq.coupled:
+            # The target's own Gumbel-max token at each position decides, as the argmax does
+            # for greedy: a draft stands while it equals it; plain decoding is the K = 0 case.
+            noise = torch.stack([seq.noise_at(j, logits.shape[-1]) for j in range(seq.step_k + 1)])
+            verdict = verify_greedy(seq.drafts, gumbel_max(logits, seq.request.params, noise))
         elif seq.step_k > 0:
             p = probabilities(logits, seq.request.params)  # (K+1, V)
             verdict = verify(torch.tensor(seq.drafts), torch.stack(seq.draft_probs), p, seq.generator)
@@ -287,6 +321,9 @@ class SpeculativeEngine:
                 break
         seq.tokens.extend(emitted)
         seq.emitted += len(emitted)
+        if seq.noise:  # positions now emitted are never read again
+            done = seq.request.params.position_offset + seq.emitted
+            seq.noise = {pos: g for pos, g in seq.noise.items() if pos >= done}
         if finish is not None:
             self.abort(seq.request.request_id)
         return StepEvent(seq.request.request_id, emitted, seq.step_k, accepted, depth, finish)

@@ -23,7 +23,10 @@ class SamplingParams:
     temperature: float = 1.0  # 0 means greedy
     top_p: float = 1.0  # nucleus mass kept, (0, 1]
     top_k: int = 0  # 0 disables
-    seed: int | None = None  # fixes the request's random stream
+    seed: int | None = None  # fixes the request's answer, whatever the decoding mode, K and batch
+    # Output position of the first generated token. A seeded request's noise is keyed by
+    # (seed, position), so a request resumed after n tokens passes n and continues the same noise.
+    position_offset: int = 0
 
 
 @dataclass(frozen=True)

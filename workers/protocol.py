@@ -290,9 +290,12 @@ def vllm_step_report(chunk: Mapping[str, Any], k: int) -> StepReport | None:
     return StepReport(0, 0, 0, 0, 0, late)
 
 
-def speculative_usage(proposed: int, accepted: int, mode: str) -> dict[str, Any]:
+def speculative_usage(proposed: int, accepted: int, mode: str, speculative_steps: int | None = None,
+                      plain_steps: int | None = None) -> dict[str, Any]:
+    """``mode`` is what was decided; the step counts say what ran (None: not known)."""
     return {"proposed": proposed, "accepted": accepted,
-            "acceptance_rate": round(accepted / proposed, 4) if proposed else None, "mode": mode}
+            "acceptance_rate": round(accepted / proposed, 4) if proposed else None, "mode": mode,
+            "speculative_steps": speculative_steps, "plain_steps": plain_steps}
 
 
 def chunk_text(kind: RequestKind, chunk: Mapping[str, Any]) -> str:

@@ -5,6 +5,11 @@ function to both the target's and the draft's logits, so the acceptance test com
 distributions actually sampled from. Temperature 0 turns both into one-hot argmax
 distributions, which makes the same rule exact greedy decoding: a draft token is accepted
 iff it is the target's argmax, and the replacement is the target's argmax.
+
+Seeded requests (temperature > 0) are sampled differently: by the Gumbel-max trick with noise
+keyed by (seed, output position), shared by the draft and the target (``seeded_noise``,
+``gumbel_max``). Every mode then computes the same token at every position, so a seed means
+one answer whatever the decoding mode, K or batch (see ``gumbel_max``).
 """
 
 from __future__ import annotations
@@ -15,7 +20,9 @@ import torch
 
 from workers.engine_api import SamplingParams
 
-__all__ = ["SamplingParams", "Verdict", "probabilities", "sample", "verify", "verify_greedy"]
+__all__ = ["SamplingParams", "Verdict", "gumbel_max", "noise_key", "probabilities", "sample", "seeded_noise",
+           "verify", "verify_greedy"]
+_U64 = (1 << 64) - 1
 
 
 def probabilities(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
@@ -86,3 +93,44 @@ def verify_greedy(draft_tokens: list[int], target_argmax: list[int]) -> Verdict:
     while n < len(draft_tokens) and draft_tokens[n] == target_argmax[n]:
         n += 1
     return Verdict([*draft_tokens[:n], target_argmax[n]], n)
+
+
+# -- seeded requests: Gumbel-max sampling coupled across modes ------------------------------------
+def _mix64(x: int) -> int:
+    """splitmix64's finaliser: a bijection on 64-bit integers that scatters nearby inputs."""
+    x = (x + 0x9E3779B97F4A7C15) & _U64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _U64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _U64
+    return x ^ (x >> 31)
+
+
+def noise_key(seed: int, position: int) -> int:
+    """The generator seed for output position ``position`` of a request seeded ``seed``.
+
+    A pure function of the two, so the noise at a position never depends on how many random
+    numbers other positions (drafts, rejections) consumed, nor on the process.
+    """
+    return _mix64(_mix64(seed & _U64) ^ (position & _U64))
+
+
+def seeded_noise(seed: int, position: int, vocab: int) -> torch.Tensor:
+    """Standard Gumbel noise (V,), float32, for one output position of a seeded request."""
+    generator = torch.Generator().manual_seed(noise_key(seed, position))
+    uniforms = torch.rand(vocab, generator=generator).clamp_(min=torch.finfo(torch.float32).tiny)
+    return -torch.log(-torch.log(uniforms))
+
+
+def gumbel_max(logits: torch.Tensor, params: SamplingParams, noise: torch.Tensor) -> list[int]:
+    """logits (n, V) and noise (n, V) -> argmax(log p + G) per row, p = ``probabilities``.
+
+    argmax(log p + G) with standard Gumbel G is an exact draw from p (-inf where top-k/top-p
+    filtered, so those never win). Plain decoding takes it from the target's p_t; the draft
+    proposes it from its own q_t with the same G_t; verification accepts a draft while it
+    equals the target's token, and emits the target's token at the first mismatch (or the
+    bonus position's). The result is token for token the plain sequence for the seed, hence
+    distributed exactly as the target. Its acceptance, P(argmax(log q + G) = argmax(log p + G)),
+    is below standard speculative sampling's sum(min(p, q)): the price of mode independence.
+    """
+    scores = torch.log(probabilities(logits, params)) + noise
+    tokens: list[int] = scores.argmax(dim=-1).tolist()
+    return tokens

@@ -208,6 +208,7 @@ async def _generate(ctx: WorkerContext, req: CompletionRequest,
     rid, created, model = generation.request_id, int(time.time()), ctx.settings.served_model_name
     text = TextStream(ctx.codec, req.stop)
     emitted = proposed = accepted = 0
+    steps = spec_steps = 0  # what ran, step by step (the worker's batch latch may run steps plain)
     finished = False
     first_chunk = True
 
@@ -238,19 +239,24 @@ async def _generate(ctx: WorkerContext, req: CompletionRequest,
             except Exception as exc:
                 log.exception("engine failed request %s", rid)
                 raise WorkerFailed(f"engine failed: {exc}") from None
-            emitted += len(item.tokens)
             late = item.late_steps
             proposed += item.proposed + sum(g.proposed * g.count for g in late)
             accepted += item.accepted + sum(g.accepted * g.count for g in late)
+            steps += 1
+            # A step that drafted is speculative; engines that learn acceptance late (vLLM)
+            # report their speculative steps in late_steps, and the rest of their steps are plain.
+            spec_steps += int(item.proposed > 0) + sum(g.count for g in late)
             delta = text.push(item.tokens)
+            # Tokens after a stop string were never the client's: they are not counted.
+            kept = text.last_kept
+            emitted += kept
             finish = item.finish_reason
-            if text.stopped and finish is None:
-                finish = "stop"
-            if finish is not None and not text.stopped:
+            if text.stopped:
+                finish = "stop"  # even when the engine also reached max_tokens in that step
+            elif finish is not None:
                 delta += text.flush()
             finished = finish is not None
-            report = StepReport(item.proposed, item.accepted, item.batch_depth, item.proposed, len(item.tokens),
-                                late)
+            report = StepReport(item.proposed, item.accepted, item.batch_depth, item.proposed, kept, late)
             yield chunk(delta, finish, report, first=first_chunk)
             first_chunk = False
         mode = "speculative" if generation.k > 0 else "plain"
@@ -258,6 +264,7 @@ async def _generate(ctx: WorkerContext, req: CompletionRequest,
                "created": created, "model": model, "choices": [],
                "usage": {"prompt_tokens": len(generation.prompt_ids), "completion_tokens": emitted,
                          "total_tokens": len(generation.prompt_ids) + emitted,
-                         "speculative": speculative_usage(proposed, accepted, mode)}}
+                         "speculative": speculative_usage(proposed, accepted, mode, spec_steps,
+                                                          max(0, steps - spec_steps))}}
     finally:
         await events.aclose()  # aborts the sequence if it has not finished (stop string, client gone)

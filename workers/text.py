@@ -76,7 +76,10 @@ class TextStream:
     """Turns token ids into text deltas, holding back what could still become a stop string.
 
     ``push`` returns the text safe to send now; ``stopped`` turns True when a stop string
-    appears, and the text never includes the stop string itself.
+    appears, and the text never includes the stop string itself. Tokens count as vLLM counts
+    them, one at a time: a push that completes a stop string keeps its tokens up to and
+    including the one that completed it (``last_kept``) and drops the rest, which the client
+    never sees, so ``ids`` is exactly the completion the usage counts.
     """
 
     codec: TextCodec
@@ -84,30 +87,53 @@ class TextStream:
     ids: list[int] = field(default_factory=list)
     sent: int = 0  # characters of the decoded text already returned
     stopped: bool = False
+    last_kept: int = 0  # of the last push's ids, how many count (all, unless a stop cut them)
     _text: str = ""
 
     def push(self, new_ids: list[int]) -> str:
+        self.last_kept = 0
         if self.stopped or not new_ids:
             return ""
+        before = len(self.ids)
         self.ids.extend(new_ids)
-        text = self.codec.decode(self.ids)
-        # A multi-byte character split across tokens decodes to U+FFFD until it completes.
-        while text.endswith("\ufffd"):
-            text = text[:-1]
+        text = self._decode(self.ids)
         self._text = text
-        if self.stop:
-            window_start = max(0, self.sent - max(len(s) for s in self.stop))
-            hits = [i for i in (text.find(s, window_start) for s in self.stop) if i >= 0]
-            if hits:
-                self.stopped = True
-                self._text = text = text[:min(hits)]
-                return self._emit(len(text))
-            return self._emit(len(text) - max(len(s) for s in self.stop) + 1)
-        return self._emit(len(text))
+        self.last_kept = len(new_ids)
+        if not self.stop:
+            return self._emit(len(text))
+        longest = max(len(s) for s in self.stop)
+        # Text before the window was already searched, when it was pushed.
+        window_start = max(0, self.sent - longest)
+        cut = self._find_stop(text, window_start)
+        if cut is None:
+            return self._emit(len(text) - longest + 1)
+        # Several tokens at once (a speculative step): the stop belongs to the first of them
+        # whose inclusion completes one; the text is cut where that prefix's earliest stop begins.
+        for n in range(1, len(new_ids)):
+            prefix_cut = self._find_stop(self._decode(self.ids[:before + n]), window_start)
+            if prefix_cut is not None:
+                cut = prefix_cut
+                del self.ids[before + n:]
+                self.last_kept = n
+                break
+        self.stopped = True
+        self._text = text[:cut]
+        return self._emit(cut)
 
     def flush(self) -> str:
         """Whatever was held back, once generation has ended without a stop string."""
         return self._emit(len(self._text))
+
+    def _decode(self, ids: list[int]) -> str:
+        text = self.codec.decode(ids)
+        # A multi-byte character split across tokens decodes to U+FFFD until it completes.
+        while text.endswith("\ufffd"):
+            text = text[:-1]
+        return text
+
+    def _find_stop(self, text: str, start: int) -> int | None:
+        hits = [i for i in (text.find(s, start) for s in self.stop) if i >= 0]
+        return min(hits) if hits else None
 
     def _emit(self, upto: int) -> str:
         if upto <= self.sent:
