@@ -13,6 +13,7 @@ import contextlib
 import json
 import logging
 import os
+import signal
 import sys
 import tempfile
 import time
@@ -145,14 +146,16 @@ class Fleet:
 
     async def _terminate(self, handle: WorkerHandle) -> None:
         process = handle.process
-        if process is None or process.returncode is not None:
+        if process is None:
             return
-        process.terminate()
-        try:
-            await asyncio.wait_for(process.wait(), timeout=10)
-        except TimeoutError:
-            process.kill()
-            await process.wait()
+        if process.returncode is None:
+            process.terminate()  # the worker alone first: it shuts its engine down cleanly
+            try:
+                await asyncio.wait_for(process.wait(), timeout=10)
+            except TimeoutError:
+                process.kill()
+                await process.wait()
+        _kill_group(process.pid)
 
     def candidates(self) -> list[Candidate]:
         return [h.candidate() for h in self.workers.values()]
@@ -183,13 +186,16 @@ class Fleet:
         while not self._stopping:
             handle.status = "starting"
             handle.started_at = time.monotonic()
-            handle.process = await asyncio.create_subprocess_exec(*self._command(handle), env=os.environ.copy())
+            # Its own process group: an engine's helper processes (vLLM runs two) go with it.
+            handle.process = await asyncio.create_subprocess_exec(*self._command(handle), env=os.environ.copy(),
+                                                                  start_new_session=True)
             healthy = await self._wait_healthy(handle, wc.startup_timeout_s)
             if healthy:
                 handle.status = "ready"
                 self.metrics.worker_up.labels(worker=handle.worker_id).set(1)
                 log.info("%s ready (pid %d)", handle.worker_id, handle.process.pid)
                 await handle.process.wait()
+                _kill_group(handle.process.pid)  # a worker killed -9 leaves its engine's processes behind
             else:
                 await self._terminate(handle)
             if self._stopping:
@@ -294,3 +300,9 @@ class Fleet:
                     log.warning("%s unresponsive for %.0fs; killing pid %d", handle.worker_id, hung_after, process.pid)
                     process.kill()
                     unhealthy_since = None
+
+
+def _kill_group(pgid: int) -> None:
+    """Kills what is left of a worker's process group (its engine's helper processes)."""
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pgid, signal.SIGKILL)

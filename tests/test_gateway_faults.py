@@ -118,3 +118,31 @@ def test_hung_worker_is_killed_and_restarted(tmp_path: Path) -> None:
             assert client.completions.create(model="specgate-demo", prompt=PROMPT, max_tokens=4).choices[0].text
     finally:
         gw.stop()
+
+
+def test_workers_die_with_a_killed_gateway(tmp_path: Path) -> None:
+    """kill -9 of the gateway leaves no worker behind (each local worker asks the kernel for
+    SIGTERM when its parent dies; a worker's own helpers share its process group)."""
+    gw = start_gateway(write_config(tmp_path / "config.yaml"), tmp_path)
+    try:
+        gw.wait_workers_ready(1)
+        (worker,) = gw.get_json("/admin/workers")["workers"]
+        pid = worker["pid"]
+        assert os.getpgid(pid) == pid  # its own process group
+        gw.process.send_signal(signal.SIGKILL)
+        gw.process.wait(timeout=10)
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and _running(pid):
+            time.sleep(0.2)
+        assert not _running(pid), f"worker {pid} outlived its gateway"
+    finally:
+        gw.stop()
+
+
+def _running(pid: int) -> bool:
+    """Alive and not a zombie (an exited child waits for init to reap it)."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return False
+    return state != "Z"

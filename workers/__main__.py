@@ -11,6 +11,8 @@ import argparse
 import json
 import logging
 import os
+import signal
+import sys
 from pathlib import Path
 
 import uvloop
@@ -65,8 +67,20 @@ def build_engine(args: argparse.Namespace) -> Engine:
                                            max_k=args.max_k, dtype=args.dtype, draft_dtype=args.draft_dtype))
 
 
+def die_with_parent() -> None:
+    """A local worker belongs to its gateway: if the gateway dies (even by kill -9), so does it."""
+    if sys.platform != "linux":
+        return
+    import ctypes
+
+    pr_set_pdeathsig = 1
+    ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGTERM)
+
+
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
+    if args.uds is not None:
+        die_with_parent()
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s {args.worker_id} %(levelname)s %(name)s: %(message)s")
     settings = WorkerSettings(
         worker_id=args.worker_id, tokenizer_dir=args.target, served_model_name=args.served_model_name,

@@ -1,0 +1,131 @@
+"""Conformance: the same requests against specgate and against vLLM's own OpenAI server on the
+demo models, both with a float32 target (the vLLM lane). Diffs response and chunk shapes,
+``prompt_tokens`` / ``completion_tokens``, finish reasons and greedy text.
+
+Every difference is either fixed or one of the deliberate ones the README lists: specgate's
+``usage.speculative`` and per-chunk ``specgate`` step report, and vLLM's own extension fields
+(``DELIBERATE_VLLM_ONLY``), which specgate does not send.
+
+specgate runs here with the target alone (``model.draft: null``): greedy speculative output is
+bit-identical to plain decoding only where bfloat16 prepacking exists (docs/engine.md), and this
+suite compares against vLLM's plain float32 decoding.
+"""
+
+from __future__ import annotations
+
+import json
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.harness import Gateway, start_gateway, write_config
+from tests.vllm_harness import VllmServer
+
+pytestmark = pytest.mark.vllm
+
+# specgate's additions (README: "Deliberate differences from vLLM").
+DELIBERATE_SPECGATE_ONLY = {"usage.speculative", "specgate"}
+# vLLM's extension fields, which specgate does not send.
+DELIBERATE_VLLM_ONLY = {"system_fingerprint", "service_tier", "kv_transfer_params", "prompt_logprobs",
+                        "prompt_token_ids", "token_ids", "stop_reason", "reasoning_content", "reasoning",
+                        "usage.prompt_tokens_details", "message.reasoning_content", "message.reasoning",
+                        "message.tool_calls", "message.refusal", "message.annotations", "message.audio",
+                        "message.function_call", "delta.reasoning_content", "delta.reasoning", "delta.tool_calls",
+                        "metrics", "ec_transfer_params", "routed_experts", "prompt_text",
+                        "usage.completion_tokens_details"}
+
+CODE = "def fibonacci(n):\n    "
+CASES: list[tuple[str, dict[str, Any]]] = [
+    ("completion", {"prompt": CODE, "max_tokens": 16}),
+    ("completion", {"prompt": CODE, "max_tokens": 7, "stop": "<= b"}),
+    ("completion", {"prompt": CODE, "max_tokens": 64, "stop": " a"}),
+    ("completion", {"prompt": CODE, "max_tokens": 64, "stop": ["\n\n", "return"]}),
+    ("completion", {"prompt": "import os\n\n\ndef list_files(root):\n    ", "max_tokens": 40}),
+    ("completion", {"prompt": [0, 320, 286, 742, 269], "max_tokens": 12}),
+    ("completion", {"prompt": "class Stack:\n    ", "max_tokens": 300}),  # may end at EOS
+    ("chat", {"messages": [{"role": "user", "content": "Write a function that adds two numbers."}],
+              "max_tokens": 24}),
+    ("chat", {"messages": [{"role": "system", "content": "Be brief."},
+                           {"role": "user", "content": "Sort a list."}], "max_tokens": 40, "stop": "\n"}),
+    ("chat", {"messages": [{"role": "user", "content": "Hello"}], "max_tokens": 200}),  # ends at <|end|>
+]
+PATHS = {"completion": "/v1/completions", "chat": "/v1/chat/completions"}
+
+
+@pytest.fixture(scope="module")
+def plain_gateway(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Gateway]:
+    tmp = tmp_path_factory.mktemp("conformance")
+    config = write_config(tmp / "config.yaml", model={"draft": None}, workers={"count": 1, "dtype": "float32"})
+    gateway = start_gateway(config, tmp)
+    yield gateway
+    gateway.stop()
+
+
+def post(url: str, body: dict[str, Any]) -> Any:
+    request = urllib.request.Request(url, json.dumps(body).encode(), {"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=120) as response:
+        raw = response.read().decode()
+    if not body.get("stream"):
+        return json.loads(raw)
+    return [json.loads(line[6:]) for line in raw.splitlines()
+            if line.startswith("data: ") and line != "data: [DONE]"]
+
+
+def shape(value: Any, prefix: str = "") -> set[str]:
+    """Dotted key paths of a JSON value (list items merged), e.g. ``choices.message.content``."""
+    paths: set[str] = set()
+    if isinstance(value, dict):
+        for key, item in value.items():
+            path = f"{prefix}.{key}" if prefix else key
+            paths.add(path)
+            paths |= shape(item, path)
+    elif isinstance(value, list):
+        for item in value:
+            paths |= shape(item, prefix)
+    return paths
+
+
+def deliberate(path: str, allowed: set[str]) -> bool:
+    parts = path.split(".")
+    return any(".".join(parts[i:i + n]) in allowed for i in range(len(parts)) for n in (1, 2))
+
+
+def summary(kind: str, response: Any) -> dict[str, Any]:
+    if isinstance(response, list):  # streamed chunks
+        text = "".join((c["choices"][0].get("text") or "") if kind == "completion"
+                       else (c["choices"][0].get("delta", {}).get("content") or "")
+                       for c in response if c.get("choices"))
+        finish = [c["choices"][0]["finish_reason"] for c in response if c.get("choices")
+                  and c["choices"][0].get("finish_reason")]
+        usage = next(c["usage"] for c in response if c.get("usage"))
+        return {"text": text, "finish": finish[-1] if finish else None, "prompt_tokens": usage["prompt_tokens"],
+                "completion_tokens": usage["completion_tokens"]}
+    choice = response["choices"][0]
+    text = choice["text"] if kind == "completion" else choice["message"]["content"]
+    return {"text": text, "finish": choice["finish_reason"], "prompt_tokens": response["usage"]["prompt_tokens"],
+            "completion_tokens": response["usage"]["completion_tokens"]}
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_same_answers_as_vllm(plain_gateway: Gateway, vllm_plain_server: VllmServer, stream: bool,
+                              tmp_path: Path) -> None:
+    differences: list[str] = []
+    for kind, body in CASES:
+        request = {"model": "specgate-demo", "temperature": 0, **body, "stream": stream}
+        if stream:
+            request["stream_options"] = {"include_usage": True}
+        ours = post(plain_gateway.base_url.removesuffix("/v1") + PATHS[kind], request)
+        theirs = post(vllm_plain_server.url + PATHS[kind], request)
+        ours_shape, theirs_shape = shape(ours), shape(theirs)
+        extra = {p for p in ours_shape - theirs_shape if not deliberate(p, DELIBERATE_SPECGATE_ONLY)}
+        missing = {p for p in theirs_shape - ours_shape if not deliberate(p, DELIBERATE_VLLM_ONLY)}
+        if extra or missing:
+            differences.append(f"{kind} {body}: shape only in specgate {sorted(extra)}, only in vLLM {sorted(missing)}")
+        mine, reference = summary(kind, ours), summary(kind, theirs)
+        if mine != reference:
+            differences.append(f"{kind} {body}: specgate {mine} vs vLLM {reference}")
+    (tmp_path / "differences.txt").write_text("\n".join(differences))
+    assert not differences, "\n".join(differences)
