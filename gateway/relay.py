@@ -140,7 +140,8 @@ async def _admit(state: GatewayState, session: Session,
             raise Unavailable("no worker is ready", retry_after_s=1.0)
         handle, decision = routed
         worker_id = session.worker_id = handle.worker_id
-        body = worker_body(req, Directive(decision.k, policy.max_batch, policy.batch_resume), handle.protocol)
+        body = worker_body(req, Directive(decision.k, policy.max_batch, policy.batch_resume, policy.max_step_drafts),
+                           handle.protocol)
         handle.in_flight += 1
         try:
             response = await open_stream(handle, _PATHS[req.kind], body, state.config.server.worker_timeout_s)

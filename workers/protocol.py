@@ -97,9 +97,13 @@ class Directive:
     k: int  # drafts per step; 0 = plain
     max_batch: int  # the worker goes plain for a step while its batch depth is above this
     batch_resume: int  # ...until it falls below this
+    max_step_drafts: int = 0  # drafts per step across the batch before K shrinks (0: no limit)
 
     def to_json(self) -> dict[str, int]:
-        return {"k": self.k, "max_batch": self.max_batch, "batch_resume": self.batch_resume}
+        out = {"k": self.k, "max_batch": self.max_batch, "batch_resume": self.batch_resume}
+        if self.max_step_drafts:
+            out["max_step_drafts"] = self.max_step_drafts
+        return out
 
 
 def vllm_xargs(directive: Directive) -> dict[str, int]:
@@ -241,7 +245,8 @@ def _parse_directive(raw: Any) -> Directive | None:
     k = _integer(raw, "k", 0, 64)
     max_batch = _integer(raw, "max_batch", 1, 1 << 20)
     batch_resume = _integer(raw, "batch_resume", 1, 1 << 20)
-    return Directive(k or 0, max_batch or (1 << 20), batch_resume or (1 << 20))
+    return Directive(k or 0, max_batch or (1 << 20), batch_resume or (1 << 20),
+                     _integer(raw, "max_step_drafts", 0, 1 << 20) or 0)
 
 
 # -- responses ------------------------------------------------------------------------------------

@@ -134,8 +134,9 @@ class SimEngine:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
 
-    def set_batch_thresholds(self, max_batch: int, batch_resume: int) -> None:
+    def set_batch_thresholds(self, max_batch: int, batch_resume: int, max_step_drafts: int = 0) -> None:
         self.batch.max_batch, self.batch.batch_resume = max_batch, batch_resume
+        self.batch.max_step_drafts = max_step_drafts
 
     def _seq(self, request: GenerationRequest) -> SimSeq:
         assert self._codec is not None

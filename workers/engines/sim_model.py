@@ -248,7 +248,7 @@ def fit_efficiency(config: SimConfig, facts: Facts) -> Efficiency:
     """
     hw, k, ctx = config.hardware, facts.k, facts.context
     assert config.draft is not None
-    peak_bw, peak_fl = hw.gpus * hw.bandwidth_gb_s * GB, hw.gpus * hw.peak_tflops * TFLOP
+    peak_bw = hw.gpus * hw.bandwidth_gb_s * GB
     m_t = config.target.weight_bytes + ctx * config.target.kv_bytes_per_token
     m_d = config.draft.weight_bytes + ctx * config.draft.kv_bytes_per_token
     alpha = alpha_from_rate(facts.rate, k)
@@ -326,11 +326,12 @@ class SimBatch:
         self.waiting: deque[SimSeq] = deque()
         self.running: dict[str, SimSeq] = {}
         self.max_batch = self.batch_resume = NO_CAP
+        self.max_step_drafts = 0  # 0: no per-step draft limit
         self.batch_full = False
         self.step_rule = step_rule or self.latch_rule
 
     def latch_rule(self, depth: int) -> int:
-        rule = step_depth(NO_CAP, depth, self.batch_full, self.max_batch, self.batch_resume)
+        rule = step_depth(NO_CAP, depth, self.batch_full, self.max_batch, self.batch_resume, self.max_step_drafts)
         self.batch_full = rule.batch_full
         return rule.k
 
@@ -406,7 +407,8 @@ def _mapping(raw: Mapping[str, Any], name: str, allowed: set[str]) -> Mapping[st
 def _shape(raw: Mapping[str, Any], name: str, default: ModelShape) -> ModelShape:
     m = _mapping(raw, name, {"params", "bytes_per_param", "kv_bytes_per_token"})
     p = f"{name}."
-    return ModelShape(_number(m, "params", default.params, p), _number(m, "bytes_per_param", default.bytes_per_param, p),
+    return ModelShape(_number(m, "params", default.params, p),
+                      _number(m, "bytes_per_param", default.bytes_per_param, p),
                       _number(m, "kv_bytes_per_token", default.kv_bytes_per_token, p, positive=False))
 
 
