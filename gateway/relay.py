@@ -11,7 +11,7 @@ import aiohttp
 from aiohttp import web
 
 from gateway.fleet import WorkerHandle
-from gateway.proxy import StreamTally, WorkerUnreachable, iter_chunks, open_stream, worker_body
+from gateway.proxy import StreamTally, WorkerUnreachable, iter_chunk_batches, iter_chunks, open_stream, worker_body
 from gateway.routing import Candidate, choose_worker
 from gateway.sessions import ModeChange, Session
 from gateway.state import GatewayState
@@ -161,6 +161,8 @@ async def _admit(state: GatewayState, session: Session,
 
 def _account(state: GatewayState, admission: Admission, tally: StreamTally, chunk: dict[str, Any],
              kind: RequestKind, started: float) -> None:
+    # The streaming relay forwards chunks without usage as the worker sent them: only the usage
+    # chunk may be changed here.
     now = time.monotonic()
     report = StepReport.from_json(chunk.get(DIRECTIVE_FIELD))
     if admission.handle.protocol == "vllm" and chunk.get("usage"):
@@ -224,6 +226,7 @@ async def relay(request: web.Request, kind: RequestKind, state: GatewayState) ->
                WORKER_HEADER: admission.handle.worker_id}
     tally = StreamTally()
     chunks = iter_chunks(response)
+    batches = iter_chunk_batches(response)  # streaming reads a network read at a time (the hot loop)
     try:
         if not req.stream:
             async for chunk in chunks:
@@ -235,17 +238,27 @@ async def relay(request: web.Request, kind: RequestKind, state: GatewayState) ->
             return web.json_response(assemble(kind, tally.collected), headers=headers)
         out = await start_sse(request, headers)
         try:
-            async for chunk in chunks:
-                _account(state, admission, tally, chunk, kind, started)
-                if chunk.get("usage") is not None and not req.include_usage:
-                    continue
-                if _worth_sending(kind, chunk):
-                    await out.write(sse_event(chunk))
+            async for batch in batches:
+                # Hot loop: one client write per worker read, and chunks relayed as the worker
+                # wrote them unless accounting changed them (the usage chunk).
+                pending: list[bytes] = []
+                for chunk, raw in batch:
+                    _account(state, admission, tally, chunk, kind, started)
+                    if chunk.get("usage") is not None:  # the one chunk _account rewrites
+                        if req.include_usage:
+                            pending.append(sse_event(chunk))
+                    elif _worth_sending(kind, chunk):
+                        pending.append(b"data: " + raw + b"\n\n")
+                if pending:
+                    await out.write(b"".join(pending))
             await out.write(sse_event("[DONE]"))
         except ApiError as error:  # the response has started: the stream carries the error
             log.warning("stream for session %s failed mid-way: %s", session.session_id, error.message)
             await out.write(sse_event(error.body()))
         return out
     finally:
-        await chunks.aclose()  # closes the worker stream; a worker aborts sequences whose reader left
+        # Closes the worker stream (only one of the two was started; closing the other is a no-op);
+        # a worker aborts sequences whose reader left.
+        await chunks.aclose()
+        await batches.aclose()
         admission.handle.in_flight -= 1
