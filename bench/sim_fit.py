@@ -37,6 +37,11 @@ def breakeven(config: SimConfig, alpha: float, k: int, context: int) -> int | No
     return next((b for b in range(1, 513) if gain(config, alpha, b, k, context) <= 1.0), None)
 
 
+def best_k(config: SimConfig, alpha: float, depth: int, context: int, k_max: int = 5) -> int:
+    """The K in 0..k_max with the highest modelled throughput (0: plain)."""
+    return max(range(k_max + 1), key=lambda k: 1.0 if k == 0 else gain(config, alpha, depth, k, context))
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m bench.sim_fit", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -64,8 +69,7 @@ def main(argv: list[str] | None = None) -> None:
         "acceptance": {c: [[t if math.isfinite(t) else None, round(a, 4), round(vllm_rate(a, PUBLISHED_K), 3)]
                            for t, a in b] for c, b in base.acceptance.bands.items()},
         "gain_k5": {str(d): [round(gain(config, a, d, 5, ctx), 2) for a in ALPHAS] for d in DEPTHS},
-        "best_k": {str(d): [max(range(6), key=lambda k, d=d, a=a: 1.0 if k == 0 else gain(config, a, d, k, ctx))
-                            for a in ALPHAS] for d in DEPTHS},
+        "best_k": {str(d): [best_k(config, a, d, ctx) for a in ALPHAS] for d in DEPTHS},
     }
     sensitivity = {}
     for name in ("bandwidth_fraction", "flops_fraction", "forward_overhead_ms"):
