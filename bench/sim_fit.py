@@ -45,7 +45,8 @@ def best_k(config: SimConfig, alpha: float, depth: int, context: int, k_max: int
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m bench.sim_fit", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--json", action="store_true")
+    parser.add_argument("--json", action="store_true", help="last line: one JSON object")
+    parser.add_argument("--quick", action="store_true", help="accepted for uniformity: the fit takes a second")
     args = parser.parse_args(argv)
     facts = Facts()
     base = SimConfig()
