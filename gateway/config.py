@@ -14,7 +14,7 @@ from typing import Any, Literal
 from gateway.safe_yaml import YamlRefused, load_yaml
 from policies.config import PolicyConfig, PolicyConfigError, bounded_repr, bounded_text
 
-EngineName = Literal["embedded", "vllm"]
+EngineName = Literal["embedded", "vllm", "sim"]
 RemoteMode = Literal["speculative", "plain"]
 RemoteProtocol = Literal["openai", "specgate", "vllm"]
 MAX_CONFIG_BYTES = 1 << 20  # config.yaml is a few KiB; anything near this is not a config file
@@ -62,6 +62,9 @@ class WorkersConfig:
     engine: EngineName = "embedded"  # embedded: PyTorch in this repo; vllm: vLLM's AsyncLLM with specgate's plugin
     python: Path | None = None  # interpreter for local workers (vllm: the vLLM environment's); default: the gateway's
     vllm_args: Mapping[str, Any] = field(default_factory=dict)  # further vLLM engine args (AsyncEngineArgs fields)
+    # engine: sim: the simulated GPU deployment (workers/engines/sim_model.py, docs/sim.md), as given;
+    # validated at load so a bad field is refused with its name.
+    sim: Mapping[str, Any] = field(default_factory=dict)
     max_slots: int = 16  # sequences one worker batches together
     max_queue: int = 64  # waiting sequences per worker before 429
     max_k: int = 8  # deepest speculation a worker supports
@@ -178,9 +181,10 @@ def parse_config(raw: Any, base: Path, source: Path | None = None) -> GatewayCon
     socket_dir = _path(w, "workers", "socket_dir", None, base, nullable=True)
     workers = WorkersConfig(
         count=_get(w, "workers", "count", int, wd.count, minimum=0),
-        engine=_get(w, "workers", "engine", str, wd.engine, choices=("embedded", "vllm")),
+        engine=_get(w, "workers", "engine", str, wd.engine, choices=("embedded", "vllm", "sim")),
         python=_path(w, "workers", "python", None, base, nullable=True),
         vllm_args=_vllm_args(w.get("vllm_args")),
+        sim=_sim(w.get("sim")),
         max_slots=_get(w, "workers", "max_slots", int, wd.max_slots, minimum=1),
         max_queue=_get(w, "workers", "max_queue", int, wd.max_queue, minimum=1),
         max_k=_get(w, "workers", "max_k", int, wd.max_k, minimum=0),
@@ -213,6 +217,19 @@ def _vllm_args(raw: Any) -> Mapping[str, Any]:
     for key in ("model", "speculative_config", "max_num_seqs", "scheduler_cls", "per_request_spec_decode_metrics"):
         if key in raw:
             raise ConfigError(f"workers.vllm_args.{key}", raw[key], "is set by specgate from model.* and workers.*")
+    return dict(raw)
+
+
+def _sim(raw: Any) -> Mapping[str, Any]:
+    # Imported here: the gateway needs the sim model only to validate this section.
+    from workers.engines.sim_model import SimConfig, SimConfigError
+
+    if raw is None:
+        return {}
+    try:
+        SimConfig.from_mapping(raw)
+    except SimConfigError as exc:
+        raise ConfigError(f"workers.sim.{exc.field}", exc.value, exc.problem) from None
     return dict(raw)
 
 

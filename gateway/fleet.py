@@ -178,6 +178,8 @@ class Fleet:
             command += ["--draft", str(cfg.model.draft)]
         if wc.engine == "vllm" and wc.vllm_args:
             command += ["--vllm-args", json.dumps(dict(wc.vllm_args))]
+        if wc.engine == "sim" and wc.sim:
+            command += ["--sim-config", json.dumps(dict(wc.sim))]
         return command
 
     async def _supervise(self, handle: WorkerHandle) -> None:

@@ -12,7 +12,7 @@ import aiohttp
 from aiohttp import web
 
 from gateway.fleet import WorkerHandle
-from gateway.proxy import StreamTally, WorkerUnreachable, iter_chunks, open_stream, worker_body
+from gateway.proxy import StreamTally, WorkerUnreachable, iter_chunk_batches, iter_chunks, open_stream, worker_body
 from gateway.routing import Candidate, choose_worker
 from gateway.sessions import ModeChange, Session
 from gateway.state import GatewayState
@@ -157,7 +157,8 @@ async def _admit(state: GatewayState, session: Session,
             raise Unavailable("no worker is ready", retry_after_s=1.0)
         handle, decision = routed
         worker_id = session.worker_id = handle.worker_id
-        body = worker_body(req, Directive(decision.k, policy.max_batch, policy.batch_resume), handle.protocol)
+        body = worker_body(req, Directive(decision.k, policy.max_batch, policy.batch_resume, policy.max_step_drafts),
+                           handle.protocol)
         handle.in_flight += 1
         try:
             response = await open_stream(handle, _PATHS[req.kind], body, state.config.server.worker_timeout_s)
@@ -177,6 +178,8 @@ async def _admit(state: GatewayState, session: Session,
 
 def _account(state: GatewayState, admission: Admission, tally: StreamTally, chunk: dict[str, Any],
              kind: RequestKind, started: float) -> None:
+    # The streaming relay forwards chunks without usage as the worker sent them: only the usage
+    # chunk may be changed here.
     now = time.monotonic()
     report = StepReport.from_json(chunk.get(DIRECTIVE_FIELD))
     if admission.handle.protocol == "vllm" and chunk.get("usage"):
@@ -252,6 +255,7 @@ async def relay(request: web.Request, kind: RequestKind, state: GatewayState) ->
                WORKER_HEADER: admission.handle.worker_id}
     tally = StreamTally()
     chunks = iter_chunks(response)
+    batches = iter_chunk_batches(response)  # streaming reads a network read at a time (the hot loop)
     try:
         if not req.stream:
             async for chunk in chunks:
@@ -263,12 +267,19 @@ async def relay(request: web.Request, kind: RequestKind, state: GatewayState) ->
             return web.json_response(assemble(kind, tally.collected), headers=headers)
         out = await start_sse(request, headers)
         try:
-            async for chunk in chunks:
-                _account(state, admission, tally, chunk, kind, started)
-                if chunk.get("usage") is not None and not req.include_usage:
-                    continue
-                if _worth_sending(kind, chunk):
-                    await _send(out, sse_event(chunk))
+            async for batch in batches:
+                # Hot loop: one client write per worker read, and chunks relayed as the worker
+                # wrote them unless accounting changed them (the usage chunk).
+                pending: list[bytes] = []
+                for chunk, raw in batch:
+                    _account(state, admission, tally, chunk, kind, started)
+                    if chunk.get("usage") is not None:  # the one chunk _account rewrites
+                        if req.include_usage:
+                            pending.append(sse_event(chunk))
+                    elif _worth_sending(kind, chunk):
+                        pending.append(b"data: " + raw + b"\n\n")
+                if pending:
+                    await _send(out, b"".join(pending))
             await _send(out, sse_event("[DONE]"))
         except ClientDisconnected:
             raise
@@ -277,5 +288,8 @@ async def relay(request: web.Request, kind: RequestKind, state: GatewayState) ->
             await _send(out, sse_event(error.body()))
         return out
     finally:
-        await chunks.aclose()  # closes the worker stream; a worker aborts sequences whose reader left
+        # Closes the worker stream (only one of the two was started; closing the other is a no-op);
+        # a worker aborts sequences whose reader left.
+        await chunks.aclose()
+        await batches.aclose()
         admission.handle.in_flight -= 1

@@ -56,6 +56,14 @@ class PolicyConfig:
     max_temperature: float = 0.8  # plain for requests sampled hotter than this
     probe_every: int = 8  # a low-acceptance session is re-probed with speculation every N requests
     num_speculative_tokens: int = 6  # K, drafts proposed per step (the best K bench.engine measured)
+    # At or below this batch depth a GPU step is memory-bound and drafting costs little, so even a
+    # hot or low-acceptance session gains from speculating: the temperature and acceptance rules
+    # wait until the batch is deeper (bench.policy, docs/sim.md). 0: those rules apply at any depth.
+    free_batch: int = 0
+    # Drafts per engine step across the batch: beyond it each sequence drafts
+    # max(1, round(max_step_drafts / batch depth)) instead of K, because once the target's
+    # verification is compute-bound every draft verified costs time. 0: no limit.
+    max_step_drafts: int = 0
 
     def __post_init__(self) -> None:
         def require(ok: bool, name: str, problem: str) -> None:
@@ -75,6 +83,8 @@ class PolicyConfig:
         require(self.max_temperature >= 0 and math.isfinite(self.max_temperature), "max_temperature", "must be >= 0")
         require(self.probe_every >= 1, "probe_every", "must be >= 1")
         require(1 <= self.num_speculative_tokens <= 16, "num_speculative_tokens", "must be in 1..16")
+        require(self.free_batch >= 0, "free_batch", "must be >= 0")
+        require(self.max_step_drafts >= 0, "max_step_drafts", "must be >= 0")
 
     @classmethod
     def from_mapping(cls, raw: Mapping[str, Any] | None) -> PolicyConfig:

@@ -16,6 +16,11 @@ Rules, in the order ``decide`` applies them (thresholds named as in config.yaml)
    climbed back above ``acceptance_resume``. Every ``probe_every``-th request of such a session
    speculates anyway (``probe``) so that new evidence can bring it back.
 5. ``default``: speculate with K = ``num_speculative_tokens`` (capped by the worker's max K).
+
+``free_batch`` (off at 0) exempts shallow batches from rules 2 and 4: at or below that depth a
+GPU step is memory-bound and drafting cheap, so a hot or low-acceptance session still gains
+(reason ``free_batch`` when a rule was waived). Per step, inside the worker, ``step_depth``
+applies the batch latch and shrinks K once the batch drafts more than ``max_step_drafts``.
 """
 
 from __future__ import annotations
@@ -28,9 +33,9 @@ from policies.config import PolicyConfig
 
 Mode = Literal["speculative", "plain"]
 Reason = Literal["default", "probe", "worker_plain_only", "worker_speculative_only", "high_temperature",
-                 "batch_full", "low_acceptance"]
+                 "batch_full", "low_acceptance", "free_batch"]
 REASONS: tuple[Reason, ...] = ("default", "probe", "worker_plain_only", "worker_speculative_only",
-                               "high_temperature", "batch_full", "low_acceptance")
+                               "high_temperature", "batch_full", "low_acceptance", "free_batch")
 # Decisions forced by what a fixed-mode worker serves, not by the rules.
 FIXED_MODE_REASONS: frozenset[Reason] = frozenset({"worker_plain_only", "worker_speculative_only"})
 
@@ -84,11 +89,16 @@ def decide(session: SessionState, worker: WorkerState, request: RequestFacts, po
 def _rules(session: SessionState, worker: WorkerState, request: RequestFacts, policy: PolicyConfig) -> Decision:
     if worker.max_k <= 0 or not worker.serves_speculative:
         return Decision("plain", 0, "worker_plain_only")
+    k = min(policy.num_speculative_tokens, worker.max_k)
+    shallow = policy.free_batch > 0 and worker.batch_depth <= policy.free_batch and not worker.batch_full
     if request.temperature > policy.max_temperature:
+        if shallow:
+            return Decision("speculative", k, "free_batch")
         return Decision("plain", 0, "high_temperature")
     if worker.batch_full:
         return Decision("plain", 0, "batch_full")
-    k = min(policy.num_speculative_tokens, worker.max_k)
+    if session.low_acceptance and shallow:
+        return Decision("speculative", k, "free_batch")
     if session.low_acceptance:
         if session.plain_since_probe + 1 >= policy.probe_every:
             return Decision("speculative", k, "probe")
@@ -187,11 +197,17 @@ class StepDepth:
     batch_full: bool  # the worker's latch after this step's depth
 
 
-def step_depth(requested_k: int, batch_depth: int, latched: bool, max_batch: int, batch_resume: int) -> StepDepth:
-    """Plain for this step while the worker's latch is set; otherwise the requested K.
+def step_depth(requested_k: int, batch_depth: int, latched: bool, max_batch: int, batch_resume: int,
+               max_step_drafts: int = 0) -> StepDepth:
+    """Plain for this step while the worker's latch is set; otherwise the requested K, shrunk to
+    max(1, round(max_step_drafts / batch_depth)) when ``max_step_drafts`` is set (0: no limit).
 
-    Takes the two thresholds rather than a PolicyConfig because a worker receives them with
-    each request (the gateway's live policy), not from a file.
+    Takes the thresholds rather than a PolicyConfig because a worker receives them with each
+    request (the gateway's live policy), not from a file.
     """
     latched = _depth_latch(latched, batch_depth, max_batch, batch_resume)
-    return StepDepth(0 if latched else requested_k, latched)
+    if latched:
+        return StepDepth(0, True)
+    if max_step_drafts > 0 and requested_k > 0 and batch_depth > 0:
+        requested_k = min(requested_k, max(1, round(max_step_drafts / batch_depth)))
+    return StepDepth(requested_k, False)

@@ -96,7 +96,9 @@ def write_config(path: Path, **sections: dict[str, Any]) -> Path:
         "model": {"name": "specgate-demo", "target": str(MODELS / "demo-target"),
                   "draft": str(MODELS / "demo-draft")},
         "workers": {"count": 1, "max_slots": 16, "poll_interval_s": 0.2, "restart_backoff_s": 0.2},
-        "policy": {},
+        # The GPU-oriented shallow-batch waiver and per-step draft limit off: these tests exercise
+        # each rule on its own on CPU workers (tests/test_sim.py and test_policy.py cover those two).
+        "policy": {"free_batch": 0, "max_step_drafts": 0},
     }
     for name, values in sections.items():
         config.setdefault(name, {}).update(values)

@@ -18,8 +18,15 @@ from policies import (
     record_decision,
 )
 
-# floor 0.60, resume 0.70, min_proposals 32, half-life 64, batch 64/56, T 0.8, probe 8; K 4 (explicit)
-POLICY = PolicyConfig(num_speculative_tokens=4)
+# floor 0.60, resume 0.70, min_proposals 32, half-life 64, batch 64/56, T 0.8, probe 8; K 4 (explicit);
+# the shallow-batch waiver and the per-step draft limit off, so each rule is tested on its own
+# (tests/test_policy.py tests those two).
+POLICY = PolicyConfig(num_speculative_tokens=4, free_batch=0, max_step_drafts=0)
+
+
+def rules_only(**fields: float) -> PolicyConfig:
+    """A policy with the given fields, and the shallow-batch waiver and the draft limit off."""
+    return PolicyConfig(**{"free_batch": 0, "max_step_drafts": 0, **fields})  # type: ignore[arg-type]
 FRESH = SessionState()
 LATCHED = SessionState(acceptance_ewma=0.2, proposals_seen=100, low_acceptance=True)
 IDLE = WorkerState(batch_depth=0, batch_full=False, max_k=8)

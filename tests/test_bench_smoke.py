@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from pathlib import Path
+from typing import Any
 
 from tests.harness import REPO
 from workers.model import bf16_prepacking_available
@@ -30,3 +32,33 @@ def test_bench_engine_quick_json() -> None:
         # Exactness on the real models (deterministic, not a timing): at T=0 every K reproduced
         # plain decoding token for token on every prompt. (float32 promises closeness only.)
         assert result["greedy_identical_runs"] == result["greedy_compared_runs"]
+
+
+def _json_run(*args: str, timeout: int = 240) -> tuple[dict[str, Any], str]:
+    run = subprocess.run([sys.executable, *args], cwd=REPO, capture_output=True, text=True, timeout=timeout,
+                         check=True)
+    result: dict[str, Any] = json.loads(run.stdout.strip().splitlines()[-1])
+    return result, run.stdout
+
+
+def test_bench_policy_quick_json(tmp_path: Path) -> None:
+    result, stdout = _json_run("-m", "bench.policy", "--quick", "--json", "--out", str(tmp_path))
+    policies = {"always", "never", "vllm_rule", "bare_thresholds", "specgate"}
+    assert policies <= set(result["goodput"])
+    for rows in result["goodput"].values():
+        assert set(rows) == {"light", "steady", "burst", "recovery", "overall"}
+        assert all(value > 0 for value in rows.values())
+    assert result["winner_overall"] in result["goodput"]
+    assert result["goodput"]["never"]["overall"] > 0 and result["detail"]["never"]["overall"]["spec_share"] == 0
+    assert (tmp_path / "policy_goodput.png").stat().st_size > 0
+    assert "goodput (output tokens/s" in stdout
+
+
+def test_bench_overhead_quick_json() -> None:
+    result, stdout = _json_run("-m", "bench.overhead", "--quick", "--json")
+    for key in ("added_p50_ms", "added_p99_ms", "rps_ratio_c32", "stream256_ratio_vs_vllm_router"):
+        assert key in result
+    assert result["rps_ratio_c32"] > 0
+    assert set(result["gateway_cpu_us_per_chunk"]) == {"instant", "paced"}
+    assert (result["stream256_ratio_vs_vllm_router"] is None) == (result["vllm_router"] is None)
+    assert "added latency through specgate" in stdout

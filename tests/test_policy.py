@@ -29,7 +29,7 @@ from policies import (
 from policies import (
     tested_drafts as drafts_tested,  # aliased: pytest would collect a name starting with 'test'
 )
-from tests.policy_data import COOL, FRESH, IDLE, LATCHED, POLICY, above, below, fold, serve
+from tests.policy_data import COOL, FRESH, IDLE, LATCHED, POLICY, above, below, fold, rules_only, serve
 
 # --------------------------------------------------------------------------------------------
 # Decision.header
@@ -49,7 +49,7 @@ def test_header(decision: Decision, header: str) -> None:
 
 def test_reasons_lists_every_rule() -> None:
     assert set(REASONS) == {"default", "probe", "worker_plain_only", "worker_speculative_only", "high_temperature",
-                            "batch_full", "low_acceptance"}
+                            "batch_full", "low_acceptance", "free_batch"}
 
 
 SPEC_ONLY = WorkerState(0, False, max_k=5, serves_plain=False)
@@ -107,7 +107,7 @@ def test_high_temperature(temperature: float, expected: Decision) -> None:
     (1.5, above(1.5), "high_temperature"),
 ])
 def test_high_temperature_follows_the_policy(max_temperature: float, temperature: float, reason: str) -> None:
-    policy = PolicyConfig(max_temperature=max_temperature)
+    policy = rules_only(max_temperature=max_temperature)
     assert decide(FRESH, IDLE, RequestFacts(temperature), policy).reason == reason
 
 
@@ -153,7 +153,7 @@ def test_probe_every_one_probes_every_request(plain_since_probe: int) -> None:
     (16, 16, 16),
 ])
 def test_default_k_is_capped_by_the_worker(num_speculative_tokens: int, max_k: int, k: int) -> None:
-    policy = PolicyConfig(num_speculative_tokens=num_speculative_tokens)
+    policy = rules_only(num_speculative_tokens=num_speculative_tokens)
     worker = WorkerState(0, False, max_k=max_k)
     assert decide(FRESH, worker, COOL, policy) == Decision("speculative", k, "default")
     probing = replace(LATCHED, plain_since_probe=policy.probe_every - 1)
@@ -259,7 +259,7 @@ def test_acceptance_latch(latched: bool, ewma: float, seen: int, after: bool) ->
 
 @pytest.mark.parametrize("min_proposals", [0, 1, 8])
 def test_acceptance_latch_trips_on_the_observation_that_reaches_min_proposals(min_proposals: int) -> None:
-    policy = PolicyConfig(min_proposals=min_proposals)
+    policy = rules_only(min_proposals=min_proposals)
     # Each (1, 0) step tests exactly one draft and rejects it: the estimate stays at 0.
     session = FRESH
     for seen in range(1, min_proposals + 3):
@@ -271,7 +271,7 @@ def test_acceptance_latch_trips_on_the_observation_that_reaches_min_proposals(mi
 
 # A half-life of 4 tested drafts makes a 4-draft step move the estimate exactly halfway, so the
 # estimate lands exactly on chosen thresholds (all values below are dyadic: no rounding).
-EDGE = PolicyConfig(acceptance_floor=0.5, acceptance_resume=0.75, min_proposals=0, acceptance_half_life=4)
+EDGE = rules_only(acceptance_floor=0.5, acceptance_resume=0.75, min_proposals=0, acceptance_half_life=4)
 
 
 @pytest.mark.parametrize(("before", "step", "ewma", "latched"), [
@@ -344,7 +344,7 @@ def test_step_depth(latched: bool, depth: int, after: bool, requested_k: int) ->
     (True, 9, False),
 ])
 def test_batch_latch_with_resume_equal_to_max(latched: bool, depth: int, after: bool) -> None:
-    policy = PolicyConfig(max_batch=10, batch_resume=10)
+    policy = rules_only(max_batch=10, batch_resume=10)
     assert batch_latch(latched, depth, policy) is after
     assert step_depth(4, depth, latched, 10, 10) == StepDepth(0 if after else 4, after)
 
@@ -415,7 +415,7 @@ def test_accepted_is_clamped_to_proposed(accepted: int, same_as: int) -> None:
     (1.0, 0.0, (3, 0), 0.0),  # one tested, rejected: halfway from 0 to 0
 ])
 def test_half_life(half_life: float, before: float, step: tuple[int, int], after: float) -> None:
-    policy = PolicyConfig(acceptance_half_life=half_life, min_proposals=10_000)
+    policy = rules_only(acceptance_half_life=half_life, min_proposals=10_000)
     session = SessionState(before, 500, False)
     assert drafts_tested(*step) == half_life
     assert observe(session, *step, policy).acceptance_ewma == after
@@ -423,7 +423,7 @@ def test_half_life(half_life: float, before: float, step: tuple[int, int], after
 
 def test_weight_is_measured_in_tested_drafts() -> None:
     """Two steps of h/2 tested drafts at the same rate weigh as much as one step of h."""
-    policy = PolicyConfig(acceptance_half_life=8, min_proposals=10_000)
+    policy = rules_only(acceptance_half_life=8, min_proposals=10_000)
     start = SessionState(0.0, 100, False)
     one = observe(start, 8, 8, policy)
     two = fold(start, [(4, 4), (4, 4)], policy)
@@ -436,7 +436,7 @@ def test_weight_is_measured_in_tested_drafts() -> None:
 
 def test_evidence_accumulates_tested_drafts() -> None:
     steps = [(4, 0), (4, 2), (4, 4), (8, 5), (1, 1), (0, 0), (4, 9)]
-    session = fold(FRESH, steps, PolicyConfig(min_proposals=10_000))
+    session = fold(FRESH, steps, rules_only(min_proposals=10_000))
     assert session.proposals_seen == 1 + 3 + 4 + 6 + 1 + 0 + 4
 
 

@@ -23,7 +23,7 @@ from policies import (
     step_depth,
 )
 from policies import tested_drafts as drafts_tested  # aliased: pytest would collect a name starting with 'test'
-from tests.policy_data import PROPERTY, above, serve, transitions
+from tests.policy_data import PROPERTY, above, rules_only, serve, transitions
 
 # --------------------------------------------------------------------------------------------
 # Properties
@@ -34,7 +34,7 @@ def policies(draw: st.DrawFn) -> PolicyConfig:
     floor = draw(st.floats(0.0, 1.0))
     resume = draw(st.floats(floor, 1.0))
     max_batch = draw(st.integers(1, 200))
-    return PolicyConfig(
+    return rules_only(
         acceptance_floor=floor,
         acceptance_resume=resume,
         min_proposals=draw(st.integers(0, 200)),
@@ -97,7 +97,7 @@ def banded_depths(draw: st.DrawFn) -> tuple[PolicyConfig, list[int]]:
     max_batch = draw(st.integers(1, 200))
     batch_resume = draw(st.integers(1, max_batch))
     depths = draw(st.lists(st.integers(batch_resume, max_batch), max_size=100))
-    return PolicyConfig(max_batch=max_batch, batch_resume=batch_resume), depths
+    return rules_only(max_batch=max_batch, batch_resume=batch_resume), depths
 
 
 @PROPERTY

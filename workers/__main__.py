@@ -2,7 +2,8 @@
 
 ``--engine`` picks what runs the models: ``embedded`` (PyTorch, this repo), ``vllm`` (vLLM's
 AsyncLLM with specgate's per-request scheduler plugin; run this with the vLLM environment's
-interpreter). The HTTP server, protocol and metrics are the same for every engine.
+interpreter), ``sim`` (a simulated GPU deployment, ``--sim-config``; no torch). The HTTP server,
+protocol and metrics are the same for every engine.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from workers.web_runner import run_app
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m workers", description=__doc__)
     parser.add_argument("--worker-id", default=f"worker-{os.getpid()}")
-    parser.add_argument("--engine", choices=["embedded", "vllm"], default="embedded")
+    parser.add_argument("--engine", choices=["embedded", "vllm", "sim"], default="embedded")
     parser.add_argument("--target", type=Path, required=True, help="target model directory (Hugging Face format)")
     parser.add_argument("--draft", type=Path, default=None, help="draft model directory; omit for plain only")
     parser.add_argument("--served-model-name", default="specgate-demo")
@@ -42,6 +43,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--max-model-len", type=int, default=None, help="vllm: context window (default: the model's)")
     parser.add_argument("--vllm-args", type=json.loads, default={},
                         help="vllm: further AsyncEngineArgs as a JSON object, e.g. '{\"enforce_eager\": true}'")
+    parser.add_argument("--sim-config", type=json.loads, default={},
+                        help="sim: the simulated deployment as a JSON object (config.yaml's workers.sim; docs/sim.md)")
     parser.add_argument("--max-body-bytes", type=int, default=1 << 20)
     where = parser.add_mutually_exclusive_group(required=True)
     where.add_argument("--uds", type=Path, help="listen on this Unix domain socket")
@@ -58,6 +61,12 @@ def build_engine(args: argparse.Namespace) -> Engine:
         return VllmEngine(VllmSettings(target=args.target, draft=args.draft, max_slots=args.max_slots,
                                        max_k=args.max_k, dtype=args.dtype, max_model_len=args.max_model_len,
                                        threads=args.threads, engine_args=args.vllm_args))
+    if args.engine == "sim":  # imports no torch: the sim runs no model
+        from workers.engines.sim import SimEngine, SimSettings
+        from workers.engines.sim_model import SimConfig
+
+        return SimEngine(SimSettings(tokenizer_dir=args.target, max_slots=args.max_slots, max_k=args.max_k,
+                                     config=SimConfig.from_mapping(args.sim_config)))
     import torch
 
     from workers.engines.embedded import EmbeddedEngine, EmbeddedSettings

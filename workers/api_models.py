@@ -95,6 +95,7 @@ class Directive(_Strict):
     k: Annotated[int, Field(ge=0, le=64)] = 0
     max_batch: Annotated[int, Field(ge=1, le=1 << 20)] = 1 << 20
     batch_resume: Annotated[int, Field(ge=1, le=1 << 20)] = 1 << 20
+    max_step_drafts: Annotated[int, Field(ge=0, le=1 << 20)] = 0  # 0: no limit
 
 
 class _RequestBody(_Strict):

@@ -116,7 +116,8 @@ class EngineInfo:
     context_window: int  # prompt + output tokens a request may use
     vocab_size: int
     eos_token_ids: frozenset[int]
-    details: Mapping[str, Any] = field(default_factory=dict)  # engine-specific (precision, vLLM version, ...)
+    # Engine-specific (precision, vLLM version, the sim's model and its live step lateness, ...).
+    details: Mapping[str, Any] = field(default_factory=dict)
 
 
 class Engine(Protocol):
@@ -149,8 +150,9 @@ class Engine(Protocol):
 
     async def stop(self) -> None: ...
 
-    def set_batch_thresholds(self, max_batch: int, batch_resume: int) -> None:
-        """The policy's batch rule (from the latest gateway directive) for the per-step latch."""
+    def set_batch_thresholds(self, max_batch: int, batch_resume: int, max_step_drafts: int = 0) -> None:
+        """The policy's batch rule (from the latest gateway directive) for the per-step latch, and
+        its per-step draft limit (0: none; see ``policies.speculation.step_depth``)."""
 
     def generate(self, request: GenerationRequest) -> AsyncGenerator[StepEvent, None]:
         """Per-step events until one carries a finish reason; closing the stream aborts it.

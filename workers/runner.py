@@ -50,6 +50,7 @@ class EngineRunner:
         self._max_batch = 1 << 20
         self._batch_resume = 1 << 20
         self._batch_full = False
+        self._max_step_drafts = 0
         engine.step_depth_rule = self._step_depth
 
     @property
@@ -71,8 +72,8 @@ class EngineRunner:
         self._commands.put(None)
         self._thread.join(timeout=10)
 
-    def set_batch_thresholds(self, max_batch: int, batch_resume: int) -> None:
-        self._max_batch, self._batch_resume = max_batch, batch_resume
+    def set_batch_thresholds(self, max_batch: int, batch_resume: int, max_step_drafts: int = 0) -> None:
+        self._max_batch, self._batch_resume, self._max_step_drafts = max_batch, batch_resume, max_step_drafts
 
     def submit(self, request: GenerationRequest, sink: EventSink) -> None:
         """Called on the event loop; events arrive at ``sink`` on the event loop."""
@@ -83,7 +84,8 @@ class EngineRunner:
         self._commands.put(_Abort(request_id))
 
     def _step_depth(self, requested_k: int, batch_depth: int) -> int:
-        decision = step_depth(requested_k, batch_depth, self._batch_full, self._max_batch, self._batch_resume)
+        decision = step_depth(requested_k, batch_depth, self._batch_full, self._max_batch, self._batch_resume,
+                              self._max_step_drafts)
         self._batch_full = decision.batch_full
         return decision.k
 

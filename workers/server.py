@@ -170,7 +170,8 @@ async def _serve(request: web.Request, kind: RequestKind) -> web.StreamResponse:
         raise Overloaded("worker queue is full", retry_after_s=1.0)
     k = req.directive.k if req.directive is not None else ctx.settings.default_k
     if req.directive is not None:
-        ctx.engine.set_batch_thresholds(req.directive.max_batch, req.directive.batch_resume)
+        ctx.engine.set_batch_thresholds(req.directive.max_batch, req.directive.batch_resume,
+                                        req.directive.max_step_drafts)
     generation = GenerationRequest(
         request_id=("chatcmpl-" if kind == "chat" else "cmpl-") + secrets.token_hex(12), prompt_ids=prompt_ids,
         max_tokens=max_tokens, k=k,

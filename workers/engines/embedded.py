@@ -103,8 +103,8 @@ class EmbeddedEngine:
         if self._runner is not None:
             self._runner.stop()
 
-    def set_batch_thresholds(self, max_batch: int, batch_resume: int) -> None:
-        self.runner.set_batch_thresholds(max_batch, batch_resume)
+    def set_batch_thresholds(self, max_batch: int, batch_resume: int, max_step_drafts: int = 0) -> None:
+        self.runner.set_batch_thresholds(max_batch, batch_resume, max_step_drafts)
 
     async def generate(self, request: GenerationRequest) -> AsyncGenerator[StepEvent, None]:
         events: asyncio.Queue[StepEvent | BaseException] = asyncio.Queue()

@@ -203,7 +203,9 @@ class VllmEngine:
         if self._llm is not None:
             self._llm.shutdown()
 
-    def set_batch_thresholds(self, max_batch: int, batch_resume: int) -> None:
+    def set_batch_thresholds(self, max_batch: int, batch_resume: int, max_step_drafts: int = 0) -> None:
+        # The scheduler plugin applies the batch latch only; it does not implement the per-step
+        # draft limit (max_step_drafts) yet, so vLLM workers draft the requested K at any depth.
         self._max_batch, self._batch_resume = max_batch, batch_resume
 
     async def generate(self, request: GenerationRequest) -> AsyncGenerator[StepEvent, None]:

@@ -1,0 +1,244 @@
+"""What the gateway costs: the same closed-loop load straight to an upstream, through specgate,
+and through vllm-router (when installed), in one run.
+
+    python -m bench.overhead [--quick] [--json] [--vllm-router PATH]
+
+Upstreams are sim workers (``python -m workers --engine sim``, an OpenAI-compatible server):
+``instant`` answers at once (time scale 0), ``paced`` emits one chunk per modelled GPU step
+(a 70B plain step, ~30 ms). Every request samples at T=1.0 and the gateway's policy is set so
+it decides plain, so all paths ask the upstream for the same work. Loads: sequential
+non-streaming requests (latency), 32 concurrent non-streaming, 32 concurrent streaming
+4-token and 256-token completions. Reported: added p50/p99 latency, requests/s and chunks/s
+ratios, and each proxy's CPU µs per relayed chunk (/proc utime + stime). vllm-router is found
+on PATH or given with --vllm-router; it runs as
+``vllm-router --host 127.0.0.1 --port P --worker-urls http://127.0.0.1:U --policy consistent_hash``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+
+from bench import procs
+
+# Plain decoding everywhere: the gateway's rules send T=1.0 plain (no shallow-batch waiver).
+GATEWAY_POLICY = {"max_temperature": 0.0, "free_batch": 0}
+
+
+@dataclass
+class LoadResult:
+    latencies: list[float]
+    requests: int
+    chunks: int
+    seconds: float
+    cpu_s: float  # the proxy's CPU time during the load (0 for the direct path)
+
+    @property
+    def rps(self) -> float:
+        return self.requests / self.seconds
+
+    @property
+    def chunks_per_s(self) -> float:
+        return self.chunks / self.seconds
+
+    def pct(self, q: float) -> float:
+        ordered = sorted(self.latencies)
+        return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+async def _one(http: aiohttp.ClientSession, url: str, max_tokens: int, stream: bool) -> int:
+    body = {"model": "specgate-demo", "prompt": "[chat] hello there", "max_tokens": max_tokens, "temperature": 1.0,
+            "stream": stream}
+    async with http.post(url + "/v1/completions", json=body) as response:
+        if response.status != 200:
+            raise RuntimeError(f"{url}: HTTP {response.status}: {await response.text()}")
+        if not stream:
+            await response.read()
+            return 1
+        # Count events in whatever blocks arrive: per-line iteration would cost the load generator
+        # more CPU than the proxies it measures, on a machine whose cores they share.
+        # A carry of 6 bytes catches a marker split across blocks and cannot hold a whole one.
+        chunks, carry = 0, b""
+        async for block in response.content.iter_any():
+            data = carry + block
+            chunks += data.count(b"data: {")
+            carry = data[-6:]
+        return chunks
+
+
+async def _load(url: str, concurrency: int, max_tokens: int, stream: bool, seconds: float, pid: int | None,
+                sequential_n: int = 0) -> LoadResult:
+    connector = aiohttp.TCPConnector(limit=0)
+    async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=120)) as http:
+        for _ in range(3):  # warm connections and code paths
+            await _one(http, url, max_tokens, stream)
+        latencies: list[float] = []
+        counts = [0, 0]
+        cpu0 = procs.cpu_seconds(pid) if pid else 0.0
+        started = time.perf_counter()
+        deadline = started + seconds
+
+        async def client() -> None:
+            while time.perf_counter() < deadline and (not sequential_n or counts[0] < sequential_n):
+                t0 = time.perf_counter()
+                chunks = await _one(http, url, max_tokens, stream)
+                latencies.append(time.perf_counter() - t0)
+                counts[0] += 1
+                counts[1] += chunks
+
+        await asyncio.gather(*(client() for _ in range(concurrency)))
+        elapsed = time.perf_counter() - started
+        cpu = (procs.cpu_seconds(pid) - cpu0) if pid else 0.0
+    return LoadResult(latencies, counts[0], counts[1], elapsed, cpu)
+
+
+def find_vllm_router(explicit: str | None) -> str | None:
+    if explicit:
+        return explicit
+    return shutil.which("vllm-router") or (str(Path("/tmp/vr-venv/bin/vllm-router"))
+                                          if Path("/tmp/vr-venv/bin/vllm-router").exists() else None)
+
+
+def start_vllm_router(binary: str, upstream_port: int, log_dir: Path) -> tuple[subprocess.Popen[bytes], int]:
+    port = procs.free_port()
+    with (log_dir / f"vllm-router-{port}.log").open("wb") as log:
+        process = subprocess.Popen([binary, "--host", "127.0.0.1", "--port", str(port), "--worker-urls",
+                                    f"http://127.0.0.1:{upstream_port}", "--policy", "consistent_hash"],
+                                   stdout=log, stderr=subprocess.STDOUT)
+    procs.wait_ok(process, f"http://127.0.0.1:{port}/health", timeout_s=60)
+    return process, port
+
+
+def _proxy_pid(process: subprocess.Popen[bytes]) -> int:
+    """The process doing the relaying: vllm-router's Python entry point may exec or spawn its
+    Rust server; take the deepest child if there is one."""
+    pid = process.pid
+    while True:
+        children = Path(f"/proc/{pid}/task/{pid}/children")
+        kids = children.read_text().split() if children.exists() else []
+        if not kids:
+            return pid
+        pid = int(kids[0])
+
+
+LOADS = [  # (name, concurrency, max_tokens, stream)
+    ("sequential", 1, 4, False),
+    ("c32", 32, 4, False),
+    ("c32_stream4", 32, 4, True),
+    ("c32_stream256", 32, 256, True),
+]
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    seconds = 1.5 if args.quick else 10.0
+    log_dir = Path(tempfile.mkdtemp(prefix="bench-overhead-"))
+    router_bin = find_vllm_router(args.vllm_router)
+    results: dict[str, dict[str, dict[str, LoadResult]]] = {}
+    for upstream_kind, scale in (("instant", 0.0), ("paced", 1.0)):
+        upstream, up_port = procs.start_sim_worker(log_dir, {"time_scale": scale}, default_k=0)
+        started: list[subprocess.Popen[bytes]] = [upstream]
+        try:
+            gateway, gw_port = procs.start_gateway(log_dir, [up_port], GATEWAY_POLICY)
+            started.append(gateway)
+            time.sleep(0.5)
+            paths: dict[str, tuple[str, int | None]] = {
+                "direct": (f"http://127.0.0.1:{up_port}", None),
+                "specgate": (f"http://127.0.0.1:{gw_port}", gateway.pid)}
+            if router_bin:
+                router, r_port = start_vllm_router(router_bin, up_port, log_dir)
+                started.append(router)
+                paths["vllm_router"] = (f"http://127.0.0.1:{r_port}", _proxy_pid(router))
+            loads = LOADS if upstream_kind == "instant" else [LOADS[-1]]
+            for name, concurrency, max_tokens, stream in loads:
+                for path, (url, pid) in paths.items():
+                    n = 200 if args.quick else 1000
+                    result = asyncio.run(_load(url, concurrency, max_tokens, stream,
+                                               seconds * (2 if upstream_kind == "paced" else 1), pid,
+                                               sequential_n=n if name == "sequential" else 0))
+                    results.setdefault(upstream_kind, {}).setdefault(name, {})[path] = result
+                    cpu = f", proxy CPU {1e6 * result.cpu_s / max(1, result.chunks):.0f} µs/chunk" if pid else ""
+                    print(f"  {upstream_kind:<8}{name:<15}{path:<12} {result.rps:8.1f} req/s "
+                          f"{result.chunks_per_s:9.1f} chunks/s  p50 {1000 * result.pct(0.5):7.2f} ms  "
+                          f"p99 {1000 * result.pct(0.99):7.2f} ms{cpu}", flush=True)
+        finally:
+            for process in reversed(started):
+                procs.stop(process)
+    return summarize(results, router_bin)
+
+
+def summarize(results: dict[str, dict[str, dict[str, LoadResult]]], router_bin: str | None) -> dict[str, Any]:
+    seq = results["instant"]["sequential"]
+    direct, gw = seq["direct"], seq["specgate"]
+    out: dict[str, Any] = {
+        "added_p50_ms": round(1000 * (gw.pct(0.5) - direct.pct(0.5)), 3),
+        "added_p99_ms": round(1000 * (gw.pct(0.99) - direct.pct(0.99)), 3),
+        "rps_ratio_c32": round(results["instant"]["c32"]["specgate"].rps / results["instant"]["c32"]["direct"].rps, 3),
+        "stream4_ratio_c32": round(results["instant"]["c32_stream4"]["specgate"].rps
+                                   / results["instant"]["c32_stream4"]["direct"].rps, 3),
+        "stream256_ratio_vs_direct": round(results["instant"]["c32_stream256"]["specgate"].chunks_per_s
+                                           / results["instant"]["c32_stream256"]["direct"].chunks_per_s, 3),
+        "stream256_ratio_vs_vllm_router": None, "vllm_router": router_bin,
+        "gateway_cpu_us_per_chunk": {}, "vllm_router_cpu_us_per_chunk": {},
+    }
+    if "vllm_router" in seq:
+        vr = seq["vllm_router"]
+        out["vllm_router_added_p50_ms"] = round(1000 * (vr.pct(0.5) - direct.pct(0.5)), 3)
+        out["vllm_router_added_p99_ms"] = round(1000 * (vr.pct(0.99) - direct.pct(0.99)), 3)
+        s256 = results["instant"]["c32_stream256"]
+        out["stream256_ratio_vs_vllm_router"] = round(s256["specgate"].chunks_per_s / s256["vllm_router"].chunks_per_s,
+                                                      3)
+        out["rps_ratio_c32_vs_vllm_router"] = round(results["instant"]["c32"]["specgate"].rps
+                                                    / results["instant"]["c32"]["vllm_router"].rps, 3)
+    for kind in ("instant", "paced"):
+        s256 = results[kind]["c32_stream256"]
+        out["gateway_cpu_us_per_chunk"][kind] = round(1e6 * s256["specgate"].cpu_s / max(1, s256["specgate"].chunks), 1)
+        if "vllm_router" in s256:
+            out["vllm_router_cpu_us_per_chunk"][kind] = round(
+                1e6 * s256["vllm_router"].cpu_s / max(1, s256["vllm_router"].chunks), 1)
+        out[f"{kind}_stream256_chunks_per_s"] = {p: round(r.chunks_per_s, 1) for p, r in s256.items()}
+    out["latency_ms"] = {p: {"p50": round(1000 * r.pct(0.5), 3), "p99": round(1000 * r.pct(0.99), 3),
+                             "mean": round(1000 * statistics.fmean(r.latencies), 3)} for p, r in seq.items()}
+    out["targets"] = {"added_p50_le_0.5ms": out["added_p50_ms"] <= 0.5,
+                      "stream256_ge_0.8x_vllm_router": None if out["stream256_ratio_vs_vllm_router"] is None
+                      else out["stream256_ratio_vs_vllm_router"] >= 0.8}
+    print(f"\nadded latency through specgate (sequential, instant upstream): p50 {out['added_p50_ms']} ms, "
+          f"p99 {out['added_p99_ms']} ms")
+    if "vllm_router_added_p50_ms" in out:
+        print(f"added latency through vllm-router: p50 {out['vllm_router_added_p50_ms']} ms, "
+              f"p99 {out['vllm_router_added_p99_ms']} ms")
+    print(f"c32 non-streaming req/s, specgate / direct: {out['rps_ratio_c32']}; streaming 4-token: "
+          f"{out['stream4_ratio_c32']}; streaming 256-token chunks/s: {out['stream256_ratio_vs_direct']}")
+    print(f"streaming 256-token chunks/s, specgate / vllm-router: {out['stream256_ratio_vs_vllm_router']}")
+    print(f"gateway CPU per relayed chunk (c32 stream256): {out['gateway_cpu_us_per_chunk']} µs; "
+          f"vllm-router: {out['vllm_router_cpu_us_per_chunk']} µs")
+    print(f"targets: {out['targets']}")
+    return out
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m bench.overhead", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--json", action="store_true", help="last line: one JSON object")
+    parser.add_argument("--quick", action="store_true", help="1.5 s per load instead of 10")
+    parser.add_argument("--vllm-router", default=None, help="path to the vllm-router executable")
+    args = parser.parse_args(argv)
+    result = run(args)
+    if args.json:
+        print(json.dumps(result))
+    sys.stdout.flush()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,105 @@
+"""Starting real gateway and worker processes on loopback for the benches (as tests/harness.py does)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+REPO = Path(__file__).resolve().parent.parent
+TOKENIZER_DIR = REPO / "models" / "demo-target"  # the sim emits ids from this vocabulary
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+def wait_ok(process: subprocess.Popen[bytes], url: str, timeout_s: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise RuntimeError(f"{url}: process exited with {process.returncode}")
+        try:
+            with urllib.request.urlopen(url, timeout=2) as response:
+                if response.status == 200:
+                    return
+        except (urllib.error.URLError, ConnectionError, TimeoutError):
+            pass
+        time.sleep(0.1)
+    raise RuntimeError(f"{url}: not ready within {timeout_s}s")
+
+
+def get_json(url: str) -> Any:
+    with urllib.request.urlopen(url, timeout=10) as response:
+        return json.loads(response.read())
+
+
+def _env() -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k != "PROMETHEUS_MULTIPROC_DIR"}
+    env["PYTHONPATH"] = str(REPO) + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    return env
+
+
+def start_sim_worker(log_dir: Path, sim: dict[str, Any], *, default_k: int = 0, max_slots: int = 256,
+                     max_queue: int = 1024) -> tuple[subprocess.Popen[bytes], int]:
+    """A sim worker on TCP (``python -m workers --engine sim``): an OpenAI-compatible upstream."""
+    port = free_port()
+    with (log_dir / f"sim-worker-{port}.log").open("wb") as log:
+        process = subprocess.Popen(
+            [sys.executable, "-m", "workers", "--engine", "sim", "--port", str(port), "--worker-id", f"sim-{port}",
+             "--target", str(TOKENIZER_DIR), "--draft", str(TOKENIZER_DIR), "--max-slots", str(max_slots),
+             "--max-queue", str(max_queue), "--default-k", str(default_k), "--sim-config", json.dumps(sim)],
+            cwd=REPO, stdout=log, stderr=subprocess.STDOUT, env=_env())
+    wait_ok(process, f"http://127.0.0.1:{port}/health")
+    return process, port
+
+
+def start_gateway(log_dir: Path, remote_ports: Sequence[int], policy: dict[str, Any]) -> tuple[
+        subprocess.Popen[bytes], int]:
+    """A gateway with no local workers, routing to the given specgate workers on loopback."""
+    port = free_port()
+    config = {
+        "server": {"host": "127.0.0.1", "port": port},
+        "model": {"name": "specgate-demo", "target": str(TOKENIZER_DIR), "draft": str(TOKENIZER_DIR)},
+        "workers": {"count": 0, "poll_interval_s": 0.2,
+                    "remote": [{"url": f"http://127.0.0.1:{p}", "protocol": "specgate", "name": f"sim-{i}"}
+                               for i, p in enumerate(remote_ports)]},
+        "policy": policy,
+    }
+    path = log_dir / f"gateway-{port}.yaml"
+    path.write_text(yaml.safe_dump(config))
+    with (log_dir / f"gateway-{port}.log").open("wb") as log:
+        process = subprocess.Popen([sys.executable, "-m", "gateway", "--config", str(path), "--port", str(port)],
+                                   cwd=REPO, stdout=log, stderr=subprocess.STDOUT, env=_env())
+    wait_ok(process, f"http://127.0.0.1:{port}/ready")
+    return process, port
+
+
+def stop(process: subprocess.Popen[bytes]) -> None:
+    if process.poll() is None:
+        process.send_signal(signal.SIGINT)
+        try:
+            process.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+
+
+def cpu_seconds(pid: int) -> float:
+    """utime + stime of a process, from /proc (Linux)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")

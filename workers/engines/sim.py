@@ -1,0 +1,206 @@
+"""The simulated GPU engine: tokens on a GPU deployment's timing model, no model run. No torch.
+
+One asyncio task steps the batch (``SimBatch`` in ``sim_model``, shared with bench.policy's
+virtual-time fleet): it computes the step's modelled duration, sleeps until the step's end
+time, then hands each sequence its tokens. Hundreds of streams cost one task and one queue
+each, no threads. How late the loop wakes against the model's schedule is measured and shown
+in ``/specgate/worker`` (``sim.lateness``): on a busy CPU the live system runs slower than
+the model, and the benches report by how much.
+
+Output tokens are random ids from the vocabulary outside the special ids, from a generator
+seeded by the request's ``seed`` (else the config's seed and the request's arrival order), so
+a seeded request's text is the same on every run. The prompt's category (``[json]``,
+``[code]``, ``[math]``, ``[chat]`` tag) and temperature set its acceptance.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import random
+from collections.abc import AsyncGenerator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from workers.engine_api import (
+    EngineInfo,
+    EngineRequestError,
+    EngineTotals,
+    GenerationRequest,
+    StepEvent,
+    StepObserver,
+    StepStats,
+)
+from workers.engines.sim_model import SimBatch, SimConfig, SimSeq
+from workers.text import TextCodec
+
+
+@dataclass(frozen=True)
+class SimSettings:
+    tokenizer_dir: Path  # the target model directory: vocabulary, EOS ids, and the text categories read from
+    max_slots: int = 256  # sequences batched together (vLLM's max_num_seqs default)
+    max_k: int = 8
+    config: SimConfig = field(default_factory=SimConfig)
+
+
+@dataclass
+class Lateness:
+    """How far behind the modelled schedule the step loop woke (seconds)."""
+
+    steps: int = 0
+    total_s: float = 0.0
+    max_s: float = 0.0
+    samples: list[float] = field(default_factory=list)  # the last 4096, for percentiles
+
+    def add(self, late_s: float) -> None:
+        self.steps += 1
+        self.total_s += late_s
+        self.max_s = max(self.max_s, late_s)
+        self.samples.append(late_s)
+        if len(self.samples) > 8192:
+            del self.samples[:4096]
+
+    def view(self) -> dict[str, Any]:
+        ordered = sorted(self.samples)
+        def pct(q: float) -> float | None:
+            return round(1000 * ordered[min(len(ordered) - 1, int(q * len(ordered)))], 3) if ordered else None
+        return {"steps": self.steps, "mean_ms": round(1000 * self.total_s / self.steps, 3) if self.steps else None,
+                "p50_ms": pct(0.5), "p99_ms": pct(0.99), "max_ms": round(1000 * self.max_s, 3)}
+
+
+class SimEngine:
+    def __init__(self, settings: SimSettings) -> None:
+        self.settings = settings
+        self.config = settings.config
+        self.batch = SimBatch(self.config, settings.max_slots, settings.max_k)
+        self.lateness = Lateness()
+        self._totals = EngineTotals()
+        self._sinks: dict[str, asyncio.Queue[StepEvent]] = {}
+        self._ids: dict[str, random.Random] = {}  # each request's output-token generator
+        self._wake = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+        self._observer: StepObserver | None = None
+        self._arrivals = 0
+        self._info: EngineInfo | None = None
+        self._codec: TextCodec | None = None
+        self._first_id = 0
+
+    @property
+    def info(self) -> EngineInfo:
+        if self._info is None:
+            raise RuntimeError("engine not started")
+        return self._info
+
+    @property
+    def batch_depth(self) -> int:
+        return len(self.batch.running)
+
+    @property
+    def queue_length(self) -> int:
+        return len(self.batch.waiting)
+
+    @property
+    def batch_full(self) -> bool:
+        return self.batch.batch_full
+
+    @property
+    def totals(self) -> EngineTotals:
+        return self._totals
+
+    async def start(self, observer: StepObserver) -> None:
+        self._observer = observer
+        model_dir = self.settings.tokenizer_dir
+        self._codec = TextCodec.from_model_dir(model_dir)
+        config = json.loads((model_dir / "config.json").read_text())
+        eos = config.get("eos_token_id")
+        eos_ids = frozenset(eos if isinstance(eos, list) else [] if eos is None else [eos])
+        specials = [i for i, t in self._codec.tokenizer.get_added_tokens_decoder().items() if t.special]
+        self._first_id = max([*specials, *eos_ids, -1]) + 1  # random ids above every special id
+        # A live view: the lateness figures change as the engine steps.
+        details: dict[str, Any] = {**self.config.summary()}
+        details["sim"]["lateness"] = self.lateness.view()
+        self._details = details
+        self._info = EngineInfo(kind="sim", max_k=self.batch.max_k, max_slots=self.settings.max_slots,
+                                context_window=self.config.context_window,
+                                vocab_size=int(config.get("vocab_size", self._codec.tokenizer.get_vocab_size())),
+                                eos_token_ids=eos_ids, details=details)
+        self._task = asyncio.create_task(self._loop(), name="sim-step-loop")
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+
+    def set_batch_thresholds(self, max_batch: int, batch_resume: int, max_step_drafts: int = 0) -> None:
+        self.batch.max_batch, self.batch.batch_resume = max_batch, batch_resume
+        self.batch.max_step_drafts = max_step_drafts
+
+    def _seq(self, request: GenerationRequest) -> SimSeq:
+        assert self._codec is not None
+        if request.max_tokens < 1 or len(request.prompt_ids) + request.max_tokens > self.config.context_window:
+            raise EngineRequestError("prompt + max_tokens exceed the context window")
+        table = self.config.acceptance
+        category = table.category(self._codec.decode(request.prompt_ids))
+        self._arrivals += 1
+        seed = request.params.seed if request.params.seed is not None else self.config.seed * 1_000_003 + self._arrivals
+        self._ids[request.request_id] = random.Random(seed)
+        return SimSeq(request.request_id, request.k, table.alpha(category, request.params.temperature),
+                      request.max_tokens, len(request.prompt_ids), random.Random(seed ^ 0x5EED))
+
+    async def generate(self, request: GenerationRequest) -> AsyncGenerator[StepEvent, None]:
+        seq = self._seq(request)
+        events: asyncio.Queue[StepEvent] = asyncio.Queue()
+        self._sinks[request.request_id] = events
+        self.batch.add(seq)
+        self._wake.set()
+        finished = False
+        try:
+            while not finished:
+                item = await events.get()
+                finished = item.finish_reason is not None
+                yield item
+        finally:
+            self._sinks.pop(request.request_id, None)
+            self._ids.pop(request.request_id, None)
+            if not finished:
+                self.batch.abort(request.request_id)
+
+    async def _loop(self) -> None:
+        loop = asyncio.get_running_loop()
+        scale = self.config.time_scale
+        vocab_hi = self.info.vocab_size - 1
+        while True:
+            if not self.batch.has_work:
+                self._wake.clear()
+                await self._wake.wait()
+            started = loop.time()
+            step = self.batch.step()
+            if step is None:
+                continue
+            if scale > 0:
+                deadline = started + step.duration_s * scale
+                await asyncio.sleep(max(0.0, deadline - loop.time()))
+                self.lateness.add(max(0.0, loop.time() - deadline))
+                if self.lateness.steps % 64 == 0:
+                    self._details["sim"]["lateness"] = self.lateness.view()
+            else:
+                await asyncio.sleep(0)  # answers at once, but lets the server write between steps
+            proposed = accepted = emitted = 0
+            for r in step.results:
+                rid = r.seq.request_id
+                ids = self._ids.get(rid)
+                sink = self._sinks.get(rid)
+                if ids is None or sink is None:  # aborted while the step ran
+                    continue
+                tokens = [ids.randint(self._first_id, vocab_hi) for _ in range(r.emitted)]
+                proposed, accepted, emitted = proposed + r.k, accepted + r.accepted, emitted + r.emitted
+                sink.put_nowait(StepEvent(rid, tokens, r.k, r.accepted, step.depth,
+                                          "length" if r.finished else None))
+            stats = StepStats(proposed, accepted, emitted, step.depth, len(self.batch.waiting),
+                              step.duration_s * scale, step.verify_s * scale)
+            self._totals.add(stats)
+            if self._observer is not None:
+                self._observer(stats)
