@@ -25,7 +25,7 @@ class WorkerMetrics:
     @classmethod
     def create(cls, registry: CollectorRegistry | None) -> WorkerMetrics:
         reg = registry if registry is not None else REGISTRY
-        labels = ["worker"]
+        labels = ["model", "worker"]
         return cls(
             draft_tokens=Counter("vllm:spec_decode_num_draft_tokens", "Draft tokens proposed", labels, registry=reg),
             accepted_tokens=Counter("vllm:spec_decode_num_accepted_tokens", "Draft tokens accepted", labels,

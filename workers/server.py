@@ -70,7 +70,7 @@ def create_worker_app(settings: WorkerSettings, engine: Engine,
 
     async def engine_ctx(app: web.Application) -> AsyncIterator[None]:
         metrics = WorkerMetrics.create(registry)
-        labels = {"worker": settings.worker_id}
+        labels = {"model": settings.served_model_name, "worker": settings.worker_id}
 
         def on_step(stats: StepStats) -> None:
             metrics.draft_tokens.labels(**labels).inc(stats.proposed)
