@@ -260,3 +260,12 @@ def test_no_session_id_in_any_series(observed: Observed) -> None:
               for name in (pair.split("=")[0] for pair in line[line.index("{") + 1:line.rindex("}")].split(","))}
     assert labels <= {"model", "worker", "route", "status", "mode", "reason", "to", "source", "result", "name", "le",
                       "position"}, labels
+
+
+def test_docs_describe_every_metric_prometheus_sees(observed: Observed) -> None:
+    from tests.test_dashboards import base_name, documented_metrics
+
+    exported = {base_name(n) for n in observed.prometheus.metric_names() if n.startswith(("specgate_", "vllm:"))}
+    assert len(exported) >= 20
+    assert exported - documented_metrics() == set(), "add them to docs/metrics.md"
+    assert documented_metrics() - exported == set(), "documented but not exported"
