@@ -124,7 +124,7 @@ def documented_metrics() -> set[str]:
     """Metric names in docs/metrics.md's tables (first column, in backticks)."""
     names = set()
     for line in METRICS_DOC.read_text().splitlines():
-        match = re.match(r"\|\s*`([a-z0-9_:]+)`", line)
+        match = re.match(r"\|\s*`((?:specgate_|vllm:)[a-z0-9_:]+)`", line)
         if match:
             names.add(match.group(1))
     return names
