@@ -7,7 +7,7 @@ VLLM_VENV := .venv-vllm
 VLLM_STAMP := $(VLLM_VENV)/.installed
 VLLM_CONSTRAINTS := workers/vllm_plugin/cpu-constraints.txt
 
-.PHONY: install install-vllm serve test test-vllm lint bench models clean
+.PHONY: install install-vllm serve test test-vllm lint bench models observe dashboard clean
 
 # Idempotent: rebuilds only when the project metadata changes.
 install: $(STAMP)
@@ -21,6 +21,17 @@ $(STAMP): pyproject.toml
 
 serve: install
 	$(BIN)/python -m gateway --config config.yaml
+
+# Prometheus (apt-get install prometheus) scraping a running gateway, with deploy/'s scrape
+# config and alert rules; its data goes to .prometheus/. GATEWAY=host:port, PROMETHEUS=host:port.
+GATEWAY ?= 127.0.0.1:8000
+PROMETHEUS ?= 127.0.0.1:9090
+observe: install
+	$(BIN)/python -m dashboards.observe --gateway $(GATEWAY) --listen $(PROMETHEUS)
+
+# Re-renders dashboards/specgate.json from dashboards/build.py (a test fails when they differ).
+dashboard: install
+	$(BIN)/python -m dashboards.build
 
 test: install
 	$(BIN)/ruff check .
@@ -51,4 +62,4 @@ models: install
 	$(BIN)/python -m workers.train_demo --out models
 
 clean:
-	rm -rf $(VENV) $(VLLM_VENV) .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) $(VLLM_VENV) .pytest_cache .mypy_cache .ruff_cache .prometheus

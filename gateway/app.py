@@ -19,7 +19,7 @@ from aiohttp import web
 
 from gateway.config import GatewayConfig, parse_policy
 from gateway.fleet import Fleet
-from gateway.metrics import GatewayMetrics
+from gateway.metrics import GatewayMetrics, LiveStateCollector
 from gateway.openapi import openapi_document
 from gateway.policy_store import PolicyStore
 from gateway.relay import relay
@@ -46,14 +46,14 @@ async def count_requests(request: web.Request, handler: Handler) -> web.StreamRe
         return response
     finally:
         metrics = request.app[STATE_KEY].metrics
-        metrics.requests.labels(route=route, status=str(status)).inc()
+        metrics.requests.labels(model=metrics.model, route=route, status=str(status)).inc()
         if route.startswith("/v1/") and route != "/v1/models":
-            metrics.e2e_latency.labels(route=route).observe(time.monotonic() - started)
+            metrics.e2e_latency.labels(model=metrics.model, route=route).observe(time.monotonic() - started)
 
 
 def create_app(config: GatewayConfig, metrics: GatewayMetrics | None = None) -> web.Application:
     app = web.Application(middlewares=[count_requests, openai_errors], client_max_size=config.server.max_body_bytes)
-    metrics = metrics or GatewayMetrics.create()
+    metrics = metrics or GatewayMetrics.create(config.model.name)
     sessions = SessionTable(config.sessions)
 
     def worker_down(worker_id: str) -> None:
@@ -62,8 +62,9 @@ def create_app(config: GatewayConfig, metrics: GatewayMetrics | None = None) -> 
 
     app[BODY_TIMEOUT_KEY] = config.server.body_timeout_s
     app[OPENAPI_KEY] = json.dumps(openapi_document(config.model.name)).encode()
-    app[STATE_KEY] = GatewayState(config, metrics, sessions, PolicyStore(config.policy, config.source, metrics),
-                                  Fleet(config, metrics, worker_down))
+    store = PolicyStore(config.policy, config.source, metrics)
+    app[STATE_KEY] = GatewayState(config, metrics, sessions, store, Fleet(config, metrics, worker_down))
+    metrics.live.register(LiveStateCollector(metrics.model, lambda: store.active, sessions.policy_states))
     app.cleanup_ctx.append(_background)
     app.router.add_post("/v1/chat/completions", _chat_completions)
     app.router.add_post("/v1/completions", _completions)
@@ -125,9 +126,9 @@ async def _ready(request: web.Request) -> web.Response:
 async def _metrics(request: web.Request) -> web.Response:
     metrics = request.app[STATE_KEY].metrics
     for mode, count in request.app[STATE_KEY].sessions.counts_by_mode().items():
-        metrics.sessions.labels(mode=mode).set(count)
+        metrics.sessions.labels(model=metrics.model, mode=mode).set(count)
     for handle in request.app[STATE_KEY].fleet.workers.values():
-        metrics.worker_in_flight.labels(worker=handle.worker_id).set(handle.in_flight)
+        metrics.worker_in_flight.labels(model=metrics.model, worker=handle.worker_id).set(handle.in_flight)
     return web.Response(body=metrics.exposition(), headers={"Content-Type": "text/plain; version=0.0.4"})
 
 

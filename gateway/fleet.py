@@ -194,7 +194,7 @@ class Fleet:
             healthy = await self._wait_healthy(handle, wc.startup_timeout_s)
             if healthy:
                 handle.status = "ready"
-                self.metrics.worker_up.labels(worker=handle.worker_id).set(1)
+                self.metrics.worker_up.labels(model=self.metrics.model, worker=handle.worker_id).set(1)
                 log.info("%s ready (pid %d)", handle.worker_id, handle.process.pid)
                 await handle.process.wait()
                 _kill_group(handle.process.pid)  # a worker killed -9 leaves its engine's processes behind
@@ -211,7 +211,7 @@ class Fleet:
             failures = 0 if healthy and time.monotonic() - handle.started_at > 60 else failures + 1
             await asyncio.sleep(min(wc.restart_backoff_max_s, wc.restart_backoff_s * 2 ** max(0, failures - 1)))
             handle.restarts += 1
-            self.metrics.worker_restarts.labels(worker=handle.worker_id).inc()
+            self.metrics.worker_restarts.labels(model=self.metrics.model, worker=handle.worker_id).inc()
 
     async def _wait_healthy(self, handle: WorkerHandle, timeout_s: float) -> bool:
         deadline = time.monotonic() + timeout_s
@@ -226,7 +226,7 @@ class Fleet:
     def _mark_down(self, handle: WorkerHandle, status: WorkerStatus) -> None:
         was_ready = handle.status == "ready"
         handle.status = status
-        self.metrics.worker_up.labels(worker=handle.worker_id).set(0)
+        self.metrics.worker_up.labels(model=self.metrics.model, worker=handle.worker_id).set(0)
         if was_ready:
             self.on_worker_down(handle.worker_id)
 
@@ -288,7 +288,7 @@ class Fleet:
                 unhealthy_since = None
                 if handle.status != "ready":
                     handle.status = "ready"
-                    self.metrics.worker_up.labels(worker=handle.worker_id).set(1)
+                    self.metrics.worker_up.labels(model=self.metrics.model, worker=handle.worker_id).set(1)
             else:
                 if handle.status == "ready":
                     log.warning("%s failed its health check: %s", handle.worker_id, handle.last_error)

@@ -3,21 +3,35 @@
 When PROMETHEUS_MULTIPROC_DIR is set (``python -m gateway`` sets it before anything imports
 prometheus_client), every worker process writes its metrics there too and /metrics merges
 them all; otherwise /metrics shows the given registry alone.
+
+Every series carries a ``model`` label (the one model this gateway serves), so one Prometheus
+can watch several gateways and the dashboard can pick one. No series carries a session id:
+what the session table knows is exported as bounded aggregates (``LiveStateCollector``).
+
+docs/metrics.md describes every metric; tests/test_observability.py checks it stays complete.
 """
 
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass, field
 
 from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram, generate_latest, multiprocess
+from prometheus_client.core import GaugeHistogramMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from policies import PolicyConfig, SessionState
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 TOKEN_GAP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0)
+# Upper bounds of the per-session acceptance histogram: fixed, so its cardinality is too.
+ACCEPTANCE_BUCKETS = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.85, 0.9, 0.95, 1.0)
 
 
 @dataclass(frozen=True)
 class GatewayMetrics:
+    model: str
     registry: CollectorRegistry
     requests: Counter
     time_to_first_token: Histogram
@@ -32,38 +46,129 @@ class GatewayMetrics:
     worker_restarts: Counter
     worker_up: Gauge
     worker_in_flight: Gauge
+    drafted_by_position: Counter
+    accepted_by_position: Counter
+    # Collectors computed at scrape from live state; kept apart from the multiprocess files,
+    # which hold only what processes wrote.
+    live: CollectorRegistry = field(default_factory=lambda: CollectorRegistry(auto_describe=True))
 
     @classmethod
-    def create(cls, registry: CollectorRegistry | None = None) -> GatewayMetrics:
+    def create(cls, model: str, registry: CollectorRegistry | None = None) -> GatewayMetrics:
         reg = registry if registry is not None else REGISTRY
+
+        def labels(*names: str) -> list[str]:
+            return ["model", *names]
+
         return cls(
+            model=model,
             registry=reg,
-            requests=Counter("specgate_requests", "HTTP requests by route and status", ["route", "status"],
+            requests=Counter("specgate_requests", "HTTP requests by route and status", labels("route", "status"),
                              registry=reg),
-            time_to_first_token=Histogram("specgate_time_to_first_token_seconds", "Time to first token", ["mode"],
-                                          buckets=LATENCY_BUCKETS, registry=reg),
+            time_to_first_token=Histogram("specgate_time_to_first_token_seconds", "Time to first token",
+                                          labels("mode"), buckets=LATENCY_BUCKETS, registry=reg),
             inter_token_latency=Histogram("specgate_inter_token_latency_seconds",
-                                          "Gap between streamed chunks, per token", ["mode"],
+                                          "Gap between streamed chunks, per token", labels("mode"),
                                           buckets=TOKEN_GAP_BUCKETS, registry=reg),
-            e2e_latency=Histogram("specgate_e2e_latency_seconds", "Request latency end to end", ["route"],
+            e2e_latency=Histogram("specgate_e2e_latency_seconds", "Request latency end to end", labels("route"),
                                   buckets=LATENCY_BUCKETS, registry=reg),
-            tokens=Counter("specgate_tokens", "Completion tokens by decoding mode", ["mode"], registry=reg),
-            sessions=Gauge("specgate_sessions", "Sessions in the table by current mode", ["mode"],
+            tokens=Counter("specgate_tokens", "Completion tokens by decoding mode", labels("mode"), registry=reg),
+            sessions=Gauge("specgate_sessions", "Sessions in the table by current mode", labels("mode"),
                            multiprocess_mode="livemax", registry=reg),
-            decisions=Counter("specgate_decisions", "Policy decisions", ["mode", "reason"], registry=reg),
-            fallbacks=Counter("specgate_fallbacks", "Decisions to decode plain, by reason", ["reason"], registry=reg),
-            mode_switches=Counter("specgate_mode_switches", "Session mode changes", ["to", "reason"], registry=reg),
-            policy_reloads=Counter("specgate_policy_reloads", "Policy reloads", ["source", "result"], registry=reg),
-            worker_restarts=Counter("specgate_worker_restarts", "Worker process restarts", ["worker"], registry=reg),
-            worker_up=Gauge("specgate_worker_up", "1 when the worker is ready", ["worker"],
+            decisions=Counter("specgate_decisions", "Policy decisions", labels("mode", "reason"), registry=reg),
+            fallbacks=Counter("specgate_fallbacks", "Decisions to decode plain, by reason", labels("reason"),
+                              registry=reg),
+            mode_switches=Counter("specgate_mode_switches", "Session mode changes", labels("to", "reason"),
+                                  registry=reg),
+            policy_reloads=Counter("specgate_policy_reloads", "Policy reloads", labels("source", "result"),
+                                   registry=reg),
+            worker_restarts=Counter("specgate_worker_restarts", "Worker process restarts", labels("worker"),
+                                    registry=reg),
+            worker_up=Gauge("specgate_worker_up", "1 when the worker is ready", labels("worker"),
                             multiprocess_mode="livemax", registry=reg),
             worker_in_flight=Gauge("specgate_worker_in_flight", "Requests the gateway has in flight on a worker",
-                                   ["worker"], multiprocess_mode="livemax", registry=reg),
+                                   labels("worker"), multiprocess_mode="livemax", registry=reg),
+            drafted_by_position=Counter("specgate_spec_decode_drafted_by_position",
+                                        "Draft tokens proposed at each position of a speculative step",
+                                        labels("worker", "position"), registry=reg),
+            accepted_by_position=Counter("specgate_spec_decode_accepted_by_position",
+                                         "Draft tokens accepted at each position of a speculative step",
+                                         labels("worker", "position"), registry=reg),
         )
 
+    def record_steps(self, worker: str, proposed: int, accepted: int, count: int = 1) -> None:
+        """``count`` speculative steps that each drafted ``proposed`` and accepted ``accepted``.
+
+        A step that accepted n drafts accepted positions 1..n (acceptance stops at the first
+        rejection), so per-position counts follow from the step report alone, for every engine.
+        Positions run to K, which the policy caps at 16 (a fixed-mode worker: its max_k).
+        """
+        if proposed <= 0 or count <= 0:
+            return
+        accepted = max(0, min(accepted, proposed))
+        for position in range(1, proposed + 1):
+            label = str(position)
+            self.drafted_by_position.labels(model=self.model, worker=worker, position=label).inc(count)
+            if position <= accepted:
+                self.accepted_by_position.labels(model=self.model, worker=worker, position=label).inc(count)
+
     def exposition(self) -> bytes:
+        live = bytes(generate_latest(self.live))
         if os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
             merged = CollectorRegistry()
             multiprocess.MultiProcessCollector(merged)
-            return bytes(generate_latest(merged))
-        return bytes(generate_latest(self.registry))
+            return bytes(generate_latest(merged)) + live
+        return bytes(generate_latest(self.registry)) + live
+
+
+class LiveStateCollector(Collector):
+    """The live policy's thresholds and the sessions' acceptance, computed at every scrape.
+
+    Thresholds come from the policy in force when Prometheus scrapes, so a reload shows up at
+    the next scrape and dashboards draw the floor and the ``max_batch`` line the policy uses.
+    Sessions are summarised in fixed buckets (never one series per session): only sessions
+    with at least ``min_proposals`` tested drafts count, the evidence the policy itself needs
+    before the acceptance rule may act on a session.
+    """
+
+    def __init__(self, model: str, policy: Callable[[], PolicyConfig],
+                 sessions: Callable[[], Iterable[SessionState]]) -> None:
+        self.model = model
+        self.policy = policy
+        self.sessions = sessions
+
+    def collect(self) -> Iterator[Metric]:
+        policy = self.policy()
+        thresholds = GaugeMetricFamily("specgate_policy_threshold", "The live policy's settings, by config.yaml name",
+                                       labels=["model", "name"])
+        for name, value in policy.as_dict().items():
+            thresholds.add_metric([self.model, name], float(value))
+        yield thresholds
+
+        counts = [0] * len(ACCEPTANCE_BUCKETS)
+        judged = below = 0
+        total = 0.0
+        for state in self.sessions():
+            estimate = state.acceptance_ewma
+            if estimate is None or state.proposals_seen < policy.min_proposals:
+                continue
+            judged += 1
+            total += estimate
+            below += estimate < policy.acceptance_floor
+            for i, bound in enumerate(ACCEPTANCE_BUCKETS):
+                if estimate <= bound:
+                    counts[i] += 1
+        histogram = GaugeHistogramMetricFamily(
+            "specgate_session_acceptance",
+            "Sessions (with min_proposals tested drafts) by acceptance estimate, now", labels=["model"])
+        histogram.add_metric([self.model], [(str(b), float(c)) for b, c in zip(ACCEPTANCE_BUCKETS, counts, strict=True)]
+                             + [("+Inf", float(judged))], gsum_value=total)
+        yield histogram
+        yield _gauge("specgate_sessions_below_acceptance_floor",
+                     "Sessions (with min_proposals tested drafts) whose estimate is below acceptance_floor",
+                     self.model, below)
+
+
+def _gauge(name: str, documentation: str, model: str, value: float) -> GaugeMetricFamily:
+    family = GaugeMetricFamily(name, documentation, labels=["model"])
+    family.add_metric([model], value)
+    return family

@@ -62,12 +62,12 @@ class PolicyStore:
         changed = candidate != self.current.policy
         self.current = LoadedPolicy(candidate, time.time(), source)
         self.last_error = None
-        self.metrics.policy_reloads.labels(source=source, result="ok").inc()
+        self.metrics.policy_reloads.labels(model=self.metrics.model, source=source, result="ok").inc()
         log.info("policy reloaded from %s%s: %s", source, "" if changed else " (unchanged)", candidate.as_dict())
 
     def reject(self, error: Exception, source: ReloadSource) -> ReloadResult:
         self.last_error = str(error)
-        self.metrics.policy_reloads.labels(source=source, result="failed").inc()
+        self.metrics.policy_reloads.labels(model=self.metrics.model, source=source, result="failed").inc()
         log.error("policy reload from %s rejected, keeping the running policy: %s", source, error)
         field = error.field if isinstance(error, PolicyConfigError | ConfigError) else None
         return ReloadResult(False, str(error), field)

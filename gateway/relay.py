@@ -131,13 +131,13 @@ def _route(state: GatewayState, session: Session, candidates: list[Candidate], r
 
 def _record(state: GatewayState, session: Session, decision: Decision) -> None:
     metrics = state.metrics
-    metrics.decisions.labels(mode=decision.mode, reason=decision.reason).inc()
+    metrics.decisions.labels(model=metrics.model, mode=decision.mode, reason=decision.reason).inc()
     if decision.mode == "plain":
-        metrics.fallbacks.labels(reason=decision.reason).inc()
+        metrics.fallbacks.labels(model=metrics.model, reason=decision.reason).inc()
     previous = session.last_decision
     if previous is None or previous.mode != decision.mode:
         if previous is not None:
-            metrics.mode_switches.labels(to=decision.mode, reason=decision.reason).inc()
+            metrics.mode_switches.labels(model=metrics.model, to=decision.mode, reason=decision.reason).inc()
         session.history.append(ModeChange(time.time(), decision.mode, decision.reason, decision.k))
     session.last_decision = decision
     session.policy_state = record_decision(session.policy_state, decision)
@@ -181,6 +181,7 @@ def _account(state: GatewayState, admission: Admission, tally: StreamTally, chun
     # The streaming relay forwards chunks without usage as the worker sent them: only the usage
     # chunk may be changed here.
     now = time.monotonic()
+    metrics = state.metrics
     report = StepReport.from_json(chunk.get(DIRECTIVE_FIELD))
     if admission.handle.protocol == "vllm" and chunk.get("usage"):
         report = vllm_step_report(chunk, admission.decision.k)
@@ -194,26 +195,30 @@ def _account(state: GatewayState, admission: Admission, tally: StreamTally, chun
         tally.proposed += report.proposed
         tally.accepted += report.accepted
         tally.speculative_steps += int(report.proposed > 0) + sum(g.count for g in report.late_steps)
+        worker_id = admission.handle.worker_id
+        metrics.record_steps(worker_id, report.proposed, report.accepted)
         if report.late_steps:  # acceptance the engine learned late (vLLM: when the request ended)
             session.policy_state = observe_steps(
                 session.policy_state, ((g.proposed, g.accepted, g.count) for g in report.late_steps),
                 admission.policy)
             tally.proposed += sum(g.proposed * g.count for g in report.late_steps)
             tally.accepted += sum(g.accepted * g.count for g in report.late_steps)
+            for group in report.late_steps:
+                metrics.record_steps(worker_id, group.proposed, group.accepted, group.count)
         tokens = report.tokens
         mode = "speculative" if report.k > 0 else "plain"
     else:
         tokens = 1 if chunk_text(kind, chunk) else 0
         mode = admission.decision.mode
     if tokens:
-        state.metrics.tokens.labels(mode=mode).inc(tokens)
+        metrics.tokens.labels(model=metrics.model, mode=mode).inc(tokens)
         if tally.first_token_at is None:
             tally.first_token_at = now
-            state.metrics.time_to_first_token.labels(mode=admission.decision.mode).observe(now - started)
+            metrics.time_to_first_token.labels(model=metrics.model, mode=admission.decision.mode).observe(now - started)
         else:
             gap = (now - tally.last_at) / tokens
             for _ in range(tokens):
-                state.metrics.inter_token_latency.labels(mode=mode).observe(gap)
+                metrics.inter_token_latency.labels(model=metrics.model, mode=mode).observe(gap)
         tally.last_at = now
     if chunk.get("usage"):
         usage = dict(chunk["usage"])

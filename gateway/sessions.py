@@ -76,6 +76,10 @@ class SessionTable:
             self._sessions.popitem(last=False)
             self.evicted += 1
 
+    def policy_states(self) -> list[SessionState]:
+        """Every session's policy state (a copy of the list: /metrics reads it while requests run)."""
+        return [session.policy_state for session in self._sessions.values()]
+
     def counts_by_mode(self) -> dict[str, int]:
         counts = {"speculative": 0, "plain": 0, "undecided": 0}
         for session in self._sessions.values():

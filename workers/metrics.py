@@ -25,7 +25,8 @@ class WorkerMetrics:
     @classmethod
     def create(cls, registry: CollectorRegistry | None) -> WorkerMetrics:
         reg = registry if registry is not None else REGISTRY
-        labels = ["worker"]
+        # ``model`` (not vLLM's ``model_name``): the label every specgate series carries.
+        labels = ["model", "worker"]
         return cls(
             draft_tokens=Counter("vllm:spec_decode_num_draft_tokens", "Draft tokens proposed", labels, registry=reg),
             accepted_tokens=Counter("vllm:spec_decode_num_accepted_tokens", "Draft tokens accepted", labels,

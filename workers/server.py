@@ -70,7 +70,14 @@ def create_worker_app(settings: WorkerSettings, engine: Engine,
 
     async def engine_ctx(app: web.Application) -> AsyncIterator[None]:
         metrics = WorkerMetrics.create(registry)
-        labels = {"worker": settings.worker_id}
+        labels = {"model": settings.served_model_name, "worker": settings.worker_id}
+        # Series exist from the start, at zero: rate() over a window in which a counter first
+        # appears (already above zero) would otherwise miss or misjudge its first increase.
+        for counter in (metrics.draft_tokens, metrics.accepted_tokens):
+            counter.labels(**labels).inc(0)
+        metrics.step_seconds.labels(**labels)
+        metrics.batch_depth.labels(**labels).set(0)
+        metrics.queue_length.labels(**labels).set(0)
 
         def on_step(stats: StepStats) -> None:
             metrics.draft_tokens.labels(**labels).inc(stats.proposed)
