@@ -101,3 +101,14 @@ def test_mode_aware_routing_over_fixed_mode_workers(tmp_path: Path, tcp_worker: 
                 assert ((usage.model_extra or {})["speculative"]["proposed"] > 0) == proposes
     finally:
         gw.stop()
+
+
+def test_worker_ignores_fields_other_routers_add(tcp_worker: int) -> None:
+    """A worker is a vLLM-compatible backend: like vLLM it drops fields it does not know (vllm-router
+    adds ``no_stop_trim``), while the gateway, the public API, refuses them as OpenAI does."""
+    body = {"model": "specgate-demo", "prompt": PROMPT, "max_tokens": 4, "temperature": 0, "no_stop_trim": True}
+    request = urllib.request.Request(f"http://127.0.0.1:{tcp_worker}/v1/completions", json.dumps(body).encode(),
+                                     {"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=60) as response:
+        answer = json.load(response)
+    assert answer["usage"]["completion_tokens"] == 4

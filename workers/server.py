@@ -20,6 +20,7 @@ from typing import Any
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
+from workers.api_models import FIELD_NAMES
 from workers.engine_api import Engine, EngineRequestError, GenerationRequest, SamplingParams, StepStats
 from workers.metrics import WorkerMetrics
 from workers.protocol import (
@@ -157,9 +158,25 @@ def _prompt_ids(ctx: WorkerContext, req: CompletionRequest) -> list[int]:
     return ctx.codec.encode(req.prompt or "")
 
 
+def _known_fields(body: Any) -> Any:
+    """Drops top-level fields the API does not define, as vLLM's server does.
+
+    The gateway refuses them from clients (OpenAI's strictness); a worker also sits behind
+    other routers (vllm-router adds its own fields, e.g. ``no_stop_trim``), which a
+    vLLM-compatible backend must tolerate.
+    """
+    if not isinstance(body, dict):
+        return body
+    unknown = [key for key in body if key not in FIELD_NAMES]
+    if unknown:
+        log.debug("ignoring unknown request fields %s", unknown[:8])
+        body = {k: v for k, v in body.items() if k in FIELD_NAMES}
+    return body
+
+
 async def _serve(request: web.Request, kind: RequestKind) -> web.StreamResponse:
     ctx = request.app[CONTEXT_KEY]
-    req = parse_request(kind, await read_json(request))
+    req = parse_request(kind, _known_fields(await read_json(request)))
     if req.model != ctx.settings.served_model_name:
         raise NotFound(f"model '{req.model}' does not exist; this worker serves '{ctx.settings.served_model_name}'",
                        param="model", code="model_not_found")
