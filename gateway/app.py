@@ -140,7 +140,8 @@ def _iso(ts: float) -> str:
 def _policy_view(store: PolicyStore) -> dict[str, Any]:
     current = store.current
     return {"policy": current.policy.as_dict(), "loaded_at": _iso(current.loaded_at), "source": current.source,
-            "file": str(store.path) if store.path else None, "last_error": store.last_error}
+            "file": str(store.path) if store.path else None, "last_error": store.last_error,
+            "origins": store.origins}
 
 
 async def _get_policy(request: web.Request) -> web.Response:

@@ -35,6 +35,7 @@ class ServerConfig:
     max_body_bytes: int = 1 << 20  # larger request bodies get 413
     worker_timeout_s: float = 60.0  # a worker silent this long (first token included) gets a 504
     body_timeout_s: float = 30.0  # a request body not fully received by then gets a 408
+    log_format: Literal["text", "json"] = "text"  # json: one object per line (gateway/logs.py)
 
 
 @dataclass(frozen=True)
@@ -167,7 +168,8 @@ def parse_config(raw: Any, base: Path, source: Path | None = None) -> GatewayCon
         port=_get(s, "server", "port", int, d.port, minimum=0, maximum=65535),
         max_body_bytes=_get(s, "server", "max_body_bytes", int, d.max_body_bytes, minimum=1024),
         worker_timeout_s=_get(s, "server", "worker_timeout_s", float, d.worker_timeout_s, minimum=0.1),
-        body_timeout_s=_get(s, "server", "body_timeout_s", float, d.body_timeout_s, minimum=0.1))
+        body_timeout_s=_get(s, "server", "body_timeout_s", float, d.body_timeout_s, minimum=0.1),
+        log_format=_get(s, "server", "log_format", str, d.log_format, choices=("text", "json")))
     m = _section(raw, "model")
     _check_keys(m, "model", {"name", "target", "draft"})
     md = ModelConfig()

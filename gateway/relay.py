@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import time
+import uuid
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -12,6 +13,7 @@ import aiohttp
 from aiohttp import web
 
 from gateway.fleet import WorkerHandle
+from gateway.logs import decision_var, request_id_var, session_var
 from gateway.proxy import StreamTally, WorkerUnreachable, iter_chunk_batches, iter_chunks, open_stream, worker_body
 from gateway.routing import Candidate, choose_worker
 from gateway.sessions import ModeChange, Session
@@ -246,6 +248,9 @@ async def _send(out: web.StreamResponse, data: bytes) -> None:
 
 async def relay(request: web.Request, kind: RequestKind, state: GatewayState) -> web.StreamResponse:
     started = time.monotonic()
+    # Tags this request's log lines (gateway/logs.py); each aiohttp handler runs in its own task,
+    # so these values never leak into another request's context.
+    request_id_var.set(uuid.uuid4().hex)
     req = parse_request(kind, await read_json(request))
     if req.model != state.config.model.name:
         raise NotFound(f"model '{req.model}' does not exist; available: '{state.config.model.name}'",
@@ -255,7 +260,9 @@ async def relay(request: web.Request, kind: RequestKind, state: GatewayState) ->
             raise BadRequest(f"'{name}' is set by the gateway, not by clients", param=name)
     session = state.sessions.touch(_session_id(request, req), started)
     session.requests += 1
+    session_var.set(session.session_id)
     admission, response = await _admit(state, session, req)
+    decision_var.set(admission.decision.header)
     headers = {SESSION_HEADER: session.session_id, MODE_HEADER: admission.decision.header,
                WORKER_HEADER: admission.handle.worker_id}
     tally = StreamTally()
