@@ -305,3 +305,6 @@ async def relay(request: web.Request, kind: RequestKind, state: GatewayState) ->
         await chunks.aclose()
         await batches.aclose()
         admission.handle.in_flight -= 1
+        # One line per request (tagged with its id, session and decision by gateway/logs.py);
+        # never the body or headers: no prompt text or API key reaches the log.
+        log.info("%s request on %s done in %.3f s", kind, admission.handle.worker_id, time.monotonic() - started)
