@@ -38,7 +38,7 @@ MAX_VALUE_BYTES = 64 << 10
 Origin = Literal["default", "file", "env", "api"]
 
 
-def _section_keys() -> dict[str, frozenset[str]]:
+def section_keys() -> dict[str, frozenset[str]]:
     """Every section of GatewayConfig and its keys, read from the dataclasses (new sections included)."""
     hints = get_type_hints(GatewayConfig)
     return {f.name: frozenset(x.name for x in fields(hints[f.name]))
@@ -57,7 +57,7 @@ class EnvOverrideError(ConfigError):
 def read_overrides(environ: Mapping[str, str] | None = None) -> dict[str, dict[str, tuple[str, Any]]]:
     """``{section: {key: (variable, value)}}`` from the environment; raises EnvOverrideError."""
     environ = os.environ if environ is None else environ
-    known = _section_keys()
+    known = section_keys()
     out: dict[str, dict[str, tuple[str, Any]]] = {}
     for variable in sorted(environ):
         if not variable.startswith(PREFIX) or variable in RESERVED or "__" not in variable[len(PREFIX):]:

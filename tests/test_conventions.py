@@ -15,7 +15,7 @@ import pytest
 import yaml
 
 from gateway.config import ConfigError
-from gateway.env_overrides import EnvOverrideError, load_config_env, load_policy_env, read_overrides
+from gateway.env_overrides import EnvOverrideError, load_config_env, load_policy_env, read_overrides, section_keys
 from tests.harness import Gateway, free_port, start_gateway, write_config
 
 REPO = Path(__file__).resolve().parents[1]
@@ -57,6 +57,14 @@ def test_bad_variables_are_named(variable: str, value: str, message: str) -> Non
     assert str(info.value).startswith(message)
     assert info.value.field == variable
     assert isinstance(info.value, ConfigError)
+
+
+def test_every_overridable_key_is_in_the_readme_table() -> None:
+    readme = (REPO / "README.md").read_text()
+    keys = [f"{section}.{key}" for section, names in section_keys().items() for key in sorted(names)]
+    assert "tracing.record_prompts" in keys and "server.log_format" in keys
+    assert [key for key in keys if f"| `{key}` |" not in readme] == []
+    assert "SPECGATE_<SECTION>__<KEY>" in readme and "SPECGATE_API_KEYS" in readme
 
 
 def test_reload_reapplies_the_environment_and_says_where_values_came_from(tmp_path: Path) -> None:
