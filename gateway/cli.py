@@ -56,7 +56,7 @@ def main(argv: list[str] | None = None) -> int:
     if argv[:1] == ["worker"]:  # passed through whole: the worker's parser owns its flags and --help
         from workers.__main__ import main as worker_main
 
-        worker_main(argv[1:])
+        worker_main(argv[1:], prog="specgate worker")
         return 0
     args = build_parser().parse_args(argv)
     if args.command == "check":

@@ -86,7 +86,7 @@ def test_check_path_imports_no_torch() -> None:
 def test_subcommand_help(command: str) -> None:
     result = specgate(command, "--help")
     assert result.returncode == 0, result.stderr
-    assert result.stdout.startswith("usage: ")
+    assert result.stdout.startswith(f"usage: specgate {command} ")
     expected = {"serve": ["--config", "--host", "--port", "--log-format", "SPECGATE_<SECTION>__<KEY>"],
                 "check": ["--kind", "field and", "value"], "worker": ["--target", "--uds", "--engine"]}[command]
     for text in expected:
