@@ -319,6 +319,7 @@ async def _relay(request: web.Request, kind: RequestKind, state: GatewayState,
             raise
         except ApiError as error:  # the response has started: the stream carries the error
             log.warning("stream for session %s failed mid-way: %s", session.session_id, error.message)
+            admission.attempt.failed(error)
             await _send(out, sse_event(error.body()))
         return out
     finally:

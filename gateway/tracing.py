@@ -93,6 +93,7 @@ class AttemptTrace:
 
     def __init__(self, span: Span | None) -> None:
         self.span = span
+        self.ended = False  # a failed attempt ends its span at once; the relay's end() is then a no-op
         self.headers: dict[str, str] = {}
         if span is not None:
             from opentelemetry.propagate import inject
@@ -101,7 +102,8 @@ class AttemptTrace:
             inject(self.headers, context=set_span_in_context(span))
 
     def failed(self, error: BaseException) -> None:
-        if self.span is not None:
+        if self.span is not None and not self.ended:
+            self.ended = True
             from opentelemetry.trace import Status, StatusCode
 
             self.span.record_exception(error)
@@ -109,7 +111,8 @@ class AttemptTrace:
             self.span.end()
 
     def end(self) -> None:
-        if self.span is not None:
+        if self.span is not None and not self.ended:
+            self.ended = True
             self.span.end()
 
 
