@@ -20,7 +20,7 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 serve: install
-	$(BIN)/python -m gateway --config config.yaml
+	$(BIN)/specgate serve --config config.yaml
 
 # Prometheus (apt-get install prometheus) scraping a running gateway, with deploy/'s scrape
 # config and alert rules; its data goes to .prometheus/. GATEWAY=host:port, PROMETHEUS=host:port.

@@ -26,6 +26,7 @@ from gateway.relay import relay
 from gateway.safe_yaml import YamlRefused, load_yaml
 from gateway.sessions import SessionTable
 from gateway.state import STATE_KEY, GatewayState
+from gateway.tracing import TRACING_KEY, Tracing
 from policies import PolicyConfigError
 from workers.limits import InputRefused, loads_json
 from workers.protocol import BadRequest, NotFound, Unavailable
@@ -63,6 +64,7 @@ def create_app(config: GatewayConfig, metrics: GatewayMetrics | None = None) -> 
     app[BODY_TIMEOUT_KEY] = config.server.body_timeout_s
     app[OPENAPI_KEY] = json.dumps(openapi_document(config.model.name)).encode()
     store = PolicyStore(config.policy, config.source, metrics)
+    app[TRACING_KEY] = Tracing.create(config.tracing)
     app[STATE_KEY] = GatewayState(config, metrics, sessions, store, Fleet(config, metrics, worker_down))
     metrics.live.register(LiveStateCollector(metrics.model, lambda: store.active, sessions.policy_states))
     app.cleanup_ctx.append(_background)
@@ -96,6 +98,7 @@ async def _background(app: web.Application) -> AsyncIterator[None]:
     with contextlib.suppress(asyncio.CancelledError):
         await watcher
     await fleet.stop()
+    app[TRACING_KEY].shutdown()
 
 
 # -- OpenAI routes ---------------------------------------------------------------------------------
@@ -140,7 +143,8 @@ def _iso(ts: float) -> str:
 def _policy_view(store: PolicyStore) -> dict[str, Any]:
     current = store.current
     return {"policy": current.policy.as_dict(), "loaded_at": _iso(current.loaded_at), "source": current.source,
-            "file": str(store.path) if store.path else None, "last_error": store.last_error}
+            "file": str(store.path) if store.path else None, "last_error": store.last_error,
+            "origins": store.origins}
 
 
 async def _get_policy(request: web.Request) -> web.Response:

@@ -35,6 +35,7 @@ class ServerConfig:
     max_body_bytes: int = 1 << 20  # larger request bodies get 413
     worker_timeout_s: float = 60.0  # a worker silent this long (first token included) gets a 504
     body_timeout_s: float = 30.0  # a request body not fully received by then gets a 408
+    log_format: Literal["text", "json"] = "text"  # json: one object per line (gateway/logs.py)
 
 
 @dataclass(frozen=True)
@@ -88,6 +89,15 @@ class SessionsConfig:
 
 
 @dataclass(frozen=True)
+class TracingConfig:
+    # Off unless set here or by the standard OTEL_* variables (OTEL_EXPORTER_OTLP_ENDPOINT): gateway/tracing.py.
+    enabled: bool = False
+    otlp_endpoint: str | None = None  # OTLP/HTTP base URL, e.g. http://collector:4318 (default: OTEL_* or localhost)
+    service_name: str = "specgate"
+    record_prompts: bool = False  # prompt text in the request span; off: spans carry no user text
+
+
+@dataclass(frozen=True)
 class GatewayConfig:
     server: ServerConfig = field(default_factory=ServerConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -95,6 +105,7 @@ class GatewayConfig:
     sessions: SessionsConfig = field(default_factory=SessionsConfig)
     policy: PolicyConfig = field(default_factory=PolicyConfig)
     source: Path | None = None  # the file this came from (reloads re-read it)
+    tracing: TracingConfig = field(default_factory=TracingConfig)
 
 
 def _section(raw: Mapping[str, Any], name: str) -> Mapping[str, Any]:
@@ -158,7 +169,7 @@ def parse_config(raw: Any, base: Path, source: Path | None = None) -> GatewayCon
         raw = {}
     if not isinstance(raw, Mapping):
         raise ConfigError("(top level)", raw, "config must be a mapping")
-    _check_keys(raw, "(top level)", {"server", "model", "workers", "sessions", "policy"})
+    _check_keys(raw, "(top level)", {"server", "model", "workers", "sessions", "policy", "tracing"})
     s = _section(raw, "server")
     _check_keys(s, "server", {f for f in ServerConfig.__dataclass_fields__})
     d = ServerConfig()
@@ -167,7 +178,8 @@ def parse_config(raw: Any, base: Path, source: Path | None = None) -> GatewayCon
         port=_get(s, "server", "port", int, d.port, minimum=0, maximum=65535),
         max_body_bytes=_get(s, "server", "max_body_bytes", int, d.max_body_bytes, minimum=1024),
         worker_timeout_s=_get(s, "server", "worker_timeout_s", float, d.worker_timeout_s, minimum=0.1),
-        body_timeout_s=_get(s, "server", "body_timeout_s", float, d.body_timeout_s, minimum=0.1))
+        body_timeout_s=_get(s, "server", "body_timeout_s", float, d.body_timeout_s, minimum=0.1),
+        log_format=_get(s, "server", "log_format", str, d.log_format, choices=("text", "json")))
     m = _section(raw, "model")
     _check_keys(m, "model", {"name", "target", "draft"})
     md = ModelConfig()
@@ -206,7 +218,19 @@ def parse_config(raw: Any, base: Path, source: Path | None = None) -> GatewayCon
         max_sessions=_get(x, "sessions", "max_sessions", int, xd.max_sessions, minimum=1),
         idle_ttl_s=_get(x, "sessions", "idle_ttl_s", float, xd.idle_ttl_s, minimum=1),
         history=_get(x, "sessions", "history", int, xd.history, minimum=1))
-    return GatewayConfig(server, model, workers, sessions, parse_policy(raw.get("policy")), source)
+    return GatewayConfig(server, model, workers, sessions, parse_policy(raw.get("policy")), source,
+                         _parse_tracing(_section(raw, "tracing")))
+
+
+def _parse_tracing(t: Mapping[str, Any]) -> TracingConfig:
+    _check_keys(t, "tracing", {f for f in TracingConfig.__dataclass_fields__})
+    d = TracingConfig()
+    endpoint = t.get("otlp_endpoint")
+    if endpoint is not None and (not isinstance(endpoint, str) or not endpoint.startswith(("http://", "https://"))):
+        raise ConfigError("tracing.otlp_endpoint", endpoint, "must be an http:// or https:// URL")
+    return TracingConfig(enabled=_get(t, "tracing", "enabled", bool, d.enabled), otlp_endpoint=endpoint,
+                         service_name=_get(t, "tracing", "service_name", str, d.service_name),
+                         record_prompts=_get(t, "tracing", "record_prompts", bool, d.record_prompts))
 
 
 def _vllm_args(raw: Any) -> Mapping[str, Any]:

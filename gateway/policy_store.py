@@ -9,13 +9,15 @@ admission, so a reload affects new requests only.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
-from gateway.config import ConfigError, load_policy_file
+from gateway.config import ConfigError, _read_yaml
+from gateway.env_overrides import Origin, load_policy_env, policy_origins, read_overrides
 from gateway.metrics import GatewayMetrics
 from policies import PolicyConfig, PolicyConfigError
 
@@ -44,6 +46,20 @@ class PolicyStore:
         self.metrics = metrics
         self.last_error: str | None = None
         self._mtime = self._stat()
+        # Where each active value came from (GET /admin/policy): the file, a SPECGATE_POLICY__*
+        # variable, or the default; a PUT makes them all "api" until the next reload.
+        self.origins: dict[str, Origin] = self._startup_origins()
+
+    def _startup_origins(self) -> dict[str, Origin]:
+        file_section = None
+        if self.path is not None:
+            with contextlib.suppress(ConfigError):  # the startup load already reported a bad file
+                file_section = _read_yaml(self.path).get("policy")
+        try:
+            overrides = read_overrides()
+        except ConfigError:
+            overrides = {}
+        return policy_origins(file_section, overrides)
 
     @property
     def active(self) -> PolicyConfig:
@@ -58,7 +74,9 @@ class PolicyStore:
             return None
         return st.st_mtime_ns, st.st_size
 
-    def apply(self, candidate: PolicyConfig, source: ReloadSource) -> None:
+    def apply(self, candidate: PolicyConfig, source: ReloadSource,
+              origins: dict[str, Origin] | None = None) -> None:
+        self.origins = origins or dict.fromkeys(candidate.as_dict(), "api")
         changed = candidate != self.current.policy
         self.current = LoadedPolicy(candidate, time.time(), source)
         self.last_error = None
@@ -77,10 +95,11 @@ class PolicyStore:
             return ReloadResult(False, "gateway was started without a config file")
         self._mtime = self._stat()
         try:
-            candidate = load_policy_file(self.path)
+            # The environment's overrides are applied again on every reload (they outrank the file).
+            candidate, origins = load_policy_env(self.path)
         except (PolicyConfigError, ConfigError) as exc:
             return self.reject(exc, source)
-        self.apply(candidate, source)
+        self.apply(candidate, source, origins)
         return ReloadResult(True)
 
     async def watch(self, interval_s: float = 0.25) -> None:

@@ -52,6 +52,7 @@ class StreamTally:
     speculative_steps: int = 0
     first_token_at: float | None = None
     last_at: float = 0.0  # when the last chunk with tokens arrived
+    tokens: int = 0
     collected: list[dict[str, Any]] = field(default_factory=list)
 
 
@@ -70,7 +71,7 @@ def worker_body(request: CompletionRequest, directive: Directive, protocol: Remo
 
 
 async def open_stream(handle: WorkerHandle, path: str, body: Mapping[str, Any],
-                      worker_timeout_s: float) -> aiohttp.ClientResponse:
+                      worker_timeout_s: float, headers: Mapping[str, str] | None = None) -> aiohttp.ClientResponse:
     """POSTs to the worker; returns the streaming response or raises the worker's error.
 
     The worker starts its response with the first chunk, so the read timeout bounds the time
@@ -78,7 +79,7 @@ async def open_stream(handle: WorkerHandle, path: str, body: Mapping[str, Any],
     """
     try:
         response = await handle.client.post(
-            handle.base_url + path, json=body,
+            handle.base_url + path, json=body, headers=headers,  # headers: the trace context (gateway/tracing.py)
             timeout=aiohttp.ClientTimeout(total=None, sock_connect=5, sock_read=worker_timeout_s))
     except TimeoutError as exc:  # before ClientConnectionError: aiohttp's timeout is both
         raise WorkerTimeout(f"worker {handle.worker_id} sent nothing for {worker_timeout_s}s") from exc

@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import time
+import uuid
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -12,10 +13,12 @@ import aiohttp
 from aiohttp import web
 
 from gateway.fleet import WorkerHandle
+from gateway.logs import decision_var, request_id_var, session_var
 from gateway.proxy import StreamTally, WorkerUnreachable, iter_chunk_batches, iter_chunks, open_stream, worker_body
 from gateway.routing import Candidate, choose_worker
 from gateway.sessions import ModeChange, Session
 from gateway.state import GatewayState
+from gateway.tracing import TRACING_KEY, AttemptTrace, RequestTrace
 from policies import (
     FIXED_MODE_REASONS,
     Decision,
@@ -63,6 +66,7 @@ class Admission:
     handle: WorkerHandle
     decision: Decision
     policy: PolicyConfig
+    attempt: AttemptTrace
 
 
 def _session_id(request: web.Request, req: CompletionRequest) -> str | None:
@@ -143,8 +147,8 @@ def _record(state: GatewayState, session: Session, decision: Decision) -> None:
     session.policy_state = record_decision(session.policy_state, decision)
 
 
-async def _admit(state: GatewayState, session: Session,
-                 req: CompletionRequest) -> tuple[Admission, aiohttp.ClientResponse]:
+async def _admit(state: GatewayState, session: Session, req: CompletionRequest,
+                 trace: RequestTrace) -> tuple[Admission, aiohttp.ClientResponse]:
     """Routes, decides and opens the worker stream, retrying on other workers before the first chunk."""
     policy = state.policy.active
     tried: set[str] = set()
@@ -160,20 +164,24 @@ async def _admit(state: GatewayState, session: Session,
         body = worker_body(req, Directive(decision.k, policy.max_batch, policy.batch_resume, policy.max_step_drafts),
                            handle.protocol)
         handle.in_flight += 1
+        attempt = trace.attempt(worker_id, decision)
         try:
-            response = await open_stream(handle, _PATHS[req.kind], body, state.config.server.worker_timeout_s)
+            response = await open_stream(handle, _PATHS[req.kind], body, state.config.server.worker_timeout_s,
+                                         attempt.headers)
         except WorkerUnreachable as exc:
             handle.in_flight -= 1
+            attempt.failed(exc)
             log.warning("%s unreachable (%s); retrying elsewhere", worker_id, exc)
             state.fleet.report_failure(handle, str(exc))
             tried.add(worker_id)
             session.worker_id = None
             continue
-        except BaseException:
+        except BaseException as exc:
             handle.in_flight -= 1
+            attempt.failed(exc)
             raise
         _record(state, session, decision)
-        return Admission(session, handle, decision, policy), response
+        return Admission(session, handle, decision, policy, attempt), response
 
 
 def _account(state: GatewayState, admission: Admission, tally: StreamTally, chunk: dict[str, Any],
@@ -211,6 +219,7 @@ def _account(state: GatewayState, admission: Admission, tally: StreamTally, chun
         tokens = 1 if chunk_text(kind, chunk) else 0
         mode = admission.decision.mode
     if tokens:
+        tally.tokens += tokens
         metrics.tokens.labels(model=metrics.model, mode=mode).inc(tokens)
         if tally.first_token_at is None:
             tally.first_token_at = now
@@ -245,7 +254,23 @@ async def _send(out: web.StreamResponse, data: bytes) -> None:
 
 
 async def relay(request: web.Request, kind: RequestKind, state: GatewayState) -> web.StreamResponse:
+    trace = request.app[TRACING_KEY].start(request, kind)  # a no-op unless tracing is on
+    error: BaseException | None = None
+    try:
+        return await _relay(request, kind, state, trace)
+    except BaseException as exc:
+        error = exc
+        raise
+    finally:
+        trace.finish(error)
+
+
+async def _relay(request: web.Request, kind: RequestKind, state: GatewayState,
+                 trace: RequestTrace) -> web.StreamResponse:
     started = time.monotonic()
+    # Tags this request's log lines (gateway/logs.py); each aiohttp handler runs in its own task,
+    # so these values never leak into another request's context.
+    request_id_var.set(uuid.uuid4().hex)
     req = parse_request(kind, await read_json(request))
     if req.model != state.config.model.name:
         raise NotFound(f"model '{req.model}' does not exist; available: '{state.config.model.name}'",
@@ -255,7 +280,11 @@ async def relay(request: web.Request, kind: RequestKind, state: GatewayState) ->
             raise BadRequest(f"'{name}' is set by the gateway, not by clients", param=name)
     session = state.sessions.touch(_session_id(request, req), started)
     session.requests += 1
-    admission, response = await _admit(state, session, req)
+    session_var.set(session.session_id)
+    admission, response = await _admit(state, session, req, trace)
+    trace.admitted(session.session_id, admission.handle.worker_id, admission.decision,
+                   req.raw.get("prompt", req.raw.get("messages")))
+    decision_var.set(admission.decision.header)
     headers = {SESSION_HEADER: session.session_id, MODE_HEADER: admission.decision.header,
                WORKER_HEADER: admission.handle.worker_id}
     tally = StreamTally()
@@ -290,6 +319,7 @@ async def relay(request: web.Request, kind: RequestKind, state: GatewayState) ->
             raise
         except ApiError as error:  # the response has started: the stream carries the error
             log.warning("stream for session %s failed mid-way: %s", session.session_id, error.message)
+            admission.attempt.failed(error)
             await _send(out, sse_event(error.body()))
         return out
     finally:
@@ -298,3 +328,8 @@ async def relay(request: web.Request, kind: RequestKind, state: GatewayState) ->
         await chunks.aclose()
         await batches.aclose()
         admission.handle.in_flight -= 1
+        admission.attempt.end()
+        trace.streamed(tally.first_token_at - started if tally.first_token_at is not None else None, tally.tokens)
+        # One line per request (tagged with its id, session and decision by gateway/logs.py);
+        # never the body or headers: no prompt text or API key reaches the log.
+        log.info("%s request on %s done in %.3f s", kind, admission.handle.worker_id, time.monotonic() - started)

@@ -106,13 +106,16 @@ def write_config(path: Path, **sections: dict[str, Any]) -> Path:
     return path
 
 
-def start_gateway(config_path: Path, log_dir: Path, ready_timeout_s: float = 120.0) -> Gateway:
+def start_gateway(config_path: Path, log_dir: Path, ready_timeout_s: float = 120.0,
+                  env: dict[str, str] | None = None, args: tuple[str, ...] = ()) -> Gateway:
+    """``env``: variables added to this process's environment; ``args``: further ``serve`` flags."""
     port = free_port()
     log_path = log_dir / f"gateway-{port}.log"
-    env = {k: v for k, v in os.environ.items() if k != "PROMETHEUS_MULTIPROC_DIR"}
+    environ = {k: v for k, v in os.environ.items() if k != "PROMETHEUS_MULTIPROC_DIR" and not k.startswith("SPECGATE_")}
+    environ.update(env or {})
     with log_path.open("wb") as log:
-        process = subprocess.Popen([sys.executable, "-m", "gateway", "--config", str(config_path), "--port", str(port)],
-                                   cwd=REPO, stdout=log, stderr=subprocess.STDOUT, env=env)
+        process = subprocess.Popen([sys.executable, "-m", "gateway", "--config", str(config_path), "--port", str(port),
+                                    *args], cwd=REPO, stdout=log, stderr=subprocess.STDOUT, env=environ)
     gateway = Gateway(process, port, config_path, log_path)
     try:
         wait_until_ok(process, gateway.url + "/ready", log_path, ready_timeout_s)

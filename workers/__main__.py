@@ -23,8 +23,8 @@ from workers.server import WorkerSettings, create_worker_app
 from workers.web_runner import run_app
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m workers", description=__doc__)
+def parse_args(argv: list[str] | None = None, prog: str = "python -m workers") -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog=prog, description=__doc__)
     parser.add_argument("--worker-id", default=f"worker-{os.getpid()}")
     parser.add_argument("--engine", choices=["embedded", "vllm", "sim"], default="embedded")
     parser.add_argument("--target", type=Path, required=True, help="target model directory (Hugging Face format)")
@@ -86,8 +86,8 @@ def die_with_parent() -> None:
     ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGTERM)
 
 
-def main(argv: list[str] | None = None) -> None:
-    args = parse_args(argv)
+def main(argv: list[str] | None = None, prog: str = "python -m workers") -> None:
+    args = parse_args(argv, prog)
     if args.uds is not None:
         die_with_parent()
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s {args.worker_id} %(levelname)s %(name)s: %(message)s")

@@ -1,0 +1,176 @@
+"""The ``specgate`` command: ``serve`` (the gateway and its workers), ``worker`` (a standalone
+worker) and ``check`` (validate a config or policy file without starting anything).
+
+``check`` imports only the config parser, the safe YAML loader and the pure policy module: no
+torch, no aiohttp, so it runs anywhere an operator edits a file (tests/test_cli.py checks).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import tempfile
+from collections.abc import Mapping
+from dataclasses import fields, replace
+from pathlib import Path
+from typing import Any
+
+SERVE_HELP = """Start the OpenAI-compatible gateway and its local worker processes.
+
+Settings come from, highest first: these flags, SPECGATE_<SECTION>__<KEY> environment
+variables (e.g. SPECGATE_POLICY__MAX_BATCH=32), the config file, the defaults."""
+WORKER_HELP = """Run one standalone specgate worker (what `python -m workers` runs); all further
+arguments are the worker's own: `specgate worker --help` lists them."""
+CHECK_HELP = """Validate a config file, or a bare policy file (the body of PUT /admin/policy),
+with the parser and safe YAML loader the gateway uses on a live reload, and the
+SPECGATE_* environment overrides applied. Prints every problem with its field and
+value; exits 1 if there is any, 0 if the file would be accepted. Starts nothing."""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="specgate", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="command", required=True, metavar="{serve,worker,check}")
+    serve = sub.add_parser("serve", help="start the gateway and its workers", description=SERVE_HELP,
+                           formatter_class=argparse.RawDescriptionHelpFormatter)
+    serve.add_argument("--config", type=Path, default=Path("config.yaml"),
+                       help="config file (default: %(default)s)")
+    serve.add_argument("--host", default=None, help="listen address; overrides server.host")
+    serve.add_argument("--port", type=int, default=None, help="listen port; overrides server.port")
+    serve.add_argument("--log-format", choices=("text", "json"), default=None,
+                       help="log lines as text or one JSON object each; overrides server.log_format")
+    serve.add_argument("--log-level", default="INFO", help="logging level (default: %(default)s)")
+    sub.add_parser("worker", help="run a standalone worker (python -m workers)", description=WORKER_HELP,
+                   add_help=False)
+    check = sub.add_parser("check", help="validate a config or policy file", description=CHECK_HELP,
+                           formatter_class=argparse.RawDescriptionHelpFormatter)
+    check.add_argument("file", type=Path, help="config.yaml, or a bare policy mapping")
+    check.add_argument("--kind", choices=("auto", "config", "policy"), default="auto",
+                       help="auto: a file whose keys are all policy fields is a policy file (default: auto)")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["worker"]:  # passed through whole: the worker's parser owns its flags and --help
+        from workers.__main__ import main as worker_main
+
+        worker_main(argv[1:], prog="specgate worker")
+        return 0
+    args = build_parser().parse_args(argv)
+    if args.command == "check":
+        return check(args.file, args.kind)
+    return serve(args)
+
+
+# -- check -------------------------------------------------------------------------------------------
+def check_problems(path: Path, kind: str = "auto", environ: Mapping[str, str] | None = None) -> list[str]:
+    """Every problem found, one message each naming the field (or variable) and the value."""
+    from gateway.config import ConfigError, _read_yaml, parse_config, parse_policy
+    from gateway.env_overrides import EnvOverrideError, apply_overrides, blame, read_overrides
+    from policies import PolicyConfig, PolicyConfigError
+
+    try:
+        raw = _read_yaml(path)
+    except ConfigError as exc:
+        return [str(exc)]
+    problems: list[str] = []
+    environ = os.environ if environ is None else environ
+    overrides: dict[str, Any] = {}
+    for name in sorted(environ):  # each variable on its own, so one bad one does not hide the next
+        try:
+            overrides.update(read_overrides({name: environ[name]}))
+        except EnvOverrideError as exc:
+            problems.append(str(exc))
+    policy_keys = {f.name for f in fields(PolicyConfig)}
+    if kind == "policy" or (kind == "auto" and raw and set(raw) <= policy_keys):
+        try:
+            parse_policy(apply_overrides({"policy": raw}, {"policy": overrides.get("policy", {})})["policy"])
+        except (PolicyConfigError, ConfigError) as exc:
+            problems.append(str(blame(exc, "policy", overrides)))
+        return problems
+    from gateway.env_overrides import load_config_env
+
+    reported = {problem.split(":", 1)[0] for problem in problems}
+    env = {k: v for k, v in environ.items() if k not in reported}  # each bad variable is reported once
+    try:
+        config = load_config_env(path, env)
+    except (ConfigError, PolicyConfigError) as exc:
+        problems.append(str(exc))
+        # The parser stops at its first error: each other section is checked on its own too.
+        merged = apply_overrides(raw, overrides)
+        for section in sorted(k for k in merged if k != "policy"):
+            try:
+                parse_config({section: merged[section], "workers": merged.get("workers")}, path.resolve().parent)
+            except (ConfigError, PolicyConfigError) as inner:
+                problems.append(str(inner))
+        try:
+            parse_policy(merged.get("policy"))
+        except (ConfigError, PolicyConfigError) as inner:
+            problems.append(str(inner))
+        return list(dict.fromkeys(problems))
+    problems.extend(model_problems(config))
+    return problems
+
+
+def model_problems(config: Any) -> list[str]:
+    return [f"{name}: no model at {p} (got {str(p)!r})"
+            for p, name in ((config.model.target, "model.target"), (config.model.draft, "model.draft"))
+            if p is not None and not (p / "config.json").is_file()]
+
+
+def check(path: Path, kind: str) -> int:
+    problems = check_problems(path, kind)
+    for problem in problems:
+        print(f"{path}: {problem}", file=sys.stderr)
+    if problems:
+        return 1
+    print(f"{path}: ok")
+    return 0
+
+
+# -- serve -------------------------------------------------------------------------------------------
+def serve(args: argparse.Namespace) -> int:
+    from gateway.logs import configure
+
+    configure(args.log_format or "text", args.log_level)
+    # prometheus_client picks its multiprocess value store at import, so the directory must
+    # exist in the environment before anything imports it; the workers inherit it.
+    multiproc = tempfile.TemporaryDirectory(prefix="specgate-metrics-")
+    os.environ.setdefault("PROMETHEUS_MULTIPROC_DIR", multiproc.name)
+
+    import logging
+
+    import uvloop
+
+    from gateway.app import create_app
+    from gateway.config import ConfigError
+    from gateway.env_overrides import load_config_env
+    from policies import PolicyConfigError
+    from workers.web_runner import run_app
+
+    try:
+        config = load_config_env(args.config)
+    except (ConfigError, PolicyConfigError) as exc:
+        print(f"specgate: bad config {args.config}: {exc}", file=sys.stderr)
+        return 2
+    for problem in model_problems(config):
+        print(f"specgate: bad config {args.config}: {problem}", file=sys.stderr)
+        return 2
+    server = replace(config.server, host=args.host or config.server.host,
+                     port=args.port if args.port is not None else config.server.port,
+                     log_format=args.log_format or config.server.log_format)
+    config = replace(config, server=server)
+    configure(server.log_format, args.log_level)
+    uvloop.install()
+    logging.getLogger("gateway").info("serving %s on http://%s:%d/v1", config.model.name, server.host, server.port)
+    try:
+        run_app(create_app(config), host=server.host, port=server.port)
+    finally:
+        multiproc.cleanup()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

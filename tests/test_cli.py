@@ -1,0 +1,99 @@
+"""The ``specgate`` command: its entry point, ``check`` (torch-free, every problem named), help."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import tomllib
+from pathlib import Path
+
+import pytest
+
+from gateway.cli import build_parser, check_problems
+
+REPO = Path(__file__).resolve().parents[1]
+CLEAN_ENV = {"PATH": "/usr/bin:/bin", "PYTHONPATH": str(REPO)}  # no SPECGATE_* from the caller
+
+
+def specgate(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    # The installed console script may point at another checkout: run the module it names.
+    return subprocess.run([sys.executable, "-m", "gateway.cli", *args], cwd=REPO, capture_output=True, text=True,
+                          env={**CLEAN_ENV, **(env or {})}, timeout=120)
+
+
+def test_entry_point_is_declared() -> None:
+    scripts = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["scripts"]
+    assert scripts == {"specgate": "gateway.cli:main"}
+    module, _, func = scripts["specgate"].partition(":")
+    assert callable(getattr(__import__(module, fromlist=[func]), func))
+    assert "specgate serve" in (REPO / "Makefile").read_text()
+
+
+def test_check_accepts_the_repo_config() -> None:
+    result = specgate("check", "config.yaml")
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "config.yaml: ok"
+
+
+def test_check_names_every_problem_with_field_and_value(tmp_path: Path) -> None:
+    path = tmp_path / "config.yaml"
+    path.write_text("server: {port: 70000}\nsessions: {history: 0}\npolicy: {max_batch: 0}\n")
+    result = specgate("check", str(path), env={"SPECGATE_POLICY__NOPE": "1"})
+    assert result.returncode == 1
+    lines = result.stderr.splitlines()
+    assert f"{path}: server.port: must be <= 65535 (got 70000)" in lines
+    assert f"{path}: sessions.history: must be >= 1 (got 0)" in lines
+    assert f"{path}: policy.max_batch: must be >= 1 (got 0)" in lines
+    assert any(line.startswith(f"{path}: SPECGATE_POLICY__NOPE: unknown key 'policy.nope'") for line in lines)
+    assert result.stdout == ""
+
+
+def test_check_bare_policy_file_as_a_put_body(tmp_path: Path) -> None:
+    good = tmp_path / "good.yaml"
+    good.write_text("max_batch: 32\nbatch_resume: 24\n")
+    assert specgate("check", str(good)).returncode == 0
+    assert check_problems(good, environ={"SPECGATE_POLICY__BATCH_RESUME": "40"}) == [
+        "SPECGATE_POLICY__BATCH_RESUME: policy.batch_resume: must be in 1..max_batch (32) (got 40)"]
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("acceptance_floor: 2\n")
+    result = specgate("check", str(bad))
+    assert result.returncode == 1
+    assert result.stderr.strip() == f"{bad}: policy.acceptance_floor: must be between 0 and 1 (got 2.0)"
+
+
+def test_check_refuses_what_the_safe_loader_refuses(tmp_path: Path) -> None:
+    path = tmp_path / "aliases.yaml"
+    path.write_text("a: &x [1]\nb: *x\n")
+    result = specgate("check", str(path))
+    assert result.returncode == 1
+    assert "anchors and aliases" in result.stderr
+    missing = specgate("check", str(tmp_path / "nope.yaml"))
+    assert missing.returncode == 1 and "cannot read" in missing.stderr
+
+
+def test_check_path_imports_no_torch() -> None:
+    code = ("import sys; from pathlib import Path; from gateway.cli import main; "
+            "rc = main(['check', 'config.yaml']); "
+            "heavy = sorted(m for m in ('torch', 'aiohttp', 'uvloop', 'prometheus_client') if m in sys.modules); "
+            "print(rc, heavy)")
+    result = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, env=CLEAN_ENV,
+                            timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip().splitlines()[-1] == "0 []"
+
+
+@pytest.mark.parametrize("command", ["serve", "check", "worker"])
+def test_subcommand_help(command: str) -> None:
+    result = specgate(command, "--help")
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.startswith(f"usage: specgate {command} ")
+    expected = {"serve": ["--config", "--host", "--port", "--log-format", "SPECGATE_<SECTION>__<KEY>"],
+                "check": ["--kind", "field and", "value"], "worker": ["--target", "--uds", "--engine"]}[command]
+    for text in expected:
+        assert text in result.stdout
+
+
+def test_top_level_help_lists_the_subcommands() -> None:
+    text = build_parser().format_help()
+    for command in ("serve", "worker", "check"):
+        assert command in text
