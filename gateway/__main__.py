@@ -27,7 +27,9 @@ def main(argv: list[str] | None = None) -> int:
     import uvloop
 
     from gateway.app import create_app
+    from gateway.auth import check_exposure
     from gateway.config import ConfigError, load_config
+    from gateway.drain import DRAIN_KEY
     from policies import PolicyConfigError
     from workers.web_runner import run_app
 
@@ -43,10 +45,17 @@ def main(argv: list[str] | None = None) -> int:
     server = replace(config.server, host=args.host or config.server.host,
                      port=args.port if args.port is not None else config.server.port)
     config = replace(config, server=server)
+    try:
+        check_exposure(config.auth, server, server.host)
+    except ConfigError as exc:
+        print(f"specgate: refusing to start: {exc}", file=sys.stderr)
+        return 2
     uvloop.install()
     logging.getLogger(__name__).info("serving %s on http://%s:%d/v1", config.model.name, server.host, server.port)
     try:
-        run_app(create_app(config), host=server.host, port=server.port)
+        app = create_app(config)
+        # SIGTERM/SIGINT: drain (gateway/drain.py), then the cleanup stops the workers.
+        run_app(app, host=server.host, port=server.port, drainer=app[DRAIN_KEY])
     finally:
         multiproc.cleanup()
     return 0

@@ -11,8 +11,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+from gateway.auth_config import AuthConfig, parse_auth
+from gateway.config_errors import ConfigError
 from gateway.safe_yaml import YamlRefused, load_yaml
-from policies.config import PolicyConfig, PolicyConfigError, bounded_repr, bounded_text
+from policies.config import PolicyConfig, PolicyConfigError
+
+__all__ = ["ConfigError", "GatewayConfig", "load_config", "parse_config"]
 
 EngineName = Literal["embedded", "vllm"]
 RemoteMode = Literal["speculative", "plain"]
@@ -20,12 +24,6 @@ RemoteProtocol = Literal["openai", "specgate", "vllm"]
 MAX_CONFIG_BYTES = 1 << 20  # config.yaml is a few KiB; anything near this is not a config file
 
 
-class ConfigError(ValueError):
-    def __init__(self, field: str, value: object, problem: str) -> None:
-        field = bounded_text(field, 100)  # an unknown key is the file's text
-        super().__init__(f"{field}: {problem} (got {bounded_repr(value)})")
-        self.field = field
-        self.value = value
 
 
 @dataclass(frozen=True)
@@ -35,6 +33,14 @@ class ServerConfig:
     max_body_bytes: int = 1 << 20  # larger request bodies get 413
     worker_timeout_s: float = 60.0  # a worker silent this long (first token included) gets a 504
     body_timeout_s: float = 30.0  # a request body not fully received by then gets a 408
+    # SIGTERM: in-flight requests get this long to finish before they are ended with an error.
+    drain_timeout_s: float = 30.0
+    # A generation whose worker dies mid-way resumes on another worker at most this many times...
+    max_migrations: int = 3
+    # ...waiting at most this long for one to be ready.
+    migration_wait_s: float = 15.0
+    # Listening on a non-loopback address without API keys is refused unless this says so.
+    allow_unauthenticated: bool = False
 
 
 @dataclass(frozen=True)
@@ -92,6 +98,7 @@ class GatewayConfig:
     sessions: SessionsConfig = field(default_factory=SessionsConfig)
     policy: PolicyConfig = field(default_factory=PolicyConfig)
     source: Path | None = None  # the file this came from (reloads re-read it)
+    auth: AuthConfig = field(default_factory=AuthConfig)
 
 
 def _section(raw: Mapping[str, Any], name: str) -> Mapping[str, Any]:
@@ -155,7 +162,7 @@ def parse_config(raw: Any, base: Path, source: Path | None = None) -> GatewayCon
         raw = {}
     if not isinstance(raw, Mapping):
         raise ConfigError("(top level)", raw, "config must be a mapping")
-    _check_keys(raw, "(top level)", {"server", "model", "workers", "sessions", "policy"})
+    _check_keys(raw, "(top level)", {"server", "model", "workers", "sessions", "policy", "auth"})
     s = _section(raw, "server")
     _check_keys(s, "server", {f for f in ServerConfig.__dataclass_fields__})
     d = ServerConfig()
@@ -164,7 +171,11 @@ def parse_config(raw: Any, base: Path, source: Path | None = None) -> GatewayCon
         port=_get(s, "server", "port", int, d.port, minimum=0, maximum=65535),
         max_body_bytes=_get(s, "server", "max_body_bytes", int, d.max_body_bytes, minimum=1024),
         worker_timeout_s=_get(s, "server", "worker_timeout_s", float, d.worker_timeout_s, minimum=0.1),
-        body_timeout_s=_get(s, "server", "body_timeout_s", float, d.body_timeout_s, minimum=0.1))
+        body_timeout_s=_get(s, "server", "body_timeout_s", float, d.body_timeout_s, minimum=0.1),
+        drain_timeout_s=_get(s, "server", "drain_timeout_s", float, d.drain_timeout_s, minimum=0),
+        max_migrations=_get(s, "server", "max_migrations", int, d.max_migrations, minimum=0),
+        migration_wait_s=_get(s, "server", "migration_wait_s", float, d.migration_wait_s, minimum=0),
+        allow_unauthenticated=_get(s, "server", "allow_unauthenticated", bool, d.allow_unauthenticated))
     m = _section(raw, "model")
     _check_keys(m, "model", {"name", "target", "draft"})
     md = ModelConfig()
@@ -202,7 +213,8 @@ def parse_config(raw: Any, base: Path, source: Path | None = None) -> GatewayCon
         max_sessions=_get(x, "sessions", "max_sessions", int, xd.max_sessions, minimum=1),
         idle_ttl_s=_get(x, "sessions", "idle_ttl_s", float, xd.idle_ttl_s, minimum=1),
         history=_get(x, "sessions", "history", int, xd.history, minimum=1))
-    return GatewayConfig(server, model, workers, sessions, parse_policy(raw.get("policy")), source)
+    return GatewayConfig(server, model, workers, sessions, parse_policy(raw.get("policy")), source,
+                         parse_auth(raw.get("auth")))
 
 
 def _vllm_args(raw: Any) -> Mapping[str, Any]:
@@ -260,6 +272,11 @@ def _read_yaml(path: Path) -> Any:
 
 def load_config(path: Path) -> GatewayConfig:
     return parse_config(_read_yaml(path), path.resolve().parent, path.resolve())
+
+
+def load_auth_file(path: Path) -> AuthConfig:
+    """Re-reads only the auth section (API keys rotate without a restart)."""
+    return parse_auth(_read_yaml(path).get("auth"))
 
 
 def load_policy_file(path: Path) -> PolicyConfig:

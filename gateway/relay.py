@@ -11,8 +11,12 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
+from gateway.auth import scope_of
+from gateway.drain import DRAIN_KEY, InFlight
 from gateway.fleet import WorkerHandle
-from gateway.proxy import StreamTally, WorkerUnreachable, iter_chunks, open_stream, worker_body
+from gateway.migration import MigratingStream
+from gateway.ops_metrics import OPS_KEY
+from gateway.proxy import NoWorkerLeft, NoWorkerReady, StreamTally, WorkerUnreachable, open_stream, worker_body
 from gateway.routing import Candidate, choose_worker
 from gateway.sessions import ModeChange, Session
 from gateway.state import GatewayState
@@ -38,9 +42,8 @@ from workers.protocol import (
     Directive,
     NotFound,
     RequestKind,
+    ResumePoint,
     StepReport,
-    Unavailable,
-    WorkerFailed,
     assemble,
     chunk_text,
     parse_request,
@@ -63,6 +66,7 @@ class Admission:
     handle: WorkerHandle
     decision: Decision
     policy: PolicyConfig
+    retries: int = 0  # workers found unreachable before this one took the request
 
 
 def _session_id(request: web.Request, req: CompletionRequest) -> str | None:
@@ -143,21 +147,26 @@ def _record(state: GatewayState, session: Session, decision: Decision) -> None:
     session.policy_state = record_decision(session.policy_state, decision)
 
 
-async def _admit(state: GatewayState, session: Session,
-                 req: CompletionRequest) -> tuple[Admission, aiohttp.ClientResponse]:
-    """Routes, decides and opens the worker stream, retrying on other workers before the first chunk."""
+async def _admit(state: GatewayState, session: Session, req: CompletionRequest, exclude: frozenset[str] = frozenset(),
+                 resume: ResumePoint | None = None) -> tuple[Admission, aiohttp.ClientResponse]:
+    """Routes, decides and opens the worker stream, retrying on other workers before the first chunk.
+
+    ``resume`` continues a generation another worker began (gateway/migration.py): only
+    workers that speak specgate's protocol can take it.
+    """
     policy = state.policy.active
-    tried: set[str] = set()
+    tried: set[str] = set(exclude)
     while True:
-        candidates = [c for c in state.fleet.candidates() if c.worker_id not in tried]
+        candidates = [c for c in state.fleet.candidates() if c.worker_id not in tried
+                      and (resume is None or state.fleet.workers[c.worker_id].speaks_specgate)]
         routed = _route(state, session, candidates, req, policy)
         if routed is None:
-            if tried:
-                raise WorkerFailed(f"no worker could take the request (tried {', '.join(sorted(tried))})")
-            raise Unavailable("no worker is ready", retry_after_s=1.0)
+            if tried - exclude:
+                raise NoWorkerLeft(f"no worker could take the request (tried {', '.join(sorted(tried - exclude))})")
+            raise NoWorkerReady("no worker is ready", retry_after_s=1.0)
         handle, decision = routed
         worker_id = session.worker_id = handle.worker_id
-        body = worker_body(req, Directive(decision.k, policy.max_batch, policy.batch_resume), handle.protocol)
+        body = worker_body(req, Directive(decision.k, policy.max_batch, policy.batch_resume, resume), handle.protocol)
         handle.in_flight += 1
         try:
             response = await open_stream(handle, _PATHS[req.kind], body, state.config.server.worker_timeout_s)
@@ -172,7 +181,7 @@ async def _admit(state: GatewayState, session: Session,
             handle.in_flight -= 1
             raise
         _record(state, session, decision)
-        return Admission(session, handle, decision, policy), response
+        return Admission(session, handle, decision, policy, len(tried - exclude)), response
 
 
 def _account(state: GatewayState, admission: Admission, tally: StreamTally, chunk: dict[str, Any],
@@ -237,7 +246,15 @@ async def _send(out: web.StreamResponse, data: bytes) -> None:
 
 
 async def relay(request: web.Request, kind: RequestKind, state: GatewayState) -> web.StreamResponse:
+    drain = request.app[DRAIN_KEY]
+    with drain.track() as in_flight:  # refused with 503 once the gateway drains for shutdown
+        return await _relay(request, kind, state, in_flight)
+
+
+async def _relay(request: web.Request, kind: RequestKind, state: GatewayState,
+                 in_flight: InFlight) -> web.StreamResponse:
     started = time.monotonic()
+    drain, ops = request.app[DRAIN_KEY], request.app[OPS_KEY]
     req = parse_request(kind, await read_json(request))
     if req.model != state.config.model.name:
         raise NotFound(f"model '{req.model}' does not exist; available: '{state.config.model.name}'",
@@ -245,26 +262,35 @@ async def relay(request: web.Request, kind: RequestKind, state: GatewayState) ->
     for name in GATEWAY_FIELDS:  # the specgate directive and vllm_xargs: the gateway decides speculation
         if req.raw.get(name) is not None:
             raise BadRequest(f"'{name}' is set by the gateway, not by clients", param=name)
-    session = state.sessions.touch(_session_id(request, req), started)
+    # Sessions are scoped to the API key that made them: another key's session id is another session.
+    session = state.sessions.touch(_session_id(request, req), started, scope_of(request))
     session.requests += 1
-    admission, response = await _admit(state, session, req)
+    admission, response = await drain.guard(_admit(state, session, req))
+    if admission.retries:
+        ops.retries.inc(admission.retries)
+    # A worker that dies mid-way: the stream resumes on another (gateway/migration.py).
+    stream = MigratingStream(state, session, req, admission, response, _admit, drain, ops)
+    in_flight.stream = stream
     headers = {SESSION_HEADER: session.session_id, MODE_HEADER: admission.decision.header,
                WORKER_HEADER: admission.handle.worker_id}
     tally = StreamTally()
-    chunks = iter_chunks(response)
+    chunks = stream.chunks()
     try:
         if not req.stream:
             async for chunk in chunks:
-                _account(state, admission, tally, chunk, kind, started)
+                _account(state, stream.admission, tally, chunk, kind, started)
                 tally.collected.append(chunk)
                 if request.transport is None or request.transport.is_closing():
                     # The client left: stop reading, which closes the worker stream and aborts it.
                     raise ClientDisconnected("client disconnected while its completion was generated")
+            # After a migration: every worker that served it, in order; the mode is the last decision's.
+            headers[WORKER_HEADER] = stream.workers_header
+            headers[MODE_HEADER] = stream.admission.decision.header
             return web.json_response(assemble(kind, tally.collected), headers=headers)
         out = await start_sse(request, headers)
         try:
             async for chunk in chunks:
-                _account(state, admission, tally, chunk, kind, started)
+                _account(state, stream.admission, tally, chunk, kind, started)
                 if chunk.get("usage") is not None and not req.include_usage:
                     continue
                 if _worth_sending(kind, chunk):
@@ -277,5 +303,5 @@ async def relay(request: web.Request, kind: RequestKind, state: GatewayState) ->
             await _send(out, sse_event(error.body()))
         return out
     finally:
-        await chunks.aclose()  # closes the worker stream; a worker aborts sequences whose reader left
-        admission.handle.in_flight -= 1
+        await chunks.aclose()
+        await stream.aclose()
