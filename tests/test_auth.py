@@ -125,6 +125,19 @@ def test_auth_config_env_alias_and_errors_without_secrets() -> None:
     assert wrong.value.field == "auth.admin_token" and "12345678" not in str(wrong.value)
 
 
+def test_resilience_settings_are_validated() -> None:
+    from gateway.config import parse_config
+
+    with pytest.raises(ConfigError) as bad:
+        parse_config({"server": {"max_migrations": -1}}, REPO)
+    assert bad.value.field == "server.max_migrations"
+    with pytest.raises(ConfigError) as bad:
+        parse_config({"server": {"allow_unauthenticated": "yes"}}, REPO)
+    assert bad.value.field == "server.allow_unauthenticated"
+    config = parse_config({"server": {"drain_timeout_s": 2}, "auth": {"api_keys": [KEY_A]}}, REPO)
+    assert config.server.drain_timeout_s == 2.0 and config.auth.api_keys == (KEY_A,)
+
+
 # -- a real gateway with keys -----------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def gateway(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Gateway]:
