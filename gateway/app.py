@@ -17,10 +17,13 @@ from typing import Any
 
 from aiohttp import web
 
+from gateway.auth import AUTH_KEY, AuthStore, authenticate
 from gateway.config import GatewayConfig, parse_policy
+from gateway.drain import DRAIN_KEY, Drain
 from gateway.fleet import Fleet
 from gateway.metrics import GatewayMetrics, LiveStateCollector
 from gateway.openapi import openapi_document
+from gateway.ops_metrics import OPS_KEY, OpsMetrics
 from gateway.policy_store import PolicyStore
 from gateway.relay import relay
 from gateway.safe_yaml import YamlRefused, load_yaml
@@ -53,8 +56,11 @@ async def count_requests(request: web.Request, handler: Handler) -> web.StreamRe
 
 
 def create_app(config: GatewayConfig, metrics: GatewayMetrics | None = None) -> web.Application:
-    app = web.Application(middlewares=[count_requests, openai_errors], client_max_size=config.server.max_body_bytes)
+    # authenticate runs inside openai_errors, so a refusal is an OpenAI error object.
+    app = web.Application(middlewares=[count_requests, openai_errors, authenticate],
+                          client_max_size=config.server.max_body_bytes)
     metrics = metrics or GatewayMetrics.create(config.model.name)
+    ops = OpsMetrics.create(metrics.registry)
     sessions = SessionTable(config.sessions)
 
     def worker_down(worker_id: str) -> None:
@@ -67,6 +73,9 @@ def create_app(config: GatewayConfig, metrics: GatewayMetrics | None = None) -> 
     app[TRACING_KEY] = Tracing.create(config.tracing)
     app[STATE_KEY] = GatewayState(config, metrics, sessions, store, Fleet(config, metrics, worker_down))
     metrics.live.register(LiveStateCollector(metrics.model, lambda: store.active, sessions.policy_states))
+    app[OPS_KEY] = ops
+    app[AUTH_KEY] = AuthStore(config.auth, config.source, config.server, ops)
+    app[DRAIN_KEY] = Drain(config.server.drain_timeout_s, ops)
     app.cleanup_ctx.append(_background)
     app.router.add_post("/v1/chat/completions", _chat_completions)
     app.router.add_post("/v1/completions", _completions)
@@ -83,20 +92,28 @@ def create_app(config: GatewayConfig, metrics: GatewayMetrics | None = None) -> 
 
 
 async def _background(app: web.Application) -> AsyncIterator[None]:
-    fleet, store = app[STATE_KEY].fleet, app[STATE_KEY].policy
+    fleet, store, auth = app[STATE_KEY].fleet, app[STATE_KEY].policy, app[AUTH_KEY]
     await fleet.start()
-    watcher = asyncio.create_task(store.watch(), name="policy-file-watcher")
+    watchers = [asyncio.create_task(store.watch(), name="policy-file-watcher"),
+                asyncio.create_task(auth.watch(), name="auth-file-watcher")]
     loop = asyncio.get_running_loop()
     sighup = False
+
+    def on_sighup() -> None:
+        store.reload_file("sighup")
+        auth.reload_file("sighup")
+
     with contextlib.suppress(NotImplementedError, RuntimeError, ValueError):
-        loop.add_signal_handler(signal.SIGHUP, store.reload_file, "sighup")
+        loop.add_signal_handler(signal.SIGHUP, on_sighup)
         sighup = True
     yield
     if sighup:
         loop.remove_signal_handler(signal.SIGHUP)
-    watcher.cancel()
-    with contextlib.suppress(asyncio.CancelledError):
-        await watcher
+    for watcher in watchers:
+        watcher.cancel()
+    for watcher in watchers:
+        with contextlib.suppress(asyncio.CancelledError):
+            await watcher
     await fleet.stop()
     app[TRACING_KEY].shutdown()
 
@@ -119,6 +136,8 @@ async def _openapi(request: web.Request) -> web.Response:
 
 
 async def _ready(request: web.Request) -> web.Response:
+    if request.app[DRAIN_KEY].draining:
+        raise Unavailable("the server is shutting down", retry_after_s=5.0)
     fleet = request.app[STATE_KEY].fleet
     ready = fleet.ready_count()
     if ready == 0:
@@ -185,14 +204,23 @@ def _refuse(store: PolicyStore, message: str) -> BadRequest:
 
 
 async def _get_session(request: web.Request) -> web.Response:
+    """A session by its id; ``?scope=`` picks one when several API keys used the same id."""
     session_id = request.match_info["session_id"]
-    session = request.app[STATE_KEY].sessions.get(session_id)
-    if session is None:
+    found = request.app[STATE_KEY].sessions.find(session_id)
+    scope = request.query.get("scope")
+    if scope is not None:
+        found = [s for s in found if s.scope == scope]
+    if not found:
         raise NotFound(f"no session '{session_id}' (never seen, expired or evicted)", param="session_id")
+    if len(found) > 1:
+        raise BadRequest(f"session '{session_id}' exists under several API keys; pick one with ?scope= "
+                         f"({', '.join(sorted(s.scope for s in found))})", param="scope")
+    session = found[0]
     state = session.policy_state
     decision = session.last_decision
     return web.json_response({
-        "session_id": session.session_id, "worker": session.worker_id, "requests": session.requests,
+        "session_id": session.session_id, "scope": session.scope, "worker": session.worker_id,
+        "requests": session.requests,
         "mode": session.mode, "k": decision.k if decision else None, "reason": decision.reason if decision else None,
         "acceptance_estimate": state.acceptance_ewma, "evidence_drafted_tokens": state.proposals_seen,
         "low_acceptance": state.low_acceptance, "plain_since_probe": state.plain_since_probe,

@@ -56,8 +56,7 @@ def main(argv: list[str] | None = None) -> int:
     if argv[:1] == ["worker"]:  # passed through whole: the worker's parser owns its flags and --help
         from workers.__main__ import main as worker_main
 
-        worker_main(argv[1:], prog="specgate worker")
-        return 0
+        return worker_main(argv[1:], prog="specgate worker")
     args = build_parser().parse_args(argv)
     if args.command == "check":
         return check(args.file, args.kind)
@@ -145,7 +144,9 @@ def serve(args: argparse.Namespace) -> int:
     import uvloop
 
     from gateway.app import create_app
+    from gateway.auth import check_exposure
     from gateway.config import ConfigError
+    from gateway.drain import DRAIN_KEY
     from gateway.env_overrides import load_config_env
     from policies import PolicyConfigError
     from workers.web_runner import run_app
@@ -162,11 +163,18 @@ def serve(args: argparse.Namespace) -> int:
                      port=args.port if args.port is not None else config.server.port,
                      log_format=args.log_format or config.server.log_format)
     config = replace(config, server=server)
+    try:
+        check_exposure(config.auth, server, server.host)
+    except ConfigError as exc:
+        print(f"specgate: refusing to start: {exc}", file=sys.stderr)
+        return 2
     configure(server.log_format, args.log_level)
     uvloop.install()
     logging.getLogger("gateway").info("serving %s on http://%s:%d/v1", config.model.name, server.host, server.port)
     try:
-        run_app(create_app(config), host=server.host, port=server.port)
+        app = create_app(config)
+        # SIGTERM/SIGINT: drain (gateway/drain.py), then the cleanup stops the workers.
+        run_app(app, host=server.host, port=server.port, drainer=app[DRAIN_KEY])
     finally:
         multiproc.cleanup()
     return 0

@@ -11,8 +11,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+from gateway.auth_config import AuthConfig, parse_auth
+from gateway.config_errors import ConfigError
 from gateway.safe_yaml import YamlRefused, load_yaml
-from policies.config import PolicyConfig, PolicyConfigError, bounded_repr, bounded_text
+from policies.config import PolicyConfig, PolicyConfigError
+
+__all__ = ["ConfigError", "GatewayConfig", "load_config", "parse_config"]
 
 EngineName = Literal["embedded", "vllm", "sim"]
 RemoteMode = Literal["speculative", "plain"]
@@ -20,12 +24,6 @@ RemoteProtocol = Literal["openai", "specgate", "vllm"]
 MAX_CONFIG_BYTES = 1 << 20  # config.yaml is a few KiB; anything near this is not a config file
 
 
-class ConfigError(ValueError):
-    def __init__(self, field: str, value: object, problem: str) -> None:
-        field = bounded_text(field, 100)  # an unknown key is the file's text
-        super().__init__(f"{field}: {problem} (got {bounded_repr(value)})")
-        self.field = field
-        self.value = value
 
 
 @dataclass(frozen=True)
@@ -36,6 +34,14 @@ class ServerConfig:
     worker_timeout_s: float = 60.0  # a worker silent this long (first token included) gets a 504
     body_timeout_s: float = 30.0  # a request body not fully received by then gets a 408
     log_format: Literal["text", "json"] = "text"  # json: one object per line (gateway/logs.py)
+    # SIGTERM: in-flight requests get this long to finish before they are ended with an error.
+    drain_timeout_s: float = 30.0
+    # A generation whose worker dies mid-way resumes on another worker at most this many times...
+    max_migrations: int = 3
+    # ...waiting at most this long for one to be ready.
+    migration_wait_s: float = 15.0
+    # Listening on a non-loopback address without API keys is refused unless this says so.
+    allow_unauthenticated: bool = False
 
 
 @dataclass(frozen=True)
@@ -106,6 +112,7 @@ class GatewayConfig:
     policy: PolicyConfig = field(default_factory=PolicyConfig)
     source: Path | None = None  # the file this came from (reloads re-read it)
     tracing: TracingConfig = field(default_factory=TracingConfig)
+    auth: AuthConfig = field(default_factory=AuthConfig)
 
 
 def _section(raw: Mapping[str, Any], name: str) -> Mapping[str, Any]:
@@ -169,7 +176,7 @@ def parse_config(raw: Any, base: Path, source: Path | None = None) -> GatewayCon
         raw = {}
     if not isinstance(raw, Mapping):
         raise ConfigError("(top level)", raw, "config must be a mapping")
-    _check_keys(raw, "(top level)", {"server", "model", "workers", "sessions", "policy", "tracing"})
+    _check_keys(raw, "(top level)", {"server", "model", "workers", "sessions", "policy", "tracing", "auth"})
     s = _section(raw, "server")
     _check_keys(s, "server", {f for f in ServerConfig.__dataclass_fields__})
     d = ServerConfig()
@@ -179,7 +186,11 @@ def parse_config(raw: Any, base: Path, source: Path | None = None) -> GatewayCon
         max_body_bytes=_get(s, "server", "max_body_bytes", int, d.max_body_bytes, minimum=1024),
         worker_timeout_s=_get(s, "server", "worker_timeout_s", float, d.worker_timeout_s, minimum=0.1),
         body_timeout_s=_get(s, "server", "body_timeout_s", float, d.body_timeout_s, minimum=0.1),
-        log_format=_get(s, "server", "log_format", str, d.log_format, choices=("text", "json")))
+        log_format=_get(s, "server", "log_format", str, d.log_format, choices=("text", "json")),
+        drain_timeout_s=_get(s, "server", "drain_timeout_s", float, d.drain_timeout_s, minimum=0),
+        max_migrations=_get(s, "server", "max_migrations", int, d.max_migrations, minimum=0),
+        migration_wait_s=_get(s, "server", "migration_wait_s", float, d.migration_wait_s, minimum=0),
+        allow_unauthenticated=_get(s, "server", "allow_unauthenticated", bool, d.allow_unauthenticated))
     m = _section(raw, "model")
     _check_keys(m, "model", {"name", "target", "draft"})
     md = ModelConfig()
@@ -219,7 +230,7 @@ def parse_config(raw: Any, base: Path, source: Path | None = None) -> GatewayCon
         idle_ttl_s=_get(x, "sessions", "idle_ttl_s", float, xd.idle_ttl_s, minimum=1),
         history=_get(x, "sessions", "history", int, xd.history, minimum=1))
     return GatewayConfig(server, model, workers, sessions, parse_policy(raw.get("policy")), source,
-                         _parse_tracing(_section(raw, "tracing")))
+                         _parse_tracing(_section(raw, "tracing")), parse_auth(raw.get("auth")))
 
 
 def _parse_tracing(t: Mapping[str, Any]) -> TracingConfig:
@@ -301,6 +312,11 @@ def _read_yaml(path: Path) -> Any:
 
 def load_config(path: Path) -> GatewayConfig:
     return parse_config(_read_yaml(path), path.resolve().parent, path.resolve())
+
+
+def load_auth_file(path: Path) -> AuthConfig:
+    """Re-reads only the auth section (API keys rotate without a restart)."""
+    return parse_auth(_read_yaml(path).get("auth"))
 
 
 def load_policy_file(path: Path) -> PolicyConfig:

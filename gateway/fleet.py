@@ -127,7 +127,10 @@ class Fleet:
         else:
             modes, max_k = frozenset({remote.mode}), remote.max_k if remote.mode == "speculative" else 0
         # Not routable until its first health check passes.
-        return WorkerHandle(remote.name, remote.url, aiohttp.ClientSession(), modes, max_k, remote=True,
+        # A specgate worker on TCP serves its gateway only: it wants the shared token (auth.worker_token).
+        token = self.config.auth.worker_token if remote.protocol == "specgate" else None
+        client = aiohttp.ClientSession(headers={"Authorization": f"Bearer {token}"} if token else None)
+        return WorkerHandle(remote.name, remote.url, client, modes, max_k, remote=True,
                             protocol=remote.protocol, status="unhealthy", last_error="not checked yet")
 
     async def stop(self) -> None:

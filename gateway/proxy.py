@@ -43,6 +43,23 @@ class WorkerUnreachable(Exception):
     """The worker could not be reached or broke before the first chunk: safe to retry elsewhere."""
 
 
+class WorkerLost(WorkerFailed):
+    """The worker's stream broke or ended early (it died, or its connection did): the generation
+    can resume on another worker (gateway/migration.py). An error event the worker sent is not this."""
+
+
+class NoWorker(Exception):
+    """Marks the errors of an admission that found no worker to take the request."""
+
+
+class NoWorkerReady(Unavailable, NoWorker):
+    pass
+
+
+class NoWorkerLeft(WorkerFailed, NoWorker):
+    pass
+
+
 @dataclass
 class StreamTally:
     """What the chunks of one request added up to."""
@@ -155,7 +172,7 @@ async def iter_chunk_batches(response: aiohttp.ClientResponse) -> AsyncGenerator
             while await response.content.readany():
                 pass
     except (aiohttp.ClientPayloadError, aiohttp.ClientConnectionError) as exc:
-        raise WorkerFailed(f"worker stream broke: {exc}") from exc
+        raise WorkerLost(f"worker stream broke: {exc}") from exc
     finally:
         # Closing an unfinished stream drops the connection, which makes the worker abort it.
         if done:
@@ -163,4 +180,4 @@ async def iter_chunk_batches(response: aiohttp.ClientResponse) -> AsyncGenerator
         else:
             response.close()
     if not done:
-        raise WorkerFailed("worker stream ended without [DONE]")
+        raise WorkerLost("worker stream ended without [DONE]")

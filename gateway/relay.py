@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import logging
 import time
@@ -12,9 +13,13 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
+from gateway.auth import scope_of
+from gateway.drain import DRAIN_KEY, InFlight
 from gateway.fleet import WorkerHandle
 from gateway.logs import decision_var, request_id_var, session_var
-from gateway.proxy import StreamTally, WorkerUnreachable, iter_chunk_batches, iter_chunks, open_stream, worker_body
+from gateway.migration import MigratingStream
+from gateway.ops_metrics import OPS_KEY
+from gateway.proxy import NoWorkerLeft, NoWorkerReady, StreamTally, WorkerUnreachable, open_stream, worker_body
 from gateway.routing import Candidate, choose_worker
 from gateway.sessions import ModeChange, Session
 from gateway.state import GatewayState
@@ -41,9 +46,8 @@ from workers.protocol import (
     Directive,
     NotFound,
     RequestKind,
+    ResumePoint,
     StepReport,
-    Unavailable,
-    WorkerFailed,
     assemble,
     chunk_text,
     parse_request,
@@ -67,6 +71,7 @@ class Admission:
     decision: Decision
     policy: PolicyConfig
     attempt: AttemptTrace
+    retries: int = 0  # workers found unreachable before this one took the request
 
 
 def _session_id(request: web.Request, req: CompletionRequest) -> str | None:
@@ -147,22 +152,29 @@ def _record(state: GatewayState, session: Session, decision: Decision) -> None:
     session.policy_state = record_decision(session.policy_state, decision)
 
 
-async def _admit(state: GatewayState, session: Session, req: CompletionRequest,
-                 trace: RequestTrace) -> tuple[Admission, aiohttp.ClientResponse]:
-    """Routes, decides and opens the worker stream, retrying on other workers before the first chunk."""
+async def _admit(state: GatewayState, session: Session, req: CompletionRequest, exclude: frozenset[str] = frozenset(),
+                 resume: ResumePoint | None = None, *,
+                 trace: RequestTrace | None = None) -> tuple[Admission, aiohttp.ClientResponse]:
+    """Routes, decides and opens the worker stream, retrying on other workers before the first chunk.
+
+    ``resume`` continues a generation another worker began (gateway/migration.py): only
+    workers that speak specgate's protocol can take it. ``trace`` gets a child span per attempt.
+    """
+    trace = trace or RequestTrace(None, None, False)  # tracing off: every method a no-op
     policy = state.policy.active
-    tried: set[str] = set()
+    tried: set[str] = set(exclude)
     while True:
-        candidates = [c for c in state.fleet.candidates() if c.worker_id not in tried]
+        candidates = [c for c in state.fleet.candidates() if c.worker_id not in tried
+                      and (resume is None or state.fleet.workers[c.worker_id].speaks_specgate)]
         routed = _route(state, session, candidates, req, policy)
         if routed is None:
-            if tried:
-                raise WorkerFailed(f"no worker could take the request (tried {', '.join(sorted(tried))})")
-            raise Unavailable("no worker is ready", retry_after_s=1.0)
+            if tried - exclude:
+                raise NoWorkerLeft(f"no worker could take the request (tried {', '.join(sorted(tried - exclude))})")
+            raise NoWorkerReady("no worker is ready", retry_after_s=1.0)
         handle, decision = routed
         worker_id = session.worker_id = handle.worker_id
-        body = worker_body(req, Directive(decision.k, policy.max_batch, policy.batch_resume, policy.max_step_drafts),
-                           handle.protocol)
+        body = worker_body(req, Directive(decision.k, policy.max_batch, policy.batch_resume, policy.max_step_drafts,
+                                          resume), handle.protocol)
         handle.in_flight += 1
         attempt = trace.attempt(worker_id, decision)
         try:
@@ -181,7 +193,7 @@ async def _admit(state: GatewayState, session: Session, req: CompletionRequest,
             attempt.failed(exc)
             raise
         _record(state, session, decision)
-        return Admission(session, handle, decision, policy, attempt), response
+        return Admission(session, handle, decision, policy, attempt, len(tried - exclude)), response
 
 
 def _account(state: GatewayState, admission: Admission, tally: StreamTally, chunk: dict[str, Any],
@@ -256,8 +268,10 @@ async def _send(out: web.StreamResponse, data: bytes) -> None:
 async def relay(request: web.Request, kind: RequestKind, state: GatewayState) -> web.StreamResponse:
     trace = request.app[TRACING_KEY].start(request, kind)  # a no-op unless tracing is on
     error: BaseException | None = None
+    drain = request.app[DRAIN_KEY]
     try:
-        return await _relay(request, kind, state, trace)
+        with drain.track() as in_flight:  # refused with 503 once the gateway drains for shutdown
+            return await _relay(request, kind, state, trace, in_flight)
     except BaseException as exc:
         error = exc
         raise
@@ -265,9 +279,10 @@ async def relay(request: web.Request, kind: RequestKind, state: GatewayState) ->
         trace.finish(error)
 
 
-async def _relay(request: web.Request, kind: RequestKind, state: GatewayState,
-                 trace: RequestTrace) -> web.StreamResponse:
+async def _relay(request: web.Request, kind: RequestKind, state: GatewayState, trace: RequestTrace,
+                 in_flight: InFlight) -> web.StreamResponse:
     started = time.monotonic()
+    drain, ops = request.app[DRAIN_KEY], request.app[OPS_KEY]
     # Tags this request's log lines (gateway/logs.py); each aiohttp handler runs in its own task,
     # so these values never leak into another request's context.
     request_id_var.set(uuid.uuid4().hex)
@@ -278,42 +293,46 @@ async def _relay(request: web.Request, kind: RequestKind, state: GatewayState,
     for name in GATEWAY_FIELDS:  # the specgate directive and vllm_xargs: the gateway decides speculation
         if req.raw.get(name) is not None:
             raise BadRequest(f"'{name}' is set by the gateway, not by clients", param=name)
-    session = state.sessions.touch(_session_id(request, req), started)
+    # Sessions are scoped to the API key that made them: another key's session id is another session.
+    session = state.sessions.touch(_session_id(request, req), started, scope_of(request))
     session.requests += 1
     session_var.set(session.session_id)
-    admission, response = await _admit(state, session, req, trace)
+    admission, response = await drain.guard(_admit(state, session, req, trace=trace))
+    if admission.retries:
+        ops.retries.inc(admission.retries)
     trace.admitted(session.session_id, admission.handle.worker_id, admission.decision,
                    req.raw.get("prompt", req.raw.get("messages")))
     decision_var.set(admission.decision.header)
+    # A worker that dies mid-way: the stream resumes on another (gateway/migration.py).
+    stream = MigratingStream(state, session, req, admission, response, functools.partial(_admit, trace=trace),
+                             drain, ops)
+    in_flight.stream = stream
     headers = {SESSION_HEADER: session.session_id, MODE_HEADER: admission.decision.header,
                WORKER_HEADER: admission.handle.worker_id}
     tally = StreamTally()
-    chunks = iter_chunks(response)
-    batches = iter_chunk_batches(response)  # streaming reads a network read at a time (the hot loop)
+    chunks = stream.chunks()
     try:
         if not req.stream:
             async for chunk in chunks:
-                _account(state, admission, tally, chunk, kind, started)
+                _account(state, stream.admission, tally, chunk, kind, started)
                 tally.collected.append(chunk)
                 if request.transport is None or request.transport.is_closing():
                     # The client left: stop reading, which closes the worker stream and aborts it.
                     raise ClientDisconnected("client disconnected while its completion was generated")
+            # After a migration: every worker that served it, in order; the mode is the last decision's.
+            headers[WORKER_HEADER] = stream.workers_header
+            headers[MODE_HEADER] = stream.admission.decision.header
             return web.json_response(assemble(kind, tally.collected), headers=headers)
         out = await start_sse(request, headers)
         try:
-            async for batch in batches:
-                # Hot loop: one client write per worker read, and chunks relayed as the worker
-                # wrote them unless accounting changed them (the usage chunk).
-                pending: list[bytes] = []
-                for chunk, raw in batch:
-                    _account(state, admission, tally, chunk, kind, started)
-                    if chunk.get("usage") is not None:  # the one chunk _account rewrites
-                        if req.include_usage:
-                            pending.append(sse_event(chunk))
-                    elif _worth_sending(kind, chunk):
-                        pending.append(b"data: " + raw + b"\n\n")
-                if pending:
-                    await _send(out, b"".join(pending))
+            # Each chunk is re-serialized: the migrating stream strips the token ids workers send
+            # for resumption, so a worker's bytes cannot be relayed as they are.
+            async for chunk in chunks:
+                _account(state, stream.admission, tally, chunk, kind, started)
+                if chunk.get("usage") is not None and not req.include_usage:
+                    continue
+                if _worth_sending(kind, chunk):
+                    await _send(out, sse_event(chunk))
             await _send(out, sse_event("[DONE]"))
         except ClientDisconnected:
             raise
@@ -323,13 +342,11 @@ async def _relay(request: web.Request, kind: RequestKind, state: GatewayState,
             await _send(out, sse_event(error.body()))
         return out
     finally:
-        # Closes the worker stream (only one of the two was started; closing the other is a no-op);
-        # a worker aborts sequences whose reader left.
         await chunks.aclose()
-        await batches.aclose()
-        admission.handle.in_flight -= 1
-        admission.attempt.end()
+        await stream.aclose()
+        stream.admission.attempt.end()
         trace.streamed(tally.first_token_at - started if tally.first_token_at is not None else None, tally.tokens)
         # One line per request (tagged with its id, session and decision by gateway/logs.py);
         # never the body or headers: no prompt text or API key reaches the log.
-        log.info("%s request on %s done in %.3f s", kind, admission.handle.worker_id, time.monotonic() - started)
+        log.info("%s request on %s done in %.3f s", kind, stream.admission.handle.worker_id,
+                 time.monotonic() - started)

@@ -25,13 +25,16 @@ class ModeChange:
 
 @dataclass
 class Session:
-    session_id: str
+    session_id: str  # as the client knows it (X-Session-ID)
     last_seen: float
     worker_id: str | None = None
     policy_state: SessionState = field(default_factory=SessionState)
     last_decision: Decision | None = None
     requests: int = 0
     history: deque[ModeChange] = field(default_factory=deque)
+    # The fingerprint of the API key that created it ("" while the API is open): the table is
+    # keyed by (scope, id), so another key using the same id gets a session of its own.
+    scope: str = ""
 
     @property
     def mode(self) -> Mode | None:
@@ -41,30 +44,35 @@ class Session:
 class SessionTable:
     def __init__(self, config: SessionsConfig) -> None:
         self.config = config
-        self._sessions: OrderedDict[str, Session] = OrderedDict()
+        self._sessions: OrderedDict[tuple[str, str], Session] = OrderedDict()
         self.evicted = 0
 
     def __len__(self) -> int:
         return len(self._sessions)
 
-    def get(self, session_id: str) -> Session | None:
-        return self._sessions.get(session_id)
+    def get(self, session_id: str, scope: str = "") -> Session | None:
+        return self._sessions.get((scope, session_id))
 
-    def touch(self, session_id: str | None, now: float) -> Session:
+    def find(self, session_id: str) -> list[Session]:
+        """The sessions of that id in every scope (the admin view; a scan, not a hot path)."""
+        return [s for (_, sid), s in self._sessions.items() if sid == session_id]
+
+    def touch(self, session_id: str | None, now: float, scope: str = "") -> Session:
         """Returns the session (created if new or expired), marked most recently used."""
         self.expire(now)
         if session_id is None:
             session_id = "sess-" + uuid.uuid4().hex
-        session = self._sessions.get(session_id)
+        key = (scope, session_id)
+        session = self._sessions.get(key)
         if session is None:
-            session = Session(session_id, now, history=deque(maxlen=self.config.history))
-            self._sessions[session_id] = session
+            session = Session(session_id, now, history=deque(maxlen=self.config.history), scope=scope)
+            self._sessions[key] = session
             while len(self._sessions) > self.config.max_sessions:
                 self._sessions.popitem(last=False)
                 self.evicted += 1
         else:
             session.last_seen = now
-            self._sessions.move_to_end(session_id)
+            self._sessions.move_to_end(key)
         return session
 
     def expire(self, now: float) -> None:

@@ -11,7 +11,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -35,6 +35,8 @@ class Gateway:
     port: int
     config_path: Path
     log_path: Path
+    # Sent with get_json and metrics (e.g. the admin token, when the config sets one).
+    headers: dict[str, str] = field(default_factory=dict)
 
     @property
     def url(self) -> str:
@@ -45,11 +47,13 @@ class Gateway:
         return self.url + "/v1"
 
     def get_json(self, path: str) -> Any:
-        with urllib.request.urlopen(self.url + path, timeout=10) as response:
+        request = urllib.request.Request(self.url + path, headers=self.headers)
+        with urllib.request.urlopen(request, timeout=10) as response:
             return json.loads(response.read())
 
     def metrics(self) -> str:
-        with urllib.request.urlopen(self.url + "/metrics", timeout=10) as response:
+        request = urllib.request.Request(self.url + "/metrics", headers=self.headers)
+        with urllib.request.urlopen(request, timeout=10) as response:
             text: str = response.read().decode()
             return text
 
@@ -141,15 +145,16 @@ def wait_until_ok(process: subprocess.Popen[bytes], url: str, log_path: Path, ti
     raise RuntimeError(f"{url}: not ready within {timeout_s}s:\n{log_path.read_text()}")
 
 
-def start_tcp_worker(log_dir: Path, *extra: str, ready_timeout_s: float = 120.0) -> tuple[subprocess.Popen[bytes], int]:
-    """A standalone specgate worker on TCP, as on another machine."""
+def start_tcp_worker(log_dir: Path, *extra: str, ready_timeout_s: float = 120.0,
+                     env: dict[str, str] | None = None) -> tuple[subprocess.Popen[bytes], int]:
+    """A standalone specgate worker on TCP, as on another machine (``env``: extra variables)."""
     port = free_port()
     log_path = log_dir / f"worker-{port}.log"
     with log_path.open("wb") as log:
         process = subprocess.Popen(
             [sys.executable, "-m", "workers", "--worker-id", f"tcp-{port}", "--port", str(port),
              "--target", str(MODELS / "demo-target"), "--draft", str(MODELS / "demo-draft"), *extra],
-            cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
+            cwd=REPO, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})})
     try:
         wait_until_ok(process, f"http://127.0.0.1:{port}/health", log_path, ready_timeout_s)
     except RuntimeError:

@@ -89,3 +89,27 @@ def test_a_stop_inside_a_multi_token_push_keeps_tokens_up_to_it(codec: TextCodec
     assert stream.last_kept == 1 and not stream.stopped
     assert first + stream.push(ids[1:]) == "alpha beta "
     assert stream.stopped and stream.last_kept == needed - 1 and stream.ids == ids[:needed]
+
+
+@pytest.mark.parametrize("cut", range(1, 12))
+def test_a_primed_stream_continues_as_if_never_interrupted(codec: TextCodec, cut: int) -> None:
+    """A resumed request (mid-stream migration): a fresh TextStream primed with the ids generated
+    so far and the characters already sent delivers exactly the rest, and finds a stop string
+    that spans the boundary."""
+    text = "def f(x):\n    return x + 1\n\nEND of it"
+    ids = codec.encode(text)[1:]
+    stop = ("\n\nEND",)
+    whole, reference = stream_all(codec, text, stop)
+    first = TextStream(codec, stop)
+    sent = "".join(first.push([t]) for t in ids[:cut])
+    resumed = TextStream(codec, stop)
+    resumed.prime(ids[:cut], len(sent))
+    rest = []
+    for token in ids[cut:]:
+        rest.append(resumed.push([token]))
+        if resumed.stopped:
+            break
+    if not resumed.stopped:
+        rest.append(resumed.flush())
+    assert sent + "".join(rest) == "".join(whole) == "def f(x):\n    return x + 1"
+    assert resumed.stopped and resumed.ids == reference.ids

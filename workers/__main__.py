@@ -20,7 +20,10 @@ import uvloop
 
 from workers.engine_api import Engine
 from workers.server import WorkerSettings, create_worker_app
+from workers.tokens import is_loopback
 from workers.web_runner import run_app
+
+TOKEN_ENV = "SPECGATE_WORKER_TOKEN"
 
 
 def parse_args(argv: list[str] | None = None, prog: str = "python -m workers") -> argparse.Namespace:
@@ -49,7 +52,9 @@ def parse_args(argv: list[str] | None = None, prog: str = "python -m workers") -
     where = parser.add_mutually_exclusive_group(required=True)
     where.add_argument("--uds", type=Path, help="listen on this Unix domain socket")
     where.add_argument("--port", type=int, help="listen on TCP (with --host)")
-    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--host", default="127.0.0.1",
+                        help="with --port; an address other than loopback needs the gateway's token "
+                             f"(the {TOKEN_ENV} environment variable)")
     return parser.parse_args(argv)
 
 
@@ -86,14 +91,21 @@ def die_with_parent() -> None:
     ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGTERM)
 
 
-def main(argv: list[str] | None = None, prog: str = "python -m workers") -> None:
+def main(argv: list[str] | None = None, prog: str = "python -m workers") -> int:
     args = parse_args(argv, prog)
     if args.uds is not None:
         die_with_parent()
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s {args.worker_id} %(levelname)s %(name)s: %(message)s")
+    # From the environment, never the command line, where every user of the machine can read it.
+    token = os.environ.get(TOKEN_ENV) or None
+    if args.port is not None and token is None and not is_loopback(args.host):
+        print(f"specgate worker: --host {args.host} is not a loopback address: set {TOKEN_ENV} (the gateway's "
+              "workers.token) so that only the gateway is served", file=sys.stderr)
+        return 2
     settings = WorkerSettings(
         worker_id=args.worker_id, tokenizer_dir=args.target, served_model_name=args.served_model_name,
-        default_k=args.default_k, max_queue=args.max_queue, max_body_bytes=args.max_body_bytes)
+        default_k=args.default_k, max_queue=args.max_queue, max_body_bytes=args.max_body_bytes,
+        token=token if args.port is not None else None)  # a Unix socket is private to its gateway
     app = create_worker_app(settings, build_engine(args))
     uvloop.install()
     if args.uds is not None:
@@ -101,7 +113,8 @@ def main(argv: list[str] | None = None, prog: str = "python -m workers") -> None
         run_app(app, path=args.uds)
     else:
         run_app(app, host=args.host, port=args.port)
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -89,6 +89,16 @@ class ResponseFormatText(_Strict):
     type: Literal["text"]
 
 
+class Resume(_Strict):
+    """Continue a generation another worker began (gateway/migration.py): the prompt's token
+    ids, the output tokens generated so far, and how many characters of their text the client
+    already has. The worker skips templating and tokenizing and goes on from prompt + output."""
+
+    prompt_ids: TokenIds
+    output_ids: list[Annotated[int, Field(ge=0, le=MAX_TOKEN_ID)]]
+    text_sent: Annotated[int, Field(ge=0)] = 0
+
+
 class Directive(_Strict):
     """The gateway's ``specgate`` directive to its workers (not part of the public API)."""
 
@@ -96,6 +106,7 @@ class Directive(_Strict):
     max_batch: Annotated[int, Field(ge=1, le=1 << 20)] = 1 << 20
     batch_resume: Annotated[int, Field(ge=1, le=1 << 20)] = 1 << 20
     max_step_drafts: Annotated[int, Field(ge=0, le=1 << 20)] = 0  # 0: no limit
+    resume: Resume | None = None
 
 
 class _RequestBody(_Strict):

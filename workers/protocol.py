@@ -35,6 +35,8 @@ DIRECTIVE_FIELD = "specgate"
 # per-request extension field, under the plugin's names (workers/vllm_plugin/specgate_vllm/rules.py).
 VLLM_XARGS_FIELD = "vllm_xargs"
 VLLM_SPEC_K, VLLM_MAX_BATCH, VLLM_BATCH_RESUME = "spec_k", "spec_max_batch", "spec_batch_resume"
+# In a chunk's step report: the step's token ids and, in the first chunk, the prompt's.
+TOKEN_IDS_FIELD, PROMPT_IDS_FIELD = "token_ids", "prompt_ids"
 # Fields the gateway sets for its workers; a client sending one is refused.
 GATEWAY_FIELDS = (DIRECTIVE_FIELD, VLLM_XARGS_FIELD)
 
@@ -122,6 +124,23 @@ class ChatMessage:
 
 
 @dataclass(frozen=True)
+class ResumePoint:
+    """Where a generation that another worker began stands (``specgate.resume``).
+
+    Token ids, not text: stop-string holdback means the text a client has is not the text of
+    the tokens generated, and a chat cannot be continued from text through the OpenAI API.
+    """
+
+    prompt_ids: tuple[int, ...]  # as the first worker templated and tokenized the request
+    output_ids: tuple[int, ...]  # generated so far (and counted in the usage)
+    text_sent: int = 0  # characters of the output's text the client already has
+
+    def to_json(self) -> dict[str, Any]:
+        return {"prompt_ids": list(self.prompt_ids), "output_ids": list(self.output_ids),
+                "text_sent": self.text_sent}
+
+
+@dataclass(frozen=True)
 class Directive:
     """The gateway's decision for one request, carried to the worker in ``specgate``."""
 
@@ -129,11 +148,14 @@ class Directive:
     max_batch: int  # the worker goes plain for a step while its batch depth is above this
     batch_resume: int  # ...until it falls below this
     max_step_drafts: int = 0  # drafts per step across the batch before K shrinks (0: no limit)
+    resume: ResumePoint | None = None  # continue from here instead of from the request's prompt
 
-    def to_json(self) -> dict[str, int]:
-        out = {"k": self.k, "max_batch": self.max_batch, "batch_resume": self.batch_resume}
+    def to_json(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"k": self.k, "max_batch": self.max_batch, "batch_resume": self.batch_resume}
         if self.max_step_drafts:
             out["max_step_drafts"] = self.max_step_drafts
+        if self.resume is not None:
+            out["resume"] = self.resume.to_json()
         return out
 
 
@@ -226,13 +248,17 @@ def parse_request(kind: RequestKind, body: Any) -> CompletionRequest:
     if temperature < GREEDY_BELOW:
         temperature = 0.0
     directive = parsed.specgate
+    resume = None
+    if directive is not None and directive.resume is not None:
+        r = directive.resume
+        resume = ResumePoint(tuple(r.prompt_ids), tuple(r.output_ids), r.text_sent)
     return CompletionRequest(
         kind=kind, model=parsed.model, prompt=prompt, messages=messages, max_tokens=max_tokens,
         temperature=temperature, top_p=1.0 if parsed.top_p is None else parsed.top_p,
         top_k=max(0, parsed.top_k or 0), seed=parsed.seed, stop=stop, stream=bool(parsed.stream),
         include_usage=bool(parsed.stream_options and parsed.stream_options.include_usage), user=parsed.user,
         directive=None if directive is None else Directive(directive.k, directive.max_batch, directive.batch_resume,
-                                                       directive.max_step_drafts),
+                                                       directive.max_step_drafts, resume),
         raw=body)
 
 
@@ -249,12 +275,20 @@ class StepReport:
     # Steps whose acceptance the engine learned late (vLLM reports it when a request ends):
     # ``count`` steps of ``proposed`` drafts with ``accepted`` accepted each.
     late_steps: tuple[SpecSteps, ...] = ()
+    # The ids of the ``tokens`` counted above, and (first chunk only) the prompt's: what the
+    # gateway needs to resume the generation on another worker should this one die.
+    token_ids: tuple[int, ...] | None = None
+    prompt_ids: tuple[int, ...] | None = None
 
     def to_json(self) -> dict[str, Any]:
         out: dict[str, Any] = {"proposed": self.proposed, "accepted": self.accepted, "batch_depth": self.batch_depth,
                                "k": self.k, "tokens": self.tokens}
         if self.late_steps:
             out["late_steps"] = [[g.proposed, g.accepted, g.count] for g in self.late_steps]
+        if self.token_ids is not None:
+            out[TOKEN_IDS_FIELD] = list(self.token_ids)
+        if self.prompt_ids is not None:
+            out[PROMPT_IDS_FIELD] = list(self.prompt_ids)
         return out
 
     @classmethod

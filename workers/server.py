@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from aiohttp import web
+from aiohttp.typedefs import Middleware
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
 from workers.api_models import FIELD_NAMES
@@ -37,7 +38,8 @@ from workers.protocol import (
     speculative_usage,
 )
 from workers.text import TextCodec, TextStream
-from workers.web_common import health, model_list, openai_errors, read_json, sse_event, start_sse
+from workers.tokens import Unauthorized, bearer, matching
+from workers.web_common import Handler, health, model_list, openai_errors, read_json, sse_event, start_sse
 
 log = logging.getLogger(__name__)
 
@@ -50,6 +52,9 @@ class WorkerSettings:
     default_k: int = 6  # K for requests without a gateway directive
     max_queue: int = 64  # waiting sequences before 429
     max_body_bytes: int = 1 << 20
+    # The gateway's shared token (SPECGATE_WORKER_TOKEN): with one, every route but /health
+    # wants it as a bearer token. A worker on a private Unix socket needs none.
+    token: str | None = None
 
 
 @dataclass
@@ -67,7 +72,10 @@ CONTEXT_KEY = web.AppKey("worker_context", WorkerContext)
 def create_worker_app(settings: WorkerSettings, engine: Engine,
                       registry: CollectorRegistry | None = None) -> web.Application:
     """``registry=None`` uses prometheus_client's default (multiprocess-aware) registry."""
-    app = web.Application(middlewares=[openai_errors], client_max_size=settings.max_body_bytes)
+    middlewares: list[Middleware] = [openai_errors]
+    if settings.token is not None:
+        middlewares.append(_gateway_only(settings.token))
+    app = web.Application(middlewares=middlewares, client_max_size=settings.max_body_bytes)
 
     async def engine_ctx(app: web.Application) -> AsyncIterator[None]:
         metrics = WorkerMetrics.create(registry)
@@ -108,6 +116,23 @@ def create_worker_app(settings: WorkerSettings, engine: Engine,
     app.router.add_get("/specgate/worker", _describe)
     app.router.add_get("/metrics", _metrics)
     return app
+
+
+def _gateway_only(token: str) -> Middleware:
+    """Refuses every request without the gateway's token, except the liveness probe."""
+
+    @web.middleware
+    async def check(request: web.Request, handler: Handler) -> web.StreamResponse:
+        if request.path != "/health":
+            presented = bearer(request)
+            if presented is None:
+                raise Unauthorized("this worker serves its gateway only: send its token as 'Authorization: Bearer'",
+                                   code="invalid_api_key")
+            if matching(presented, (token,)) is None:
+                raise Unauthorized("wrong worker token", code="invalid_api_key")
+        return await handler(request)
+
+    return check
 
 
 # -- handlers -----------------------------------------------------------------------------------------
@@ -180,7 +205,15 @@ async def _serve(request: web.Request, kind: RequestKind) -> web.StreamResponse:
     if req.model != ctx.settings.served_model_name:
         raise NotFound(f"model '{req.model}' does not exist; this worker serves '{ctx.settings.served_model_name}'",
                        param="model", code="model_not_found")
-    prompt_ids = _prompt_ids(ctx, req)
+    resume = req.directive.resume if req.directive is not None else None
+    if resume is not None:
+        # Another worker began this generation: go on from its prompt and output token ids.
+        vocab = ctx.engine.info.vocab_size
+        if any(t >= vocab for t in resume.prompt_ids + resume.output_ids):
+            raise BadRequest(f"resumed token ids must be below the vocabulary size {vocab}", param="specgate.resume")
+        prompt_ids = list(resume.prompt_ids + resume.output_ids)
+    else:
+        prompt_ids = _prompt_ids(ctx, req)
     window = ctx.engine.info.context_window
     room = window - len(prompt_ids)
     if room < 1:
@@ -199,7 +232,8 @@ async def _serve(request: web.Request, kind: RequestKind) -> web.StreamResponse:
     generation = GenerationRequest(
         request_id=("chatcmpl-" if kind == "chat" else "cmpl-") + secrets.token_hex(12), prompt_ids=prompt_ids,
         max_tokens=max_tokens, k=k,
-        params=SamplingParams(temperature=req.temperature, top_p=req.top_p, top_k=req.top_k, seed=req.seed))
+        params=SamplingParams(temperature=req.temperature, top_p=req.top_p, top_k=req.top_k, seed=req.seed,
+                              position_offset=len(resume.output_ids) if resume is not None else 0))
     chunks = _generate(ctx, req, generation)
     try:
         # The first chunk comes before the response starts, so early failures keep their status.
@@ -232,6 +266,12 @@ async def _generate(ctx: WorkerContext, req: CompletionRequest,
     """Chunks for one request: a chunk per engine step, then one usage chunk."""
     rid, created, model = generation.request_id, int(time.time()), ctx.settings.served_model_name
     text = TextStream(ctx.codec, req.stop)
+    resume = req.directive.resume if req.directive is not None else None
+    prompt_ids = generation.prompt_ids
+    earlier = 0  # output tokens generated before this worker took over (a resumed request)
+    if resume is not None:
+        prompt_ids, earlier = list(resume.prompt_ids), len(resume.output_ids)
+        text.prime(list(resume.output_ids), resume.text_sent)
     emitted = proposed = accepted = 0
     steps = spec_steps = 0  # what ran, step by step (the worker's batch latch may run steps plain)
     finished = False
@@ -281,14 +321,17 @@ async def _generate(ctx: WorkerContext, req: CompletionRequest,
             elif finish is not None:
                 delta += text.flush()
             finished = finish is not None
-            report = StepReport(item.proposed, item.accepted, item.batch_depth, item.proposed, kept, late)
-            yield chunk(delta, finish, report, first=first_chunk)
+            report = StepReport(item.proposed, item.accepted, item.batch_depth, item.proposed, kept, late,
+                                token_ids=tuple(item.tokens[:kept]),
+                                prompt_ids=tuple(prompt_ids) if first_chunk else None)
+            # A resumed stream continues the client's: its role was sent by the first worker.
+            yield chunk(delta, finish, report, first=first_chunk and resume is None)
             first_chunk = False
         mode = "speculative" if generation.k > 0 else "plain"
         yield {"id": rid, "object": "chat.completion.chunk" if req.kind == "chat" else "text_completion",
                "created": created, "model": model, "choices": [],
-               "usage": {"prompt_tokens": len(generation.prompt_ids), "completion_tokens": emitted,
-                         "total_tokens": len(generation.prompt_ids) + emitted,
+               "usage": {"prompt_tokens": len(prompt_ids), "completion_tokens": earlier + emitted,
+                         "total_tokens": len(prompt_ids) + earlier + emitted,
                          "speculative": speculative_usage(proposed, accepted, mode, spec_steps,
                                                           max(0, steps - spec_steps))}}
     finally:

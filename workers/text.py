@@ -120,6 +120,14 @@ class TextStream:
         self._text = text[:cut]
         return self._emit(cut)
 
+    def prime(self, ids: list[int], sent: int) -> None:
+        """Continue a generation begun elsewhere (a resumed request): ``ids`` were generated and
+        ``sent`` characters of their text were delivered. What was held back stays held back, so
+        a stop string spanning the boundary is still found and never sent."""
+        self.ids = list(ids)
+        self._text = self._decode(self.ids)
+        self.sent = min(sent, len(self._text))
+
     def flush(self) -> str:
         """Whatever was held back, once generation has ended without a stop string."""
         return self._emit(len(self._text))

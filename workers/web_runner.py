@@ -19,8 +19,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import signal
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from aiohttp import web
 from aiohttp.http_exceptions import BadHttpMessage, HttpProcessingError, LineTooLong
@@ -87,20 +88,54 @@ class OpenAIAppRunner(web.AppRunner):
         return server
 
 
+class Drainer(Protocol):
+    async def drain(self) -> None:
+        """Runs between a shutdown signal and the cleanup, while the listener still answers."""
+
+    def hurry(self) -> None:
+        """A second signal during ``drain``: finish it now."""
+
+
 def run_app(app: web.Application, *, host: str | None = None, port: int | None = None,
-            path: Path | None = None) -> None:
-    """``web.run_app`` (SIGINT/SIGTERM stop it gracefully, cleanup contexts run) with OpenAIAppRunner."""
+            path: Path | None = None, drainer: Drainer | None = None) -> None:
+    """``web.run_app`` (SIGINT/SIGTERM stop it gracefully, cleanup contexts run) with OpenAIAppRunner.
+
+    With a ``drainer``, the first SIGINT/SIGTERM starts ``drainer.drain()`` and the cleanup
+    follows once it returns; a second signal calls ``drainer.hurry()``.
+    """
 
     async def serve() -> None:
-        runner = OpenAIAppRunner(app, handle_signals=True, access_log=None)
+        runner = OpenAIAppRunner(app, handle_signals=drainer is None, access_log=None)
         await runner.setup()
         try:
             site = web.UnixSite(runner, str(path)) if path is not None else web.TCPSite(runner, host, port)
             await site.start()
-            await asyncio.Event().wait()  # until a signal raises GracefulExit
+            if drainer is None:
+                await asyncio.Event().wait()  # until a signal raises GracefulExit
+            else:
+                await _until_signal_then_drain(drainer)
         finally:
             await runner.cleanup()
 
     # GracefulExit leaves asyncio.run, which then cancels serve(), whose finally runs the cleanup.
     with contextlib.suppress(web.GracefulExit, KeyboardInterrupt):
         asyncio.run(serve())
+
+
+async def _until_signal_then_drain(drainer: Drainer) -> None:
+    loop = asyncio.get_running_loop()
+    signalled = asyncio.Event()
+
+    def on_signal() -> None:
+        if signalled.is_set():
+            drainer.hurry()
+        signalled.set()
+
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, on_signal)
+    try:
+        await signalled.wait()
+        await drainer.drain()
+    finally:
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.remove_signal_handler(sig)

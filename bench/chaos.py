@@ -1,0 +1,345 @@
+"""Chaos benchmark: honest sessions while workers die, the policy file churns and a hostile client
+pushes degenerate parameters and malformed bodies. Every request must end in exactly one outcome.
+
+    python -m bench.chaos [--json] [--quick] [--sessions N] [--duration T] [--kill-every S] [--policy-every R]
+
+A real gateway (``python -m gateway``) with two embedded workers serves N honest sessions for T
+seconds, each sending greedy requests (completions and chats, streamed and not) whose undisturbed
+answers were recorded first. Every S seconds a random worker is killed with SIGKILL (only once
+all workers are ready again, so another worker is always up); every R seconds the config file's
+policy is rewritten, valid and invalid versions alternating; a hostile client sends degenerate
+sampling parameters and malformed bodies throughout.
+
+Figures: requests sent and completed; retried transparently before their first chunk and
+migrated mid-stream (the gateway's ``specgate_retries_total`` and ``specgate_migrations_total``);
+failed with a clear error (an OpenAI error object or SSE error event: 0 expected while another
+worker is up); **lost** (no final outcome at all: a cut stream, a hang, a transport error);
+requests with more than one final outcome; outputs that differ from the undisturbed run, and
+of those the ones longer than it (text duplicated); the longest time from a kill until every
+worker is ready again; hostile requests answered with anything but a 4xx; honest requests
+harmed by a hostile one (failed or wrong while a hostile request was in flight and no kill
+happened during them: 0 expected). ``--json`` prints one JSON object as the last line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import yaml
+
+REPO = Path(__file__).resolve().parent.parent
+MODEL = "specgate-demo"
+PROMPTS = ["import os\n\n\ndef list_files(root):\n    ", "class Queue:\n    def __init__(self):\n        ",
+           "def merge_sorted(a, b):\n    ", "import re\n\n\ndef tokenize(text):\n    "]
+QUESTIONS = ["Write a Python function `flatten`.", "Write a function that checks for palindromes."]
+HOSTILE_FIELDS: list[dict[str, Any]] = [
+    {"temperature": 0.7, "top_p": 0}, {"temperature": -0.5}, {"temperature": 1e308}, {"top_k": 10**12},
+    {"seed": 2**70}, {"max_tokens": 2**40}, {"top_p": 1.5}, {"n": 3}, {"logit_bias": {"1": 100}},
+    {"stop": [""]}, {"max_tokens": 0}, {"temperature": "hot"},
+]
+HOSTILE_BODIES = [b"{", b"[]", b"\xff\xfe{}", b'{"model": "specgate-demo", "prompt": ' + b"[" * 200 + b"]" * 200 + b"}",
+                  b'{"model": "specgate-demo", "prompt": "x", "temperature": NaN}', b"null", b'{"model": 5}']
+POLICIES_VALID = [{"num_speculative_tokens": 4, "max_temperature": 0.8}, {"num_speculative_tokens": 6}]
+POLICIES_INVALID = [{"acceptance_floor": 2.0}, {"num_speculative_tokens": "six"}, {"max_batch": -1}]
+
+
+@dataclass
+class Variant:
+    path: str
+    body: dict[str, Any]
+    chat: bool
+    reference: str = ""
+
+
+@dataclass
+class Outcome:
+    kind: str  # completed | failed | lost
+    text: str = ""
+    finals: int = 0  # final outcomes seen ([DONE], an error event, a whole answer, an error object)
+    started: float = 0.0
+    ended: float = 0.0
+    detail: str = ""
+
+
+@dataclass
+class Chaos:
+    url: str
+    pids: dict[str, int] = field(default_factory=dict)
+    kills: list[float] = field(default_factory=list)
+    recoveries: list[float] = field(default_factory=list)
+    hostile: list[tuple[float, float, int]] = field(default_factory=list)  # (start, end, status)
+    policy_writes: dict[str, int] = field(default_factory=lambda: {"valid": 0, "invalid": 0})
+
+
+def variants(max_tokens: int) -> list[Variant]:
+    out = []
+    for i, prompt in enumerate(PROMPTS):
+        for stream in (True, False):
+            body = {"model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": stream}
+            if i % 2:
+                body["stop"] = ["\n\n\n\n"]  # holdback across a migration
+            out.append(Variant("/v1/completions", body, False))
+    for question in QUESTIONS:
+        for stream in (True, False):
+            out.append(Variant("/v1/chat/completions", {"model": MODEL, "max_tokens": max_tokens, "temperature": 0,
+                                                         "stream": stream,
+                                                         "messages": [{"role": "user", "content": question}]}, True))
+    return out
+
+
+async def send(http: aiohttp.ClientSession, url: str, variant: Variant, session: str) -> Outcome:
+    outcome = Outcome("lost", started=time.monotonic())
+    try:
+        async with http.post(url + variant.path, json=variant.body, headers={"X-Session-ID": session}) as response:
+            if not variant.body["stream"]:
+                payload = await response.json(content_type=None)
+                outcome.finals = 1
+                if response.status == 200:
+                    choice = payload["choices"][0]
+                    outcome.kind = "completed"
+                    outcome.text = choice["message"]["content"] if variant.chat else choice["text"]
+                elif isinstance(payload, dict) and "error" in payload:
+                    outcome.kind, outcome.detail = "failed", str(payload["error"].get("message"))
+                return outcome
+            if response.status != 200:
+                payload = await response.json(content_type=None)
+                outcome.finals = 1
+                outcome.kind, outcome.detail = "failed", str(payload["error"].get("message"))
+                return outcome
+            done = error = False
+            async for raw in response.content:
+                line = raw.decode().strip()
+                if not line.startswith("data:"):
+                    continue
+                data = line[5:].strip()
+                if data == "[DONE]":
+                    done, outcome.finals = True, outcome.finals + 1
+                    continue
+                chunk = json.loads(data)
+                if "error" in chunk:
+                    error, outcome.finals = True, outcome.finals + 1
+                    outcome.detail = str(chunk["error"].get("message"))
+                    continue
+                for choice in chunk.get("choices") or []:
+                    delta = choice.get("delta") or {}
+                    outcome.text += (delta.get("content") or "") if variant.chat else (choice.get("text") or "")
+            outcome.kind = "completed" if done and not error else "failed" if error else "lost"
+    except (aiohttp.ClientError, TimeoutError, ValueError, KeyError) as exc:
+        outcome.kind, outcome.detail = "lost", f"{exc.__class__.__name__}: {exc}"
+    finally:
+        outcome.ended = time.monotonic()
+    return outcome
+
+
+async def honest(http: aiohttp.ClientSession, chaos: Chaos, pool: list[Variant], index: int, until: float,
+                 rng: random.Random, out: list[tuple[Variant, Outcome]]) -> None:
+    while time.monotonic() < until:
+        variant = rng.choice(pool)
+        out.append((variant, await send(http, chaos.url, variant, f"chaos-{index}")))
+
+
+async def hostile(http: aiohttp.ClientSession, chaos: Chaos, until: float, rng: random.Random) -> None:
+    while time.monotonic() < until:
+        started = time.monotonic()
+        headers = {"Content-Type": "application/json"}
+        if rng.random() < 0.5:
+            data = json.dumps({"model": MODEL, "prompt": "x", "max_tokens": 4, **rng.choice(HOSTILE_FIELDS)}).encode()
+        else:
+            data = rng.choice(HOSTILE_BODIES)
+        try:
+            async with http.post(chaos.url + "/v1/completions", data=data, headers=headers) as response:
+                await response.read()
+                status = response.status
+        except (aiohttp.ClientError, TimeoutError):
+            status = 0
+        chaos.hostile.append((started, time.monotonic(), status))
+        await asyncio.sleep(0.05)
+
+
+async def workers(http: aiohttp.ClientSession, url: str) -> list[dict[str, Any]]:
+    async with http.get(url + "/admin/workers") as response:
+        listed: list[dict[str, Any]] = (await response.json())["workers"]
+        return listed
+
+
+async def killer(http: aiohttp.ClientSession, chaos: Chaos, every_s: float, until: float, rng: random.Random) -> None:
+    """Kills a random worker every ``every_s``, once every worker is ready again."""
+    while True:
+        await asyncio.sleep(every_s)
+        if time.monotonic() >= until:
+            return
+        listed = await workers(http, chaos.url)
+        if not all(w["status"] == "ready" for w in listed):
+            continue
+        victim = rng.choice(listed)
+        killed_at = time.monotonic()
+        os.kill(victim["pid"], signal.SIGKILL)
+        chaos.kills.append(killed_at)
+        while True:  # until the victim is back (a new process) and every worker is ready
+            await asyncio.sleep(0.1)
+            listed = await workers(http, chaos.url)
+            back = next(w for w in listed if w["worker_id"] == victim["worker_id"])
+            if back["pid"] != victim["pid"] and all(w["status"] == "ready" for w in listed):
+                chaos.recoveries.append(time.monotonic() - killed_at)
+                break
+
+
+async def rewrite_policy(config: Path, chaos: Chaos, every_s: float, until: float) -> None:
+    raw = yaml.safe_load(await asyncio.to_thread(config.read_text))
+    valid = True
+    i = 0
+    while time.monotonic() < until:
+        await asyncio.sleep(every_s)
+        pool = POLICIES_VALID if valid else POLICIES_INVALID
+        raw["policy"] = pool[i % len(pool)]
+        await asyncio.to_thread(config.write_text, yaml.safe_dump(raw))
+        chaos.policy_writes["valid" if valid else "invalid"] += 1
+        valid, i = not valid, i + 1
+
+
+async def metric(http: aiohttp.ClientSession, url: str, name: str) -> float:
+    async with http.get(url + "/metrics") as response:
+        text = await response.text()
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith(name + " ") or line.startswith(name + "{"))
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+def start_gateway(config: Path, log: Path) -> tuple[subprocess.Popen[bytes], str]:
+    port = free_port()
+    env = {k: v for k, v in os.environ.items() if k != "PROMETHEUS_MULTIPROC_DIR" and not k.startswith("SPECGATE_")}
+    with log.open("wb") as out:
+        process = subprocess.Popen([sys.executable, "-m", "gateway", "--config", str(config), "--port", str(port)],
+                                   cwd=REPO, stdout=out, stderr=subprocess.STDOUT, env=env)
+    return process, f"http://127.0.0.1:{port}"
+
+
+async def wait_ready(http: aiohttp.ClientSession, url: str, count: int, process: subprocess.Popen[bytes],
+                     timeout_s: float = 300) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise RuntimeError(f"gateway exited with {process.returncode}")
+        try:
+            if sum(w["status"] == "ready" for w in await workers(http, url)) >= count:
+                return
+        except (aiohttp.ClientError, ValueError):
+            pass
+        await asyncio.sleep(0.2)
+    raise RuntimeError(f"workers not ready within {timeout_s}s")
+
+
+def harmed(chaos: Chaos, outcome: Outcome) -> bool:
+    overlaps = any(s < outcome.ended and e > outcome.started for s, e, _ in chaos.hostile)
+    killed = any(outcome.started <= k <= outcome.ended for k in chaos.kills)
+    return overlaps and not killed
+
+
+async def run(args: argparse.Namespace) -> dict[str, Any]:
+    tmp = Path(tempfile.mkdtemp(prefix="specgate-chaos-"))
+    config = tmp / "config.yaml"
+    config.write_text(yaml.safe_dump({
+        "model": {"target": str(REPO / "models/demo-target"), "draft": str(REPO / "models/demo-draft")},
+        "server": {"worker_timeout_s": 120, "migration_wait_s": 60, "drain_timeout_s": 5},
+        "workers": {"count": args.workers, "max_slots": 16, "poll_interval_s": 0.2, "restart_backoff_s": 0.2},
+        "policy": POLICIES_VALID[1]}))
+    process, url = start_gateway(config, tmp / "gateway.log")
+    chaos = Chaos(url)
+    rng = random.Random(args.seed)
+    try:
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=args.request_timeout)) as http:
+            await wait_ready(http, url, args.workers, process)
+            pool = variants(args.max_tokens)
+            for variant in pool:  # the undisturbed answers
+                reference = await send(http, url, variant, "reference")
+                if reference.kind != "completed":
+                    raise RuntimeError(f"reference run failed: {reference}")
+                variant.reference = reference.text
+            retries0, migrations0 = (await metric(http, url, "specgate_retries_total"),
+                                     await metric(http, url, "specgate_migrations_total"))
+            started = time.monotonic()
+            until = started + args.duration
+            results: list[tuple[Variant, Outcome]] = []
+            await asyncio.gather(
+                *(honest(http, chaos, pool, i, until, random.Random(args.seed + i), results)
+                  for i in range(args.sessions)),
+                hostile(http, chaos, until, rng), killer(http, chaos, args.kill_every, until, rng),
+                rewrite_policy(config, chaos, args.policy_every, until))
+            elapsed = time.monotonic() - started
+            retries = await metric(http, url, "specgate_retries_total") - retries0
+            migrations = await metric(http, url, "specgate_migrations_total") - migrations0
+            async with http.get(url + "/admin/policy") as response:
+                policy_view = await response.json()
+    finally:
+        process.send_signal(signal.SIGTERM)
+        try:
+            exit_code = process.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            exit_code = process.wait()
+    completed = [(v, o) for v, o in results if o.kind == "completed"]
+    mismatched = [(v, o) for v, o in completed if o.text != v.reference]
+    return {
+        "duration_s": round(elapsed, 1), "sessions": args.sessions, "workers": args.workers,
+        "requests_sent": len(results), "completed": len(completed),
+        "retried_transparently": int(retries), "migrated_mid_stream": int(migrations),
+        "failed_clear_error": sum(o.kind == "failed" for _, o in results),
+        "lost": sum(o.kind == "lost" for _, o in results),
+        "multiple_outcomes": sum(o.finals > 1 for _, o in results),
+        "mismatched_outputs": len(mismatched),
+        "duplicated_outputs": sum(len(o.text) > len(v.reference) for v, o in mismatched),
+        "kills": len(chaos.kills), "max_kill_to_ready_s": round(max(chaos.recoveries, default=0.0), 2),
+        "policy_writes_valid": chaos.policy_writes["valid"], "policy_writes_invalid": chaos.policy_writes["invalid"],
+        "policy_after": policy_view["policy"].get("num_speculative_tokens"),
+        "hostile_sent": len(chaos.hostile), "hostile_not_4xx": sum(not 400 <= s < 500 for _, _, s in chaos.hostile),
+        "honest_harmed_by_hostile": sum(o.kind != "completed" and harmed(chaos, o) for _, o in results)
+        + sum(harmed(chaos, o) for _, o in mismatched),
+        "gateway_exit_code": exit_code,
+        "failures": sorted({o.detail for _, o in results if o.kind != "completed"})[:5],
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--sessions", type=int, default=12, help="concurrent honest sessions (N)")
+    parser.add_argument("--duration", type=float, default=120.0, help="seconds of chaos (T)")
+    parser.add_argument("--kill-every", type=float, default=20.0, help="seconds between worker kills (S)")
+    parser.add_argument("--policy-every", type=float, default=5.0, help="seconds between policy rewrites (R)")
+    parser.add_argument("--workers", type=int, default=2)
+    parser.add_argument("--max-tokens", type=int, default=48)
+    parser.add_argument("--request-timeout", type=float, default=300.0)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--quick", action="store_true", help="a short smoke run")
+    parser.add_argument("--json", action="store_true", help="print one JSON object as the last line")
+    args = parser.parse_args()
+    if args.quick:
+        args.sessions, args.duration, args.kill_every, args.policy_every, args.max_tokens = 4, 30.0, 10.0, 2.0, 24
+    result = asyncio.run(run(args))
+    for key, value in result.items():
+        print(f"{key:>28}: {value}")
+    if args.json:
+        print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,157 @@
+"""Who may use the gateway: API keys for the OpenAI routes, an admin token (or loopback) for
+``/admin/*``, and optionally either for the probes. Keys rotate without a restart.
+
+The live keys come from the ``auth:`` section of config.yaml (or ``SPECGATE_API_KEYS``), and
+are re-read like the policy: when the file changes, on SIGHUP, and never half-applied (a
+section that fails to validate leaves the running keys in place). Secrets are compared in
+constant time (workers/tokens.py) and never logged or shown: logs and views name a key by
+its fingerprint.
+
+Each request's scope, the fingerprint of the key that made it, keys its session, so one key
+can neither read nor ride another key's session.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from pathlib import Path
+
+from aiohttp import web
+
+from gateway.auth_config import AuthConfig
+from gateway.config import ConfigError, ServerConfig, load_auth_file
+from gateway.ops_metrics import OpsMetrics
+from gateway.policy_store import ReloadSource
+from workers.tokens import Forbidden, Unauthorized, bearer, fingerprint, is_loopback, matching, peer_is_local
+from workers.web_common import Handler
+
+log = logging.getLogger(__name__)
+PROBES = frozenset({"/metrics", "/health", "/ready"})
+# The request's scope: "" when the API is open, else "key-" + the fingerprint of its API key.
+SCOPE_KEY = web.RequestKey("specgate_scope", str)
+
+
+def scope_of(request: web.Request) -> str:
+    scope: str = request.get(SCOPE_KEY, "")
+    return scope
+
+
+def check_exposure(auth: AuthConfig, server: ServerConfig, host: str) -> None:
+    """Refuses to serve a non-loopback address with no API keys, unless the config says so."""
+    if not auth.api_keys and not server.allow_unauthenticated and not is_loopback(host):
+        raise ConfigError("auth.api_keys", [], f"is empty while server.host is {host!r}, which is not a loopback "
+                          "address: set auth.api_keys (or SPECGATE_API_KEYS), or server.allow_unauthenticated: true "
+                          "to serve anyone who can reach the port")
+
+
+class AuthStore:
+    def __init__(self, initial: AuthConfig, path: Path | None, server: ServerConfig, metrics: OpsMetrics) -> None:
+        self.current = initial
+        self.path = path
+        self.server = server
+        self.metrics = metrics
+        self.last_error: str | None = None
+        self._stat = self._file_stat()
+
+    def _file_stat(self) -> tuple[int, int] | None:
+        if self.path is None:
+            return None
+        try:
+            st = self.path.stat()
+        except OSError:
+            return None
+        return st.st_mtime_ns, st.st_size
+
+    def describe(self) -> str:
+        keys = ", ".join(fingerprint(k) for k in self.current.api_keys) or "none"
+        return f"{len(self.current.api_keys)} API keys (fingerprints: {keys}), admin token " + (
+            "set" if self.current.admin_token else "unset (loopback clients only)")
+
+    def reload_file(self, source: ReloadSource) -> bool:
+        if self.path is None:
+            return False
+        self._stat = self._file_stat()
+        try:
+            candidate = load_auth_file(self.path)
+            check_exposure(candidate, self.server, self.server.host)
+        except ConfigError as exc:  # its message names the field, never a secret
+            self.last_error = str(exc)
+            self.metrics.auth_reloads.labels(source=source, result="failed").inc()
+            log.error("auth reload from %s rejected, keeping the running keys: %s", source, exc)
+            return False
+        changed = candidate != self.current
+        self.current = candidate
+        self.last_error = None
+        self.metrics.auth_reloads.labels(source=source, result="ok").inc()
+        if changed:
+            log.info("auth reloaded from %s: %s", source, self.describe())
+        return True
+
+    async def watch(self, interval_s: float = 0.25) -> None:
+        """Polls the config file, as the policy's watcher does (gateway/policy_store.py)."""
+        while True:
+            await asyncio.sleep(interval_s)
+            stat = self._file_stat()
+            if stat is not None and stat != self._stat:
+                try:
+                    self.reload_file("file")
+                except Exception:  # the watcher must outlive any surprise in a file
+                    log.exception("auth reload from file failed unexpectedly")
+
+    # -- checks ---------------------------------------------------------------------------------------
+    def api_scope(self, request: web.Request) -> str:
+        """The caller's scope for the OpenAI routes; raises 401 without a valid key."""
+        keys = self.current.api_keys
+        if not keys:
+            return ""
+        presented = bearer(request)
+        if presented is None:
+            raise Unauthorized("You didn't provide an API key: send it as 'Authorization: Bearer <key>'",
+                               code="invalid_api_key")
+        key = matching(presented, keys)
+        if key is None:
+            raise Unauthorized("Incorrect API key provided", code="invalid_api_key")
+        return "key-" + fingerprint(key)
+
+    def check_admin(self, request: web.Request) -> None:
+        token = self.current.admin_token
+        if token is None:
+            if not peer_is_local(request):
+                raise Forbidden("the admin API answers loopback clients only while no auth.admin_token is set",
+                                code="admin_loopback_only")
+            return
+        presented = bearer(request)
+        if presented is None:
+            raise Unauthorized("the admin API needs the admin token: 'Authorization: Bearer <token>'",
+                               code="invalid_api_key")
+        if matching(presented, (token,)) is None:
+            raise Forbidden("this credential does not grant the admin API", code="admin_token_required")
+
+    def check_probe(self, request: web.Request) -> None:
+        if not self.current.protect_probes:
+            return
+        presented = bearer(request)
+        secrets = self.current.api_keys + ((self.current.admin_token,) if self.current.admin_token else ())
+        if not secrets:
+            return  # nothing to protect with: the API itself is open
+        if presented is None or matching(presented, secrets) is None:
+            raise Unauthorized("this endpoint needs an API key or the admin token (auth.protect_probes)",
+                               code="invalid_api_key")
+
+
+AUTH_KEY = web.AppKey("auth", AuthStore)
+
+
+@web.middleware
+async def authenticate(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """Runs inside ``openai_errors``, so a refusal is an OpenAI error object (401/403)."""
+    store = request.app[AUTH_KEY]
+    path = request.path
+    if path.startswith("/v1/") or path == "/v1":
+        request[SCOPE_KEY] = store.api_scope(request)
+    elif path.startswith("/admin/") or path == "/admin":
+        store.check_admin(request)
+    elif path in PROBES:
+        store.check_probe(request)
+    return await handler(request)

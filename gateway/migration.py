@@ -1,0 +1,278 @@
+"""Streams that survive a worker's death: one generation across the workers that served it.
+
+A specgate worker's chunks carry the token ids behind them (``specgate.token_ids``) and, in
+the first chunk, the prompt's (``specgate.prompt_ids``). When the worker's stream breaks
+(it died, its connection did, or it went silent past ``server.worker_timeout_s``) after the
+first chunk, the generation resumes on another worker with a ``specgate.resume`` directive:
+the prompt ids, the output ids so far and how many characters of their text the client
+already has. That worker prefills prompt + output, goes on with ``max_tokens`` reduced by what
+was generated, the same sampling parameters and the seed's position continued, and sends only
+text the client does not have. Text alone could not do this: a stop string's holdback means
+the text sent is not the text of the tokens generated, and a chat cannot continue from text.
+
+The client sees one stream: the same ``id`` and ``created`` throughout, one role delta, usage
+that counts every token once (the dead worker's step counts are carried into the final
+usage), and the workers that served it in the last chunks' ``specgate.workers`` (streams) or
+in ``X-Specgate-Worker`` (non-streaming). It gives up with today's clear error only when no
+worker can take the generation within ``server.migration_wait_s``, after
+``server.max_migrations`` migrations, or when the server is shutting down.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncGenerator, Awaitable, Callable
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING, Any
+
+import aiohttp
+
+from gateway.drain import Drain, ShuttingDown
+from gateway.ops_metrics import OpsMetrics
+from gateway.proxy import NoWorker, WorkerLost, iter_chunks
+from gateway.sessions import Session
+from gateway.state import GatewayState
+from workers.protocol import (
+    DIRECTIVE_FIELD,
+    PROMPT_IDS_FIELD,
+    TOKEN_IDS_FIELD,
+    ApiError,
+    CompletionRequest,
+    RequestKind,
+    ResumePoint,
+    StepReport,
+    WorkerFailed,
+    WorkerTimeout,
+    chunk_text,
+)
+
+if TYPE_CHECKING:
+    from gateway.relay import Admission
+
+log = logging.getLogger(__name__)
+# (state, session, request, exclude, resume) -> the admission and the worker's open stream
+AdmitFn = Callable[[GatewayState, Session, CompletionRequest, frozenset[str], ResumePoint | None],
+                   Awaitable[tuple["Admission", aiohttp.ClientResponse]]]
+RETRY_PAUSE_S = 0.1
+
+
+@dataclass
+class StepCounts:
+    """What the steps of one worker's part of a generation ran (its usage never arrived)."""
+
+    proposed: int = 0
+    accepted: int = 0
+    steps: int = 0
+    speculative_steps: int = 0
+
+    def add(self, report: StepReport) -> None:
+        late = report.late_steps
+        self.proposed += report.proposed + sum(g.proposed * g.count for g in late)
+        self.accepted += report.accepted + sum(g.accepted * g.count for g in late)
+        self.steps += 1
+        self.speculative_steps += int(report.proposed > 0) + sum(g.count for g in late)
+
+
+def resumed_request(req: CompletionRequest, generated: int) -> CompletionRequest:
+    """The request as the next worker takes it: ``max_tokens`` less what was generated."""
+    raw = dict(req.raw)
+    limit = raw.pop("max_completion_tokens", None) if req.kind == "chat" else None
+    limit = limit if limit is not None else raw.get("max_tokens")
+    if isinstance(limit, int):
+        raw["max_tokens"] = limit - generated
+    return replace(req, raw=raw, max_tokens=None if req.max_tokens is None else req.max_tokens - generated)
+
+
+class MigratingStream:
+    """The chunks of one generation, resumed on another worker when its worker dies."""
+
+    def __init__(self, state: GatewayState, session: Session, req: CompletionRequest, admission: Admission,
+                 response: aiohttp.ClientResponse, admit: AdmitFn, drain: Drain, ops: OpsMetrics) -> None:
+        self.state, self.session, self.req = state, session, req
+        self.admission = admission
+        self.admit, self.drain, self.ops = admit, drain, ops
+        self.workers = [admission.handle.worker_id]
+        self.migrations = 0
+        self.prompt_ids: list[int] | None = None
+        self.output_ids: list[int] = []
+        self.ids_complete = True  # every chunk with text carried its token ids
+        self.text_sent = 0  # characters of text passed on to the client
+        self.finish: str | None = None
+        self.carried = StepCounts()  # steps of the workers that died
+        self.segment = StepCounts()  # steps of the current worker
+        self._identity: tuple[Any, Any] | None = None  # the first chunk's id and created
+        self._response = response
+        self._chunks = iter_chunks(response)
+        self._held = True  # the current admission's in-flight count is ours to release
+        self._shutdown = False
+
+    @property
+    def kind(self) -> RequestKind:
+        return self.req.kind
+
+    @property
+    def workers_header(self) -> str:
+        return ", ".join(self.workers)
+
+    async def chunks(self) -> AsyncGenerator[dict[str, Any], None]:
+        while True:
+            try:
+                async for chunk in self._chunks:
+                    self._observe(chunk)
+                    yield chunk
+                return
+            except (WorkerLost, WorkerTimeout) as exc:
+                if self._shutdown:
+                    raise ShuttingDown() from None
+                await self._lose_worker(exc)
+                if self.finish is not None:
+                    # Only the tail was lost (usage, [DONE]): the answer is complete.
+                    yield self._usage_chunk()
+                    return
+                await self._resume(exc)
+
+    def abort_for_shutdown(self) -> None:
+        """The drain's deadline passed: end the worker stream; the client gets ``ShuttingDown``."""
+        self._shutdown = True
+        if not self._response.closed:
+            self._response.content.set_exception(ShuttingDown())
+
+    async def aclose(self) -> None:
+        await self._chunks.aclose()  # closes the worker stream; a worker aborts sequences whose reader left
+        self._release()
+
+    # -- bookkeeping ------------------------------------------------------------------------------
+    def _observe(self, chunk: dict[str, Any]) -> None:
+        if self._identity is None:
+            self._identity = (chunk.get("id"), chunk.get("created"))
+        elif len(self.workers) > 1:
+            chunk["id"], chunk["created"] = self._identity  # one stream, whoever wrote the chunk
+        spec = chunk.get(DIRECTIVE_FIELD)
+        text = chunk_text(self.kind, chunk)
+        self.text_sent += len(text)
+        if isinstance(spec, dict):
+            # Ids are for the gateway only: the client gets the step report as before.
+            prompt_ids, token_ids = spec.pop(PROMPT_IDS_FIELD, None), spec.pop(TOKEN_IDS_FIELD, None)
+            if isinstance(prompt_ids, list) and self.prompt_ids is None:
+                self.prompt_ids = prompt_ids
+            if isinstance(token_ids, list):
+                self.output_ids.extend(token_ids)
+            elif text:
+                self.ids_complete = False
+            report = StepReport.from_json(spec)
+            if report is not None:
+                self.segment.add(report)
+        elif text:
+            self.ids_complete = False
+        for choice in chunk.get("choices") or []:
+            self.finish = choice.get("finish_reason") or self.finish
+        if self.migrations:
+            self._mark(chunk)
+
+    def _mark(self, chunk: dict[str, Any]) -> None:
+        """The chunks that end a migrated stream name its workers; its usage counts all of them."""
+        finishing = any(c.get("finish_reason") for c in chunk.get("choices") or [])
+        usage = chunk.get("usage")
+        if finishing or usage:
+            spec = chunk.setdefault(DIRECTIVE_FIELD, {})
+            if isinstance(spec, dict):
+                spec["workers"], spec["migrations"] = list(self.workers), self.migrations
+        if isinstance(usage, dict):
+            speculative = usage.get("speculative")
+            if isinstance(speculative, dict):
+                carried = self.carried
+                proposed = int(speculative.get("proposed") or 0) + carried.proposed
+                accepted = int(speculative.get("accepted") or 0) + carried.accepted
+                speculative.update(proposed=proposed, accepted=accepted,
+                                   acceptance_rate=round(accepted / proposed, 4) if proposed else None)
+                if speculative.get("speculative_steps") is not None:
+                    speculative["speculative_steps"] += carried.speculative_steps
+                if speculative.get("plain_steps") is not None:
+                    speculative["plain_steps"] += carried.steps - carried.speculative_steps
+
+    def _usage_chunk(self) -> dict[str, Any]:
+        """The usage a dead worker did not send, for an answer it had finished."""
+        prompt = len(self.prompt_ids or ())
+        counts = self.carried
+        ident, created = self._identity or (None, None)
+        chunk: dict[str, Any] = {
+            "id": ident, "object": "chat.completion.chunk" if self.kind == "chat" else "text_completion",
+            "created": created, "model": self.req.model, "choices": [],
+            "usage": {"prompt_tokens": prompt, "completion_tokens": len(self.output_ids),
+                      "total_tokens": prompt + len(self.output_ids),
+                      "speculative": {"proposed": counts.proposed, "accepted": counts.accepted,
+                                      "acceptance_rate": round(counts.accepted / counts.proposed, 4)
+                                      if counts.proposed else None,
+                                      "mode": self.admission.decision.mode,
+                                      "speculative_steps": counts.speculative_steps,
+                                      "plain_steps": counts.steps - counts.speculative_steps}}}
+        return chunk
+
+    def _release(self) -> None:
+        if self._held:
+            self._held = False
+            self.admission.handle.in_flight -= 1
+
+    # -- migration --------------------------------------------------------------------------------
+    async def _lose_worker(self, exc: ApiError) -> None:
+        handle = self.admission.handle
+        await self._chunks.aclose()
+        self._release()
+        self.admission.attempt.failed(exc)  # its span (when tracing) ends as a failed attempt
+        self.state.fleet.report_failure(handle, exc.message)
+        self.carried.proposed += self.segment.proposed
+        self.carried.accepted += self.segment.accepted
+        self.carried.steps += self.segment.steps
+        self.carried.speculative_steps += self.segment.speculative_steps
+        self.segment = StepCounts()
+
+    def _give_up(self, reason: str, message: str) -> WorkerFailed:
+        self.ops.migrations_abandoned.labels(reason=reason).inc()
+        log.warning("session %s: %s", self.session.session_id, message)
+        return WorkerFailed(message)
+
+    async def _resume(self, exc: ApiError) -> None:
+        failed = self.admission.handle.worker_id
+        started = self.prompt_ids is not None or bool(self.output_ids) or self.text_sent > 0
+        point = None
+        if started:
+            if not (self.ids_complete and self.prompt_ids and self.admission.handle.speaks_specgate):
+                raise self._give_up("no_token_ids", f"worker {failed} failed mid-stream ({exc.message}); its "
+                                    "protocol carries no token ids, so the generation cannot resume elsewhere")
+            if self.migrations >= self.state.config.server.max_migrations:
+                raise self._give_up("limit", f"worker {failed} failed mid-stream ({exc.message}); gave up after "
+                                    f"{self.migrations} migrations (server.max_migrations)")
+            point = ResumePoint(tuple(self.prompt_ids), tuple(self.output_ids), self.text_sent)
+        req = resumed_request(self.req, len(self.output_ids)) if point is not None else self.req
+        wait_s = self.state.config.server.migration_wait_s
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + wait_s
+        exclude = frozenset({failed})
+        while True:
+            if self.drain.expired:
+                raise ShuttingDown()
+            try:
+                admission, response = await self.drain.guard(self.admit(self.state, self.session, req, exclude,
+                                                                        point))
+                break
+            except NoWorker:
+                if loop.time() >= deadline:
+                    raise self._give_up("no_worker", f"worker {failed} failed mid-stream ({exc.message}) and no "
+                                        f"worker could take the generation within {wait_s:g}s") from None
+                await self.drain.sleep(RETRY_PAUSE_S)
+                # A restarted worker is a new process: it may take the generation back.
+                if self.state.fleet.workers[failed].status == "ready":
+                    exclude = frozenset()
+        self.admission, self._response = admission, response
+        self._chunks = iter_chunks(response)
+        self._held = True
+        self.workers.append(admission.handle.worker_id)
+        if point is not None:
+            self.migrations += 1
+            self.ops.migrations.inc()
+            log.warning("session %s: worker %s failed mid-stream (%s); resumed on %s after %d tokens",
+                        self.session.session_id, failed, exc.message, admission.handle.worker_id,
+                        len(self.output_ids))
+        else:
+            self.ops.retries.inc()

@@ -1,0 +1,41 @@
+"""Gateway counters for resilience and access: retries, migrations, drain, key reloads.
+
+Kept apart from gateway/metrics.py's dashboard metrics; registered in the same registry, so
+``/metrics`` shows them all.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from aiohttp import web
+from prometheus_client import CollectorRegistry, Counter, Gauge
+
+
+@dataclass(frozen=True)
+class OpsMetrics:
+    retries: Counter
+    migrations: Counter
+    migrations_abandoned: Counter
+    auth_reloads: Counter
+    draining: Gauge
+    shutdown_refusals: Counter
+
+    @classmethod
+    def create(cls, registry: CollectorRegistry) -> OpsMetrics:
+        return cls(
+            retries=Counter("specgate_retries", "Requests re-sent to another worker before their first chunk",
+                            registry=registry),
+            migrations=Counter("specgate_migrations", "Generations resumed on another worker after theirs died "
+                               "mid-way", registry=registry),
+            migrations_abandoned=Counter("specgate_migrations_abandoned", "Generations that could not be resumed "
+                                         "(no worker, too many migrations, shutdown)", ["reason"], registry=registry),
+            auth_reloads=Counter("specgate_auth_reloads", "API key reloads", ["source", "result"], registry=registry),
+            draining=Gauge("specgate_draining", "1 while the gateway drains for shutdown",
+                           multiprocess_mode="livemax", registry=registry),
+            shutdown_refusals=Counter("specgate_shutdown_refusals", "Requests refused or ended because the gateway "
+                                      "is shutting down", registry=registry),
+        )
+
+
+OPS_KEY = web.AppKey("ops_metrics", OpsMetrics)

@@ -1,0 +1,40 @@
+"""bench.chaos and bench.resume run end to end and print their figures (no timing asserted)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+from tests.harness import REPO
+
+CHAOS_FIGURES = {"requests_sent", "completed", "retried_transparently", "migrated_mid_stream", "failed_clear_error",
+                 "lost", "multiple_outcomes", "duplicated_outputs", "max_kill_to_ready_s", "honest_harmed_by_hostile",
+                 "hostile_sent", "hostile_not_4xx", "kills"}
+
+
+def test_bench_chaos_quick_json() -> None:
+    run = subprocess.run([sys.executable, "-m", "bench.chaos", "--quick", "--json"], cwd=REPO, capture_output=True,
+                         text=True, timeout=900, check=True)
+    result = json.loads(run.stdout.strip().splitlines()[-1])
+    assert set(result) >= CHAOS_FIGURES
+    assert result["requests_sent"] > 0 and result["hostile_sent"] > 0
+    # Every request ended in exactly one final outcome, and none was lost or harmed.
+    assert result["lost"] == 0 and result["multiple_outcomes"] == 0, result
+    assert result["completed"] + result["failed_clear_error"] == result["requests_sent"], result
+    assert result["duplicated_outputs"] == 0 and result["honest_harmed_by_hostile"] == 0, result
+    assert result["hostile_not_4xx"] == 0, result
+    # The workers stay up in turn (a kill waits until all are ready): nothing should fail.
+    assert result["failed_clear_error"] == 0, result
+    assert result["gateway_exit_code"] == 0
+
+
+def test_bench_resume_quick_json() -> None:
+    run = subprocess.run([sys.executable, "-m", "bench.resume", "--quick", "--json"], cwd=REPO, capture_output=True,
+                         text=True, timeout=600, check=True)
+    result = json.loads(run.stdout.strip().splitlines()[-1])
+    assert result["resumes_compared"] > 0
+    # Where the best token leads the second by far more than float32 rounding (~1e-6 of a logit),
+    # a resumed greedy generation cannot differ from the undisturbed one.
+    if result["greedy_min_logit_gap"] > 1e-4:
+        assert result["greedy_identical"] == result["greedy_compared"], result
