@@ -112,3 +112,20 @@ def test_worker_ignores_fields_other_routers_add(tcp_worker: int) -> None:
     with urllib.request.urlopen(request, timeout=60) as response:
         answer = json.load(response)
     assert answer["usage"]["completion_tokens"] == 4
+
+
+def test_eos_is_counted_as_vllm_counts_it(tcp_worker: int) -> None:
+    """An answer that ends at EOS: ``completion_tokens`` includes the EOS token, as vLLM's usage
+    does (tests/test_vllm_conformance.py compares the two), though no text or token id carries it."""
+    body = {"model": "specgate-demo", "messages": [{"role": "user", "content": "Hello"}], "max_tokens": 200,
+            "temperature": 0, "stream": True, "stream_options": {"include_usage": True}}
+    request = urllib.request.Request(f"http://127.0.0.1:{tcp_worker}/v1/chat/completions", json.dumps(body).encode(),
+                                     {"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=120) as response:
+        chunks = [json.loads(line[6:]) for line in response.read().decode().splitlines()
+                  if line.startswith("data: ") and line != "data: [DONE]"]
+    sent = sum(len(c["specgate"].get("token_ids", [])) for c in chunks if c.get("specgate"))
+    finish = [c["choices"][0]["finish_reason"] for c in chunks if c.get("choices") and c["choices"][0]["finish_reason"]]
+    usage = next(c["usage"] for c in chunks if c.get("usage"))
+    assert finish == ["stop"] and usage["completion_tokens"] < 200
+    assert usage["completion_tokens"] == sent + 1

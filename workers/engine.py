@@ -326,7 +326,7 @@ class SpeculativeEngine:
             seq.noise = {pos: g for pos, g in seq.noise.items() if pos >= done}
         if finish is not None:
             self.abort(seq.request.request_id)
-        return StepEvent(seq.request.request_id, emitted, seq.step_k, accepted, depth, finish)
+        return StepEvent(seq.request.request_id, emitted, seq.step_k, accepted, depth, finish, eos=finish == "stop")
 
     def _forward(self, model: LlamaForCausalLM, cache: KVCache, rows: list[_Row]) -> list[torch.Tensor]:
         """Runs rows through a model; returns each row's (n_logits, V) logits in order."""

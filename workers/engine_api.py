@@ -62,6 +62,9 @@ class StepEvent:
     # Acceptance of earlier steps that the engine reports late (see SpecSteps); the per-step
     # proposed/accepted above are then 0.
     late_steps: tuple[SpecSteps, ...] = ()
+    # The step ended on an EOS token: generated, so usage counts it (as vLLM does), but never
+    # part of ``tokens`` or the text.
+    eos: bool = False
     # This sequence failed alone (its sampling or its row of a forward raised): it is dropped,
     # its slot freed, and the rest of the batch goes on.
     error: Exception | None = None

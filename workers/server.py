@@ -314,6 +314,8 @@ async def _generate(ctx: WorkerContext, req: CompletionRequest,
             delta = text.push(item.tokens)
             # Tokens after a stop string were never the client's: they are not counted.
             kept = text.last_kept
+            if item.eos and not text.stopped:
+                kept += 1  # the EOS token was generated: counted, as vLLM counts it, never sent
             emitted += kept
             finish = item.finish_reason
             if text.stopped:
@@ -322,7 +324,7 @@ async def _generate(ctx: WorkerContext, req: CompletionRequest,
                 delta += text.flush()
             finished = finish is not None
             report = StepReport(item.proposed, item.accepted, item.batch_depth, item.proposed, kept, late,
-                                token_ids=tuple(item.tokens[:kept]),
+                                token_ids=tuple(item.tokens[:text.last_kept]),
                                 prompt_ids=tuple(prompt_ids) if first_chunk else None)
             # A resumed stream continues the client's: its role was sent by the first worker.
             yield chunk(delta, finish, report, first=first_chunk and resume is None)

@@ -227,7 +227,7 @@ class VllmEngine:
                             BATCH_RESUME_ARG: self._batch_resume})
         except ValueError as exc:  # vLLM's own parameter checks
             raise EngineRequestError(str(exc)) from None
-        eos = self.info.eos_token_ids
+        eos_ids = self.info.eos_token_ids
         self._in_flight += 1
         outputs = self._llm.generate(TokensPrompt(prompt_token_ids=list(request.prompt_ids)), sampling,
                                      request.request_id)
@@ -236,14 +236,16 @@ class VllmEngine:
                 completion = output.outputs[0]
                 tokens = list(completion.token_ids)
                 finish: FinishReason | None = None
+                eos = False
                 if output.finished:
                     if completion.finish_reason == "abort":
                         raise RuntimeError("vLLM aborted the request")
                     finish = "length" if completion.finish_reason == "length" else "stop"
-                    if finish == "stop" and tokens and tokens[-1] in eos:
+                    if finish == "stop" and tokens and tokens[-1] in eos_ids:
                         tokens.pop()  # the EOS token is not output, as with the embedded engine
+                        eos = True
                 late = late_steps(completion.spec_decode_metrics) if output.finished else ()
-                yield StepEvent(request.request_id, tokens, 0, 0, self.batch_depth, finish, late)
+                yield StepEvent(request.request_id, tokens, 0, 0, self.batch_depth, finish, late, eos=eos)
                 if finish is not None:
                     return
         finally:
