@@ -23,7 +23,7 @@ class OpsMetrics:
 
     @classmethod
     def create(cls, registry: CollectorRegistry) -> OpsMetrics:
-        return cls(
+        metrics = cls(
             retries=Counter("specgate_retries", "Requests re-sent to another worker before their first chunk",
                             registry=registry),
             migrations=Counter("specgate_migrations", "Generations resumed on another worker after theirs died "
@@ -36,6 +36,11 @@ class OpsMetrics:
             shutdown_refusals=Counter("specgate_shutdown_refusals", "Requests refused or ended because the gateway "
                                       "is shutting down", registry=registry),
         )
+        # At zero from the start, so rate() and the dashboard see the series before the first reload.
+        for source in ("file", "sighup"):
+            for result in ("ok", "failed"):
+                metrics.auth_reloads.labels(source=source, result=result)
+        return metrics
 
 
 OPS_KEY = web.AppKey("ops_metrics", OpsMetrics)

@@ -41,8 +41,9 @@ MODEL = "specgate-demo"
 # batch_resume = max_batch: a worker's per-step latch clears as soon as its batch is back to 2.
 POLICY = {"max_batch": 2, "batch_resume": 2, "min_proposals": 16}
 # The dashboard's acceptance rate (a ratio of rates over a window) against the workers' own
-# totals: the same counts, but rate() extrapolates each counter to the window's edges.
-RATE_TOLERANCE = 0.03
+# totals: the same counts, but rate() extrapolates each counter to the window's edges, and the
+# killed worker's counters restart from zero mid-window (0.036 was seen once under heavy load).
+RATE_TOLERANCE = 0.05
 
 
 @dataclass
@@ -79,7 +80,7 @@ def _worker(gateway: Gateway, worker_id: str) -> dict[str, Any]:
 
 
 def _kill_worker_mid_request(gateway: Gateway, client: openai.OpenAI) -> str:
-    """A non-streaming request whose worker dies after its first chunk: the client gets a 502."""
+    """A non-streaming request whose worker dies after its first chunk, with migration off: a 502."""
     with ThreadPoolExecutor(1) as pool:
         future = pool.submit(client.completions.create, model=MODEL, prompt=LONG_PROMPT, max_tokens=900,
                              temperature=0, extra_headers={"X-Session-ID": "victim"})
@@ -133,8 +134,10 @@ def _workload(gateway: Gateway, client: openai.OpenAI) -> list[str]:
 @pytest.fixture(scope="module")
 def observed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Observed]:
     tmp = tmp_path_factory.mktemp("observe")
-    config = write_config(tmp / "config.yaml", workers={"count": 2, "max_slots": 8, "restart_backoff_s": 0.2},
-                          policy=POLICY)
+    # max_migrations 0: a worker killed mid-request fails that request (a 502 for the 5xx panels)
+    # instead of resuming it on the other worker.
+    config = write_config(tmp / "config.yaml", server={"max_migrations": 0},
+                          workers={"count": 2, "max_slots": 8, "restart_backoff_s": 0.2}, policy=POLICY)
     gateway = start_gateway(config, tmp)
     prometheus: Prometheus | None = None
     try:
