@@ -77,10 +77,10 @@ def _decide(session: Session, handle: WorkerHandle, req: CompletionRequest, poli
     """The decision on ``handle``; with ``any_mode``, what the rules want were it to serve both modes."""
     handle.batch_full = batch_latch(handle.batch_full, handle.load, policy)
     worker = WorkerState(handle.load, handle.batch_full, handle.max_k, "speculative" in handle.modes,
-                         "plain" in handle.modes)
+                         "plain" in handle.modes, handle.cost, handle.acceptance.acceptance_ewma)
     if any_mode:
-        worker = replace(worker, max_k=max(handle.max_k, policy.num_speculative_tokens), serves_speculative=True,
-                         serves_plain=True)
+        fixed_k = 1 if policy.num_speculative_tokens == "auto" else policy.num_speculative_tokens
+        worker = replace(worker, max_k=max(handle.max_k, fixed_k), serves_speculative=True, serves_plain=True)
     return decide(session.policy_state, worker, RequestFacts(req.temperature), policy)
 
 
@@ -113,7 +113,7 @@ def _route(state: GatewayState, session: Session, candidates: list[Candidate], r
     return handle, decision
 
 
-def _record(state: GatewayState, session: Session, decision: Decision) -> None:
+def _record(state: GatewayState, session: Session, decision: Decision, policy: PolicyConfig) -> None:
     metrics = state.metrics
     metrics.decisions.labels(mode=decision.mode, reason=decision.reason).inc()
     if decision.mode == "plain":
@@ -124,7 +124,7 @@ def _record(state: GatewayState, session: Session, decision: Decision) -> None:
             metrics.mode_switches.labels(to=decision.mode, reason=decision.reason).inc()
         session.history.append(ModeChange(time.time(), decision.mode, decision.reason, decision.k))
     session.last_decision = decision
-    session.policy_state = record_decision(session.policy_state, decision)
+    session.policy_state = record_decision(session.policy_state, decision, policy.auto_k)
 
 
 async def _admit(state: GatewayState, session: Session,
@@ -141,7 +141,8 @@ async def _admit(state: GatewayState, session: Session,
             raise Unavailable("no worker is ready", retry_after_s=1.0)
         handle, decision = routed
         worker_id = session.worker_id = handle.worker_id
-        body = worker_body(req, Directive(decision.k, policy.max_batch, policy.batch_resume), handle.protocol)
+        body = worker_body(req, Directive(decision.k, policy.max_batch, policy.batch_resume, policy.auto_k),
+                           handle.protocol)
         handle.in_flight += 1
         try:
             response = await open_stream(handle, _PATHS[req.kind], body, state.config.server.worker_timeout_s)
@@ -155,7 +156,7 @@ async def _admit(state: GatewayState, session: Session,
         except BaseException:
             handle.in_flight -= 1
             raise
-        _record(state, session, decision)
+        _record(state, session, decision, policy)
         return Admission(session, handle, decision, policy), response
 
 
@@ -170,14 +171,15 @@ def _account(state: GatewayState, admission: Admission, tally: StreamTally, chun
         if report is not None:
             chunk[DIRECTIVE_FIELD] = report.to_json()
     if report is not None:
-        session = admission.session
+        session, handle = admission.session, admission.handle
         session.policy_state = observe(session.policy_state, report.proposed, report.accepted, admission.policy)
+        handle.acceptance = observe(handle.acceptance, report.proposed, report.accepted, admission.policy)
         tally.proposed += report.proposed
         tally.accepted += report.accepted
         if report.late_steps:  # acceptance the engine learned late (vLLM: when the request ended)
-            session.policy_state = observe_steps(
-                session.policy_state, ((g.proposed, g.accepted, g.count) for g in report.late_steps),
-                admission.policy)
+            groups = [(g.proposed, g.accepted, g.count) for g in report.late_steps]
+            session.policy_state = observe_steps(session.policy_state, groups, admission.policy)
+            handle.acceptance = observe_steps(handle.acceptance, groups, admission.policy)
             tally.proposed += sum(g.proposed * g.count for g in report.late_steps)
             tally.accepted += sum(g.accepted * g.count for g in report.late_steps)
         tokens = report.tokens

@@ -95,6 +95,7 @@ class Directive(_Strict):
     k: Annotated[int, Field(ge=0, le=64)] = 0
     max_batch: Annotated[int, Field(ge=1, le=1 << 20)] = 1 << 20
     batch_resume: Annotated[int, Field(ge=1, le=1 << 20)] = 1 << 20
+    cost_rule: bool = False  # policy K auto: the worker's per-step rule consults its cost model
 
 
 class _RequestBody(_Strict):

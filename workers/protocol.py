@@ -128,9 +128,15 @@ class Directive:
     k: int  # drafts per step; 0 = plain
     max_batch: int  # the worker goes plain for a step while its batch depth is above this
     batch_resume: int  # ...until it falls below this
+    # Policy K "auto": each step, the worker also runs plain (or shallower) at a batch depth
+    # where its cost model says the requested K loses (policies.cost.step_k).
+    cost_rule: bool = False
 
-    def to_json(self) -> dict[str, int]:
-        return {"k": self.k, "max_batch": self.max_batch, "batch_resume": self.batch_resume}
+    def to_json(self) -> dict[str, int | bool]:
+        out: dict[str, int | bool] = {"k": self.k, "max_batch": self.max_batch, "batch_resume": self.batch_resume}
+        if self.cost_rule:  # absent unless set: workers from before the cost model take the rest
+            out["cost_rule"] = True
+        return out
 
 
 def vllm_xargs(directive: Directive) -> dict[str, int]:
@@ -227,7 +233,8 @@ def parse_request(kind: RequestKind, body: Any) -> CompletionRequest:
         temperature=temperature, top_p=1.0 if parsed.top_p is None else parsed.top_p,
         top_k=max(0, parsed.top_k or 0), seed=parsed.seed, stop=stop, stream=bool(parsed.stream),
         include_usage=bool(parsed.stream_options and parsed.stream_options.include_usage), user=parsed.user,
-        directive=None if directive is None else Directive(directive.k, directive.max_batch, directive.batch_resume),
+        directive=None if directive is None else Directive(directive.k, directive.max_batch, directive.batch_resume,
+                                                           directive.cost_rule),
         raw=body)
 
 
