@@ -57,7 +57,15 @@ class MeasureSettings:
     dtype: Literal["auto", "float32", "bfloat16"] = "auto"
     draft_dtype: TargetDtype = "float32"
     exact: bool = True  # only bit-identical configurations, unless none is
-    budget_s: float = 3.0
+    budget_s: float = 4.0
+    threads: int = 1  # torch intra-op threads the worker runs with
+
+    def cache_key(self) -> str:
+        """Everything the figures depend on besides the budget (``workers/cost_cache.py``)."""
+        return cache_key({"target": self.target, "draft": self.draft},
+                         {"max_slots": self.max_slots, "max_k": self.max_k, "dtype": self.dtype,
+                          "draft_dtype": self.draft_dtype, "exact": self.exact, "threads": self.threads,
+                          "prepacking": bf16_prepacking_available()}, torch.__version__)
 
 
 def _scratch_cache(model: LlamaForCausalLM, slots: int, positions: int) -> KVCache:
@@ -90,36 +98,37 @@ def _timed(run: Callable[[], None]) -> float:
 
 @torch.inference_mode()
 def verification_bit_identical(model: LlamaForCausalLM, n: int) -> bool:
-    """Whether this model, on this CPU, scores tokens in an n-token verification and in a padded
-    batch exactly as it scores them decoded one at a time."""
+    """Whether this model, on this CPU, scores tokens in an n-token verification, and in a padded
+    batch, exactly as it scores them decoded one at a time (bit for bit). Stops at the first
+    difference, so an inexact configuration costs a few forwards only."""
     positions = 256
     gen = torch.Generator().manual_seed(3)
-    prompts = [torch.randint(5, model.cfg.vocab_size, (length,), generator=gen).tolist() for length in (7, 90)]
-    new = [torch.randint(5, model.cfg.vocab_size, (n,), generator=gen).tolist() for _ in prompts]
-    cache = _scratch_cache(model, len(prompts), positions)
-    for slot, prompt in enumerate(prompts):
-        model.forward_cached(torch.tensor([prompt]), cache,
-                             CacheBatch.build([slot], [0], [len(prompt)], len(prompt), positions))
+    # A prompt whose verification crosses a 64-key block (span padding) and a short one riding in
+    # the same batch.
+    prompts = [torch.randint(5, model.cfg.vocab_size, (length,), generator=gen).tolist() for length in (60, 7)]
+    new = torch.randint(5, model.cfg.vocab_size, (n,), generator=gen).tolist()
+    cache = _scratch_cache(model, 2, positions)
+    for slot, prompt in enumerate(prompts):  # a prefill, fused as the engine runs one: same cache either way
+        model.forward_cached(torch.tensor([prompt]), cache, CacheBatch.build(
+            [slot], [0], [len(prompt)], len(prompt), positions, row_invariant=False),
+            torch.zeros(1, dtype=torch.long), torch.tensor([len(prompt) - 1]))
 
     def scratch() -> KVCache:
         return KVCache([k.clone() for k in cache.k], [v.clone() for v in cache.v])
 
-    alone = []
-    for slot, (prompt, tokens) in enumerate(zip(prompts, new, strict=True)):
-        sc = scratch()
-        alone.append(torch.cat([model.forward_cached(torch.tensor([[t]]), sc, CacheBatch.build(
-            [slot], [len(prompt) + i], [1], 1, positions))[0] for i, t in enumerate(tokens)]))
-    for slot, (prompt, tokens) in enumerate(zip(prompts, new, strict=True)):
-        batch = CacheBatch.build([slot], [len(prompt)], [n], n, positions)
-        if not torch.equal(model.forward_cached(torch.tensor([tokens]), scratch(), batch)[0], alone[slot]):
-            return False
-    widths = [n, max(1, n // 2)]
+    def alone(slot: int, tokens: list[int]) -> torch.Tensor:
+        sc, start = scratch(), len(prompts[slot])
+        return torch.cat([model.forward_cached(torch.tensor([[t]]), sc, CacheBatch.build(
+            [slot], [start + i], [1], 1, positions))[0] for i, t in enumerate(tokens)])
+
+    one_by_one = alone(0, new)
+    verified = model.forward_cached(torch.tensor([new]), scratch(), CacheBatch.build([0], [60], [n], n, positions))
+    if not torch.equal(verified[0], one_by_one):
+        return False
     padded = torch.zeros((2, n), dtype=torch.long)
-    for row, (tokens, width) in enumerate(zip(new, widths, strict=True)):
-        padded[row, :width] = torch.tensor(tokens[:width])
-    batch = CacheBatch.build([0, 1], [len(p) for p in prompts], widths, n, positions)
-    out = model.forward_cached(padded, scratch(), batch)
-    return all(torch.equal(out[row, :w], alone[row][:w]) for row, w in enumerate(widths))
+    padded[0], padded[1, 0] = torch.tensor(new), new[0]
+    out = model.forward_cached(padded, scratch(), CacheBatch.build([0, 1], [60, 7], [n, 1], n, positions))
+    return torch.equal(out[0], one_by_one) and torch.equal(out[1, :1], alone(1, new[:1]))
 
 
 def _best_b1(target_s: list[float], draft_s: float | None, alpha: float) -> tuple[float, int]:
@@ -149,7 +158,10 @@ def _fill(measured: dict[int, float], size: int) -> list[float]:
     return out
 
 
-def _choose(candidates: list[PrecisionCandidate], settings: MeasureSettings) -> tuple[PrecisionCandidate, str]:
+def choose_precision(candidates: list[PrecisionCandidate],
+                     settings: MeasureSettings) -> tuple[PrecisionCandidate, str]:
+    """The configured dtype if one is; else the best ``score`` among the bit-identical
+    candidates (``exact``), or among all of them (``exact`` False, or none is bit-identical)."""
     def describe(c: PrecisionCandidate) -> str:
         packed = " prepacked" if c.prepacked else ""
         return (f"{c.target}{packed} {c.tok_s_b1:.0f} tok/s at batch 1 (K={c.best_k_b1}), {c.tok_s_full:.0f} tok/s "
@@ -172,6 +184,11 @@ def _choose(candidates: list[PrecisionCandidate], settings: MeasureSettings) -> 
 
 
 def measure(settings: MeasureSettings) -> CostReport:
+    return measure_with_model(settings)[0]
+
+
+def measure_with_model(settings: MeasureSettings) -> tuple[CostReport, LlamaForCausalLM]:
+    """The report and the chosen target, loaded (the engine serves it; no second load)."""
     started = time.perf_counter()
     deadline = started + settings.budget_s
     max_k = settings.max_k if settings.draft is not None else 0
@@ -203,7 +220,7 @@ def measure(settings: MeasureSettings) -> CostReport:
         candidates.append(PrecisionCandidate(d, model.prepacked, identical[d], round(1000 * curve[0], 3),
                                              round(1000 * curve[-1], 3), round(tok_s, 1), k,
                                              round(full / times[(d, full, 1)], 1)))
-    chosen, why = _choose(candidates, settings)
+    chosen, why = choose_precision(candidates, settings)
     chosen_dtype = next(d for d in targets if d == chosen.target)
     target, cache = targets[chosen_dtype], caches[chosen_dtype]
     # Phase 2, the chosen target: every n at batch 1, then the full batch and the depths between
@@ -229,9 +246,10 @@ def measure(settings: MeasureSettings) -> CostReport:
     choice = PrecisionChoice(chosen.target, chosen.prepacked, chosen.bit_identical, why, REFERENCE_ALPHA,
                              tuple(candidates))
     log.info("cost model measured in %.2fs: %s", elapsed, why)
-    return report_from_forward_times(depths, target_s, draft_s, source="measured", precision=choice,
-                                     measured_points=sum(len(r) for r in measured.values()),
-                                     total_points=width * len(depths), measure_s=round(elapsed, 3), cpu=cpu_label())
+    report = report_from_forward_times(depths, target_s, draft_s, source="measured", precision=choice,
+                                       measured_points=sum(len(r) for r in measured.values()),
+                                       total_points=width * len(depths), measure_s=round(elapsed, 3), cpu=cpu_label())
+    return report, target
 
 
 @torch.inference_mode()
@@ -281,19 +299,17 @@ def _between(rows: dict[int, list[float]], depth: int) -> list[float]:
     return [(1 - w) * a + w * b for a, b in zip(rows[lo], rows[hi], strict=True)]
 
 
-def measure_or_load(settings: MeasureSettings, cache_dir: Path | None) -> CostReport:
-    """The cached report for these settings on this machine, else a fresh measurement (stored)."""
+def measure_or_load(settings: MeasureSettings,
+                    cache_dir: Path | None) -> tuple[CostReport, LlamaForCausalLM | None]:
+    """The cached report for these settings on this machine, else a fresh measurement (stored,
+    and returned with the chosen target already loaded)."""
     cache = CostCache(cache_dir)
-    key = cache_key({"target": settings.target, "draft": settings.draft},
-                    {"max_slots": settings.max_slots, "max_k": settings.max_k, "dtype": settings.dtype,
-                     "draft_dtype": settings.draft_dtype, "exact": settings.exact,
-                     "threads": torch.get_num_threads(), "prepacking": bf16_prepacking_available()},
-                    torch.__version__)
+    key = settings.cache_key()
     with cache.locked(key):
         cached = cache.load(key)
         if cached is not None:
             log.info("cost model from the cache (%s)", cache.path(key))
-            return dataclasses.replace(cached, source="cache")
-        report = measure(settings)
+            return dataclasses.replace(cached, source="cache"), None
+        report, target = measure_with_model(settings)
         cache.store(key, report)
-        return report
+        return report, target

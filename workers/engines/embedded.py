@@ -14,6 +14,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
+import torch
+
 from workers.cost_model import CostReport, OnlineCosts
 from workers.costs_measure import MeasureSettings, measure_or_load
 from workers.engine import SpeculativeEngine
@@ -50,10 +52,12 @@ class EmbeddedSettings:
     cost_budget_s: float = 4.0  # start-up measurement's time budget (a cache hit skips it)
 
 
-def load_speculative_engine(settings: EmbeddedSettings) -> SpeculativeEngine:
+def load_speculative_engine(settings: EmbeddedSettings, target: LlamaForCausalLM | None = None) -> SpeculativeEngine:
     """The engine with ``settings.dtype`` as given ("auto": by CPU flags, ``resolve_dtype``);
-    a worker passes the dtype its cost measurement chose (``EmbeddedEngine.start``)."""
-    target = LlamaForCausalLM.from_pretrained(settings.target, TORCH_DTYPES[resolve_dtype(settings.dtype)])
+    a worker passes the dtype its cost measurement chose, and the target it loaded to measure
+    (``EmbeddedEngine.start``)."""
+    if target is None:
+        target = LlamaForCausalLM.from_pretrained(settings.target, TORCH_DTYPES[resolve_dtype(settings.dtype)])
     draft = None
     if settings.draft is not None:
         draft = LlamaForCausalLM.from_pretrained(settings.draft, TORCH_DTYPES[settings.draft_dtype])
@@ -105,11 +109,12 @@ class EmbeddedEngine:
     async def start(self, observer: StepObserver) -> None:
         s = self.settings
         # Measured (or read from the cache) before the worker answers its first health check.
-        report = measure_or_load(MeasureSettings(s.target, s.draft, s.max_slots, s.max_k, s.dtype, s.draft_dtype,
-                                                 s.exact, s.cost_budget_s), s.cost_cache_dir)
+        measuring = MeasureSettings(s.target, s.draft, s.max_slots, s.max_k, s.dtype, s.draft_dtype, s.exact,
+                                    s.cost_budget_s, torch.get_num_threads())
+        report, target = measure_or_load(measuring, s.cost_cache_dir)
         assert report.precision is not None
         dtype: Literal["float32", "bfloat16"] = "bfloat16" if report.precision.target == "bfloat16" else "float32"
-        engine = load_speculative_engine(dataclasses.replace(s, dtype=dtype))
+        engine = load_speculative_engine(dataclasses.replace(s, dtype=dtype), target)
         self._costs = OnlineCosts(report)
         self._runner = EngineRunner(engine, asyncio.get_running_loop(), observer, self._costs)
         self._runner.start()
