@@ -7,6 +7,12 @@ acceptance α per temperature; the cost ratio c = draft forward time / target fo
 the speed-up bound S = (1 − α^(K+1)) / ((1 − α)(cK + 1)) of Leviathan et al. for the measured
 α and c; tokens/s plain vs speculative at batch 8, 32 and 64. With ``--json`` the last line
 printed is one JSON object with every figure.
+
+The cost model (``workers/costs_measure.py``): the one a worker with these settings would build
+(``cost_model``, with ``max_slots`` the largest batch measured here), the precision it chose
+(``--dtype auto`` serves that), ``predicted_speedup_b1`` (its prediction at the measured α) next
+to the measured ``speedup_b1``, and ``tok_s_b{8,32,64}_auto``: batched throughput with K chosen
+per step from the cost model at the step's depth, next to plain and a fixed K.
 """
 
 from __future__ import annotations
@@ -19,7 +25,8 @@ from pathlib import Path
 
 import torch
 
-from policies import tested_drafts
+from policies import CostModel, choose_k, gain, tested_drafts
+from workers.costs_measure import MeasureSettings, measure
 from workers.demo_corpus import heldout_prompts
 from workers.engine import GenerationRequest, SpeculativeEngine
 from workers.model import TORCH_DTYPES, CacheBatch, KVCache, LlamaForCausalLM, resolve_dtype
@@ -165,19 +172,28 @@ def main() -> None:
     parser.add_argument("--batches", default="8,32,64")
     parser.add_argument("--batch-max-tokens", type=int, default=32)
     parser.add_argument("--alpha-prompts", type=int, default=32, help="held-out prompts for alpha per temperature")
+    parser.add_argument("--inexact", action="store_true", help="as workers.exact: false (auto may pick float32)")
+    parser.add_argument("--cost-budget-s", type=float, default=8.0, help="the cost measurement's time budget")
     parser.add_argument("--quick", action="store_true", help="fewer prompts and tokens (smoke run)")
     parser.add_argument("--json", action="store_true", help="print one JSON object as the last line")
     args = parser.parse_args()
     if args.quick:
         args.prompts, args.max_tokens, args.kmax, args.batches, args.batch_max_tokens = 3, 32, 4, "8", 16
-        args.alpha_prompts = 8
+        args.alpha_prompts, args.cost_budget_s = 8, 2.0
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
-    args.dtype = resolve_dtype(args.dtype)
+    batch_sizes = [int(b) for b in args.batches.split(",") if b]
+    # The cost model a worker with these settings builds; "auto" serves the precision it chose.
+    costs = measure(MeasureSettings(args.target, args.draft, max([*batch_sizes, 16]), args.kmax, args.dtype,
+                                    args.draft_dtype, not args.inexact, args.cost_budget_s, args.threads))
+    assert costs.precision is not None
+    print(f"cost model ({costs.cpu}): {costs.precision.why}; chose {costs.precision.target}, measured "
+          f"{costs.measured_points}/{costs.total_points} points in {costs.measure_s:.1f}s", flush=True)
+    cost_model = CostModel(costs.depths, costs.step_cost)
+    args.dtype = resolve_dtype(args.dtype) if args.dtype != "auto" else costs.precision.target
     target = LlamaForCausalLM.from_pretrained(args.target, TORCH_DTYPES[args.dtype])
     draft = LlamaForCausalLM.from_pretrained(args.draft, TORCH_DTYPES[args.draft_dtype])
     codec = TextCodec.from_model_dir(args.target)
-    batch_sizes = [int(b) for b in args.batches.split(",") if b]
     texts = heldout_prompts(max(args.prompts, args.alpha_prompts, *batch_sizes), seed=1)
     prompts = [codec.encode(t) for t in texts]
     engine = SpeculativeEngine(target, draft, max_slots=args.alpha_prompts, max_k=args.kmax)
@@ -226,6 +242,11 @@ def main() -> None:
     log(f"prefill of 512 tokens: fused attention {1000 * prefill['fused']:.1f} ms, row-invariant "
         f"{1000 * prefill['row_invariant']:.1f} ms")
     log(f"best K={best_k}: speed-up {speedup:.2f}x, bound S={bound:.2f}, measured/bound {speedup / bound:.2f}")
+    # The cost model's prediction at the measured alpha, for the K it would choose.
+    auto_k_b1 = choose_k(cost_model, best.alpha, 1, args.kmax, 0.0, 0.0)
+    predicted = gain(cost_model, best.alpha, auto_k_b1, 1)
+    log(f"cost model at alpha {best.alpha:.3f}: K={auto_k_b1}, predicted speed-up {predicted:.2f}x "
+        f"(measured at that K {by_k[auto_k_b1].tok_s / plain.tok_s if auto_k_b1 else 1.0:.2f}x)")
     # Acceptance needs many drafts, not quiet timing: measure it batched, over more prompts.
     alpha_prompts = prompts[:args.alpha_prompts]
     alpha_by_t: dict[str, float] = {}
@@ -238,14 +259,23 @@ def main() -> None:
     del engine  # its caches; the batched runs get a plain and a speculative engine of their own
     for size in batch_sizes:
         group = (prompts * (size // len(prompts) + 1))[:size]
-        pair = {0: SpeculativeEngine(target, draft, max_slots=size, max_k=args.kmax),
-                best_k: SpeculativeEngine(target, draft, max_slots=size, max_k=args.kmax)}
-        both, _ = run_interleaved(pair, [group], args.batch_max_tokens, 0.0)
-        p, s = both[0], both[best_k]
+        # K auto: each step's K from the cost model at that step's depth (what the gateway's
+        # choice and the worker's per-step rule give together), at the measured alpha. Keyed
+        # kmax + 1 (requests ask for the deepest K; the rule cuts it).
+        auto = SpeculativeEngine(target, draft, max_slots=size, max_k=args.kmax,
+                                 step_depth_rule=lambda k, depth: min(k, choose_k(
+                                     cost_model, best.alpha, depth, args.kmax, 0.05, 0.0)))
+        trio = {0: SpeculativeEngine(target, draft, max_slots=size, max_k=args.kmax),
+                best_k: SpeculativeEngine(target, draft, max_slots=size, max_k=args.kmax), args.kmax + 1: auto}
+        both, _ = run_interleaved(trio, [group], args.batch_max_tokens, 0.0)
+        p, s, a = both[0], both[best_k], both[args.kmax + 1]
         batched[f"tok_s_b{size}_plain"], batched[f"tok_s_b{size}_spec"] = round(p.tok_s, 1), round(s.tok_s, 1)
+        batched[f"tok_s_b{size}_auto"] = round(a.tok_s, 1)
         batched[f"draft_share_b{size}_spec"] = round(s.draft_share, 3)
         log(f"batch {size}, T=0: plain {p.tok_s:.1f} tok/s, speculative K={best_k} {s.tok_s:.1f} tok/s "
-            f"({s.tok_s / p.tok_s:.2f}x), alpha {s.alpha:.3f}, drafting {100 * s.draft_share:.0f}% of its time")
+            f"({s.tok_s / p.tok_s:.2f}x), alpha {s.alpha:.3f}, drafting {100 * s.draft_share:.0f}% of its time; "
+            f"K auto (K={choose_k(cost_model, best.alpha, size, args.kmax, 0.05, 0.0)} at depth {size}) "
+            f"{a.tok_s:.1f} tok/s ({a.tok_s / p.tok_s:.2f}x)")
     summary = {
         "bench": "engine", "dtype": args.dtype, "target_prepacked": target.prepacked,
         "draft_dtype": args.draft_dtype, "threads": args.threads,
@@ -265,6 +295,10 @@ def main() -> None:
                          "draft_forward_ms": round(1000 * timed["draft_alt"], 3)},
         "prefill_512_ms": {name: round(1000 * s, 1) for name, s in prefill.items()},
         "alpha_by_temperature": alpha_by_t, **batched,
+        "cpu": costs.cpu, "precision_choice": {"target": costs.precision.target, "exact": costs.precision.exact,
+                                               "why": costs.precision.why},
+        "predicted_speedup_b1": round(predicted, 3), "predicted_k_b1": auto_k_b1,
+        "cost_model": costs.to_json(),
     }
     if args.json:
         print(json.dumps(summary))
