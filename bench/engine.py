@@ -26,9 +26,10 @@ from pathlib import Path
 import torch
 
 from policies import CostModel, choose_k, gain, tested_drafts
+from workers.cost_model import OnlineCosts
 from workers.costs_measure import MeasureSettings, measure
 from workers.demo_corpus import heldout_prompts
-from workers.engine import GenerationRequest, SpeculativeEngine
+from workers.engine import GenerationRequest, SpeculativeEngine, StepEvent
 from workers.model import TORCH_DTYPES, CacheBatch, KVCache, LlamaForCausalLM, resolve_dtype
 from workers.sampling import SamplingParams
 from workers.text import TextCodec
@@ -78,13 +79,15 @@ def run_batch(engine: SpeculativeEngine, prompts: list[list[int]], max_tokens: i
 
 
 def run_interleaved(engines: dict[int, SpeculativeEngine], groups: list[list[list[int]]], max_tokens: int,
-                    temperature: float, seed: int = 0) -> tuple[dict[int, RunResult], dict[int, list[list[int]]]]:
+                    temperature: float, seed: int = 0, costs: OnlineCosts | None = None,
+                    ) -> tuple[dict[int, RunResult], dict[int, list[list[int]]]]:
     """Each group of prompts as one batch, one group after another, under every K at once.
 
     Each K has its own engine (sharing the models) and the engines take turns one step each,
     so a noisy neighbour's slow second lands on all configurations alike and the ratios
     between them stay meaningful on a shared machine. Prefill is in the first step's time.
-    Returns the totals per K and each K's output tokens per prompt, in order.
+    Returns the totals per K and each K's output tokens per prompt, in order. ``costs`` hears
+    every step, as a worker's online cost refinement does.
     """
     totals = {k: RunResult(0, 0.0, 0, 0, 0) for k in engines}
     outputs: dict[int, list[list[int]]] = {k: [] for k in engines}
@@ -99,6 +102,8 @@ def run_interleaved(engines: dict[int, SpeculativeEngine], groups: list[list[lis
                 started = time.perf_counter()
                 events = engine.step()
                 elapsed = time.perf_counter() - started
+                if costs is not None:
+                    observe_step(costs, engine, events)
                 for event in events:
                     produced[k][event.request_id].extend(event.tokens)
                     totals[k] += RunResult(len(event.tokens), 0.0, event.proposed, event.accepted,
@@ -107,6 +112,35 @@ def run_interleaved(engines: dict[int, SpeculativeEngine], groups: list[list[lis
         for k in engines:
             outputs[k].extend(produced[k][f"r{i}"] for i in range(len(group)))
     return totals, outputs
+
+
+def observe_step(costs: OnlineCosts, engine: SpeculativeEngine, events: list[StepEvent]) -> None:
+    """What ``workers.runner`` folds into a worker's cost model after each step."""
+    shape = engine.last_shape
+    costs.observe_step(shape.target_rows, shape.target_width, 0.0 if shape.prefill else engine.last_target_s,
+                       shape.draft_rows, shape.draft_forwards, engine.last_draft_s)
+    for event in events:
+        costs.observe_drafts(event.proposed, event.accepted)
+
+
+def live_model(costs: OnlineCosts) -> CostModel:
+    report = costs.report()
+    return CostModel(report.depths, report.step_cost)
+
+
+class AutoK:
+    """K auto as a step rule: the K the live cost model chooses at the step's depth (what the
+    gateway's choice and the worker's per-step rule give together), re-read every 256 calls."""
+
+    def __init__(self, costs: OnlineCosts, alpha: float, max_k: int) -> None:
+        self.costs, self.alpha, self.max_k = costs, alpha, max_k
+        self.calls, self.model = 0, live_model(costs)
+
+    def __call__(self, requested_k: int, depth: int) -> int:
+        self.calls += 1
+        if self.calls % 256 == 0:
+            self.model = live_model(self.costs)
+        return min(requested_k, choose_k(self.model, self.alpha, depth, self.max_k, 0.05, 0.0))
 
 
 def forward_times(models: dict[str, tuple[LlamaForCausalLM, int]], drafts: tuple[LlamaForCausalLM, ...], reps: int,
@@ -189,7 +223,8 @@ def main() -> None:
     assert costs.precision is not None
     print(f"cost model ({costs.cpu}): {costs.precision.why}; chose {costs.precision.target}, measured "
           f"{costs.measured_points}/{costs.total_points} points in {costs.measure_s:.1f}s", flush=True)
-    cost_model = CostModel(costs.depths, costs.step_cost)
+    startup_model = CostModel(costs.depths, costs.step_cost)
+    online = OnlineCosts(costs)  # refined by every step below, as a serving worker's is
     args.dtype = resolve_dtype(args.dtype) if args.dtype != "auto" else costs.precision.target
     target = LlamaForCausalLM.from_pretrained(args.target, TORCH_DTYPES[args.dtype])
     draft = LlamaForCausalLM.from_pretrained(args.draft, TORCH_DTYPES[args.draft_dtype])
@@ -204,7 +239,7 @@ def main() -> None:
         print(message, flush=True)
 
     b1 = prompts[:args.prompts]
-    greedy, outputs = run_interleaved(b1_engines, [[ids] for ids in b1], args.max_tokens, 0.0)
+    greedy, outputs = run_interleaved(b1_engines, [[ids] for ids in b1], args.max_tokens, 0.0, costs=online)
     # Exactness on the real models: at T=0 every K must reproduce plain decoding token for token.
     identical = sum(outputs[k][i] == outputs[0][i] for k in range(1, args.kmax + 1) for i in range(len(b1)))
     compared = args.kmax * len(b1)
@@ -242,11 +277,16 @@ def main() -> None:
     log(f"prefill of 512 tokens: fused attention {1000 * prefill['fused']:.1f} ms, row-invariant "
         f"{1000 * prefill['row_invariant']:.1f} ms")
     log(f"best K={best_k}: speed-up {speedup:.2f}x, bound S={bound:.2f}, measured/bound {speedup / bound:.2f}")
-    # The cost model's prediction at the measured alpha, for the K it would choose.
+    # The cost model's prediction at the measured alpha, for the K it would choose: as measured
+    # at start-up, and after the online refinement from the steps above.
+    cost_model = live_model(online)
     auto_k_b1 = choose_k(cost_model, best.alpha, 1, args.kmax, 0.0, 0.0)
     predicted = gain(cost_model, best.alpha, auto_k_b1, 1)
-    log(f"cost model at alpha {best.alpha:.3f}: K={auto_k_b1}, predicted speed-up {predicted:.2f}x "
-        f"(measured at that K {by_k[auto_k_b1].tok_s / plain.tok_s if auto_k_b1 else 1.0:.2f}x)")
+    startup_k_b1 = choose_k(startup_model, best.alpha, 1, args.kmax, 0.0, 0.0)
+    predicted_startup = gain(startup_model, best.alpha, startup_k_b1, 1)
+    measured_at = by_k[auto_k_b1].tok_s / plain.tok_s if auto_k_b1 else 1.0
+    log(f"cost model at alpha {best.alpha:.3f}: K={auto_k_b1}, predicted speed-up {predicted:.2f}x (measured at "
+        f"that K {measured_at:.2f}x); from the start-up measurement alone K={startup_k_b1}, {predicted_startup:.2f}x")
     # Acceptance needs many drafts, not quiet timing: measure it batched, over more prompts.
     alpha_prompts = prompts[:args.alpha_prompts]
     alpha_by_t: dict[str, float] = {}
@@ -263,18 +303,17 @@ def main() -> None:
         # choice and the worker's per-step rule give together), at the measured alpha. Keyed
         # kmax + 1 (requests ask for the deepest K; the rule cuts it).
         auto = SpeculativeEngine(target, draft, max_slots=size, max_k=args.kmax,
-                                 step_depth_rule=lambda k, depth: min(k, choose_k(
-                                     cost_model, best.alpha, depth, args.kmax, 0.05, 0.0)))
+                                 step_depth_rule=AutoK(online, best.alpha, args.kmax))
         trio = {0: SpeculativeEngine(target, draft, max_slots=size, max_k=args.kmax),
                 best_k: SpeculativeEngine(target, draft, max_slots=size, max_k=args.kmax), args.kmax + 1: auto}
-        both, _ = run_interleaved(trio, [group], args.batch_max_tokens, 0.0)
+        both, _ = run_interleaved(trio, [group], args.batch_max_tokens, 0.0, costs=online)
         p, s, a = both[0], both[best_k], both[args.kmax + 1]
         batched[f"tok_s_b{size}_plain"], batched[f"tok_s_b{size}_spec"] = round(p.tok_s, 1), round(s.tok_s, 1)
         batched[f"tok_s_b{size}_auto"] = round(a.tok_s, 1)
         batched[f"draft_share_b{size}_spec"] = round(s.draft_share, 3)
         log(f"batch {size}, T=0: plain {p.tok_s:.1f} tok/s, speculative K={best_k} {s.tok_s:.1f} tok/s "
             f"({s.tok_s / p.tok_s:.2f}x), alpha {s.alpha:.3f}, drafting {100 * s.draft_share:.0f}% of its time; "
-            f"K auto (K={choose_k(cost_model, best.alpha, size, args.kmax, 0.05, 0.0)} at depth {size}) "
+            f"K auto (K={choose_k(live_model(online), best.alpha, size, args.kmax, 0.05, 0.0)} at depth {size}) "
             f"{a.tok_s:.1f} tok/s ({a.tok_s / p.tok_s:.2f}x)")
     summary = {
         "bench": "engine", "dtype": args.dtype, "target_prepacked": target.prepacked,
@@ -298,7 +337,9 @@ def main() -> None:
         "cpu": costs.cpu, "precision_choice": {"target": costs.precision.target, "exact": costs.precision.exact,
                                                "why": costs.precision.why},
         "predicted_speedup_b1": round(predicted, 3), "predicted_k_b1": auto_k_b1,
-        "cost_model": costs.to_json(),
+        "measured_speedup_at_predicted_k_b1": round(measured_at, 3),
+        "predicted_speedup_b1_startup": round(predicted_startup, 3), "predicted_k_b1_startup": startup_k_b1,
+        "cost_model": costs.to_json(), "cost_model_refined": online.report().to_json(),
     }
     if args.json:
         print(json.dumps(summary))

@@ -140,16 +140,21 @@ def test_online_refinement_moves_costs_toward_step_timings() -> None:
     assert costs.draft_s[1] == pytest.approx(0.008, rel=0.01)
     assert report.step_cost[1][2] > base_report().step_cost[1][2]
     assert report.step_cost[0] == base_report().step_cost[0]  # depth 1 untouched
-    # One step moves a point by ONLINE_WEIGHT of the gap; a depth between grid points is scaled
-    # to the nearest one by the curve's own shape.
+    # A point's first observation counts half, later ones less, down to ONLINE_WEIGHT; a depth
+    # between grid points is scaled to the nearest one by the curve's own shape.
     fresh = OnlineCosts(base_report())
     fresh.observe_step(2, 1, 0.030, 0, 0, 0.0)
     expected_at_depth_1 = 0.030 * 0.010 / (0.010 + (0.020 - 0.010) / 3)
-    assert fresh.target_s[0][0] == pytest.approx(0.010 + ONLINE_WEIGHT * (expected_at_depth_1 - 0.010))
+    assert fresh.target_s[0][0] == pytest.approx(0.010 + 0.5 * (expected_at_depth_1 - 0.010))
+    for _ in range(100):
+        fresh.observe_step(1, 2, 0.011, 0, 0, 0.0)
+    before = fresh.target_s[0][1]
+    fresh.observe_step(1, 2, 0.021, 0, 0, 0.0)
+    assert fresh.target_s[0][1] == pytest.approx(before + ONLINE_WEIGHT * (0.021 - before))
     # Steps that do not fit the grid (a prefill, a prompt riding along) are ignored.
     fresh.observe_step(1, 9, 1.0, 0, 0, 0.0)
     fresh.observe_step(1, 1, 0.0, 0, 0, 0.0)
-    assert fresh.target_s[0] == pytest.approx([fresh.target_s[0][0], 0.011, 0.012])
+    assert fresh.target_s[0][2] == 0.012
 
 
 def test_online_acceptance_counts_tested_drafts() -> None:

@@ -67,7 +67,8 @@ def test_a_code_session_speculates_with_the_cost_model_k(injected: tuple[Gateway
             extra_headers={"X-Session-ID": "code-auto"})
     assert raw.headers["X-Specgate-Mode"] == f"speculative; k={expected}; reason=default"
     usage = raw.parse().usage
-    assert usage is not None and usage.model_extra["speculative"]["proposed"] > 0
+    assert usage is not None and usage.model_extra is not None
+    assert usage.model_extra["speculative"]["proposed"] > 0
     session = gateway.get_json("/admin/sessions/code-auto")
     assert (session["mode"], session["k"], session["reason"]) == ("speculative", expected, "default")
     assert session["mode_changes"][0]["k"] == expected

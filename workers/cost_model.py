@@ -28,7 +28,8 @@ from typing import Any, Literal
 CostSource = Literal["measured", "cache", "derived", "online", "estimated"]
 # Folded per observation: about the last 50 steps that touched a curve point carry it, so the
 # curves follow the machine's load within a second of busy serving, and one noisy step moves
-# them by 2%.
+# them by 2%. A point's first observations weigh more (1/2, 1/3, ... down to this): many
+# points were interpolated at start-up, and the start-up timing is one sample of a quiet moment.
 ONLINE_WEIGHT = 0.02
 # The worker's own acceptance estimate (per-step batch rule): evidence this many tested drafts
 # old weighs half.
@@ -175,7 +176,13 @@ class OnlineCosts:
     draft_s: list[float] = field(default_factory=list)
     steps: int = 0
     acceptance: _Acceptance = field(default_factory=_Acceptance)
+    seen: dict[tuple[int, int], int] = field(default_factory=dict)  # observations per (depth index, n; 0: draft)
     _lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def _weight(self, point: tuple[int, int]) -> float:
+        count = self.seen.get(point, 0)
+        self.seen[point] = count + 1
+        return max(ONLINE_WEIGHT, 1.0 / (count + 2))
 
     def __post_init__(self) -> None:
         base = self.base
@@ -194,12 +201,12 @@ class OnlineCosts:
                 i, n = _nearest(depths, depth), width - 1
                 column = [row[n] for row in self.target_s]
                 scaled = verify_s * column[i] / _interpolate(depths, column, depth)
-                self.target_s[i][n] += ONLINE_WEIGHT * (scaled - self.target_s[i][n])
+                self.target_s[i][n] += self._weight((i, n + 1)) * (scaled - self.target_s[i][n])
             if draft_depth >= 1 and draft_forwards >= 1 and draft_s > 0:
                 i = _nearest(depths, draft_depth)
                 per_forward = draft_s / draft_forwards
                 scaled = per_forward * self.draft_s[i] / _interpolate(depths, self.draft_s, draft_depth)
-                self.draft_s[i] += ONLINE_WEIGHT * (scaled - self.draft_s[i])
+                self.draft_s[i] += self._weight((i, 0)) * (scaled - self.draft_s[i])
             self.steps += 1
 
     def observe_drafts(self, proposed: int, accepted: int) -> None:

@@ -228,9 +228,11 @@ def measure_with_model(settings: MeasureSettings) -> tuple[CostReport, LlamaForC
     measured = {1: {n: times[(chosen.target, 1, n)] for n in n_plan}, full: {1: times[(chosen.target, full, 1)]}}
     draft_measured = {1: times[("draft", 1, 1)]} if draft is not None else {}
     depths = depth_grid(full)
-    plan: list[tuple[int, int]] = [(1, n) for n in range(1, width + 1) if n not in n_plan]
+    # The full batch's slope in n first (phase 1 timed it plain only), then every n at batch 1.
+    plan: list[tuple[int, int]] = [(full, 2)] if full > 1 and width > 1 else []
+    plan += [(1, n) for n in range(1, width + 1) if n not in n_plan]
     plan += [(d, n) for d in (full, *depths[1:-1]) for n in ([0] if draft is not None else []) + n_plan
-             if (d, n) != (full, 1)]
+             if (d, n) not in ((full, 1), (full, 2))]
     with torch.inference_mode():
         for depth, n in plan:
             if time.perf_counter() > deadline:
@@ -276,7 +278,14 @@ def _curves(depths: tuple[int, ...], measured: dict[int, dict[int, float]], draf
             width: int, has_draft: bool) -> tuple[list[list[float]], list[float]]:
     """Every (depth, n) in seconds: measured rows filled in n; depths not reached linear between
     the measured depths around them (the full batch is measured early, so there are two)."""
-    rows = {d: _fill(r, width) for d, r in measured.items()}
+    # A depth timed at one n only (the budget ran out) keeps its plain step and takes its shape
+    # in n from the nearest depth timed at several: one point says nothing about verification.
+    shaped = {d: _fill(r, width) for d, r in measured.items() if len(r) >= 2 or width == 1}
+    rows = dict(shaped)
+    for d, r in measured.items():
+        if d not in shaped and shaped:
+            near = min(shaped, key=lambda s: abs(s - d))
+            rows[d] = [t * r[1] / shaped[near][0] for t in shaped[near]]
     target_s = [rows[d] if d in rows else _between(rows, d) for d in depths]
     draft_s = []
     for i, depth in enumerate(depths):
