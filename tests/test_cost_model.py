@@ -89,6 +89,11 @@ def test_measurement_on_the_demo_models(one_thread: None) -> None:
     model = CostModel.from_json(report.to_json())
     assert model.depths == report.depths and model.max_k == 4
     assert CostReport.from_json(report.to_json()) == report
+    # One slot, no draft: a single depth, plain only.
+    alone = measure(settings(budget_s=0.2, threads=1, max_slots=1, draft=None))
+    assert alone.depths == (1,) and alone.step_cost == ((1.0,),)
+    single = measure(settings(budget_s=0.2, threads=1, max_slots=1))
+    assert single.depths == (1,) and len(single.step_cost[0]) == 5
 
 
 def test_cache_miss_then_hit(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -225,7 +225,8 @@ def measure_with_model(settings: MeasureSettings) -> tuple[CostReport, LlamaForC
     target, cache = targets[chosen_dtype], caches[chosen_dtype]
     # Phase 2, the chosen target: every n at batch 1, then the full batch and the depths between
     # (a sparse n each), until the budget ends.
-    measured = {1: {n: times[(chosen.target, 1, n)] for n in n_plan}, full: {1: times[(chosen.target, full, 1)]}}
+    measured = {1: {n: times[(chosen.target, 1, n)] for n in n_plan}}
+    measured.setdefault(full, {})[1] = times[(chosen.target, full, 1)]  # (full may be 1: the same point)
     draft_measured = {1: times[("draft", 1, 1)]} if draft is not None else {}
     depths = depth_grid(full)
     # The full batch's slope in n first (phase 1 timed it plain only), then every n at batch 1.
