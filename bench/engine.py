@@ -9,6 +9,12 @@ the speed-up bound S = (1 − α^(K+1)) / ((1 − α)(cK + 1)) of Leviathan et a
 Gumbel-max sampling is coupled across modes (same answer in every mode), against the standard
 rule's α at the same temperatures. With ``--json`` the last line printed is one JSON object
 with every figure.
+
+The cost model (``workers/costs_measure.py``): the one a worker with these settings would build
+(``cost_model``, with ``max_slots`` the largest batch measured here), the precision it chose
+(``--dtype auto`` serves that), ``predicted_speedup_b1`` (its prediction at the measured α) next
+to the measured ``speedup_b1``, and ``tok_s_b{8,32,64}_auto``: batched throughput with K chosen
+per step from the cost model at the step's depth, next to plain and a fixed K.
 """
 
 from __future__ import annotations
@@ -22,9 +28,11 @@ from pathlib import Path
 
 import torch
 
-from policies import tested_drafts
+from policies import CostModel, choose_k, gain, tested_drafts
+from workers.cost_model import OnlineCosts
+from workers.costs_measure import MeasureSettings, measure
 from workers.demo_corpus import heldout_prompts
-from workers.engine import GenerationRequest, SpeculativeEngine
+from workers.engine import GenerationRequest, SpeculativeEngine, StepEvent
 from workers.model import TORCH_DTYPES, CacheBatch, KVCache, LlamaForCausalLM, resolve_dtype
 from workers.sampling import SamplingParams
 from workers.text import TextCodec
@@ -75,14 +83,15 @@ def run_batch(engine: SpeculativeEngine, prompts: list[list[int]], max_tokens: i
 
 
 def run_interleaved(engines: dict[int, SpeculativeEngine], groups: list[list[list[int]]], max_tokens: int,
-                    temperature: float, seed: int | None = 0
+                    temperature: float, seed: int | None = 0, costs: OnlineCosts | None = None,
                     ) -> tuple[dict[int, RunResult], dict[int, list[list[int]]]]:
     """Each group of prompts as one batch, one group after another, under every K at once.
 
     Each K has its own engine (sharing the models) and the engines take turns one step each,
     so a noisy neighbour's slow second lands on all configurations alike and the ratios
     between them stay meaningful on a shared machine. Prefill is in the first step's time.
-    Returns the totals per K and each K's output tokens per prompt, in order.
+    Returns the totals per K and each K's output tokens per prompt, in order. ``costs`` hears
+    every step, as a worker's online cost refinement does.
     """
     totals = {k: RunResult(0, 0.0, 0, 0, 0) for k in engines}
     outputs: dict[int, list[list[int]]] = {k: [] for k in engines}
@@ -97,6 +106,8 @@ def run_interleaved(engines: dict[int, SpeculativeEngine], groups: list[list[lis
                 started = time.perf_counter()
                 events = engine.step()
                 elapsed = time.perf_counter() - started
+                if costs is not None:
+                    observe_step(costs, engine, events)
                 for event in events:
                     produced[k][event.request_id].extend(event.tokens)
                     totals[k] += RunResult(len(event.tokens), 0.0, event.proposed, event.accepted,
@@ -105,6 +116,35 @@ def run_interleaved(engines: dict[int, SpeculativeEngine], groups: list[list[lis
         for k in engines:
             outputs[k].extend(produced[k][f"r{i}"] for i in range(len(group)))
     return totals, outputs
+
+
+def observe_step(costs: OnlineCosts, engine: SpeculativeEngine, events: list[StepEvent]) -> None:
+    """What ``workers.runner`` folds into a worker's cost model after each step."""
+    shape = engine.last_shape
+    costs.observe_step(shape.target_rows, shape.target_width, 0.0 if shape.prefill else engine.last_target_s,
+                       shape.draft_rows, shape.draft_forwards, engine.last_draft_s)
+    for event in events:
+        costs.observe_drafts(event.proposed, event.accepted)
+
+
+def live_model(costs: OnlineCosts) -> CostModel:
+    report = costs.report()
+    return CostModel(report.depths, report.step_cost)
+
+
+class AutoK:
+    """K auto as a step rule: the K the live cost model chooses at the step's depth (what the
+    gateway's choice and the worker's per-step rule give together), re-read every 256 calls."""
+
+    def __init__(self, costs: OnlineCosts, alpha: float, max_k: int) -> None:
+        self.costs, self.alpha, self.max_k = costs, alpha, max_k
+        self.calls, self.model = 0, live_model(costs)
+
+    def __call__(self, requested_k: int, depth: int) -> int:
+        self.calls += 1
+        if self.calls % 256 == 0:
+            self.model = live_model(self.costs)
+        return min(requested_k, choose_k(self.model, self.alpha, depth, self.max_k, 0.05, 0.0))
 
 
 def forward_times(models: dict[str, tuple[LlamaForCausalLM, int]], drafts: tuple[LlamaForCausalLM, ...], reps: int,
@@ -170,19 +210,29 @@ def main() -> None:
     parser.add_argument("--batches", default="8,32,64")
     parser.add_argument("--batch-max-tokens", type=int, default=32)
     parser.add_argument("--alpha-prompts", type=int, default=32, help="held-out prompts for alpha per temperature")
+    parser.add_argument("--inexact", action="store_true", help="as workers.exact: false (auto may pick float32)")
+    parser.add_argument("--cost-budget-s", type=float, default=8.0, help="the cost measurement's time budget")
     parser.add_argument("--quick", action="store_true", help="fewer prompts and tokens (smoke run)")
     parser.add_argument("--json", action="store_true", help="print one JSON object as the last line")
     args = parser.parse_args()
     if args.quick:
         args.prompts, args.max_tokens, args.kmax, args.batches, args.batch_max_tokens = 3, 32, 4, "8", 16
-        args.alpha_prompts = 8
+        args.alpha_prompts, args.cost_budget_s = 8, 2.0
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
-    args.dtype = resolve_dtype(args.dtype)
+    batch_sizes = [int(b) for b in args.batches.split(",") if b]
+    # The cost model a worker with these settings builds; "auto" serves the precision it chose.
+    costs = measure(MeasureSettings(args.target, args.draft, max([*batch_sizes, 16]), args.kmax, args.dtype,
+                                    args.draft_dtype, not args.inexact, args.cost_budget_s, args.threads))
+    assert costs.precision is not None
+    print(f"cost model ({costs.cpu}): {costs.precision.why}; chose {costs.precision.target}, measured "
+          f"{costs.measured_points}/{costs.total_points} points in {costs.measure_s:.1f}s", flush=True)
+    startup_model = CostModel(costs.depths, costs.step_cost)
+    online = OnlineCosts(costs)  # refined by every step below, as a serving worker's is
+    args.dtype = resolve_dtype(args.dtype) if args.dtype != "auto" else costs.precision.target
     target = LlamaForCausalLM.from_pretrained(args.target, TORCH_DTYPES[args.dtype])
     draft = LlamaForCausalLM.from_pretrained(args.draft, TORCH_DTYPES[args.draft_dtype])
     codec = TextCodec.from_model_dir(args.target)
-    batch_sizes = [int(b) for b in args.batches.split(",") if b]
     texts = heldout_prompts(max(args.prompts, args.alpha_prompts, *batch_sizes), seed=1)
     prompts = [codec.encode(t) for t in texts]
     # Unseeded requests draw their streams' seeds from this engine's rng: fixed, so runs repeat.
@@ -194,7 +244,7 @@ def main() -> None:
         print(message, flush=True)
 
     b1 = prompts[:args.prompts]
-    greedy, outputs = run_interleaved(b1_engines, [[ids] for ids in b1], args.max_tokens, 0.0)
+    greedy, outputs = run_interleaved(b1_engines, [[ids] for ids in b1], args.max_tokens, 0.0, costs=online)
     # Exactness on the real models: at T=0 every K must reproduce plain decoding token for token.
     identical = sum(outputs[k][i] == outputs[0][i] for k in range(1, args.kmax + 1) for i in range(len(b1)))
     compared = args.kmax * len(b1)
@@ -232,6 +282,16 @@ def main() -> None:
     log(f"prefill of 512 tokens: fused attention {1000 * prefill['fused']:.1f} ms, row-invariant "
         f"{1000 * prefill['row_invariant']:.1f} ms")
     log(f"best K={best_k}: speed-up {speedup:.2f}x, bound S={bound:.2f}, measured/bound {speedup / bound:.2f}")
+    # The cost model's prediction at the measured alpha, for the K it would choose: as measured
+    # at start-up, and after the online refinement from the steps above.
+    cost_model = live_model(online)
+    auto_k_b1 = choose_k(cost_model, best.alpha, 1, args.kmax, 0.0, 0.0)
+    predicted = gain(cost_model, best.alpha, auto_k_b1, 1)
+    startup_k_b1 = choose_k(startup_model, best.alpha, 1, args.kmax, 0.0, 0.0)
+    predicted_startup = gain(startup_model, best.alpha, startup_k_b1, 1)
+    measured_at = by_k[auto_k_b1].tok_s / plain.tok_s if auto_k_b1 else 1.0
+    log(f"cost model at alpha {best.alpha:.3f}: K={auto_k_b1}, predicted speed-up {predicted:.2f}x (measured at "
+        f"that K {measured_at:.2f}x); from the start-up measurement alone K={startup_k_b1}, {predicted_startup:.2f}x")
     # Acceptance needs many drafts, not quiet timing: measure it batched, over more prompts.
     alpha_prompts = prompts[:args.alpha_prompts]
     alpha_by_t: dict[str, float] = {}
@@ -251,14 +311,22 @@ def main() -> None:
     del engine  # its caches; the batched runs get a plain and a speculative engine of their own
     for size in batch_sizes:
         group = (prompts * (size // len(prompts) + 1))[:size]
-        pair = {0: SpeculativeEngine(target, draft, max_slots=size, max_k=args.kmax),
-                best_k: SpeculativeEngine(target, draft, max_slots=size, max_k=args.kmax)}
-        both, _ = run_interleaved(pair, [group], args.batch_max_tokens, 0.0)
-        p, s = both[0], both[best_k]
+        # K auto: each step's K from the cost model at that step's depth (what the gateway's
+        # choice and the worker's per-step rule give together), at the measured alpha. Keyed
+        # kmax + 1 (requests ask for the deepest K; the rule cuts it).
+        auto = SpeculativeEngine(target, draft, max_slots=size, max_k=args.kmax,
+                                 step_depth_rule=AutoK(online, best.alpha, args.kmax))
+        trio = {0: SpeculativeEngine(target, draft, max_slots=size, max_k=args.kmax),
+                best_k: SpeculativeEngine(target, draft, max_slots=size, max_k=args.kmax), args.kmax + 1: auto}
+        both, _ = run_interleaved(trio, [group], args.batch_max_tokens, 0.0, costs=online)
+        p, s, a = both[0], both[best_k], both[args.kmax + 1]
         batched[f"tok_s_b{size}_plain"], batched[f"tok_s_b{size}_spec"] = round(p.tok_s, 1), round(s.tok_s, 1)
+        batched[f"tok_s_b{size}_auto"] = round(a.tok_s, 1)
         batched[f"draft_share_b{size}_spec"] = round(s.draft_share, 3)
         log(f"batch {size}, T=0: plain {p.tok_s:.1f} tok/s, speculative K={best_k} {s.tok_s:.1f} tok/s "
-            f"({s.tok_s / p.tok_s:.2f}x), alpha {s.alpha:.3f}, drafting {100 * s.draft_share:.0f}% of its time")
+            f"({s.tok_s / p.tok_s:.2f}x), alpha {s.alpha:.3f}, drafting {100 * s.draft_share:.0f}% of its time; "
+            f"K auto (K={choose_k(live_model(online), best.alpha, size, args.kmax, 0.05, 0.0)} at depth {size}) "
+            f"{a.tok_s:.1f} tok/s ({a.tok_s / p.tok_s:.2f}x)")
     summary = {
         "bench": "engine", "dtype": args.dtype, "target_prepacked": target.prepacked,
         "draft_dtype": args.draft_dtype, "threads": args.threads,
@@ -278,6 +346,12 @@ def main() -> None:
                          "draft_forward_ms": round(1000 * timed["draft_alt"], 3)},
         "prefill_512_ms": {name: round(1000 * s, 1) for name, s in prefill.items()},
         "alpha_by_temperature": alpha_by_t, "alpha_seeded_coupled_by_temperature": coupled_by_t, **batched,
+        "cpu": costs.cpu, "precision_choice": {"target": costs.precision.target, "exact": costs.precision.exact,
+                                               "why": costs.precision.why},
+        "predicted_speedup_b1": round(predicted, 3), "predicted_k_b1": auto_k_b1,
+        "measured_speedup_at_predicted_k_b1": round(measured_at, 3),
+        "predicted_speedup_b1_startup": round(predicted_startup, 3), "predicted_k_b1_startup": startup_k_b1,
+        "cost_model": costs.to_json(), "cost_model_refined": online.report().to_json(),
     }
     if args.json:
         print(json.dumps(summary))

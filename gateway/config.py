@@ -78,6 +78,11 @@ class WorkersConfig:
     threads: int = 1  # torch threads per worker process
     dtype: Literal["auto", "float32", "bfloat16"] = "auto"  # the target's (auto: see workers/server.py)
     draft_dtype: Literal["float32", "bfloat16"] = "float32"
+    # dtype auto: choose only among configurations whose verification is bit-identical to plain
+    # decoding on the worker's CPU (checked at start-up); false admits faster, close ones.
+    exact: bool = True
+    cost_cache_dir: Path | None = None  # start-up cost measurements (default: ~/.cache/specgate/costs)
+    cost_budget_s: float = 4.0  # time a worker may spend measuring its costs at start-up (a cache hit: none)
     startup_timeout_s: float = 120.0  # a worker not healthy by then is restarted
     poll_interval_s: float = 0.5  # health and load polling period
     unhealthy_restart_s: float = 10.0  # a live local worker failing health checks this long is killed and restarted
@@ -214,6 +219,9 @@ def parse_config(raw: Any, base: Path, source: Path | None = None) -> GatewayCon
         threads=_get(w, "workers", "threads", int, wd.threads, minimum=1),
         dtype=_get(w, "workers", "dtype", str, wd.dtype, choices=("auto", "float32", "bfloat16")),
         draft_dtype=_get(w, "workers", "draft_dtype", str, wd.draft_dtype, choices=("float32", "bfloat16")),
+        exact=_get(w, "workers", "exact", bool, wd.exact),
+        cost_cache_dir=_path(w, "workers", "cost_cache_dir", None, base, nullable=True),
+        cost_budget_s=_get(w, "workers", "cost_budget_s", float, wd.cost_budget_s, minimum=0.1, maximum=60),
         startup_timeout_s=_get(w, "workers", "startup_timeout_s", float, wd.startup_timeout_s, minimum=1),
         poll_interval_s=_get(w, "workers", "poll_interval_s", float, wd.poll_interval_s, minimum=0.05),
         unhealthy_restart_s=_get(w, "workers", "unhealthy_restart_s", float, wd.unhealthy_restart_s, minimum=0.1),

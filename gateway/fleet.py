@@ -28,7 +28,7 @@ from prometheus_client import multiprocess
 from gateway.config import GatewayConfig, RemoteProtocol, RemoteWorker
 from gateway.metrics import GatewayMetrics
 from gateway.routing import Candidate
-from policies import Mode
+from policies import CostModel, Mode, SessionState
 
 log = logging.getLogger(__name__)
 WorkerStatus = Literal["starting", "ready", "unhealthy", "restarting", "stopped"]
@@ -55,6 +55,11 @@ class WorkerHandle:
     info: dict[str, Any] = field(default_factory=dict)
     last_error: str = ""
     started_at: float = 0.0
+    cost: CostModel | None = None  # its published step costs (policy K auto), from its last poll
+    # Acceptance over all the worker's sessions, folded as a session's is: the α a session new
+    # to it is costed at (policies.speculation.acceptance_for_k).
+    acceptance: SessionState = field(default_factory=SessionState)
+    cost_error: str = ""  # why its last published cost model was unusable
 
     @property
     def speaks_specgate(self) -> bool:
@@ -78,6 +83,7 @@ class WorkerHandle:
             "modes": sorted(self.modes), "max_k": self.max_k, "restarts": self.restarts, "in_flight": self.in_flight,
             "batch_depth": self.info.get("batch_depth", self.in_flight), "queue_length": self.info.get("queue_length"),
             "batch_full": self.batch_full, "precision": self.info.get("precision"), "stats": self.info.get("stats"),
+            "cost_model": self.info.get("cost_model"), "acceptance": self.acceptance.acceptance_ewma,
             "last_error": self.last_error or None,
         }
 
@@ -174,11 +180,14 @@ class Fleet:
                    "--uds", str(handle.socket_path),
                    "--target", str(cfg.model.target), "--served-model-name", cfg.model.name,
                    "--max-slots", str(wc.max_slots), "--max-queue", str(wc.max_queue), "--max-k", str(wc.max_k),
-                   "--default-k", str(cfg.policy.num_speculative_tokens), "--threads", str(wc.threads),
-                   "--dtype", wc.dtype, "--draft-dtype", wc.draft_dtype,
+                   "--default-k", str(wc.max_k if cfg.policy.auto_k else cfg.policy.num_speculative_tokens),
+                   "--threads", str(wc.threads), "--dtype", wc.dtype, "--draft-dtype", wc.draft_dtype,
+                   "--exact" if wc.exact else "--no-exact", "--cost-budget-s", str(wc.cost_budget_s),
                    "--max-body-bytes", str(cfg.server.max_body_bytes)]
         if cfg.model.draft is not None:
             command += ["--draft", str(cfg.model.draft)]
+        if wc.cost_cache_dir is not None:
+            command += ["--cost-cache-dir", str(wc.cost_cache_dir)]
         if wc.engine == "vllm" and wc.vllm_args:
             command += ["--vllm-args", json.dumps(dict(wc.vllm_args))]
         if wc.engine == "sim" and wc.sim:
@@ -251,6 +260,7 @@ class Fleet:
                 if handle.speaks_specgate:
                     info = await resp.json()
                     handle.info = info
+                    handle.cost = self._cost_model(handle, info.get("cost_model"))
                     handle.reported_depth = int(info.get("batch_depth", 0)) + int(info.get("queue_length", 0))
                     if handle.remote:
                         handle.modes = frozenset(m for m in info.get("modes", []) if m in ("speculative", "plain"))
@@ -261,6 +271,30 @@ class Fleet:
         except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
             handle.last_error = f"{path}: {exc.__class__.__name__}: {exc}"
             return False
+
+    def _cost_model(self, handle: WorkerHandle, raw: Any) -> CostModel | None:
+        if raw is None:
+            return None
+        try:
+            cost = CostModel.from_json(raw)
+        except (KeyError, TypeError, ValueError) as exc:
+            if str(exc) != handle.cost_error:  # once per new problem, not once per poll
+                log.warning("%s published an unusable cost model (%s); K auto uses its max_k", handle.worker_id, exc)
+            handle.cost_error = str(exc)
+            return None
+        if handle.cost is None:
+            self._check_precision(handle)
+        return cost
+
+    def _check_precision(self, handle: WorkerHandle) -> None:
+        """Workers of one gateway should serve one precision (they share the cost cache, so the
+        first one's choice is the others'); say so when they do not."""
+        mine = (handle.info.get("precision") or {}).get("target")
+        for other in self.workers.values():
+            theirs = (other.info.get("precision") or {}).get("target")
+            if other is not handle and not other.remote and not handle.remote and mine and theirs and mine != theirs:
+                log.warning("%s serves a %s target but %s a %s one: their cost caches differ (workers.cost_cache_dir)",
+                            handle.worker_id, mine, other.worker_id, theirs)
 
     async def _probe_vllm_depth(self, handle: WorkerHandle) -> None:
         """A vLLM server's depth, from its own Prometheus gauges (it serves other clients too)."""

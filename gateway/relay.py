@@ -102,10 +102,10 @@ def _decide(session: Session, handle: WorkerHandle, req: CompletionRequest, poli
     """The decision on ``handle``; with ``any_mode``, what the rules want were it to serve both modes."""
     handle.batch_full = batch_latch(handle.batch_full, handle.load, policy)
     worker = WorkerState(handle.load, handle.batch_full, handle.max_k, "speculative" in handle.modes,
-                         "plain" in handle.modes)
+                         "plain" in handle.modes, handle.cost, handle.acceptance.acceptance_ewma)
     if any_mode:
-        worker = replace(worker, max_k=max(handle.max_k, policy.num_speculative_tokens), serves_speculative=True,
-                         serves_plain=True)
+        fixed_k = 1 if policy.num_speculative_tokens == "auto" else policy.num_speculative_tokens
+        worker = replace(worker, max_k=max(handle.max_k, fixed_k), serves_speculative=True, serves_plain=True)
     return decide(session.policy_state, worker, RequestFacts(req.temperature), policy)
 
 
@@ -138,7 +138,7 @@ def _route(state: GatewayState, session: Session, candidates: list[Candidate], r
     return handle, decision
 
 
-def _record(state: GatewayState, session: Session, decision: Decision) -> None:
+def _record(state: GatewayState, session: Session, decision: Decision, policy: PolicyConfig) -> None:
     metrics = state.metrics
     metrics.decisions.labels(model=metrics.model, mode=decision.mode, reason=decision.reason).inc()
     if decision.mode == "plain":
@@ -149,7 +149,7 @@ def _record(state: GatewayState, session: Session, decision: Decision) -> None:
             metrics.mode_switches.labels(model=metrics.model, to=decision.mode, reason=decision.reason).inc()
         session.history.append(ModeChange(time.time(), decision.mode, decision.reason, decision.k))
     session.last_decision = decision
-    session.policy_state = record_decision(session.policy_state, decision)
+    session.policy_state = record_decision(session.policy_state, decision, policy.auto_k)
 
 
 async def _admit(state: GatewayState, session: Session, req: CompletionRequest, exclude: frozenset[str] = frozenset(),
@@ -174,7 +174,7 @@ async def _admit(state: GatewayState, session: Session, req: CompletionRequest, 
         handle, decision = routed
         worker_id = session.worker_id = handle.worker_id
         body = worker_body(req, Directive(decision.k, policy.max_batch, policy.batch_resume, policy.max_step_drafts,
-                                          resume), handle.protocol)
+                                          resume, policy.auto_k), handle.protocol)
         handle.in_flight += 1
         attempt = trace.attempt(worker_id, decision)
         try:
@@ -192,7 +192,7 @@ async def _admit(state: GatewayState, session: Session, req: CompletionRequest, 
             handle.in_flight -= 1
             attempt.failed(exc)
             raise
-        _record(state, session, decision)
+        _record(state, session, decision, policy)
         return Admission(session, handle, decision, policy, attempt, len(tried - exclude)), response
 
 
@@ -210,17 +210,18 @@ def _account(state: GatewayState, admission: Admission, tally: StreamTally, chun
         if report is not None:
             chunk[DIRECTIVE_FIELD] = report.to_json()
     if report is not None:
-        session = admission.session
+        session, handle = admission.session, admission.handle
         session.policy_state = observe(session.policy_state, report.proposed, report.accepted, admission.policy)
+        handle.acceptance = observe(handle.acceptance, report.proposed, report.accepted, admission.policy)
         tally.proposed += report.proposed
         tally.accepted += report.accepted
         tally.speculative_steps += int(report.proposed > 0) + sum(g.count for g in report.late_steps)
         worker_id = admission.handle.worker_id
         metrics.record_steps(worker_id, report.proposed, report.accepted)
         if report.late_steps:  # acceptance the engine learned late (vLLM: when the request ended)
-            session.policy_state = observe_steps(
-                session.policy_state, ((g.proposed, g.accepted, g.count) for g in report.late_steps),
-                admission.policy)
+            groups = [(g.proposed, g.accepted, g.count) for g in report.late_steps]
+            session.policy_state = observe_steps(session.policy_state, groups, admission.policy)
+            handle.acceptance = observe_steps(handle.acceptance, groups, admission.policy)
             tally.proposed += sum(g.proposed * g.count for g in report.late_steps)
             tally.accepted += sum(g.accepted * g.count for g in report.late_steps)
             for group in report.late_steps:

@@ -1,6 +1,7 @@
 """The speculative fallback policy: pure functions, no I/O (see policies/speculation.py)."""
 
 from policies.config import PolicyConfig, PolicyConfigError, bounded_repr, bounded_text
+from policies.cost import CostModel, choose_k, expected_tokens, gain, objective, step_cost, step_k
 from policies.speculation import (
     FIXED_MODE_REASONS,
     REASONS,
@@ -11,6 +12,7 @@ from policies.speculation import (
     SessionState,
     StepDepth,
     WorkerState,
+    acceptance_for_k,
     acceptance_latch,
     batch_latch,
     decide,
@@ -24,6 +26,7 @@ from policies.speculation import (
 __all__ = [
     "FIXED_MODE_REASONS",
     "REASONS",
+    "CostModel",
     "Decision",
     "Mode",
     "PolicyConfig",
@@ -33,14 +36,21 @@ __all__ = [
     "SessionState",
     "StepDepth",
     "WorkerState",
+    "acceptance_for_k",
     "acceptance_latch",
     "batch_latch",
     "bounded_repr",
     "bounded_text",
+    "choose_k",
     "decide",
+    "expected_tokens",
+    "gain",
+    "objective",
     "observe",
     "observe_steps",
     "record_decision",
+    "step_cost",
     "step_depth",
+    "step_k",
     "tested_drafts",
 ]

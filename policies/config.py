@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
-from typing import Any
+from typing import Any, Literal
 
 EXCERPT_CHARS = 200  # error messages quote at most this much of a value
 
@@ -55,7 +55,11 @@ class PolicyConfig:
     batch_resume: int = 56  # ...and speculative again only once it is below this
     max_temperature: float = 0.8  # plain for requests sampled hotter than this
     probe_every: int = 8  # a low-acceptance session is re-probed with speculation every N requests
-    num_speculative_tokens: int = 6  # K, drafts proposed per step (the best K bench.engine measured)
+    # K, drafts proposed per step; "auto": per session, the K the worker's measured costs say
+    # buys the most tokens per second (policies/cost.py)
+    num_speculative_tokens: int | Literal["auto"] = 6
+    min_gain: float = 0.05  # auto: a K must promise (1 + min_gain)x plain's throughput, else plain (no_gain)
+    k_switch_gain: float = 0.05  # auto: a session keeps its K unless another promises (1 + this)x its throughput
     # At or below this batch depth a GPU step is memory-bound and drafting costs little, so even a
     # hot or low-acceptance session gains from speculating: the temperature and acceptance rules
     # wait until the batch is deeper (bench.policy, docs/sim.md). 0: those rules apply at any depth.
@@ -82,7 +86,12 @@ class PolicyConfig:
         require(1 <= self.batch_resume <= self.max_batch, "batch_resume", f"must be in 1..max_batch ({self.max_batch})")
         require(self.max_temperature >= 0 and math.isfinite(self.max_temperature), "max_temperature", "must be >= 0")
         require(self.probe_every >= 1, "probe_every", "must be >= 1")
-        require(1 <= self.num_speculative_tokens <= 16, "num_speculative_tokens", "must be in 1..16")
+        k = self.num_speculative_tokens
+        require(k == "auto" or (isinstance(k, int) and not isinstance(k, bool) and 1 <= k <= 16),
+                "num_speculative_tokens", "must be in 1..16 or auto")
+        for name in ("min_gain", "k_switch_gain"):
+            value = getattr(self, name)
+            require(0.0 <= value <= 1.0, name, "must be between 0 and 1")
         require(self.free_batch >= 0, "free_batch", "must be >= 0")
         require(self.max_step_drafts >= 0, "max_step_drafts", "must be >= 0")
 
@@ -99,7 +108,9 @@ class PolicyConfig:
             if key not in known:
                 raise PolicyConfigError(str(key), value, f"unknown field; known fields: {', '.join(known)}")
             expected = known[key].type
-            if expected == "int":
+            if key == "num_speculative_tokens" and value == "auto":
+                pass
+            elif expected == "int" or key == "num_speculative_tokens":
                 if isinstance(value, bool) or not isinstance(value, int):
                     raise PolicyConfigError(key, value, "must be an integer")
             elif expected == "float":
@@ -112,5 +123,10 @@ class PolicyConfig:
             values[key] = value
         return cls(**values)
 
-    def as_dict(self) -> dict[str, float | int]:
+    @property
+    def auto_k(self) -> bool:
+        """K is chosen per session from the workers' measured costs (policies/cost.py)."""
+        return self.num_speculative_tokens == "auto"
+
+    def as_dict(self) -> dict[str, float | int | str]:
         return {f.name: getattr(self, f.name) for f in fields(self)}

@@ -15,8 +15,14 @@ Rules, in the order ``decide`` applies them (thresholds named as in config.yaml)
    ``acceptance_floor`` with at least ``min_proposals`` drafted tokens of evidence, and has not
    climbed back above ``acceptance_resume``. Every ``probe_every``-th request of such a session
    speculates anyway (``probe``) so that new evidence can bring it back.
-5. ``default``: speculate with K = ``num_speculative_tokens`` (capped by the worker's max K).
-
+5. ``no_gain`` (``num_speculative_tokens: auto`` only): the worker's measured costs say no K
+   buys ``min_gain`` more throughput than plain for this session's acceptance at this batch
+   depth (``policies/cost.py``). Every ``probe_every``-th such request speculates anyway
+   (``probe``), so a session's estimate can recover.
+6. ``default``: speculate with K = ``num_speculative_tokens`` (capped by the worker's max K), or
+   with ``auto``, the K that maximizes expected tokens per unit of time on the worker's cost
+   curves, kept unless another K is better by ``k_switch_gain`` (``policies/cost.py``). A worker
+   that publishes no cost model speculates with its own max K.
 ``free_batch`` (off at 0) exempts shallow batches from rules 2 and 4: at or below that depth a
 GPU step is memory-bound and drafting cheap, so a hot or low-acceptance session still gains
 (reason ``free_batch`` when a rule was waived). Per step, inside the worker, ``step_depth``
@@ -30,12 +36,13 @@ from dataclasses import dataclass, replace
 from typing import Literal
 
 from policies.config import PolicyConfig
+from policies.cost import CostModel, choose_k, gain
 
 Mode = Literal["speculative", "plain"]
 Reason = Literal["default", "probe", "worker_plain_only", "worker_speculative_only", "high_temperature",
-                 "batch_full", "low_acceptance", "free_batch"]
+                 "batch_full", "low_acceptance", "no_gain", "free_batch"]
 REASONS: tuple[Reason, ...] = ("default", "probe", "worker_plain_only", "worker_speculative_only",
-                               "high_temperature", "batch_full", "low_acceptance", "free_batch")
+                               "high_temperature", "batch_full", "low_acceptance", "no_gain", "free_batch")
 # Decisions forced by what a fixed-mode worker serves, not by the rules.
 FIXED_MODE_REASONS: frozenset[Reason] = frozenset({"worker_plain_only", "worker_speculative_only"})
 
@@ -59,7 +66,8 @@ class SessionState:
     acceptance_ewma: float | None = None  # None until the first drafted token is observed
     proposals_seen: int = 0  # drafts tested over the session's life (the evidence)
     low_acceptance: bool = False  # latched: fell below the floor, not yet back above resume
-    plain_since_probe: int = 0  # low-acceptance requests served plain since the last probe
+    plain_since_probe: int = 0  # low-acceptance (or no-gain) requests served plain since the last probe
+    auto_k: int | None = None  # the K the cost model last chose (0: plain, no_gain); None: never chosen
 
 
 @dataclass(frozen=True)
@@ -69,6 +77,8 @@ class WorkerState:
     max_k: int  # 0 when the worker cannot speculate
     serves_speculative: bool = True  # False for a worker that serves one fixed plain mode
     serves_plain: bool = True  # False for a worker that serves one fixed speculative mode
+    cost: CostModel | None = None  # the worker's published step costs (num_speculative_tokens: auto)
+    acceptance: float | None = None  # the worker's acceptance estimate over all its sessions
 
 
 @dataclass(frozen=True)
@@ -89,7 +99,7 @@ def decide(session: SessionState, worker: WorkerState, request: RequestFacts, po
 def _rules(session: SessionState, worker: WorkerState, request: RequestFacts, policy: PolicyConfig) -> Decision:
     if worker.max_k <= 0 or not worker.serves_speculative:
         return Decision("plain", 0, "worker_plain_only")
-    k = min(policy.num_speculative_tokens, worker.max_k)
+    k = worker.max_k if policy.num_speculative_tokens == "auto" else min(policy.num_speculative_tokens, worker.max_k)
     shallow = policy.free_batch > 0 and worker.batch_depth <= policy.free_batch and not worker.batch_full
     if request.temperature > policy.max_temperature:
         if shallow:
@@ -99,19 +109,54 @@ def _rules(session: SessionState, worker: WorkerState, request: RequestFacts, po
         return Decision("plain", 0, "batch_full")
     if session.low_acceptance and shallow:
         return Decision("speculative", k, "free_batch")
+    probe_due = session.plain_since_probe + 1 >= policy.probe_every
     if session.low_acceptance:
-        if session.plain_since_probe + 1 >= policy.probe_every:
-            return Decision("speculative", k, "probe")
+        if probe_due:
+            return Decision("speculative", _probe_k(session, worker, policy, k), "probe")
         return Decision("plain", 0, "low_acceptance")
+    if policy.num_speculative_tokens == "auto" and worker.cost is not None:
+        alpha = acceptance_for_k(session, worker, policy)
+        k = choose_k(worker.cost, alpha, worker.batch_depth + 1, worker.max_k, policy.min_gain,
+                     policy.k_switch_gain, session.auto_k)
+        if k == 0:
+            if probe_due:
+                return Decision("speculative", _probe_k(session, worker, policy, 1), "probe")
+            return Decision("plain", 0, "no_gain")
     return Decision("speculative", k, "default")
 
 
-def record_decision(session: SessionState, decision: Decision) -> SessionState:
-    """Counts the requests a low-acceptance session spends plain, so probes come on time."""
-    if decision.reason == "low_acceptance":
-        return replace(session, plain_since_probe=session.plain_since_probe + 1)
+def acceptance_for_k(session: SessionState, worker: WorkerState, policy: PolicyConfig) -> float:
+    """The α the cost model is read at: the session's estimate once it has ``min_proposals``
+    tested drafts of evidence; before that the worker's (over all its sessions); before any
+    evidence at all ``acceptance_resume``, the level at which the rules let a session speculate."""
+    if session.acceptance_ewma is not None and session.proposals_seen >= policy.min_proposals:
+        return session.acceptance_ewma
+    if worker.acceptance is not None:
+        return worker.acceptance
+    if session.acceptance_ewma is not None:
+        return session.acceptance_ewma
+    return policy.acceptance_resume
+
+
+def _probe_k(session: SessionState, worker: WorkerState, policy: PolicyConfig, fallback: int) -> int:
+    """A probe's K: with ``auto`` and a cost model, the K with the best gain (never 0)."""
+    if policy.num_speculative_tokens != "auto" or worker.cost is None:
+        return fallback
+    cost, alpha, depth = worker.cost, acceptance_for_k(session, worker, policy), worker.batch_depth + 1
+    ks = range(1, min(worker.max_k, cost.max_k) + 1)
+    return max(ks, key=lambda k: (gain(cost, alpha, k, depth), -k), default=fallback)
+
+
+def record_decision(session: SessionState, decision: Decision, auto_k: bool = False) -> SessionState:
+    """Counts the requests a session spends plain for want of acceptance or gain, so probes
+    come on time, and with ``auto_k`` (policy K auto) remembers the K the cost model chose: its
+    hysteresis starts there."""
+    if decision.reason in ("low_acceptance", "no_gain"):
+        session = replace(session, plain_since_probe=session.plain_since_probe + 1)
     if decision.reason == "probe":
         return replace(session, plain_since_probe=0)
+    if auto_k and decision.reason in ("default", "no_gain"):
+        return replace(session, auto_k=decision.k)
     return session
 
 
@@ -161,7 +206,8 @@ def _fold(session: SessionState, tested: int, accepted: int, policy: PolicyConfi
     seen = session.proposals_seen + tested
     latched = acceptance_latch(session.low_acceptance, ewma, seen, policy)
     plain_since_probe = session.plain_since_probe if latched else 0
-    return SessionState(ewma, seen, latched, plain_since_probe)
+    return replace(session, acceptance_ewma=ewma, proposals_seen=seen, low_acceptance=latched,
+                   plain_since_probe=plain_since_probe)
 
 
 def tested_drafts(proposed: int, accepted: int) -> int:

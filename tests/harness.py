@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import atexit
+import functools
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.error
 import urllib.request
@@ -20,6 +24,17 @@ import yaml
 
 REPO = Path(__file__).resolve().parent.parent
 MODELS = REPO / "models"
+# Workers' start-up cost measurement, kept short in tests (production default: 4 s).
+TEST_COST_BUDGET_S = 1.0
+
+
+@functools.cache
+def cost_cache_dir() -> Path:
+    """One temporary cost cache for the test session: the first worker measures, later ones
+    start at once, as a restarted worker does; removed when the session ends."""
+    path = Path(tempfile.mkdtemp(prefix="specgate-test-costs-"))
+    atexit.register(shutil.rmtree, path, True)
+    return path
 
 
 def free_port() -> int:
@@ -99,9 +114,10 @@ def write_config(path: Path, **sections: dict[str, Any]) -> Path:
     config: dict[str, Any] = {
         "model": {"name": "specgate-demo", "target": str(MODELS / "demo-target"),
                   "draft": str(MODELS / "demo-draft")},
-        "workers": {"count": 1, "max_slots": 16, "poll_interval_s": 0.2, "restart_backoff_s": 0.2},
-        # The GPU-oriented shallow-batch waiver and per-step draft limit off: these tests exercise
-        # each rule on its own on CPU workers (tests/test_sim.py and test_policy.py cover those two).
+        "workers": {"count": 1, "max_slots": 16, "poll_interval_s": 0.2, "restart_backoff_s": 0.2,
+                    "cost_cache_dir": str(cost_cache_dir()), "cost_budget_s": TEST_COST_BUDGET_S},
+        # The GPU-oriented shallow-batch waiver and per-step draft limit off (the defaults too):
+        # these tests exercise each rule on its own (tests/test_sim.py and test_policy.py cover them).
         "policy": {"free_batch": 0, "max_step_drafts": 0},
     }
     for name, values in sections.items():
@@ -153,7 +169,8 @@ def start_tcp_worker(log_dir: Path, *extra: str, ready_timeout_s: float = 120.0,
     with log_path.open("wb") as log:
         process = subprocess.Popen(
             [sys.executable, "-m", "workers", "--worker-id", f"tcp-{port}", "--port", str(port),
-             "--target", str(MODELS / "demo-target"), "--draft", str(MODELS / "demo-draft"), *extra],
+             "--target", str(MODELS / "demo-target"), "--draft", str(MODELS / "demo-draft"),
+             "--cost-cache-dir", str(cost_cache_dir()), "--cost-budget-s", str(TEST_COST_BUDGET_S), *extra],
             cwd=REPO, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})})
     try:
         wait_until_ok(process, f"http://127.0.0.1:{port}/health", log_path, ready_timeout_s)

@@ -20,17 +20,21 @@ def test_bench_engine_quick_json() -> None:
                          text=True, timeout=300, check=True)
     result = json.loads(run.stdout.strip().splitlines()[-1])
     assert set(result) >= REQUIRED
-    assert {"tok_s_b8_plain", "tok_s_b8_spec"} <= set(result)
+    assert {"tok_s_b8_plain", "tok_s_b8_spec", "tok_s_b8_auto", "predicted_speedup_b1", "cpu"} <= set(result)
+    # The cost model a worker would build, and the precision it chose (served by --dtype auto).
+    assert result["dtype"] == result["precision_choice"]["target"] == result["cost_model"]["precision"]["target"]
+    assert result["cost_model"]["depths"][-1] == 16 and result["predicted_speedup_b1"] > 0
     assert 1 <= result["best_k"] <= 4
     assert 0.0 <= result["alpha_t0"] <= 1.0 and result["c"] > 0
     assert set(result["alpha_by_temperature"]) == {"0.0", "0.5", "0.8", "1.0"}
     assert set(result["alpha_seeded_coupled_by_temperature"]) == {"0.5", "0.8", "1.0"}
     assert "best K=" in run.stdout
     assert result["greedy_compared_runs"] == 3 * 4
-    assert result["target_prepacked"] == bf16_prepacking_available()
-    if result["target_prepacked"]:
+    assert result["target_prepacked"] == (result["dtype"] == "bfloat16" and bf16_prepacking_available())
+    if result["precision_choice"]["exact"]:
         # Exactness on the real models (deterministic, not a timing): at T=0 every K reproduced
-        # plain decoding token for token on every prompt. (float32 promises closeness only.)
+        # plain decoding token for token on every prompt, where the chosen configuration
+        # verified bit-identically at start-up. (float32 promises closeness only.)
         assert result["greedy_identical_runs"] == result["greedy_compared_runs"]
 
 

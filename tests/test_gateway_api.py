@@ -200,10 +200,18 @@ def test_health_ready_and_workers(gateway: Gateway) -> None:
     workers = gateway.get_json("/admin/workers")["workers"]
     assert {w["worker_id"] for w in workers} == {"worker-0", "worker-1"}
     assert all(w["status"] == "ready" and w["modes"] == ["plain", "speculative"] for w in workers)
-    # Each worker's precision as it resolved workers.dtype (auto) on this CPU.
-    packed = bf16_prepacking_available()
-    assert all(w["precision"] == {"target": "bfloat16" if packed else "float32", "draft": "float32",
-                                  "target_prepacked": packed} for w in workers)
+    # Each worker's precision as its start-up measurement chose it (workers.dtype auto, exact:
+    # the fastest configuration that verifies bit-identically on this CPU, whatever its flags),
+    # and the two agree: the second worker read the first one's measurement from the cache.
+    precisions = [w["precision"] for w in workers]
+    assert precisions[0] == precisions[1]
+    chosen = workers[0]["cost_model"]["precision"]
+    assert precisions[0]["target"] == chosen["target"] and precisions[0]["draft"] == "float32"
+    assert precisions[0]["target_prepacked"] == (chosen["target"] == "bfloat16" and bf16_prepacking_available())
+    candidates = {c["target"]: c for c in chosen["candidates"]}
+    assert set(candidates) == {"bfloat16", "float32"}
+    if any(c["bit_identical"] for c in candidates.values()):
+        assert chosen["exact"] and candidates[chosen["target"]]["bit_identical"]
 
 
 def test_metrics_cover_gateway_and_workers(gateway: Gateway, client: openai.OpenAI) -> None:

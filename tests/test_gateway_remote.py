@@ -32,11 +32,15 @@ def tcp_worker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[int]:
 def test_worker_describes_its_precision(tcp_worker: int) -> None:
     with urllib.request.urlopen(f"http://127.0.0.1:{tcp_worker}/specgate/worker", timeout=10) as response:
         described = json.load(response)
-    # The serving defaults: workers.dtype auto is bfloat16, prepacked, where the CPU can (AVX512-BF16
-    # or AMX, as on these machines), else float32.
-    packed = bf16_prepacking_available()
-    assert described["precision"] == {"target": "bfloat16" if packed else "float32", "draft": "float32",
-                                      "target_prepacked": packed}
+    # workers.dtype auto: the target dtype the start-up measurement chose, prepacked where the CPU
+    # can (AVX512-BF16 or AMX); the cost model says why.
+    cost = described["cost_model"]
+    target = cost["precision"]["target"]
+    assert described["precision"]["target"] == target and described["precision"]["draft"] == "float32"
+    assert described["precision"]["target_prepacked"] == (target == "bfloat16" and bf16_prepacking_available())
+    assert described["precision"]["why"] == cost["precision"]["why"]
+    assert cost["max_k"] == 8 and cost["depths"][0] == 1 and cost["depths"][-1] == 16
+    assert all(row[0] == 1.0 for row in cost["step_cost"])
     assert described["modes"] == ["speculative", "plain"] and described["max_k"] == 8
 
 

@@ -49,7 +49,7 @@ def test_header(decision: Decision, header: str) -> None:
 
 def test_reasons_lists_every_rule() -> None:
     assert set(REASONS) == {"default", "probe", "worker_plain_only", "worker_speculative_only", "high_temperature",
-                            "batch_full", "low_acceptance", "free_batch"}
+                            "batch_full", "low_acceptance", "no_gain", "free_batch"}
 
 
 SPEC_ONLY = WorkerState(0, False, max_k=5, serves_plain=False)

@@ -85,6 +85,7 @@ def test_k_is_zero_exactly_when_plain(session: SessionState, worker: WorkerState
     assert decision.reason in REASONS
     assert (decision.k == 0) == (decision.mode == "plain")
     if decision.mode == "speculative":
+        assert isinstance(policy.num_speculative_tokens, int)  # these policies fix K (auto: test_cost.py)
         assert 1 <= decision.k <= min(policy.num_speculative_tokens, worker.max_k)
         assert decision.reason in ("default", "probe")
     else:

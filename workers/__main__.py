@@ -42,6 +42,13 @@ def parse_args(argv: list[str] | None = None, prog: str = "python -m workers") -
                              "(embedded); the checkpoint's own dtype (vllm)")
     parser.add_argument("--draft-dtype", choices=["float32", "bfloat16"], default="float32",
                         help="the draft's dtype (embedded; vLLM runs the draft in the target's dtype)")
+    parser.add_argument("--exact", action=argparse.BooleanOptionalAction, default=True,
+                        help="embedded, --dtype auto: choose only among configurations whose verification is "
+                             "bit-identical to plain decoding on this CPU (--no-exact admits faster, close ones)")
+    parser.add_argument("--cost-cache-dir", type=Path, default=None,
+                        help="embedded: where start-up cost measurements are cached (default ~/.cache/specgate/costs)")
+    parser.add_argument("--cost-budget-s", type=float, default=4.0,
+                        help="embedded: time budget of the start-up cost measurement (a cache hit skips it)")
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
     parser.add_argument("--max-model-len", type=int, default=None, help="vllm: context window (default: the model's)")
     parser.add_argument("--vllm-args", type=json.loads, default={},
@@ -78,7 +85,9 @@ def build_engine(args: argparse.Namespace) -> Engine:
 
     torch.set_num_threads(args.threads)
     return EmbeddedEngine(EmbeddedSettings(target=args.target, draft=args.draft, max_slots=args.max_slots,
-                                           max_k=args.max_k, dtype=args.dtype, draft_dtype=args.draft_dtype))
+                                           max_k=args.max_k, dtype=args.dtype, draft_dtype=args.draft_dtype,
+                                           exact=args.exact, cost_cache_dir=args.cost_cache_dir,
+                                           cost_budget_s=args.cost_budget_s))
 
 
 def die_with_parent() -> None:

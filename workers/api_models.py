@@ -107,6 +107,7 @@ class Directive(_Strict):
     batch_resume: Annotated[int, Field(ge=1, le=1 << 20)] = 1 << 20
     max_step_drafts: Annotated[int, Field(ge=0, le=1 << 20)] = 0  # 0: no limit
     resume: Resume | None = None
+    cost_rule: bool = False  # policy K auto: the worker's per-step rule consults its cost model
 
 
 class _RequestBody(_Strict):

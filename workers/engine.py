@@ -69,6 +69,18 @@ class _Sequence:
 
 
 @dataclass(frozen=True)
+class StepShape:
+    """What the last step's forwards computed: the target's rows and widest row, whether a
+    prefill forward ran too (its time is then in the target's), and the draft's rows and forwards."""
+
+    target_rows: int
+    target_width: int
+    prefill: bool
+    draft_rows: int
+    draft_forwards: int
+
+
+@dataclass(frozen=True)
 class _Row:
     """One sequence's input to a cached forward."""
 
@@ -109,9 +121,11 @@ class SpeculativeEngine:
         # Prompt tails up to this many tokens ride in the batched decode forward; longer ones
         # (prefills) get a forward of their own so the batch is not padded to prompt length.
         self._batched_row_limit = self.max_k + 2
-        # Wall time of the last step's draft proposals and target verification (metrics).
+        # Wall time of the last step's draft proposals and target verification (metrics), and
+        # their shapes (the cost model's online refinement, workers/cost_model.py).
         self.last_draft_s = 0.0
         self.last_target_s = 0.0
+        self.last_shape = StepShape(0, 0, False, 0, 0)
 
     # -- queue management ----------------------------------------------------------------
     @property
@@ -211,6 +225,9 @@ class SpeculativeEngine:
                 for s in seqs]
         target_logits = self._forward_isolated(self.target, self.target_cache, seqs, rows, failed)
         self.last_draft_s, self.last_target_s = proposed - started, time.perf_counter() - proposed
+        drafting = [s.step_k for s in seqs if s.step_k > 0]
+        self.last_shape = StepShape(len(rows), max((len(r.new_tokens) for r in rows), default=0),
+                                    any(r.prefill for r in rows), len(drafting), max(drafting, default=0))
         events = []
         for seq, logits in zip(seqs, target_logits, strict=True):
             if logits is None:

@@ -14,6 +14,8 @@ from collections.abc import AsyncGenerator, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
 
+from workers.cost_model import CostReport
+
 FinishReason = Literal["stop", "length", "abort"]
 EngineKind = Literal["embedded", "vllm", "sim"]
 
@@ -153,9 +155,18 @@ class Engine(Protocol):
 
     async def stop(self) -> None: ...
 
-    def set_batch_thresholds(self, max_batch: int, batch_resume: int, max_step_drafts: int = 0) -> None:
-        """The policy's batch rule (from the latest gateway directive) for the per-step latch, and
-        its per-step draft limit (0: none; see ``policies.speculation.step_depth``)."""
+    @property
+    def cost_model(self) -> CostReport | None:
+        """What a step costs by batch depth and K, live (``workers/cost_model.py``); None while
+        the engine cannot tell yet. ``/specgate/worker`` publishes it as ``cost_model``."""
+        ...
+
+    def set_batch_thresholds(self, max_batch: int, batch_resume: int, max_step_drafts: int = 0,
+                             cost_rule: bool = False) -> None:
+        """The policy's batch rule (from the latest gateway directive) for the per-step latch, its
+        per-step draft limit (0: none; ``policies.speculation.step_depth``), and with ``cost_rule``
+        (policy K ``auto``) the cost model's per-step rule, where the engine has one
+        (``policies.cost.step_k``)."""
 
     def generate(self, request: GenerationRequest) -> AsyncGenerator[StepEvent, None]:
         """Per-step events until one carries a finish reason; closing the stream aborts it.

@@ -149,6 +149,9 @@ class Directive:
     batch_resume: int  # ...until it falls below this
     max_step_drafts: int = 0  # drafts per step across the batch before K shrinks (0: no limit)
     resume: ResumePoint | None = None  # continue from here instead of from the request's prompt
+    # Policy K "auto": each step, the worker also runs plain (or shallower) at a batch depth
+    # where its cost model says the requested K loses (policies.cost.step_k).
+    cost_rule: bool = False
 
     def to_json(self) -> dict[str, Any]:
         out: dict[str, Any] = {"k": self.k, "max_batch": self.max_batch, "batch_resume": self.batch_resume}
@@ -156,6 +159,8 @@ class Directive:
             out["max_step_drafts"] = self.max_step_drafts
         if self.resume is not None:
             out["resume"] = self.resume.to_json()
+        if self.cost_rule:  # absent unless set: workers from before the cost model take the rest
+            out["cost_rule"] = True
         return out
 
 
@@ -258,7 +263,7 @@ def parse_request(kind: RequestKind, body: Any) -> CompletionRequest:
         top_k=max(0, parsed.top_k or 0), seed=parsed.seed, stop=stop, stream=bool(parsed.stream),
         include_usage=bool(parsed.stream_options and parsed.stream_options.include_usage), user=parsed.user,
         directive=None if directive is None else Directive(directive.k, directive.max_batch, directive.batch_resume,
-                                                       directive.max_step_drafts, resume),
+                                                       directive.max_step_drafts, resume, directive.cost_rule),
         raw=body)
 
 

@@ -15,11 +15,16 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from policies.cost import CostModel, step_k
 from policies.speculation import step_depth
+from workers.cost_model import OnlineCosts
 from workers.engine import SpeculativeEngine
 from workers.engine_api import EngineTotals, GenerationRequest, StepEvent, StepObserver, StepStats
 
 log = logging.getLogger(__name__)
+# Steps between rebuilds of the per-step rule's cost table from the online curves: they move
+# slowly (workers/cost_model.py), and the rule runs once per sequence per step.
+COST_TABLE_STEPS = 32
 
 EventSink = Callable[[StepEvent | BaseException], None]
 
@@ -37,7 +42,7 @@ class _Abort:
 
 class EngineRunner:
     def __init__(self, engine: SpeculativeEngine, loop: asyncio.AbstractEventLoop,
-                 on_step: StepObserver | None = None) -> None:
+                 on_step: StepObserver | None = None, costs: OnlineCosts | None = None) -> None:
         self.engine = engine
         self.loop = loop
         self.on_step = on_step
@@ -51,6 +56,12 @@ class EngineRunner:
         self._batch_resume = 1 << 20
         self._batch_full = False
         self._max_step_drafts = 0
+        # The cost rule (policy num_speculative_tokens: auto, from the latest directive): a step
+        # at a depth where the measured costs say speculation loses runs plain (policies.cost.step_k).
+        self.costs = costs
+        self._cost_rule = False
+        self._cost_table: dict[tuple[int, int], int] = {}
+        self._cost_table_age = COST_TABLE_STEPS
         engine.step_depth_rule = self._step_depth
 
     @property
@@ -72,8 +83,10 @@ class EngineRunner:
         self._commands.put(None)
         self._thread.join(timeout=10)
 
-    def set_batch_thresholds(self, max_batch: int, batch_resume: int, max_step_drafts: int = 0) -> None:
+    def set_batch_thresholds(self, max_batch: int, batch_resume: int, max_step_drafts: int = 0,
+                             cost_rule: bool = False) -> None:
         self._max_batch, self._batch_resume, self._max_step_drafts = max_batch, batch_resume, max_step_drafts
+        self._cost_rule = cost_rule
 
     def submit(self, request: GenerationRequest, sink: EventSink) -> None:
         """Called on the event loop; events arrive at ``sink`` on the event loop."""
@@ -87,7 +100,17 @@ class EngineRunner:
         decision = step_depth(requested_k, batch_depth, self._batch_full, self._max_batch, self._batch_resume,
                               self._max_step_drafts)
         self._batch_full = decision.batch_full
-        return decision.k
+        if not self._cost_rule or decision.k <= 0 or self.costs is None:
+            return decision.k
+        key = (decision.k, batch_depth)
+        k = self._cost_table.get(key)
+        if k is None:
+            alpha = self.costs.alpha
+            report = self.costs.report()
+            k = decision.k if alpha is None else step_k(CostModel(report.depths, report.step_cost), alpha,
+                                                        batch_depth, decision.k)
+            self._cost_table[key] = k
+        return k
 
     # -- compute thread ---------------------------------------------------------------------------
     def _deliver(self, request_id: str, item: StepEvent | BaseException) -> None:
@@ -162,6 +185,17 @@ class EngineRunner:
 
     def _account(self, events: list[StepEvent]) -> None:
         engine = self.engine
+        if self.costs is not None:
+            shape = engine.last_shape
+            self.costs.observe_step(shape.target_rows, shape.target_width,
+                                    0.0 if shape.prefill else engine.last_target_s, shape.draft_rows,
+                                    shape.draft_forwards, engine.last_draft_s)
+            for event in events:
+                self.costs.observe_drafts(event.proposed, event.accepted)
+            self._cost_table_age -= 1
+            if self._cost_table_age <= 0:  # the curves and α moved: choose afresh
+                self._cost_table.clear()
+                self._cost_table_age = COST_TABLE_STEPS
         stats = StepStats(
             proposed=sum(e.proposed for e in events), accepted=sum(e.accepted for e in events),
             emitted=sum(len(e.tokens) for e in events), batch_depth=engine.batch_depth,

@@ -140,6 +140,7 @@ def describe(ctx: WorkerContext) -> dict[str, Any]:
     engine = ctx.engine
     info = engine.info
     stats = engine.totals
+    cost_model = engine.cost_model
     return {
         "worker_id": ctx.settings.worker_id, "engine": info.kind, "model": ctx.settings.served_model_name,
         "modes": ["speculative", "plain"] if info.max_k > 0 else ["plain"], "max_k": info.max_k,
@@ -147,6 +148,7 @@ def describe(ctx: WorkerContext) -> dict[str, Any]:
         "batch_depth": engine.batch_depth, "queue_length": engine.queue_length, "batch_full": engine.batch_full,
         "stats": {"steps": stats.steps, "draft_tokens": stats.draft_tokens, "accepted_tokens": stats.accepted_tokens,
                   "emitted_tokens": stats.emitted_tokens},
+        "cost_model": None if cost_model is None else cost_model.to_json(),
     }
 
 
@@ -228,7 +230,7 @@ async def _serve(request: web.Request, kind: RequestKind) -> web.StreamResponse:
     k = req.directive.k if req.directive is not None else ctx.settings.default_k
     if req.directive is not None:
         ctx.engine.set_batch_thresholds(req.directive.max_batch, req.directive.batch_resume,
-                                        req.directive.max_step_drafts)
+                                        req.directive.max_step_drafts, req.directive.cost_rule)
     generation = GenerationRequest(
         request_id=("chatcmpl-" if kind == "chat" else "cmpl-") + secrets.token_hex(12), prompt_ids=prompt_ids,
         max_tokens=max_tokens, k=k,

@@ -7,12 +7,17 @@ its per-step callbacks into the async event stream ``Engine.generate`` promises.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 from collections.abc import AsyncGenerator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
+import torch
+
+from workers.cost_model import CostReport, OnlineCosts
+from workers.costs_measure import MeasureSettings, measure_or_load
 from workers.engine import SpeculativeEngine
 from workers.engine_api import (
     EngineInfo,
@@ -40,10 +45,19 @@ class EmbeddedSettings:
     # The draft's: float32 by default, because for a model this small bfloat16's upcasts around
     # every norm cost more than its cheaper matmuls save; its numerics never reach the output.
     draft_dtype: Literal["float32", "bfloat16"] = "float32"
+    # "auto" picks among configurations whose verification is bit-identical to plain decoding
+    # (checked at start-up); False admits faster ones that are only close.
+    exact: bool = True
+    cost_cache_dir: Path | None = None  # None: ~/.cache/specgate/costs (workers/cost_cache.py)
+    cost_budget_s: float = 4.0  # start-up measurement's time budget (a cache hit skips it)
 
 
-def load_speculative_engine(settings: EmbeddedSettings) -> SpeculativeEngine:
-    target = LlamaForCausalLM.from_pretrained(settings.target, TORCH_DTYPES[resolve_dtype(settings.dtype)])
+def load_speculative_engine(settings: EmbeddedSettings, target: LlamaForCausalLM | None = None) -> SpeculativeEngine:
+    """The engine with ``settings.dtype`` as given ("auto": by CPU flags, ``resolve_dtype``);
+    a worker passes the dtype its cost measurement chose, and the target it loaded to measure
+    (``EmbeddedEngine.start``)."""
+    if target is None:
+        target = LlamaForCausalLM.from_pretrained(settings.target, TORCH_DTYPES[resolve_dtype(settings.dtype)])
     draft = None
     if settings.draft is not None:
         draft = LlamaForCausalLM.from_pretrained(settings.draft, TORCH_DTYPES[settings.draft_dtype])
@@ -58,6 +72,7 @@ class EmbeddedEngine:
         self.settings = settings
         self._runner: EngineRunner | None = None
         self._info: EngineInfo | None = None
+        self._costs: OnlineCosts | None = None
 
     @property
     def runner(self) -> EngineRunner:
@@ -87,24 +102,37 @@ class EmbeddedEngine:
     def totals(self) -> EngineTotals:
         return self.runner.stats
 
+    @property
+    def cost_model(self) -> CostReport | None:
+        return None if self._costs is None else self._costs.report()
+
     async def start(self, observer: StepObserver) -> None:
-        engine = load_speculative_engine(self.settings)
-        self._runner = EngineRunner(engine, asyncio.get_running_loop(), observer)
+        s = self.settings
+        # Measured (or read from the cache) before the worker answers its first health check.
+        measuring = MeasureSettings(s.target, s.draft, s.max_slots, s.max_k, s.dtype, s.draft_dtype, s.exact,
+                                    s.cost_budget_s, torch.get_num_threads())
+        report, target = measure_or_load(measuring, s.cost_cache_dir)
+        assert report.precision is not None
+        dtype: Literal["float32", "bfloat16"] = "bfloat16" if report.precision.target == "bfloat16" else "float32"
+        engine = load_speculative_engine(dataclasses.replace(s, dtype=dtype), target)
+        self._costs = OnlineCosts(report)
+        self._runner = EngineRunner(engine, asyncio.get_running_loop(), observer, self._costs)
         self._runner.start()
         self._info = EngineInfo(
             kind="embedded", max_k=engine.max_k, max_slots=engine.max_slots,
             context_window=engine.max_positions - engine.max_k, vocab_size=engine.target.cfg.vocab_size,
             eos_token_ids=engine.eos_ids,
-            details={"precision": {"target": resolve_dtype(self.settings.dtype),
-                                   "draft": self.settings.draft_dtype if engine.draft else None,
-                                   "target_prepacked": engine.target.prepacked}})
+            details={"precision": {"target": dtype, "draft": s.draft_dtype if engine.draft else None,
+                                   "target_prepacked": engine.target.prepacked,
+                                   "exact": report.precision.exact, "why": report.precision.why}})
 
     async def stop(self) -> None:
         if self._runner is not None:
             self._runner.stop()
 
-    def set_batch_thresholds(self, max_batch: int, batch_resume: int, max_step_drafts: int = 0) -> None:
-        self.runner.set_batch_thresholds(max_batch, batch_resume, max_step_drafts)
+    def set_batch_thresholds(self, max_batch: int, batch_resume: int, max_step_drafts: int = 0,
+                             cost_rule: bool = False) -> None:
+        self.runner.set_batch_thresholds(max_batch, batch_resume, max_step_drafts, cost_rule)
 
     async def generate(self, request: GenerationRequest) -> AsyncGenerator[StepEvent, None]:
         events: asyncio.Queue[StepEvent | BaseException] = asyncio.Queue()

@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from workers.cost_model import CostReport, depth_grid, report_from_forward_times
 from workers.engine_api import (
     EngineInfo,
     EngineRequestError,
@@ -33,8 +34,10 @@ from workers.engine_api import (
     StepObserver,
     StepStats,
 )
-from workers.engines.sim_model import SimBatch, SimConfig, SimSeq
+from workers.engines.sim_model import SimBatch, SimConfig, SimSeq, StepCost
 from workers.text import TextCodec
+
+COST_CONTEXT = 1024  # cached tokens per sequence the derived cost model assumes
 
 
 @dataclass(frozen=True)
@@ -77,6 +80,7 @@ class SimEngine:
         self.batch = SimBatch(self.config, settings.max_slots, settings.max_k)
         self.lateness = Lateness()
         self._totals = EngineTotals()
+        self._cost_report: CostReport | None = None
         self._sinks: dict[str, asyncio.Queue[StepEvent]] = {}
         self._ids: dict[str, random.Random] = {}  # each request's output-token generator
         self._wake = asyncio.Event()
@@ -134,7 +138,24 @@ class SimEngine:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
 
-    def set_batch_thresholds(self, max_batch: int, batch_resume: int, max_step_drafts: int = 0) -> None:
+    @property
+    def cost_model(self) -> CostReport:
+        """Derived from the sim's own roofline, not measured: a step of every sequence at
+        ``COST_CONTEXT`` cached tokens, for the batch depths a worker would measure."""
+        if self._cost_report is None:
+            cost, max_k = StepCost(self.config), self.settings.max_k
+            depths = depth_grid(self.settings.max_slots)
+            target_s = [[cost.forward(self.config.target, d * n, d * COST_CONTEXT) for n in range(1, max_k + 2)]
+                        for d in depths]
+            draft_s = [cost.forward(self.config.draft, d, d * COST_CONTEXT) if self.config.draft is not None
+                       else 0.0 for d in depths]
+            self._cost_report = report_from_forward_times(depths, target_s, draft_s, source="derived")
+        return self._cost_report
+
+    def set_batch_thresholds(self, max_batch: int, batch_resume: int, max_step_drafts: int = 0,
+                             cost_rule: bool = False) -> None:
+        # The sim's step rule is the latch and the draft limit; its costs are published
+        # (cost_model) for the gateway's K choice, not applied per step.
         self.batch.max_batch, self.batch.batch_resume = max_batch, batch_resume
         self.batch.max_step_drafts = max_step_drafts
 

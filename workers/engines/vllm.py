@@ -13,8 +13,15 @@ session switched to plain decoding needs no second pool and no second copy of th
 - Metrics: a stat logger turns vLLM's per-step scheduler stats into specgate's ``StepStats``.
   vLLM's own Prometheus logger is replaced by a silent one: its series would collide with the
   worker's (prometheus_client refuses duplicated names), and specgate's table covers them.
-  vLLM reports no verification time; ``vllm:spec_decode_mean_verification_time_ms`` and
-  ``specgate_worker_step_seconds`` stay empty for vLLM workers.
+  vLLM reports no verification time; ``vllm:spec_decode_mean_verification_time_ms`` stays
+  empty for vLLM workers.
+- Cost model: the stat logger times each engine iteration as the gap since the previous one
+  (while requests run, the engine core iterates back to back, so the gap is the step) and folds
+  it, by batch depth and mean drafts per running request, into ``StepTimeCosts``
+  (``workers/cost_model.py``): whole steps only, an estimate that appears once a plain and a
+  speculative step have been seen. The gap also includes scheduling and output processing,
+  which a plain step pays too. The per-step cost rule is the plugin's business and not
+  applied here (``cost_rule`` is accepted and ignored).
 
 Only this module (and the plugin) imports vLLM; it runs in the vLLM environment.
 """
@@ -24,11 +31,13 @@ from __future__ import annotations
 import json
 import logging
 import os
+import time
 from collections.abc import AsyncGenerator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from workers.cost_model import CostReport, StepTimeCosts, depth_grid
 from workers.engine_api import (
     EngineInfo,
     EngineRequestError,
@@ -93,6 +102,7 @@ class VllmEngine:
         self._batch_resume = 1 << 30
         self._latched = False  # the frontend's mirror of the plugin's latch (the plugin's runs in the engine core)
         self._observer: StepObserver | None = None
+        self._costs = StepTimeCosts(depth_grid(settings.max_slots), settings.max_k if settings.draft else 0)
 
     @property
     def info(self) -> EngineInfo:
@@ -121,6 +131,10 @@ class VllmEngine:
     def totals(self) -> EngineTotals:
         return self._totals
 
+    @property
+    def cost_model(self) -> CostReport | None:
+        return self._costs.report()
+
     async def start(self, observer: StepObserver) -> None:
         # vLLM's CPU build sizes its KV cache from this (GiB); its engine processes talk over
         # the host's address unless told to use loopback.
@@ -144,25 +158,31 @@ class VllmEngine:
         # The plugin's base class must match the engine's scheduling (see specgate_vllm.scheduler).
         scheduler = vllm_config.scheduler_config
         scheduler.scheduler_cls = ASYNC_SCHEDULER if scheduler.async_scheduling else SYNC_SCHEDULER
-        totals = self._totals
+        totals, costs = self._totals, self._costs
         self._observer = observer
 
         class StepStatsLogger(StatLoggerBase):  # type: ignore[misc]
             """vLLM's per-step scheduler stats, as specgate's StepStats."""
 
             def __init__(self, vllm_config: Any, engine_index: int = 0) -> None:
-                pass
+                self.last_at: float | None = None  # when the previous busy iteration was recorded
 
             def record(self, scheduler_stats: Any, iteration_stats: Any, mm_cache_stats: Any = None,
                        engine_idx: int = 0) -> None:
                 if scheduler_stats is None:
                     return
+                now = time.perf_counter()
                 spec = scheduler_stats.spec_decoding_stats
+                running = scheduler_stats.num_running_reqs
+                step_s = 0.0 if self.last_at is None else now - self.last_at
+                self.last_at = now if running else None
+                if step_s and running:
+                    costs.observe(running, round((spec.num_draft_tokens if spec else 0) / running), step_s)
                 stats = StepStats(
                     proposed=spec.num_draft_tokens if spec else 0, accepted=spec.num_accepted_tokens if spec else 0,
                     emitted=iteration_stats.num_generation_tokens if iteration_stats else 0,
-                    batch_depth=scheduler_stats.num_running_reqs, queue_length=scheduler_stats.num_waiting_reqs,
-                    step_s=0.0, verify_s=0.0)
+                    batch_depth=running, queue_length=scheduler_stats.num_waiting_reqs, step_s=step_s,
+                    verify_s=0.0)
                 totals.add(stats)
                 observer(stats)
 
@@ -203,9 +223,11 @@ class VllmEngine:
         if self._llm is not None:
             self._llm.shutdown()
 
-    def set_batch_thresholds(self, max_batch: int, batch_resume: int, max_step_drafts: int = 0) -> None:
+    def set_batch_thresholds(self, max_batch: int, batch_resume: int, max_step_drafts: int = 0,
+                             cost_rule: bool = False) -> None:
         # The scheduler plugin applies the batch latch only; it does not implement the per-step
-        # draft limit (max_step_drafts) yet, so vLLM workers draft the requested K at any depth.
+        # draft limit (max_step_drafts) or the cost rule yet, so vLLM workers draft the requested
+        # K at any depth below max_batch.
         self._max_batch, self._batch_resume = max_batch, batch_resume
 
     async def generate(self, request: GenerationRequest) -> AsyncGenerator[StepEvent, None]:

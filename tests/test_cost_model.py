@@ -1,0 +1,189 @@
+"""The worker's cost model: precision choice, the start-up measurement, its cache, online refinement."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+import workers.costs_measure as costs_measure
+from policies import CostModel
+from workers.cost_cache import CostCache, cpu_label
+from workers.cost_model import (
+    ONLINE_WEIGHT,
+    CostReport,
+    OnlineCosts,
+    PrecisionCandidate,
+    StepTimeCosts,
+    depth_grid,
+    report_from_forward_times,
+)
+from workers.costs_measure import MeasureSettings, choose_precision, measure, measure_or_load
+
+MODELS = Path(__file__).resolve().parent.parent / "models"
+
+
+def candidate(target: str, tok_s_b1: float, tok_s_full: float, bit_identical: bool,
+              prepacked: bool = False) -> PrecisionCandidate:
+    return PrecisionCandidate(target, prepacked, bit_identical, 10.0, 20.0, tok_s_b1, 3, tok_s_full)
+
+
+def settings(**overrides: object) -> MeasureSettings:
+    base: dict[str, object] = {"target": MODELS / "demo-target", "draft": MODELS / "demo-draft", "max_slots": 4,
+                               "max_k": 4}
+    return MeasureSettings(**{**base, **overrides})  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(("candidates", "exact", "chosen"), [
+    # The fastest bit-identical configuration, even where an inexact one is faster...
+    ([candidate("bfloat16", 90, 150, True), candidate("float32", 120, 300, False)], True, "bfloat16"),
+    # ...and whichever dtype that is, prepacked or not: measurement decides, not CPU flags.
+    ([candidate("bfloat16", 90, 150, True, prepacked=True), candidate("float32", 95, 160, True)], True, "float32"),
+    ([candidate("bfloat16", 200, 900, True, prepacked=True), candidate("float32", 95, 160, True)], True, "bfloat16"),
+    # exact: false admits the faster inexact one.
+    ([candidate("bfloat16", 90, 150, True), candidate("float32", 120, 300, False)], False, "float32"),
+    # None bit-identical: the fastest serves (and the reason says so).
+    ([candidate("bfloat16", 90, 150, False), candidate("float32", 120, 300, False)], True, "float32"),
+    # The score weighs batch-1 latency and full-batch capacity alike (geometric mean).
+    ([candidate("bfloat16", 130, 100, True), candidate("float32", 100, 200, True)], True, "float32"),
+])
+def test_precision_follows_measured_throughput(candidates: list[PrecisionCandidate], exact: bool, chosen: str,
+                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    for flags in (True, False):  # what the CPU claims changes nothing
+        monkeypatch.setattr(costs_measure, "bf16_prepacking_available", lambda flags=flags: flags)
+        pick, why = choose_precision(candidates, settings(exact=exact))
+        assert pick.target == chosen
+        assert ("not bit-identical" in why) == any(not c.bit_identical for c in candidates)
+    if not any(c.bit_identical for c in candidates):
+        assert "no configuration verifies bit-identically" in why
+
+
+def test_a_configured_dtype_is_kept_and_flagged() -> None:
+    pick, why = choose_precision([candidate("float32", 1, 1, False)], settings(dtype="float32"))
+    assert pick.target == "float32" and "configured" in why and "not bit-identical" in why
+
+
+@pytest.fixture
+def one_thread() -> Iterator[None]:
+    """As a worker runs (workers.threads: 1); two threads on this shared 2-core machine spin."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def test_measurement_on_the_demo_models(one_thread: None) -> None:
+    report = measure(settings(budget_s=0.5, threads=1))
+    assert report.depths == depth_grid(4) == (1, 2, 4)
+    assert report.source == "measured" and report.cpu == cpu_label() and report.measure_s > 0
+    assert all(len(row) == 5 and row[0] == 1.0 and all(c > 0 for c in row) for row in report.step_cost)
+    assert report.precision is not None
+    assert {c.target for c in report.precision.candidates} == {"bfloat16", "float32"}
+    chosen = next(c for c in report.precision.candidates if c.target == report.precision.target)
+    assert report.precision.exact == chosen.bit_identical
+    assert 5 <= report.measured_points <= report.total_points == 15
+    # The published JSON is what the gateway builds its policy model from.
+    model = CostModel.from_json(report.to_json())
+    assert model.depths == report.depths and model.max_k == 4
+    assert CostReport.from_json(report.to_json()) == report
+    # One slot, no draft: a single depth, plain only.
+    alone = measure(settings(budget_s=0.2, threads=1, max_slots=1, draft=None))
+    assert alone.depths == (1,) and alone.step_cost == ((1.0,),)
+    single = measure(settings(budget_s=0.2, threads=1, max_slots=1))
+    assert single.depths == (1,) and len(single.step_cost[0]) == 5
+
+
+def test_cache_miss_then_hit(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    target, draft = tmp_path / "target", tmp_path / "draft"
+    for directory in (target, draft):
+        directory.mkdir()
+        (directory / "config.json").write_text("{}")
+        (directory / "model.safetensors").write_bytes(b"weights")
+    calls: list[MeasureSettings] = []
+    fake = report_from_forward_times((1,), [[0.01, 0.012]], [0.002], source="measured")
+
+    def fake_measure(s: MeasureSettings) -> tuple[CostReport, None]:
+        calls.append(s)
+        return fake, None
+
+    monkeypatch.setattr(costs_measure, "measure_with_model", fake_measure)
+    cache_dir = tmp_path / "cache"
+    first = settings(target=target, draft=draft, max_k=1, max_slots=1)
+    assert measure_or_load(first, cache_dir)[0] == fake and len(calls) == 1  # miss: measured, stored
+    hit, _ = measure_or_load(first, cache_dir)
+    assert len(calls) == 1 and hit.source == "cache" and hit.step_cost == fake.step_cost  # hit: instant
+    measure_or_load(settings(target=target, draft=draft, max_k=1, max_slots=2), cache_dir)  # other settings
+    assert len(calls) == 2
+    stamp = (target / "model.safetensors").stat().st_mtime_ns
+    os.utime(target / "model.safetensors", ns=(stamp + 10**9, stamp + 10**9))  # new weights
+    measure_or_load(first, cache_dir)
+    assert len(calls) == 3
+    # A torn entry is measured again, not trusted.
+    CostCache(cache_dir).path(first.cache_key()).write_text("{not json")
+    measure_or_load(first, cache_dir)
+    assert len(calls) == 4
+
+
+def base_report() -> CostReport:
+    # Depths 1 and 4; target 10 ms plain at depth 1, 20 ms at depth 4; n = 1..3 tokens.
+    return report_from_forward_times((1, 4), [[0.010, 0.011, 0.012], [0.020, 0.030, 0.040]], [0.002, 0.004],
+                                     source="measured")
+
+
+def test_online_refinement_moves_costs_toward_step_timings() -> None:
+    costs = OnlineCosts(base_report())
+    assert costs.report().step_cost == base_report().step_cost and costs.report().online_steps == 0
+    # The machine got busier: verifying 3 tokens at depth 4 now takes 80 ms, drafting 8 ms.
+    for _ in range(300):
+        costs.observe_step(4, 3, 0.080, 4, 2, 0.016)
+    report = costs.report()
+    assert report.source == "online" and report.online_steps == 300
+    assert costs.target_s[1][2] == pytest.approx(0.080, rel=0.01)
+    assert costs.draft_s[1] == pytest.approx(0.008, rel=0.01)
+    assert report.step_cost[1][2] > base_report().step_cost[1][2]
+    assert report.step_cost[0] == base_report().step_cost[0]  # depth 1 untouched
+    # A point's first observation counts half, later ones less, down to ONLINE_WEIGHT; a depth
+    # between grid points is scaled to the nearest one by the curve's own shape.
+    fresh = OnlineCosts(base_report())
+    fresh.observe_step(2, 1, 0.030, 0, 0, 0.0)
+    expected_at_depth_1 = 0.030 * 0.010 / (0.010 + (0.020 - 0.010) / 3)
+    assert fresh.target_s[0][0] == pytest.approx(0.010 + 0.5 * (expected_at_depth_1 - 0.010))
+    for _ in range(100):
+        fresh.observe_step(1, 2, 0.011, 0, 0, 0.0)
+    before = fresh.target_s[0][1]
+    fresh.observe_step(1, 2, 0.021, 0, 0, 0.0)
+    assert fresh.target_s[0][1] == pytest.approx(before + ONLINE_WEIGHT * (0.021 - before))
+    # Steps that do not fit the grid (a prefill, a prompt riding along) are ignored.
+    fresh.observe_step(1, 9, 1.0, 0, 0, 0.0)
+    fresh.observe_step(1, 1, 0.0, 0, 0, 0.0)
+    assert fresh.target_s[0][2] == 0.012
+
+
+def test_online_acceptance_counts_tested_drafts() -> None:
+    costs = OnlineCosts(base_report())
+    assert costs.alpha is None
+    for _ in range(50):
+        costs.observe_drafts(4, 4)  # 4 tested, 4 accepted
+        costs.observe_drafts(4, 1)  # 2 tested, 1 accepted
+    assert costs.alpha == pytest.approx(5 / 6, abs=0.01)
+    assert costs.report().acceptance == pytest.approx(5 / 6, abs=0.01)
+
+
+def test_step_time_estimate_for_engines_that_time_whole_steps() -> None:
+    costs = StepTimeCosts(depth_grid(8), max_k=4)
+    assert costs.report() is None
+    costs.observe(1, 0, 0.010)
+    assert costs.report() is None  # a plain step alone says nothing about speculation
+    costs.observe(1, 2, 0.014)
+    report = costs.report()
+    assert report is not None and report.source == "estimated"
+    assert report.step_cost[0] == pytest.approx((1.0, 1.2, 1.4, 1.6, 1.8))  # the line through K=2
+    assert all(row == report.step_cost[0] for row in report.step_cost)  # other depths borrow it
+    for _ in range(200):
+        costs.observe(8, 0, 0.020)
+        costs.observe(8, 4, 0.060)
+    deep = costs.report()
+    assert deep is not None and deep.step_cost[-1][4] == pytest.approx(3.0, rel=0.01)

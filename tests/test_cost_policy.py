@@ -1,0 +1,226 @@
+"""K from measured costs (policies/cost.py) and the ``auto`` rules of ``decide``: pure data only.
+
+The curves are the two CPUs' measured shapes from issue #9: an AMX CPU whose bfloat16 target
+verifies 9 tokens for 1.10× one token, and a 2-core AVX512-BF16 CPU where the same costs 2.36×.
+"""
+
+import random
+from dataclasses import replace
+from itertools import pairwise
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from policies import (
+    CostModel,
+    Decision,
+    PolicyConfig,
+    RequestFacts,
+    SessionState,
+    WorkerState,
+    acceptance_for_k,
+    choose_k,
+    decide,
+    expected_tokens,
+    gain,
+    objective,
+    record_decision,
+    step_cost,
+    step_k,
+)
+from tests.policy_data import COOL, PROPERTY
+
+AMX_VERIFY = (1.0, 1.02, 1.01, 1.03, 1.03, 1.04, 1.07, 1.08, 1.10)  # n = 1..9 tokens / 1 token
+AVX512_VERIFY = (1.0, 1.23, 1.38, 1.52, 1.67, 1.82, 1.98, 2.16, 2.36)
+
+
+def curve(verify: tuple[float, ...], c: float) -> tuple[float, ...]:
+    """step_cost[K] = verify(K+1 tokens) + K draft forwards of relative cost c."""
+    return tuple(round(verify[k] + k * c, 4) for k in range(len(verify)))
+
+
+# Depth 1 as measured; at depth 16 the target is compute-bound: verifying n tokens costs ~n.
+AMX = CostModel((1, 16), (curve(AMX_VERIFY, 0.2), curve(tuple(float(n) for n in range(1, 10)), 0.2)))
+AVX512 = CostModel((1,), (curve(AVX512_VERIFY, 0.3),))
+AUTO = PolicyConfig(num_speculative_tokens="auto")
+IDLE_AMX = WorkerState(batch_depth=0, batch_full=False, max_k=8, cost=AMX)
+
+
+def test_expected_tokens() -> None:
+    assert expected_tokens(0.0, 6) == 1.0
+    assert expected_tokens(1.0, 6) == 7.0
+    assert expected_tokens(0.5, 1) == pytest.approx(1.5)
+    assert expected_tokens(0.9, 3) == pytest.approx(1 + 0.9 + 0.81 + 0.729)
+
+
+def test_step_cost_interpolates_between_depths_and_holds_outside() -> None:
+    assert step_cost(AMX, 1, 0) == 1.0
+    assert step_cost(AMX, 16, 4) == pytest.approx(5 + 0.8)
+    assert step_cost(AMX, 0, 4) == step_cost(AMX, 1, 4)
+    assert step_cost(AMX, 100, 4) == step_cost(AMX, 16, 4)
+    mid = step_cost(AMX, 8, 4)  # 7/15 of the way from depth 1 to 16
+    assert mid == pytest.approx(AMX.step_cost[0][4] + 7 / 15 * (AMX.step_cost[1][4] - AMX.step_cost[0][4]))
+
+
+@pytest.mark.parametrize(("model", "alpha", "depth", "expected"), [
+    (AMX, 0.9, 1, 6),  # cheap verification, high acceptance: deep K
+    (AMX, 0.86, 1, 5),
+    (AMX, 0.7, 1, 3),
+    (AMX, 0.5, 1, 2),
+    (AVX512, 0.9, 1, 4),  # costlier verification on that CPU: shallower
+    (AVX512, 0.86, 1, 3),  # (issue #9: best K measured there was 3)
+    (AVX512, 0.5, 1, 0),  # alpha 0.5, c 0.3: no K beats plain by min_gain
+    (AMX, 0.9, 4, 4),  # deeper batches: smaller K...
+    (AMX, 0.9, 8, 2),
+    (AMX, 0.9, 16, 0),  # ...and plain once verification is compute-bound
+])
+def test_choose_k_table(model: CostModel, alpha: float, depth: int, expected: int) -> None:
+    assert choose_k(model, alpha, depth, 8, AUTO.min_gain, AUTO.k_switch_gain) == expected
+
+
+def test_choose_k_respects_the_workers_max_k() -> None:
+    assert choose_k(AMX, 0.9, 1, 3, 0.05, 0.05) == 3
+    assert choose_k(AMX, 0.999, 1, 8, 0.05, 0.05) == 8
+    assert choose_k(AMX, 0.9, 1, 0, 0.05, 0.05) == 0
+
+
+def test_min_gain_is_the_margin_over_plain() -> None:
+    # At alpha 0.5 on the AMX curve K=2 promises 1.75 / 1.41 = 1.24x plain.
+    assert gain(AMX, 0.5, 2, 1) == pytest.approx(1.75 / 1.41)
+    assert choose_k(AMX, 0.5, 1, 8, 0.20, 0.0) == 2
+    assert choose_k(AMX, 0.5, 1, 8, 0.30, 0.0) == 0
+
+
+alphas = st.floats(0.0, 1.0)
+depths = st.integers(1, 64)
+
+
+@st.composite
+def cost_models(draw: st.DrawFn) -> CostModel:
+    grid = sorted(draw(st.sets(st.integers(1, 64), min_size=1, max_size=4)))
+    max_k = draw(st.integers(1, 10))
+    rows = []
+    for _ in grid:
+        steps = draw(st.lists(st.floats(0.0, 2.0), min_size=max_k, max_size=max_k))
+        row = [1.0]
+        for s in steps:  # costs grow with K
+            row.append(row[-1] + s + 0.01)
+        rows.append(tuple(row))
+    return CostModel(tuple(grid), tuple(rows))
+
+
+@PROPERTY
+@given(model=cost_models(), alpha=alphas, depth=depths, max_k=st.integers(0, 12),
+       min_gain=st.floats(0.0, 0.5))
+def test_chosen_k_maximizes_the_objective(model: CostModel, alpha: float, depth: int, max_k: int,
+                                          min_gain: float) -> None:
+    k = choose_k(model, alpha, depth, max_k, min_gain, 0.05)
+    ks = range(min(max_k, model.max_k) + 1)
+    assert k in ks
+    assert all(objective(model, alpha, k, depth, min_gain) >= objective(model, alpha, j, depth, min_gain) for j in ks)
+
+
+@PROPERTY
+@given(model=cost_models(), alpha=alphas, depth=depths, current=st.integers(0, 10), switch=st.floats(0.0, 0.3))
+def test_hysteresis_keeps_a_k_within_the_margin_of_the_best(model: CostModel, alpha: float, depth: int, current: int,
+                                                            switch: float) -> None:
+    k = choose_k(model, alpha, depth, 8, 0.05, switch, current)
+    ks = range(min(8, model.max_k) + 1)
+    best = max(objective(model, alpha, j, depth, 0.05) for j in ks)
+    assert objective(model, alpha, k, depth, 0.05) * (1 + switch) >= best
+    if k != current:  # it moved only to the best, and only because current was out of the margin
+        assert objective(model, alpha, k, depth, 0.05) == best
+
+
+def test_no_k_flapping_on_a_noisy_acceptance_sequence() -> None:
+    rng = random.Random(5)
+    session = SessionState()
+    ks = []
+    for _ in range(300):
+        # A session near alpha 0.8 whose estimate wobbles by +-0.04 from request to request.
+        session = replace(session, acceptance_ewma=0.8 + rng.uniform(-0.04, 0.04), proposals_seen=1000)
+        decision = decide(session, IDLE_AMX, COOL, AUTO)
+        session = record_decision(session, decision, auto_k=True)
+        ks.append(decision.k)
+    changes = sum(a != b for a, b in pairwise(ks))
+    assert changes <= 1, ks
+    # Without the margin the same sequence moves K back and forth.
+    flappy = [choose_k(AMX, 0.8 + rng.uniform(-0.04, 0.04), 1, 8, 0.05, 0.0) for _ in range(300)]
+    assert sum(a != b for a, b in pairwise(flappy)) > 10
+
+
+@pytest.mark.parametrize(("session", "worker", "expected"), [
+    (SessionState(), IDLE_AMX, 0.70),  # no evidence anywhere: acceptance_resume
+    (SessionState(), replace(IDLE_AMX, acceptance=0.9), 0.9),  # a new session: the worker's
+    (SessionState(0.3, 10), replace(IDLE_AMX, acceptance=0.9), 0.9),  # too little evidence of its own
+    (SessionState(0.3, 10), IDLE_AMX, 0.3),
+    (SessionState(0.6, 32), replace(IDLE_AMX, acceptance=0.9), 0.6),  # min_proposals reached: its own
+])
+def test_acceptance_for_k(session: SessionState, worker: WorkerState, expected: float) -> None:
+    assert acceptance_for_k(session, worker, AUTO) == expected
+
+
+@pytest.mark.parametrize(("session", "worker", "facts", "expected"), [
+    (SessionState(0.9, 100), IDLE_AMX, COOL, Decision("speculative", 6, "default")),
+    (SessionState(0.5, 100), replace(IDLE_AMX, cost=AVX512), COOL, Decision("plain", 0, "no_gain")),
+    (SessionState(0.9, 100), replace(IDLE_AMX, batch_depth=15), COOL, Decision("plain", 0, "no_gain")),
+    # The configured rules still win over the cost model.
+    (SessionState(0.9, 100), IDLE_AMX, RequestFacts(1.0), Decision("plain", 0, "high_temperature")),
+    (SessionState(0.9, 100), replace(IDLE_AMX, batch_full=True), COOL, Decision("plain", 0, "batch_full")),
+    (SessionState(0.2, 100, True), IDLE_AMX, COOL, Decision("plain", 0, "low_acceptance")),
+    (SessionState(0.2, 100, True, 7), IDLE_AMX, COOL, Decision("speculative", 1, "probe")),  # the best K at 0.2
+    # A worker that publishes no cost model speculates with its own max K.
+    (SessionState(0.9, 100), replace(IDLE_AMX, cost=None, max_k=5), COOL, Decision("speculative", 5, "default")),
+])
+def test_decide_auto(session: SessionState, worker: WorkerState, facts: RequestFacts, expected: Decision) -> None:
+    assert decide(session, worker, facts, AUTO) == expected
+
+
+def test_no_gain_sessions_are_probed_and_a_fixed_k_is_unchanged() -> None:
+    session, worker = SessionState(0.5, 100), replace(IDLE_AMX, cost=AVX512)
+    reasons = []
+    for _ in range(16):
+        decision = decide(session, worker, COOL, AUTO)
+        session = record_decision(session, decision, auto_k=True)
+        reasons.append(decision.reason)
+    assert reasons == (["no_gain"] * 7 + ["probe"]) * 2
+    # A fixed integer K keeps today's behaviour: the cost model is not consulted.
+    fixed = PolicyConfig(num_speculative_tokens=6)
+    assert decide(SessionState(0.5, 100), worker, COOL, fixed) == Decision("speculative", 6, "default")
+
+
+@pytest.mark.parametrize(("alpha", "depth", "requested", "expected"), [
+    (0.9, 1, 6, 6),  # wins at this depth: as requested (never deeper)
+    (0.9, 1, 20, 6),  # the best K, however deep the request
+    (0.9, 16, 6, 0),  # loses at this depth: the step runs plain
+    (0.9, 8, 6, 2),  # a smaller K pays more here
+    (0.9, 1, 0, 0),
+])
+def test_step_k(alpha: float, depth: int, requested: int, expected: int) -> None:
+    assert step_k(AMX, alpha, depth, requested) == expected
+
+
+@pytest.mark.parametrize("raw", [
+    {"depths": [], "step_cost": []},
+    {"depths": [2, 1], "step_cost": [[1.0, 1.2], [1.0, 1.3]]},
+    {"depths": [1, 4], "step_cost": [[1.0, 1.2], [1.0]]},
+    {"depths": [1], "step_cost": [[1.0, float("nan")]]},
+    {"depths": [0], "step_cost": [[1.0, 1.2]]},
+    {"step_cost": [[1.0]]},
+])
+def test_cost_model_refuses_malformed_curves(raw: dict[str, object]) -> None:
+    with pytest.raises((ValueError, KeyError)):
+        CostModel.from_json(raw)
+
+
+@pytest.mark.parametrize(("raw", "problem"), [
+    ({"num_speculative_tokens": "six"}, "policy.num_speculative_tokens: must be an integer"),
+    ({"num_speculative_tokens": 17}, "policy.num_speculative_tokens: must be in 1..16 or auto"),
+    ({"num_speculative_tokens": "auto", "min_gain": -0.1}, "policy.min_gain: must be between 0 and 1"),
+    ({"k_switch_gain": 2}, "policy.k_switch_gain: must be between 0 and 1"),
+])
+def test_auto_policy_fields_are_validated(raw: dict[str, object], problem: str) -> None:
+    with pytest.raises(ValueError, match=problem):
+        PolicyConfig.from_mapping(raw)
+    assert PolicyConfig.from_mapping({"num_speculative_tokens": "auto"}).auto_k

@@ -1,0 +1,290 @@
+"""The cost model every engine publishes: what a step costs, by batch depth and K. No torch.
+
+One schema for every engine (``CostReport``; ``/specgate/worker`` publishes it under
+``cost_model``, and the gateway reads ``depths`` and ``step_cost`` into a
+``policies.cost.CostModel``):
+
+- ``depths``: batch depths (running sequences) the curves are given at, ascending.
+- ``plain_step_ms``: a plain step's target forward (one token per sequence) at each depth.
+- ``step_cost[d][K]``: a step with K drafts per sequence (the target verifying K+1 tokens per
+  sequence plus K draft forwards) divided by a plain step at the same depth; ``[d][0]`` is 1.
+- ``verify_cost[d][n-1]`` and ``draft_cost[d]`` (optional): the two parts, the target forward of
+  n tokens per sequence relative to n = 1, and one draft forward relative to a plain step.
+
+Where the figures come from differs by engine: the embedded engine measures them at start-up
+(``workers/costs_measure.py``) and refines them online from its step timings
+(``OnlineCosts``); the simulated engine derives them from its model (``report_from_forward_times``);
+a vLLM worker estimates them from iteration timings only (``StepTimeCosts``).
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass, field, replace
+from typing import Any, Literal
+
+CostSource = Literal["measured", "cache", "derived", "online", "estimated"]
+# Folded per observation: about the last 50 steps that touched a curve point carry it, so the
+# curves follow the machine's load within a second of busy serving, and one noisy step moves
+# them by 2%. A point's first observations weigh more (1/2, 1/3, ... down to this): many
+# points were interpolated at start-up, and the start-up timing is one sample of a quiet moment.
+ONLINE_WEIGHT = 0.02
+# The worker's own acceptance estimate (per-step batch rule): evidence this many tested drafts
+# old weighs half.
+ACCEPTANCE_HALF_LIFE = 256.0
+
+
+@dataclass(frozen=True)
+class PrecisionCandidate:
+    """One target configuration measured at start-up."""
+
+    target: str  # the target's dtype
+    prepacked: bool  # projections on oneDNN's prepacked weights
+    bit_identical: bool  # verification logits equal plain decoding's, bit for bit (checked on this machine)
+    plain_ms: float  # target forward, 1 token, batch 1
+    verify_ms: float  # target forward, max_k + 1 tokens, batch 1
+    tok_s_b1: float  # predicted batch-1 tokens/s at the reference acceptance, at its best K
+    best_k_b1: int
+    tok_s_full: float  # plain tokens/s at full batch (max_slots): capacity under load
+
+    @property
+    def score(self) -> float:
+        """What the choice ranks: latency when idle and capacity under load, weighed alike
+        (geometric mean, so neither unit dominates)."""
+        return math.sqrt(self.tok_s_b1 * self.tok_s_full)
+
+
+@dataclass(frozen=True)
+class PrecisionChoice:
+    target: str
+    prepacked: bool
+    exact: bool  # the chosen configuration's verification is bit-identical to plain decoding
+    why: str
+    reference_alpha: float  # the acceptance the candidates were compared at
+    candidates: tuple[PrecisionCandidate, ...] = ()
+
+
+@dataclass(frozen=True)
+class CostReport:
+    depths: tuple[int, ...]
+    plain_step_ms: tuple[float, ...]
+    step_cost: tuple[tuple[float, ...], ...]
+    verify_cost: tuple[tuple[float, ...], ...] | None = None
+    draft_cost: tuple[float, ...] | None = None
+    source: CostSource = "measured"
+    precision: PrecisionChoice | None = None
+    online_steps: int = 0  # step timings folded in since start-up
+    acceptance: float | None = None  # the worker's own per-token acceptance estimate
+    measured_points: int = 0  # (depth, n) points timed at start-up; the rest are interpolated
+    total_points: int = 0
+    measure_s: float = 0.0  # start-up measurement's wall time (0: from the cache or derived)
+    cpu: str = ""
+
+    def to_json(self) -> dict[str, Any]:
+        out = asdict(self)
+        out["max_k"] = len(self.step_cost[0]) - 1
+        return out
+
+    @classmethod
+    def from_json(cls, raw: Mapping[str, Any]) -> CostReport:
+        def rows(value: Any) -> tuple[tuple[float, ...], ...] | None:
+            return None if value is None else tuple(tuple(float(c) for c in row) for row in value)
+
+        precision = raw.get("precision")
+        choice = None
+        if precision is not None:
+            cands = tuple(PrecisionCandidate(**c) for c in precision.get("candidates", ()))
+            choice = PrecisionChoice(**{**precision, "candidates": cands})
+        step_cost = rows(raw["step_cost"])
+        assert step_cost is not None
+        return cls(
+            depths=tuple(int(d) for d in raw["depths"]), plain_step_ms=tuple(float(x) for x in raw["plain_step_ms"]),
+            step_cost=step_cost, verify_cost=rows(raw.get("verify_cost")),
+            draft_cost=None if raw.get("draft_cost") is None else tuple(float(x) for x in raw["draft_cost"]),
+            source=raw.get("source", "measured"), precision=choice, online_steps=int(raw.get("online_steps", 0)),
+            acceptance=raw.get("acceptance"), measured_points=int(raw.get("measured_points", 0)),
+            total_points=int(raw.get("total_points", 0)), measure_s=float(raw.get("measure_s", 0.0)),
+            cpu=str(raw.get("cpu", "")))
+
+
+def report_from_forward_times(depths: Sequence[int], target_s: Sequence[Sequence[float]], draft_s: Sequence[float],
+                              *, source: CostSource = "derived", **extra: Any) -> CostReport:
+    """The schema from absolute forward times: ``target_s[d][n-1]``, seconds of the target's
+    forward with n tokens per sequence (n = 1..max_k+1) at ``depths[d]``; ``draft_s[d]``, one
+    draft forward (one token per sequence) there. What the simulated engine calls with its
+    model's step times; what the embedded engine's measurements go through."""
+    step_cost, verify_cost, draft_cost = [], [], []
+    for times, draft in zip(target_s, draft_s, strict=True):
+        plain = times[0]
+        step_cost.append(tuple(round((times[k] + k * draft) / plain, 4) for k in range(len(times))))
+        verify_cost.append(tuple(round(t / plain, 4) for t in times))
+        draft_cost.append(round(draft / plain, 4))
+    return CostReport(depths=tuple(depths), plain_step_ms=tuple(round(1000 * t[0], 4) for t in target_s),
+                      step_cost=tuple(step_cost), verify_cost=tuple(verify_cost), draft_cost=tuple(draft_cost),
+                      source=source, **extra)
+
+
+def _nearest(depths: Sequence[int], depth: int) -> int:
+    """Index of the grid depth nearest to ``depth`` on a log scale (costs grow about so)."""
+    return min(range(len(depths)), key=lambda i: abs(math.log(depths[i]) - math.log(max(1, depth))))
+
+
+def _interpolate(depths: Sequence[int], values: Sequence[float], depth: int) -> float:
+    if depth <= depths[0]:
+        return values[0]
+    for i in range(1, len(depths)):
+        if depth <= depths[i]:
+            w = (depth - depths[i - 1]) / (depths[i] - depths[i - 1])
+            return (1 - w) * values[i - 1] + w * values[i]
+    return values[-1]
+
+
+@dataclass
+class _Acceptance:
+    """Per-token acceptance over tested drafts (the policy's definition), decayed by half-life."""
+
+    tested: float = 0.0
+    accepted: float = 0.0
+
+    def add(self, proposed: int, accepted: int) -> None:
+        if proposed <= 0:
+            return
+        tested = accepted + (1 if accepted < proposed else 0)
+        decay = 0.5 ** (tested / ACCEPTANCE_HALF_LIFE)
+        self.tested = self.tested * decay + tested
+        self.accepted = self.accepted * decay + accepted
+
+    @property
+    def value(self) -> float | None:
+        return None if self.tested <= 0 else self.accepted / self.tested
+
+
+@dataclass
+class OnlineCosts:
+    """The embedded engine's curves, refined by every step it times (thread-safe).
+
+    Start-up measured them on a quiet context of 128 tokens; serving has longer contexts and
+    neighbours that come and go. Each step's verification time (at its depth and widest row)
+    and per-forward draft time move the nearest grid point by ``ONLINE_WEIGHT``, after scaling
+    the observation from the step's depth to the grid depth by the curves' own ratio.
+    """
+
+    base: CostReport
+    target_s: list[list[float]] = field(default_factory=list)
+    draft_s: list[float] = field(default_factory=list)
+    steps: int = 0
+    acceptance: _Acceptance = field(default_factory=_Acceptance)
+    seen: dict[tuple[int, int], int] = field(default_factory=dict)  # observations per (depth index, n; 0: draft)
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def _weight(self, point: tuple[int, int]) -> float:
+        count = self.seen.get(point, 0)
+        self.seen[point] = count + 1
+        return max(ONLINE_WEIGHT, 1.0 / (count + 2))
+
+    def __post_init__(self) -> None:
+        base = self.base
+        assert base.verify_cost is not None and base.draft_cost is not None
+        self.target_s = [[p / 1000 * v for v in row] for p, row in zip(base.plain_step_ms, base.verify_cost,
+                                                                         strict=True)]
+        self.draft_s = [p / 1000 * d for p, d in zip(base.plain_step_ms, base.draft_cost, strict=True)]
+
+    def observe_step(self, depth: int, width: int, verify_s: float, draft_depth: int, draft_forwards: int,
+                     draft_s: float) -> None:
+        """One step: ``depth`` rows of up to ``width`` tokens verified in ``verify_s``, and
+        ``draft_forwards`` draft forwards of up to ``draft_depth`` rows in ``draft_s``."""
+        depths = self.base.depths
+        with self._lock:
+            if depth >= 1 and 1 <= width <= len(self.target_s[0]) and verify_s > 0:
+                i, n = _nearest(depths, depth), width - 1
+                column = [row[n] for row in self.target_s]
+                scaled = verify_s * column[i] / _interpolate(depths, column, depth)
+                self.target_s[i][n] += self._weight((i, n + 1)) * (scaled - self.target_s[i][n])
+            if draft_depth >= 1 and draft_forwards >= 1 and draft_s > 0:
+                i = _nearest(depths, draft_depth)
+                per_forward = draft_s / draft_forwards
+                scaled = per_forward * self.draft_s[i] / _interpolate(depths, self.draft_s, draft_depth)
+                self.draft_s[i] += self._weight((i, 0)) * (scaled - self.draft_s[i])
+            self.steps += 1
+
+    def observe_drafts(self, proposed: int, accepted: int) -> None:
+        with self._lock:
+            self.acceptance.add(proposed, accepted)
+
+    @property
+    def alpha(self) -> float | None:
+        return self.acceptance.value
+
+    def report(self) -> CostReport:
+        with self._lock:
+            target, draft, steps, alpha = [list(r) for r in self.target_s], list(self.draft_s), self.steps, self.alpha
+        source: CostSource = "online" if steps else self.base.source
+        live = report_from_forward_times(self.base.depths, target, draft, source=source)
+        return replace(self.base, plain_step_ms=live.plain_step_ms, step_cost=live.step_cost,
+                       verify_cost=live.verify_cost, draft_cost=live.draft_cost, source=live.source,
+                       online_steps=steps, acceptance=None if alpha is None else round(alpha, 4))
+
+
+@dataclass
+class StepTimeCosts:
+    """Whole-step timings only (vLLM): an EWMA of step seconds per (grid depth, K).
+
+    vLLM times neither its verification nor its drafting apart, so the estimate is the
+    speculative step's whole cost relative to a plain step at the same depth. K cells never
+    observed at a depth are filled on the line cost(K) = 1 + slope·K through the observed
+    ones (drafting and verification both grow about linearly in K); a depth with no
+    observations borrows its nearest observed neighbour's curve. No report until a plain
+    step and a speculative one have been seen.
+    """
+
+    depths: tuple[int, ...]
+    max_k: int
+    cells: dict[tuple[int, int], float] = field(default_factory=dict)  # (depth index, K) -> seconds
+    steps: int = 0
+    acceptance: _Acceptance = field(default_factory=_Acceptance)
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def observe(self, depth: int, k: int, step_s: float) -> None:
+        if depth < 1 or step_s <= 0 or not 0 <= k <= self.max_k:
+            return
+        key = (_nearest(self.depths, depth), k)
+        with self._lock:
+            old = self.cells.get(key)
+            self.cells[key] = step_s if old is None else old + ONLINE_WEIGHT * 5 * (step_s - old)
+            self.steps += 1
+
+    def report(self) -> CostReport | None:
+        with self._lock:
+            cells, steps, alpha = dict(self.cells), self.steps, self.acceptance.value
+        curves: dict[int, tuple[float, list[float]]] = {}
+        for i in range(len(self.depths)):
+            plain = cells.get((i, 0))
+            spec = [(k, s / plain) for (j, k), s in cells.items() if j == i and k > 0] if plain else []
+            if not plain or not spec:
+                continue
+            slope = max(0.0, sum(k * (c - 1) for k, c in spec) / sum(k * k for k, _ in spec))
+            curves[i] = (plain, [1.0] + [cells[(i, k)] / plain if (i, k) in cells else 1 + slope * k
+                                         for k in range(1, self.max_k + 1)])
+        if not curves:
+            return None
+        observed = sorted(curves)
+        rows = [curves[_closest(observed, i)] for i in range(len(self.depths))]
+        return CostReport(depths=self.depths, plain_step_ms=tuple(round(1000 * p, 4) for p, _ in rows),
+                          step_cost=tuple(tuple(round(c, 4) for c in costs) for _, costs in rows),
+                          source="estimated", online_steps=steps, acceptance=None if alpha is None else round(alpha, 4))
+
+
+def _closest(observed: Sequence[int], i: int) -> int:
+    return min(observed, key=lambda j: abs(j - i))
+
+
+def depth_grid(max_slots: int) -> tuple[int, ...]:
+    """1, 2, 4, ... up to ``max_slots`` (included): costs grow smoothly in between."""
+    grid = [1]
+    while grid[-1] * 2 < max_slots:
+        grid.append(grid[-1] * 2)
+    if max_slots > 1:
+        grid.append(max_slots)
+    return tuple(grid)

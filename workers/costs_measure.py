@@ -1,0 +1,325 @@
+"""Start-up measurement of the embedded engine's costs, on the machine that runs it.
+
+Before a worker reports ready it spends at most ``budget_s`` here (or nothing, on a cache hit):
+
+1. **Precision.** Each target configuration (``workers.dtype: auto``: bfloat16, prepacked where
+   the CPU can, and float32) is loaded, checked for bit-identical verification on this CPU
+   (a (K+1)-token verification and a padded batch against one-token-at-a-time decoding, bit
+   for bit, on the real models) and timed at batch 1 for n = 1..max_k+1 new tokens, next to
+   the draft. The candidates take turns, one forward each, so a noisy neighbour hits them
+   alike. The choice is the best predicted batch-1 throughput (at ``REFERENCE_ALPHA``) among
+   the bit-identical ones; ``workers.exact: false`` admits the others. CPU flags decide nothing.
+2. **Depth.** The chosen target and the draft are timed at the deeper batch depths (1, 2, 4, ...,
+   max_slots) for a subset of n, interpolated in n; points the budget did not reach are
+   extrapolated from the deepest measured depth, and the report counts both.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+import torch
+
+from policies.cost import expected_tokens
+from workers.cost_cache import CostCache, cache_key, cpu_label
+from workers.cost_model import (
+    CostReport,
+    PrecisionCandidate,
+    PrecisionChoice,
+    depth_grid,
+    report_from_forward_times,
+)
+from workers.model import TORCH_DTYPES, CacheBatch, KVCache, LlamaForCausalLM, bf16_prepacking_available
+
+log = logging.getLogger(__name__)
+TargetDtype = Literal["float32", "bfloat16"]
+# Candidates are compared at this per-token acceptance: the demo models' α on code at T=0 is
+# 0.86, on prose lower; 0.8 ranks configurations by how well they verify without needing
+# requests. (K per session is chosen later from the session's own α.)
+REFERENCE_ALPHA = 0.8
+CONTEXT = 128  # tokens already in the cache when a forward is timed
+REPS = 3  # timings per point; the median is kept
+
+
+@dataclass(frozen=True)
+class MeasureSettings:
+    target: Path
+    draft: Path | None
+    max_slots: int
+    max_k: int
+    dtype: Literal["auto", "float32", "bfloat16"] = "auto"
+    draft_dtype: TargetDtype = "float32"
+    exact: bool = True  # only bit-identical configurations, unless none is
+    budget_s: float = 4.0
+    threads: int = 1  # torch intra-op threads the worker runs with
+
+    def cache_key(self) -> str:
+        """Everything the figures depend on besides the budget (``workers/cost_cache.py``)."""
+        return cache_key({"target": self.target, "draft": self.draft},
+                         {"max_slots": self.max_slots, "max_k": self.max_k, "dtype": self.dtype,
+                          "draft_dtype": self.draft_dtype, "exact": self.exact, "threads": self.threads,
+                          "prepacking": bf16_prepacking_available()}, torch.__version__)
+
+
+def _scratch_cache(model: LlamaForCausalLM, slots: int, positions: int) -> KVCache:
+    cfg = dataclasses.replace(model.cfg, max_position_embeddings=positions)
+    return KVCache.allocate(cfg, slots, model.lm_head.weight.dtype)
+
+
+def _forward(model: LlamaForCausalLM, cache: KVCache, depth: int, n: int, positions: int,
+             row_invariant: bool) -> Callable[[], None]:
+    """One cached forward of ``depth`` rows × ``n`` new tokens after CONTEXT tokens, as the engine runs it."""
+    tokens = torch.full((depth, n), 7, dtype=torch.long)
+    rows = torch.arange(depth).repeat_interleave(n)
+    cols = torch.arange(n).repeat(depth)
+
+    def run() -> None:
+        batch = CacheBatch.build(list(range(depth)), [CONTEXT] * depth, [n] * depth, n, positions,
+                                 row_invariant=row_invariant)
+        if depth == 1:
+            model.forward_cached(tokens, cache, batch)
+        else:
+            model.forward_cached(tokens, cache, batch, rows, cols)
+    return run
+
+
+def _timed(run: Callable[[], None]) -> float:
+    started = time.perf_counter()
+    run()
+    return time.perf_counter() - started
+
+
+@torch.inference_mode()
+def verification_bit_identical(model: LlamaForCausalLM, n: int) -> bool:
+    """Whether this model, on this CPU, scores tokens in an n-token verification, and in a padded
+    batch, exactly as it scores them decoded one at a time (bit for bit). Stops at the first
+    difference, so an inexact configuration costs a few forwards only."""
+    positions = 256
+    gen = torch.Generator().manual_seed(3)
+    # A prompt whose verification crosses a 64-key block (span padding) and a short one riding in
+    # the same batch.
+    prompts = [torch.randint(5, model.cfg.vocab_size, (length,), generator=gen).tolist() for length in (60, 7)]
+    new = torch.randint(5, model.cfg.vocab_size, (n,), generator=gen).tolist()
+    cache = _scratch_cache(model, 2, positions)
+    for slot, prompt in enumerate(prompts):  # a prefill, fused as the engine runs one: same cache either way
+        model.forward_cached(torch.tensor([prompt]), cache, CacheBatch.build(
+            [slot], [0], [len(prompt)], len(prompt), positions, row_invariant=False),
+            torch.zeros(1, dtype=torch.long), torch.tensor([len(prompt) - 1]))
+
+    def scratch() -> KVCache:
+        return KVCache([k.clone() for k in cache.k], [v.clone() for v in cache.v])
+
+    def alone(slot: int, tokens: list[int]) -> torch.Tensor:
+        sc, start = scratch(), len(prompts[slot])
+        return torch.cat([model.forward_cached(torch.tensor([[t]]), sc, CacheBatch.build(
+            [slot], [start + i], [1], 1, positions))[0] for i, t in enumerate(tokens)])
+
+    one_by_one = alone(0, new)
+    verified = model.forward_cached(torch.tensor([new]), scratch(), CacheBatch.build([0], [60], [n], n, positions))
+    if not torch.equal(verified[0], one_by_one):
+        return False
+    padded = torch.zeros((2, n), dtype=torch.long)
+    padded[0], padded[1, 0] = torch.tensor(new), new[0]
+    out = model.forward_cached(padded, scratch(), CacheBatch.build([0, 1], [60, 7], [n, 1], n, positions))
+    return torch.equal(out[0], one_by_one) and torch.equal(out[1, :1], alone(1, new[:1]))
+
+
+def _best_b1(target_s: list[float], draft_s: float | None, alpha: float) -> tuple[float, int]:
+    """Predicted batch-1 tokens/s and K at acceptance ``alpha``, from depth-1 forward times."""
+    options = [(1.0 / target_s[0], 0)]
+    if draft_s is not None:
+        options += [(expected_tokens(alpha, k) / (target_s[k] + k * draft_s), k) for k in range(1, len(target_s))]
+    return max(options)
+
+
+def _fill(measured: dict[int, float], size: int) -> list[float]:
+    """Seconds for n = 1..size from the n measured: linear between them, extended by the last slope."""
+    ns = sorted(measured)
+    out = []
+    for n in range(1, size + 1):
+        if n in measured:
+            out.append(measured[n])
+            continue
+        lo = max((m for m in ns if m < n), default=ns[0])
+        hi = min((m for m in ns if m > n), default=None)
+        if hi is None:  # beyond the last measured n
+            a, b = (ns[-2], ns[-1]) if len(ns) > 1 else (ns[-1], ns[-1])
+            slope = (measured[b] - measured[a]) / (b - a) if b != a else 0.0
+            out.append(measured[b] + slope * (n - b))
+        else:
+            out.append(measured[lo] + (measured[hi] - measured[lo]) * (n - lo) / (hi - lo))
+    return out
+
+
+def choose_precision(candidates: list[PrecisionCandidate],
+                     settings: MeasureSettings) -> tuple[PrecisionCandidate, str]:
+    """The configured dtype if one is; else the best ``score`` among the bit-identical
+    candidates (``exact``), or among all of them (``exact`` False, or none is bit-identical)."""
+    def describe(c: PrecisionCandidate) -> str:
+        packed = " prepacked" if c.prepacked else ""
+        return (f"{c.target}{packed} {c.tok_s_b1:.0f} tok/s at batch 1 (K={c.best_k_b1}), {c.tok_s_full:.0f} tok/s "
+                f"plain at full batch")
+
+    fastest = max(candidates, key=lambda c: c.score)
+    if settings.dtype != "auto":
+        only = candidates[0]
+        note = "" if only.bit_identical else "; its verification is not bit-identical on this CPU"
+        return only, f"workers.dtype: {settings.dtype} (configured){note}"
+    exact = [c for c in candidates if c.bit_identical]
+    listing = ", ".join(describe(c) + ("" if c.bit_identical else " not bit-identical") for c in candidates)
+    if not settings.exact:
+        return fastest, f"fastest predicted at alpha {REFERENCE_ALPHA} (workers.exact: false): {listing}"
+    if not exact:
+        return fastest, (f"no configuration verifies bit-identically on this CPU; the fastest serves, close to "
+                         f"exact: {listing}")
+    best = max(exact, key=lambda c: c.score)
+    return best, f"fastest bit-identical at alpha {REFERENCE_ALPHA}: {listing}"
+
+
+def measure(settings: MeasureSettings) -> CostReport:
+    return measure_with_model(settings)[0]
+
+
+def measure_with_model(settings: MeasureSettings) -> tuple[CostReport, LlamaForCausalLM]:
+    """The report and the chosen target, loaded (the engine serves it; no second load)."""
+    started = time.perf_counter()
+    deadline = started + settings.budget_s
+    max_k = settings.max_k if settings.draft is not None else 0
+    width = max_k + 1
+    positions = CONTEXT + width + 64
+    full = settings.max_slots
+    n_plan = sorted({n for n in (1, 2, 4, width) if n <= width})
+    dtypes: list[TargetDtype] = ["bfloat16", "float32"] if settings.dtype == "auto" else [settings.dtype]
+    draft = None
+    if settings.draft is not None:
+        draft = LlamaForCausalLM.from_pretrained(settings.draft, TORCH_DTYPES[settings.draft_dtype])
+    targets = {d: LlamaForCausalLM.from_pretrained(settings.target, TORCH_DTYPES[d]) for d in dtypes}
+    identical = {d: verification_bit_identical(m, max(2, width)) for d, m in targets.items()}
+    caches = {d: _scratch_cache(m, full, positions) for d, m in targets.items()}
+    draft_cache = None if draft is None else _scratch_cache(draft, full, positions)
+    # Phase 1, every candidate in turn (one forward each per round): batch 1 at a few n, and a
+    # plain step at full batch (capacity under load).
+    runs: dict[tuple[str, int, int], Callable[[], None]] = {}
+    for d, model in targets.items():
+        runs |= {(d, 1, n): _forward(model, caches[d], 1, n, positions, True) for n in n_plan}
+        runs[(d, full, 1)] = _forward(model, caches[d], full, 1, positions, True)
+    if draft is not None and draft_cache is not None:
+        runs[("draft", 1, 1)] = _forward(draft, draft_cache, 1, 1, positions, False)
+    times = _time_rounds(runs, started + 0.55 * settings.budget_s)
+    candidates = []
+    for d, model in targets.items():
+        curve = _fill({n: times[(d, 1, n)] for n in n_plan}, width)
+        tok_s, k = _best_b1(curve, times.get(("draft", 1, 1)), REFERENCE_ALPHA)
+        candidates.append(PrecisionCandidate(d, model.prepacked, identical[d], round(1000 * curve[0], 3),
+                                             round(1000 * curve[-1], 3), round(tok_s, 1), k,
+                                             round(full / times[(d, full, 1)], 1)))
+    chosen, why = choose_precision(candidates, settings)
+    chosen_dtype = next(d for d in targets if d == chosen.target)
+    target, cache = targets[chosen_dtype], caches[chosen_dtype]
+    # Phase 2, the chosen target: every n at batch 1, then the full batch and the depths between
+    # (a sparse n each), until the budget ends.
+    measured = {1: {n: times[(chosen.target, 1, n)] for n in n_plan}}
+    measured.setdefault(full, {})[1] = times[(chosen.target, full, 1)]  # (full may be 1: the same point)
+    draft_measured = {1: times[("draft", 1, 1)]} if draft is not None else {}
+    depths = depth_grid(full)
+    # The full batch's slope in n first (phase 1 timed it plain only), then every n at batch 1.
+    plan: list[tuple[int, int]] = [(full, 2)] if full > 1 and width > 1 else []
+    plan += [(1, n) for n in range(1, width + 1) if n not in n_plan]
+    plan += [(d, n) for d in (full, *depths[1:-1]) for n in ([0] if draft is not None else []) + n_plan
+             if (d, n) not in ((full, 1), (full, 2))]
+    with torch.inference_mode():
+        for depth, n in plan:
+            if time.perf_counter() > deadline:
+                break
+            if n == 0:
+                assert draft is not None and draft_cache is not None
+                draft_measured[depth] = _median(_forward(draft, draft_cache, depth, 1, positions, False))
+            else:
+                measured.setdefault(depth, {})[n] = _median(_forward(target, cache, depth, n, positions, True))
+    measured = {d: row for d, row in measured.items() if 1 in row}
+    target_s, draft_s = _curves(depths, measured, draft_measured, width, draft is not None)
+    elapsed = time.perf_counter() - started
+    choice = PrecisionChoice(chosen.target, chosen.prepacked, chosen.bit_identical, why, REFERENCE_ALPHA,
+                             tuple(candidates))
+    log.info("cost model measured in %.2fs: %s", elapsed, why)
+    report = report_from_forward_times(depths, target_s, draft_s, source="measured", precision=choice,
+                                       measured_points=sum(len(r) for r in measured.values()),
+                                       total_points=width * len(depths), measure_s=round(elapsed, 3), cpu=cpu_label())
+    return report, target
+
+
+@torch.inference_mode()
+def _time_rounds(runs: dict[tuple[str, int, int], Callable[[], None]],
+                 until: float) -> dict[tuple[str, int, int], float]:
+    """Median seconds of each run, the runs taking turns (REPS rounds, fewer past ``until``)."""
+    for run in runs.values():
+        run()  # warm-up: first-call allocations
+    samples: dict[tuple[str, int, int], list[float]] = {key: [] for key in runs}
+    for rep in range(REPS):
+        if rep > 0 and time.perf_counter() > until:
+            break
+        for key, run in runs.items():
+            samples[key].append(_timed(run))
+    return {key: statistics.median(s) for key, s in samples.items()}
+
+
+def _median(run: Callable[[], None]) -> float:
+    run()
+    return statistics.median(_timed(run) for _ in range(REPS))
+
+
+def _curves(depths: tuple[int, ...], measured: dict[int, dict[int, float]], draft_measured: dict[int, float],
+            width: int, has_draft: bool) -> tuple[list[list[float]], list[float]]:
+    """Every (depth, n) in seconds: measured rows filled in n; depths not reached linear between
+    the measured depths around them (the full batch is measured early, so there are two)."""
+    # A depth timed at one n only (the budget ran out) keeps its plain step and takes its shape
+    # in n from the nearest depth timed at several: one point says nothing about verification.
+    shaped = {d: _fill(r, width) for d, r in measured.items() if len(r) >= 2 or width == 1}
+    rows = dict(shaped)
+    for d, r in measured.items():
+        if d not in shaped and shaped:
+            near = min(shaped, key=lambda s: abs(s - d))
+            rows[d] = [t * r[1] / shaped[near][0] for t in shaped[near]]
+    target_s = [rows[d] if d in rows else _between(rows, d) for d in depths]
+    draft_s = []
+    for i, depth in enumerate(depths):
+        if not has_draft:
+            draft_s.append(0.0)
+        elif depth in draft_measured:
+            draft_s.append(draft_measured[depth])
+        else:  # as the plain step grows from the nearest measured depth below
+            below = max(d for d in draft_measured if d <= depth)
+            draft_s.append(draft_measured[below] * target_s[i][0] / target_s[depths.index(below)][0])
+    return target_s, draft_s
+
+
+def _between(rows: dict[int, list[float]], depth: int) -> list[float]:
+    lo = max(d for d in rows if d < depth)
+    hi = min((d for d in rows if d > depth), default=None)
+    if hi is None:  # unreachable while the full batch is measured; proportional to depth else
+        return [t * depth / lo for t in rows[lo]]
+    w = (depth - lo) / (hi - lo)
+    return [(1 - w) * a + w * b for a, b in zip(rows[lo], rows[hi], strict=True)]
+
+
+def measure_or_load(settings: MeasureSettings,
+                    cache_dir: Path | None) -> tuple[CostReport, LlamaForCausalLM | None]:
+    """The cached report for these settings on this machine, else a fresh measurement (stored,
+    and returned with the chosen target already loaded)."""
+    cache = CostCache(cache_dir)
+    key = settings.cache_key()
+    with cache.locked(key):
+        cached = cache.load(key)
+        if cached is not None:
+            log.info("cost model from the cache (%s)", cache.path(key))
+            return dataclasses.replace(cached, source="cache"), None
+        report, target = measure_with_model(settings)
+        cache.store(key, report)
+        return report, target
