@@ -141,7 +141,8 @@ class LiveStateCollector(Collector):
         thresholds = GaugeMetricFamily("specgate_policy_threshold", "The live policy's settings, by config.yaml name",
                                        labels=["model", "name"])
         for name, value in policy.as_dict().items():
-            thresholds.add_metric([self.model, name], float(value))
+            if isinstance(value, int | float):  # num_speculative_tokens "auto" is no number: no series
+                thresholds.add_metric([self.model, name], float(value))
         yield thresholds
 
         counts = [0] * len(ACCEPTANCE_BUCKETS)
