@@ -16,10 +16,11 @@ from workers.model import bf16_prepacking_available
 PROMPT = "import os\nimport sys\n\n\ndef main(argv):\n    "
 
 
-@pytest.fixture(scope="module")
-def tcp_worker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[int]:
-    # --default-k 0: without a gateway directive it decodes plain, like a fixed-mode server.
-    process, port = start_tcp_worker(tmp_path_factory.mktemp("tcp-worker"), "--default-k", "0")
+def _fixed_k_worker(tmp_path_factory: pytest.TempPathFactory, default_k: int) -> Iterator[int]:
+    """A TCP worker that, without a gateway directive, always decodes with K = ``default_k``:
+    like a fixed-mode server (0: plain)."""
+    process, port = start_tcp_worker(tmp_path_factory.mktemp(f"tcp-worker-k{default_k}"), "--default-k",
+                                     str(default_k))
     yield port
     process.terminate()
     try:
@@ -27,6 +28,11 @@ def tcp_worker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[int]:
     except subprocess.TimeoutExpired:
         process.kill()
         process.wait()
+
+
+@pytest.fixture(scope="module")
+def tcp_worker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[int]:
+    yield from _fixed_k_worker(tmp_path_factory, 0)
 
 
 def test_worker_describes_its_precision(tcp_worker: int) -> None:
@@ -71,15 +77,7 @@ def test_remote_worker(tmp_path: Path, tcp_worker: int, protocol: str, expected_
 
 @pytest.fixture(scope="module")
 def speculative_tcp_worker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[int]:
-    # --default-k 3: without a directive it always speculates with K = 3, like a fixed-mode server.
-    process, port = start_tcp_worker(tmp_path_factory.mktemp("tcp-spec-worker"), "--default-k", "3")
-    yield port
-    process.terminate()
-    try:
-        process.wait(timeout=20)
-    except subprocess.TimeoutExpired:
-        process.kill()
-        process.wait()
+    yield from _fixed_k_worker(tmp_path_factory, 3)
 
 
 def test_mode_aware_routing_over_fixed_mode_workers(tmp_path: Path, tcp_worker: int,
