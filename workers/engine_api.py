@@ -10,7 +10,7 @@ and usage are the server's, so every engine answers the same request the same wa
 
 from __future__ import annotations
 
-from collections.abc import AsyncGenerator, Callable, Mapping
+from collections.abc import AsyncGenerator, Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
 
@@ -49,6 +49,16 @@ class SpecSteps:
     proposed: int
     accepted: int
     count: int
+
+
+def group_steps(drafted: Iterable[int], accepted: Iterable[int]) -> tuple[SpecSteps, ...]:
+    """Per-step (drafted, accepted) pairs, in step order, as ``SpecSteps`` groups; steps that
+    drafted nothing (plain) are left out."""
+    counts: dict[tuple[int, int], int] = {}
+    for d, a in zip(drafted, accepted, strict=False):
+        if d > 0:
+            counts[(d, a)] = counts.get((d, a), 0) + 1
+    return tuple(SpecSteps(d, a, c) for (d, a), c in sorted(counts.items()))
 
 
 @dataclass(frozen=True)

@@ -26,7 +26,7 @@ from workers.api_models import (
     ChatCompletionBody,
     CompletionBody,
 )
-from workers.engine_api import SpecSteps
+from workers.engine_api import SpecSteps, group_steps
 from workers.limits import GREEDY_BELOW
 
 RequestKind = Literal["chat", "completion"]
@@ -315,19 +315,16 @@ def vllm_step_report(chunk: Mapping[str, Any], k: int) -> StepReport | None:
     spec = metrics.get("speculative_decoding") if isinstance(metrics, Mapping) else None
     if not isinstance(spec, Mapping):
         return None
-    groups: dict[tuple[int, int], int] = {}
     drafted, accepted = spec.get("per_step_drafted"), spec.get("per_step_accepted")
+    groups: dict[tuple[int, int], int] = {}
     try:
-        if isinstance(drafted, list) and isinstance(accepted, list):
-            for d, a in zip(drafted, accepted, strict=False):
-                if int(d) > 0:
-                    groups[(int(d), int(a))] = groups.get((int(d), int(a)), 0) + 1
-        else:
-            # Summary level: every speculative step of a request drafted min(K, engine K).
-            step_k = min(k, int(spec.get("num_spec_tokens", k)))
-            for j, count in enumerate(spec.get("acceptance_histogram") or []):
-                if int(count) > 0 and step_k > 0:
-                    groups[(step_k, min(j, step_k))] = groups.get((step_k, min(j, step_k)), 0) + int(count)
+        if isinstance(drafted, list) and isinstance(accepted, list):  # detailed level: exact per step
+            return StepReport(0, 0, 0, 0, 0, group_steps([int(d) for d in drafted], [int(a) for a in accepted]))
+        # Summary level: every speculative step of a request drafted min(K, engine K).
+        step_k = min(k, int(spec.get("num_spec_tokens", k)))
+        for j, count in enumerate(spec.get("acceptance_histogram") or []):
+            if int(count) > 0 and step_k > 0:
+                groups[(step_k, min(j, step_k))] = groups.get((step_k, min(j, step_k)), 0) + int(count)
     except (TypeError, ValueError):
         return None
     late = tuple(SpecSteps(d, a, c) for (d, a), c in sorted(groups.items()))

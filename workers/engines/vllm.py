@@ -48,6 +48,7 @@ from workers.engine_api import (
     StepEvent,
     StepObserver,
     StepStats,
+    group_steps,
 )
 
 log = logging.getLogger(__name__)
@@ -72,13 +73,8 @@ def late_steps(metrics: Any) -> tuple[SpecSteps, ...]:
     """vLLM's per-request ``detailed`` metrics as (drafted, accepted, count) groups."""
     if metrics is None:
         return ()
-    drafted: list[int] = list(getattr(metrics, "per_step_drafted", []) or [])
-    accepted: list[int] = list(getattr(metrics, "per_step_accepted", []) or [])
-    counts: dict[tuple[int, int], int] = {}
-    for d, a in zip(drafted, accepted, strict=False):
-        if d > 0:
-            counts[(d, a)] = counts.get((d, a), 0) + 1
-    return tuple(SpecSteps(d, a, c) for (d, a), c in sorted(counts.items()))
+    return group_steps(getattr(metrics, "per_step_drafted", None) or (),
+                       getattr(metrics, "per_step_accepted", None) or ())
 
 
 def _eos_ids(model_dir: Path) -> frozenset[int]:
