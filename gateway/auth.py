@@ -22,7 +22,7 @@ from aiohttp import web
 from gateway.auth_config import AuthConfig
 from gateway.config import ConfigError, ServerConfig, load_auth_file
 from gateway.ops_metrics import OpsMetrics
-from gateway.policy_store import ReloadSource
+from gateway.policy_store import ReloadSource, file_stamp
 from workers.tokens import Forbidden, Unauthorized, bearer, fingerprint, is_loopback, matching, peer_is_local
 from workers.web_common import Handler
 
@@ -55,13 +55,7 @@ class AuthStore:
         self._stat = self._file_stat()
 
     def _file_stat(self) -> tuple[int, int] | None:
-        if self.path is None:
-            return None
-        try:
-            st = self.path.stat()
-        except OSError:
-            return None
-        return st.st_mtime_ns, st.st_size
+        return file_stamp(self.path)
 
     def describe(self) -> str:
         keys = ", ".join(fingerprint(k) for k in self.current.api_keys) or "none"

@@ -66,13 +66,7 @@ class PolicyStore:
         return self.current.policy
 
     def _stat(self) -> tuple[int, int] | None:
-        if self.path is None:
-            return None
-        try:
-            st = self.path.stat()
-        except OSError:
-            return None
-        return st.st_mtime_ns, st.st_size
+        return file_stamp(self.path)
 
     def apply(self, candidate: PolicyConfig, source: ReloadSource,
               origins: dict[str, Origin] | None = None) -> None:
@@ -116,3 +110,15 @@ class PolicyStore:
                     self.reload_file("file")
                 except Exception:  # the watcher must outlive any surprise in a file
                     log.exception("policy reload from file failed unexpectedly")
+
+
+def file_stamp(path: Path | None) -> tuple[int, int] | None:
+    """(mtime, size) of a watched config file: a change to either triggers a reload. None when
+    there is no file, or it cannot be read right now (mid-rename by an editor, say)."""
+    if path is None:
+        return None
+    try:
+        st = path.stat()
+    except OSError:
+        return None
+    return st.st_mtime_ns, st.st_size
