@@ -79,6 +79,12 @@ class Prometheus:
         assert len(result) == 1, (expr, result)
         return float(result[0]["value"][1])
 
+    def sample_times(self, selector: str, start: float, end: float) -> list[float]:
+        """The timestamps of the raw samples (scrapes) of one series in ``[start, end]``."""
+        data = self.api("query", query=f"{selector}[{max(1, int((end - start) * 1000) + 1)}ms]", time=f"{end:.3f}")
+        assert data["resultType"] == "matrix" and len(data["result"]) == 1, (selector, data)
+        return [float(at) for at, _ in data["result"][0]["values"] if float(at) >= start]
+
     def query_range(self, expr: str, start: float, end: float, step: float = 1.0) -> list[dict[str, Any]]:
         data = self.api("query_range", query=expr, start=f"{start:.3f}", end=f"{end:.3f}", step=str(step))
         result: list[dict[str, Any]] = data["result"]
