@@ -192,7 +192,8 @@ async def _put_policy(request: web.Request) -> web.Response:
         candidate = parse_policy(raw)
     except PolicyConfigError as exc:
         store.reject(exc, "api")
-        raise BadRequest(str(exc), param=f"policy.{exc.field}") from None
+        # Every problem in the message (the summary), the first one's field as the param.
+        raise BadRequest(exc.summary(), param=f"policy.{exc.field}") from None
     store.apply(candidate, "api")
     return web.json_response(_policy_view(store))
 

@@ -69,10 +69,10 @@ class AuthStore:
         try:
             candidate = load_auth_file(self.path)
             check_exposure(candidate, self.server, self.server.host)
-        except ConfigError as exc:  # its message names the field, never a secret
-            self.last_error = str(exc)
+        except ConfigError as exc:  # its messages name the fields, never a secret
+            self.last_error = exc.summary()
             self.metrics.auth_reloads.labels(source=source, result="failed").inc()
-            log.error("auth reload from %s rejected, keeping the running keys: %s", source, exc)
+            log.error("auth reload from %s rejected, keeping the running keys: %s", source, self.last_error)
             return False
         changed = candidate != self.current
         self.current = candidate

@@ -20,7 +20,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from gateway.config_errors import ConfigError
+from gateway.config_errors import ConfigError, Problems
 
 API_KEYS_ENV, ADMIN_TOKEN_ENV, WORKER_TOKEN_ENV = "SPECGATE_API_KEYS", "SPECGATE_ADMIN_TOKEN", "SPECGATE_WORKER_TOKEN"
 MIN_SECRET_CHARS = 8  # shorter secrets are guessable; refuse them rather than protect nothing
@@ -73,27 +73,37 @@ def _keys(raw: Any, name: str) -> tuple[str, ...]:
 
 
 def parse_auth(raw: Any, env: Mapping[str, str] | None = None) -> AuthConfig:
+    """Every field checked (the ConfigError raised carries each problem, gateway/config_errors.py)."""
     env = os.environ if env is None else env
     if raw is None:
         raw = {}
     if not isinstance(raw, Mapping):
         raise ConfigError("auth", REDACTED, "must be a mapping")
+    problems = Problems()
     allowed = {"api_keys", "admin_token", "protect_probes", "worker_token"}
     for key in raw:
         if key not in allowed:
-            raise ConfigError(f"auth.{key}", REDACTED, f"unknown field; known: {', '.join(sorted(allowed))}")
-    api_keys = _keys(raw.get("api_keys"), "auth.api_keys")
+            problems.add(ConfigError(f"auth.{key}", REDACTED, f"unknown field; known: {', '.join(sorted(allowed))}"))
+    no_keys: tuple[str, ...] = ()
+    api_keys = problems.check(lambda: _keys(raw.get("api_keys"), "auth.api_keys"), no_keys)
     if env.get(API_KEYS_ENV):
-        api_keys = _keys([k.strip() for k in env[API_KEYS_ENV].split(",") if k.strip()], API_KEYS_ENV)
-    admin = raw.get("admin_token")
-    admin_token = _secret(admin, "auth.admin_token") if admin is not None else None
-    if env.get(ADMIN_TOKEN_ENV):
-        admin_token = _secret(env[ADMIN_TOKEN_ENV], ADMIN_TOKEN_ENV)
-    worker = raw.get("worker_token")
-    worker_token = _secret(worker, "auth.worker_token") if worker is not None else None
-    if env.get(WORKER_TOKEN_ENV):
-        worker_token = _secret(env[WORKER_TOKEN_ENV], WORKER_TOKEN_ENV)
+        api_keys = problems.check(
+            lambda: _keys([k.strip() for k in env[API_KEYS_ENV].split(",") if k.strip()], API_KEYS_ENV), no_keys)
+    admin_token = _optional_secret(raw.get("admin_token"), "auth.admin_token", env.get(ADMIN_TOKEN_ENV),
+                                   ADMIN_TOKEN_ENV, problems)
+    worker_token = _optional_secret(raw.get("worker_token"), "auth.worker_token", env.get(WORKER_TOKEN_ENV),
+                                    WORKER_TOKEN_ENV, problems)
     protect = raw.get("protect_probes", False)
     if not isinstance(protect, bool):
-        raise ConfigError("auth.protect_probes", protect, "must be a bool")
+        problems.add(ConfigError("auth.protect_probes", protect, "must be a bool"))
+        protect = False
+    problems.raise_any()
     return AuthConfig(api_keys, admin_token, protect, worker_token)
+
+
+def _optional_secret(value: Any, name: str, from_env: str | None, variable: str, problems: Problems) -> str | None:
+    """The file's secret, or the environment's, which outranks it; None when neither sets one."""
+    secret = problems.check(lambda: _secret(value, name), None) if value is not None else None
+    if from_env:
+        secret = problems.check(lambda: _secret(from_env, variable), None)
+    return secret

@@ -47,7 +47,8 @@ def build_parser() -> argparse.ArgumentParser:
                            formatter_class=argparse.RawDescriptionHelpFormatter)
     check.add_argument("file", type=Path, help="config.yaml, or a bare policy mapping")
     check.add_argument("--kind", choices=("auto", "config", "policy"), default="auto",
-                       help="auto: a file whose keys are all policy fields is a policy file (default: auto)")
+                       help="auto: a file with policy fields and no config section at the top is a policy file "
+                            "(default: auto)")
     return parser
 
 
@@ -65,52 +66,26 @@ def main(argv: list[str] | None = None) -> int:
 
 # -- check -------------------------------------------------------------------------------------------
 def check_problems(path: Path, kind: str = "auto", environ: Mapping[str, str] | None = None) -> list[str]:
-    """Every problem found, one message each naming the field (or variable) and the value."""
-    from gateway.config import ConfigError, _read_yaml, parse_config, parse_policy
-    from gateway.env_overrides import EnvOverrideError, apply_overrides, blame, read_overrides
-    from policies import PolicyConfig, PolicyConfigError
+    """Every problem found, one message each naming the field (or variable) and the value.
+
+    The same functions the gateway runs: ``load_config_env`` at start, ``policy_env`` on a
+    reload (for a bare policy file, as ``PUT /admin/policy`` takes it). Each checks every field.
+    """
+    from gateway.config import _read_yaml
+    from gateway.env_overrides import load_config_env, policy_env, section_keys
+    from policies import FieldError, PolicyConfig
 
     try:
         raw = _read_yaml(path)
-    except ConfigError as exc:
-        return [str(exc)]
-    problems: list[str] = []
-    environ = os.environ if environ is None else environ
-    overrides: dict[str, Any] = {}
-    for name in sorted(environ):  # each variable on its own, so one bad one does not hide the next
-        try:
-            overrides.update(read_overrides({name: environ[name]}))
-        except EnvOverrideError as exc:
-            problems.append(str(exc))
-    policy_keys = {f.name for f in fields(PolicyConfig)}
-    if kind == "policy" or (kind == "auto" and raw and set(raw) <= policy_keys):
-        try:
-            parse_policy(apply_overrides({"policy": raw}, {"policy": overrides.get("policy", {})})["policy"])
-        except (PolicyConfigError, ConfigError) as exc:
-            problems.append(str(blame(exc, "policy", overrides)))
-        return problems
-    from gateway.env_overrides import load_config_env
-
-    reported = {problem.split(":", 1)[0] for problem in problems}
-    env = {k: v for k, v in environ.items() if k not in reported}  # each bad variable is reported once
-    try:
-        config = load_config_env(path, env)
-    except (ConfigError, PolicyConfigError) as exc:
-        problems.append(str(exc))
-        # The parser stops at its first error: each other section is checked on its own too.
-        merged = apply_overrides(raw, overrides)
-        for section in sorted(k for k in merged if k != "policy"):
-            try:
-                parse_config({section: merged[section], "workers": merged.get("workers")}, path.resolve().parent)
-            except (ConfigError, PolicyConfigError) as inner:
-                problems.append(str(inner))
-        try:
-            parse_policy(merged.get("policy"))
-        except (ConfigError, PolicyConfigError) as inner:
-            problems.append(str(inner))
-        return list(dict.fromkeys(problems))
-    problems.extend(model_problems(config))
-    return problems
+        # auto: no config section at the top and some policy field there is a policy file, so
+        # that a policy file with a mistyped key is still checked as one.
+        policy_file = not set(raw) & set(section_keys()) and set(raw) & {f.name for f in fields(PolicyConfig)}
+        if kind == "policy" or (kind == "auto" and policy_file):
+            policy_env(raw, environ)
+            return []
+        return model_problems(load_config_env(path, environ))
+    except FieldError as exc:
+        return [str(problem) for problem in exc.problems]
 
 
 def model_problems(config: Any) -> list[str]:
@@ -131,7 +106,7 @@ def check(path: Path, kind: str) -> int:
 
 # -- serve -------------------------------------------------------------------------------------------
 def serve(args: argparse.Namespace) -> int:
-    from gateway.logs import configure
+    from workers.logs import configure
 
     configure(args.log_format or "text", args.log_level)
     # prometheus_client picks its multiprocess value store at import, so the directory must
@@ -148,16 +123,18 @@ def serve(args: argparse.Namespace) -> int:
     from gateway.config import ConfigError
     from gateway.drain import DRAIN_KEY
     from gateway.env_overrides import load_config_env
-    from policies import PolicyConfigError
+    from policies import FieldError
     from workers.web_runner import run_app
 
     try:
         config = load_config_env(args.config)
-    except (ConfigError, PolicyConfigError) as exc:
-        print(f"specgate: bad config {args.config}: {exc}", file=sys.stderr)
-        return 2
-    for problem in model_problems(config):
+    except FieldError as exc:
+        problems = [str(problem) for problem in exc.problems]
+    else:
+        problems = model_problems(config)
+    for problem in problems:
         print(f"specgate: bad config {args.config}: {problem}", file=sys.stderr)
+    if problems:
         return 2
     server = replace(config.server, host=args.host or config.server.host,
                      port=args.port if args.port is not None else config.server.port,

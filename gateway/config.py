@@ -1,18 +1,20 @@
 """config.yaml, parsed once into frozen, validated objects.
 
-Errors name the field (dotted path) and the value. Relative paths resolve against the
+Errors name the field (dotted path) and the value. Every field is checked, each on its own:
+the ConfigError (or PolicyConfigError) raised is the first problem and carries all of them in
+``problems``, so one bad field does not hide the next. Relative paths resolve against the
 directory of the config file, so a config works from any working directory.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
 from gateway.auth_config import AuthConfig, parse_auth
-from gateway.config_errors import ConfigError
+from gateway.config_errors import ConfigError, Problems
 from gateway.safe_yaml import YamlRefused, load_yaml
 from policies.config import PolicyConfig, PolicyConfigError
 
@@ -33,7 +35,7 @@ class ServerConfig:
     max_body_bytes: int = 1 << 20  # larger request bodies get 413
     worker_timeout_s: float = 60.0  # a worker silent this long (first token included) gets a 504
     body_timeout_s: float = 30.0  # a request body not fully received by then gets a 408
-    log_format: Literal["text", "json"] = "text"  # json: one object per line (gateway/logs.py)
+    log_format: Literal["text", "json"] = "text"  # json: one object per line (workers/logs.py)
     # SIGTERM: in-flight requests get this long to finish before they are ended with an error.
     drain_timeout_s: float = 30.0
     # A generation whose worker dies mid-way resumes on another worker at most this many times...
@@ -120,20 +122,32 @@ class GatewayConfig:
     auth: AuthConfig = field(default_factory=AuthConfig)
 
 
-def _section(raw: Mapping[str, Any], name: str) -> Mapping[str, Any]:
-    value = raw.get(name)
-    if value is None:
-        return {}
-    if not isinstance(value, Mapping):
-        raise ConfigError(name, value, "must be a mapping")
-    return value
+class _Section:
+    """One mapping of config.yaml as it is parsed: unknown keys and bad fields are recorded in
+    ``problems``, and a bad field reads as its default, so that every field gets checked."""
+
+    def __init__(self, raw: Any, prefix: str, allowed: Collection[str], problems: Problems) -> None:
+        self.prefix, self.problems = prefix, problems
+        if raw is not None and not isinstance(raw, Mapping):
+            problems.add(ConfigError(prefix, raw, "must be a mapping"))
+            raw = None
+        self.raw: Mapping[str, Any] = raw or {}
+        _check_keys(self.raw, prefix, set(allowed), problems)
+
+    def get(self, key: str, kind: type, default: Any, *, minimum: float | None = None, maximum: float | None = None,
+            choices: tuple[Any, ...] | None = None) -> Any:
+        return self.problems.check(lambda: _get(self.raw, self.prefix, key, kind, default, minimum=minimum,
+                                                maximum=maximum, choices=choices), default)
+
+    def path(self, key: str, default: Path | None, base: Path, nullable: bool = False) -> Path | None:
+        return self.problems.check(lambda: _path(self.raw, self.prefix, key, default, base, nullable), default)
 
 
-def _check_keys(section: Mapping[str, Any], prefix: str, allowed: set[str]) -> None:
+def _check_keys(section: Mapping[str, Any], prefix: str, allowed: set[str], problems: Problems) -> None:
     for key in section:
         if key not in allowed:
             name = key if prefix == "(top level)" else f"{prefix}.{key}"
-            raise ConfigError(name, section[key], f"unknown field; known: {', '.join(sorted(allowed))}")
+            problems.add(ConfigError(str(name), section[key], f"unknown field; known: {', '.join(sorted(allowed))}"))
 
 
 def _get(section: Mapping[str, Any], prefix: str, key: str, kind: type, default: Any, *,
@@ -181,85 +195,90 @@ def parse_config(raw: Any, base: Path, source: Path | None = None) -> GatewayCon
         raw = {}
     if not isinstance(raw, Mapping):
         raise ConfigError("(top level)", raw, "config must be a mapping")
-    _check_keys(raw, "(top level)", {"server", "model", "workers", "sessions", "policy", "tracing", "auth"})
-    s = _section(raw, "server")
-    _check_keys(s, "server", {f for f in ServerConfig.__dataclass_fields__})
+    problems = Problems()
+    _check_keys(raw, "(top level)", {"server", "model", "workers", "sessions", "policy", "tracing", "auth"}, problems)
+    s = _Section(raw.get("server"), "server", ServerConfig.__dataclass_fields__, problems)
     d = ServerConfig()
     server = ServerConfig(
-        host=_get(s, "server", "host", str, d.host),
-        port=_get(s, "server", "port", int, d.port, minimum=0, maximum=65535),
-        max_body_bytes=_get(s, "server", "max_body_bytes", int, d.max_body_bytes, minimum=1024),
-        worker_timeout_s=_get(s, "server", "worker_timeout_s", float, d.worker_timeout_s, minimum=0.1),
-        body_timeout_s=_get(s, "server", "body_timeout_s", float, d.body_timeout_s, minimum=0.1),
-        log_format=_get(s, "server", "log_format", str, d.log_format, choices=("text", "json")),
-        drain_timeout_s=_get(s, "server", "drain_timeout_s", float, d.drain_timeout_s, minimum=0),
-        max_migrations=_get(s, "server", "max_migrations", int, d.max_migrations, minimum=0),
-        migration_wait_s=_get(s, "server", "migration_wait_s", float, d.migration_wait_s, minimum=0),
-        allow_unauthenticated=_get(s, "server", "allow_unauthenticated", bool, d.allow_unauthenticated))
-    m = _section(raw, "model")
-    _check_keys(m, "model", {"name", "target", "draft"})
+        host=s.get("host", str, d.host),
+        port=s.get("port", int, d.port, minimum=0, maximum=65535),
+        max_body_bytes=s.get("max_body_bytes", int, d.max_body_bytes, minimum=1024),
+        worker_timeout_s=s.get("worker_timeout_s", float, d.worker_timeout_s, minimum=0.1),
+        body_timeout_s=s.get("body_timeout_s", float, d.body_timeout_s, minimum=0.1),
+        log_format=s.get("log_format", str, d.log_format, choices=("text", "json")),
+        drain_timeout_s=s.get("drain_timeout_s", float, d.drain_timeout_s, minimum=0),
+        max_migrations=s.get("max_migrations", int, d.max_migrations, minimum=0),
+        migration_wait_s=s.get("migration_wait_s", float, d.migration_wait_s, minimum=0),
+        allow_unauthenticated=s.get("allow_unauthenticated", bool, d.allow_unauthenticated))
+    m = _Section(raw.get("model"), "model", {"name", "target", "draft"}, problems)
     md = ModelConfig()
-    target = _path(m, "model", "target", md.target, base)
-    assert target is not None
-    model = ModelConfig(name=_get(m, "model", "name", str, md.name), target=target,
-                        draft=_path(m, "model", "draft", md.draft, base, nullable=True))
-    w = _section(raw, "workers")
-    _check_keys(w, "workers", {f for f in WorkersConfig.__dataclass_fields__})
-    wd = WorkersConfig()
-    socket_dir = _path(w, "workers", "socket_dir", None, base, nullable=True)
-    workers = WorkersConfig(
-        count=_get(w, "workers", "count", int, wd.count, minimum=0),
-        engine=_get(w, "workers", "engine", str, wd.engine, choices=("embedded", "vllm", "sim")),
-        python=_path(w, "workers", "python", None, base, nullable=True),
-        vllm_args=_vllm_args(w.get("vllm_args")),
-        sim=_sim(w.get("sim")),
-        max_slots=_get(w, "workers", "max_slots", int, wd.max_slots, minimum=1),
-        max_queue=_get(w, "workers", "max_queue", int, wd.max_queue, minimum=1),
-        max_k=_get(w, "workers", "max_k", int, wd.max_k, minimum=0),
-        threads=_get(w, "workers", "threads", int, wd.threads, minimum=1),
-        dtype=_get(w, "workers", "dtype", str, wd.dtype, choices=("auto", "float32", "bfloat16")),
-        draft_dtype=_get(w, "workers", "draft_dtype", str, wd.draft_dtype, choices=("float32", "bfloat16")),
-        exact=_get(w, "workers", "exact", bool, wd.exact),
-        cost_cache_dir=_path(w, "workers", "cost_cache_dir", None, base, nullable=True),
-        cost_budget_s=_get(w, "workers", "cost_budget_s", float, wd.cost_budget_s, minimum=0.1, maximum=60),
-        startup_timeout_s=_get(w, "workers", "startup_timeout_s", float, wd.startup_timeout_s, minimum=1),
-        poll_interval_s=_get(w, "workers", "poll_interval_s", float, wd.poll_interval_s, minimum=0.05),
-        unhealthy_restart_s=_get(w, "workers", "unhealthy_restart_s", float, wd.unhealthy_restart_s, minimum=0.1),
-        restart_backoff_s=_get(w, "workers", "restart_backoff_s", float, wd.restart_backoff_s, minimum=0),
-        restart_backoff_max_s=_get(w, "workers", "restart_backoff_max_s", float, wd.restart_backoff_max_s, minimum=0),
-        socket_dir=socket_dir, remote=_parse_remote(w.get("remote")))
-    if workers.count == 0 and not workers.remote:
-        raise ConfigError("workers.count", 0, "no local workers and no workers.remote: nothing would serve")
-    x = _section(raw, "sessions")
-    _check_keys(x, "sessions", {"max_sessions", "idle_ttl_s", "history"})
+    model = ModelConfig(name=m.get("name", str, md.name), target=m.path("target", md.target, base) or md.target,
+                        draft=m.path("draft", md.draft, base, nullable=True))
+    workers = _parse_workers(_Section(raw.get("workers"), "workers", WorkersConfig.__dataclass_fields__, problems),
+                             base)
+    x = _Section(raw.get("sessions"), "sessions", {"max_sessions", "idle_ttl_s", "history"}, problems)
     xd = SessionsConfig()
     sessions = SessionsConfig(
-        max_sessions=_get(x, "sessions", "max_sessions", int, xd.max_sessions, minimum=1),
-        idle_ttl_s=_get(x, "sessions", "idle_ttl_s", float, xd.idle_ttl_s, minimum=1),
-        history=_get(x, "sessions", "history", int, xd.history, minimum=1))
-    return GatewayConfig(server, model, workers, sessions, parse_policy(raw.get("policy")), source,
-                         _parse_tracing(_section(raw, "tracing")), parse_auth(raw.get("auth")))
+        max_sessions=x.get("max_sessions", int, xd.max_sessions, minimum=1),
+        idle_ttl_s=x.get("idle_ttl_s", float, xd.idle_ttl_s, minimum=1),
+        history=x.get("history", int, xd.history, minimum=1))
+    policy = problems.check(lambda: parse_policy(raw.get("policy")), PolicyConfig())
+    tracing = _parse_tracing(_Section(raw.get("tracing"), "tracing", TracingConfig.__dataclass_fields__, problems))
+    auth = problems.check(lambda: parse_auth(raw.get("auth")), AuthConfig())
+    problems.raise_any()
+    return GatewayConfig(server, model, workers, sessions, policy, source, tracing, auth)
 
 
-def _parse_tracing(t: Mapping[str, Any]) -> TracingConfig:
-    _check_keys(t, "tracing", {f for f in TracingConfig.__dataclass_fields__})
+def _parse_workers(w: _Section, base: Path) -> WorkersConfig:
+    wd, problems = WorkersConfig(), w.problems
+    workers = WorkersConfig(
+        count=w.get("count", int, wd.count, minimum=0),
+        engine=w.get("engine", str, wd.engine, choices=("embedded", "vllm", "sim")),
+        python=w.path("python", None, base, nullable=True),
+        vllm_args=_vllm_args(w.raw.get("vllm_args"), problems),
+        sim=problems.check(lambda: _sim(w.raw.get("sim")), {}),
+        max_slots=w.get("max_slots", int, wd.max_slots, minimum=1),
+        max_queue=w.get("max_queue", int, wd.max_queue, minimum=1),
+        max_k=w.get("max_k", int, wd.max_k, minimum=0),
+        threads=w.get("threads", int, wd.threads, minimum=1),
+        dtype=w.get("dtype", str, wd.dtype, choices=("auto", "float32", "bfloat16")),
+        draft_dtype=w.get("draft_dtype", str, wd.draft_dtype, choices=("float32", "bfloat16")),
+        exact=w.get("exact", bool, wd.exact),
+        cost_cache_dir=w.path("cost_cache_dir", None, base, nullable=True),
+        cost_budget_s=w.get("cost_budget_s", float, wd.cost_budget_s, minimum=0.1, maximum=60),
+        startup_timeout_s=w.get("startup_timeout_s", float, wd.startup_timeout_s, minimum=1),
+        poll_interval_s=w.get("poll_interval_s", float, wd.poll_interval_s, minimum=0.05),
+        unhealthy_restart_s=w.get("unhealthy_restart_s", float, wd.unhealthy_restart_s, minimum=0.1),
+        restart_backoff_s=w.get("restart_backoff_s", float, wd.restart_backoff_s, minimum=0),
+        restart_backoff_max_s=w.get("restart_backoff_max_s", float, wd.restart_backoff_max_s, minimum=0),
+        socket_dir=w.path("socket_dir", None, base, nullable=True), remote=_parse_remote(w.raw.get("remote"), problems))
+    # Only a count that was given (and valid) can leave nothing to serve: a bad one is already reported.
+    if workers.count == 0 and not workers.remote and not problems.failed("workers.count"):
+        problems.add(ConfigError("workers.count", 0, "no local workers and no workers.remote: nothing would serve"))
+    return workers
+
+
+def _parse_tracing(t: _Section) -> TracingConfig:
     d = TracingConfig()
-    endpoint = t.get("otlp_endpoint")
+    endpoint = t.raw.get("otlp_endpoint")
     if endpoint is not None and (not isinstance(endpoint, str) or not endpoint.startswith(("http://", "https://"))):
-        raise ConfigError("tracing.otlp_endpoint", endpoint, "must be an http:// or https:// URL")
-    return TracingConfig(enabled=_get(t, "tracing", "enabled", bool, d.enabled), otlp_endpoint=endpoint,
-                         service_name=_get(t, "tracing", "service_name", str, d.service_name),
-                         record_prompts=_get(t, "tracing", "record_prompts", bool, d.record_prompts))
+        t.problems.add(ConfigError("tracing.otlp_endpoint", endpoint, "must be an http:// or https:// URL"))
+        endpoint = None
+    return TracingConfig(enabled=t.get("enabled", bool, d.enabled), otlp_endpoint=endpoint,
+                         service_name=t.get("service_name", str, d.service_name),
+                         record_prompts=t.get("record_prompts", bool, d.record_prompts))
 
 
-def _vllm_args(raw: Any) -> Mapping[str, Any]:
+def _vllm_args(raw: Any, problems: Problems) -> Mapping[str, Any]:
     if raw is None:
         return {}
     if not isinstance(raw, Mapping) or not all(isinstance(k, str) for k in raw):
-        raise ConfigError("workers.vllm_args", raw, "must be a mapping of vLLM engine argument names to values")
+        problems.add(ConfigError("workers.vllm_args", raw, "must be a mapping of vLLM engine argument names to values"))
+        return {}
     for key in ("model", "speculative_config", "max_num_seqs", "scheduler_cls", "per_request_spec_decode_metrics"):
         if key in raw:
-            raise ConfigError(f"workers.vllm_args.{key}", raw[key], "is set by specgate from model.* and workers.*")
+            problems.add(ConfigError(f"workers.vllm_args.{key}", raw[key],
+                                     "is set by specgate from model.* and workers.*"))
     return dict(raw)
 
 
@@ -276,27 +295,29 @@ def _sim(raw: Any) -> Mapping[str, Any]:
     return dict(raw)
 
 
-def _parse_remote(raw: Any) -> tuple[RemoteWorker, ...]:
+def _parse_remote(raw: Any, problems: Problems) -> tuple[RemoteWorker, ...]:
     if raw is None:
         return ()
     if not isinstance(raw, list):
-        raise ConfigError("workers.remote", raw, "must be a list")
+        problems.add(ConfigError("workers.remote", raw, "must be a list"))
+        return ()
     out = []
     for i, item in enumerate(raw):
         prefix = f"workers.remote[{i}]"
         if not isinstance(item, Mapping):
-            raise ConfigError(prefix, item, "must be a mapping with url and mode")
-        _check_keys(item, prefix, {"url", "protocol", "mode", "name", "max_k"})
-        url = _get(item, prefix, "url", str, None)
-        if not url.startswith(("http://", "https://")):
-            raise ConfigError(f"{prefix}.url", url, "must start with http:// or https://")
-        protocol = _get(item, prefix, "protocol", str, "openai", choices=("openai", "specgate", "vllm"))
-        mode = _get(item, prefix, "mode", str, "plain", choices=("speculative", "plain"))
-        max_k = _get(item, prefix, "max_k", int, 0, minimum=0)
-        if protocol == "openai" and mode == "speculative" and max_k < 1:
-            raise ConfigError(f"{prefix}.max_k", max_k, "a speculative remote worker needs max_k >= 1")
-        out.append(RemoteWorker(url.rstrip("/"), mode, _get(item, prefix, "name", str, url.rstrip("/")), max_k,
-                                protocol))
+            problems.add(ConfigError(prefix, item, "must be a mapping with url and mode"))
+            continue
+        r = _Section(item, prefix, {"url", "protocol", "mode", "name", "max_k"}, problems)
+        url = r.get("url", str, None)
+        if isinstance(url, str) and not url.startswith(("http://", "https://")):
+            problems.add(ConfigError(f"{prefix}.url", url, "must start with http:// or https://"))
+        url = (url or "").rstrip("/")
+        protocol = r.get("protocol", str, "openai", choices=("openai", "specgate", "vllm"))
+        mode = r.get("mode", str, "plain", choices=("speculative", "plain"))
+        max_k = r.get("max_k", int, 0, minimum=0)
+        if protocol == "openai" and mode == "speculative" and max_k < 1 and not problems.failed(f"{prefix}.max_k"):
+            problems.add(ConfigError(f"{prefix}.max_k", max_k, "a speculative remote worker needs max_k >= 1"))
+        out.append(RemoteWorker(url, mode, r.get("name", str, url), max_k, protocol))
     return tuple(out)
 
 

@@ -21,15 +21,9 @@ from dataclasses import fields, is_dataclass
 from pathlib import Path
 from typing import Any, Literal, get_type_hints
 
-from gateway.config import (
-    ConfigError,
-    GatewayConfig,
-    _read_yaml,
-    parse_config,
-    parse_policy,
-)
+from gateway.config import ConfigError, GatewayConfig, _read_yaml, parse_config, parse_policy
 from gateway.safe_yaml import YamlRefused, load_yaml
-from policies import PolicyConfig, PolicyConfigError
+from policies import FieldError, PolicyConfig, PolicyConfigError, raise_problems
 
 PREFIX = "SPECGATE_"
 # Names under the prefix that are not SECTION__KEY overrides but are still specgate's own.
@@ -49,81 +43,108 @@ class EnvOverrideError(ConfigError):
     """An override that names nothing, does not parse, or fails its field's validation."""
 
     def __init__(self, variable: str, value: object, problem: str) -> None:
-        ValueError.__init__(self, f"{variable}: {problem}")
-        self.field = variable
-        self.value = value
+        FieldError.__init__(self, f"{variable}: {problem}", variable, value)
 
 
-def read_overrides(environ: Mapping[str, str] | None = None) -> dict[str, dict[str, tuple[str, Any]]]:
-    """``{section: {key: (variable, value)}}`` from the environment; raises EnvOverrideError."""
+Overrides = dict[str, dict[str, tuple[str, Any]]]  # {section: {key: (variable, value)}}
+
+
+def scan_overrides(environ: Mapping[str, str] | None = None) -> tuple[Overrides, list[EnvOverrideError]]:
+    """The overrides the environment sets, and a problem for each variable that is not one."""
     environ = os.environ if environ is None else environ
     known = section_keys()
-    out: dict[str, dict[str, tuple[str, Any]]] = {}
+    out: Overrides = {}
+    problems: list[EnvOverrideError] = []
     for variable in sorted(environ):
         if not variable.startswith(PREFIX) or variable in RESERVED or "__" not in variable[len(PREFIX):]:
             continue
         text = environ[variable]
         section, _, key = variable[len(PREFIX):].lower().partition("__")
         if section not in known:
-            raise EnvOverrideError(variable, text, f"unknown config section '{section}'; known: "
-                                   f"{', '.join(sorted(known))}")
-        if key not in known[section]:
-            raise EnvOverrideError(variable, text, f"unknown key '{section}.{key}'; known: "
-                                   f"{', '.join(sorted(known[section]))}")
-        try:
-            value = load_yaml(text, MAX_VALUE_BYTES)
-        except YamlRefused as exc:
-            raise EnvOverrideError(variable, text, str(exc)) from None
-        out.setdefault(section, {})[key] = (variable, value)
-    return out
+            problems.append(EnvOverrideError(variable, text, f"unknown config section '{section}'; known: "
+                                             f"{', '.join(sorted(known))}"))
+        elif key not in known[section]:
+            problems.append(EnvOverrideError(variable, text, f"unknown key '{section}.{key}'; known: "
+                                             f"{', '.join(sorted(known[section]))}"))
+        else:
+            try:
+                out.setdefault(section, {})[key] = (variable, load_yaml(text, MAX_VALUE_BYTES))
+            except YamlRefused as exc:
+                problems.append(EnvOverrideError(variable, text, str(exc)))
+    return out, problems
+
+
+def read_overrides(environ: Mapping[str, str] | None = None) -> Overrides:
+    """``{section: {key: (variable, value)}}`` from the environment; raises EnvOverrideError (every bad variable)."""
+    overrides, problems = scan_overrides(environ)
+    raise_problems(problems)
+    return overrides
 
 
 def apply_overrides(raw: Mapping[str, Any], overrides: Mapping[str, Mapping[str, tuple[str, Any]]]) -> dict[str, Any]:
-    """A copy of the parsed file with the overrides written over it (the file is not changed)."""
+    """A copy of the parsed file with the overrides written over it (the file is not changed).
+
+    A section the file gives as something other than a mapping is left as it is: its parser
+    refuses it, naming the section.
+    """
     merged = dict(raw)
     for section, values in overrides.items():
         current = merged.get(section)
         if current is None:
             current = {}
-        if not isinstance(current, Mapping):
-            raise ConfigError(section, current, "must be a mapping")
-        merged[section] = {**current, **{key: value for key, (_, value) in values.items()}}
+        if isinstance(current, Mapping):
+            merged[section] = {**current, **{key: value for key, (_, value) in values.items()}}
     return merged
 
 
-def blame(exc: ConfigError | PolicyConfigError, section: str | None,
-           overrides: Mapping[str, Mapping[str, tuple[str, Any]]]) -> Exception:
-    """The error restated with the variable's name when the value came from the environment."""
-    dotted = f"{section}.{exc.field}" if section else exc.field
+def blame(problem: FieldError, overrides: Mapping[str, Mapping[str, tuple[str, Any]]]) -> FieldError:
+    """The problem restated with the variable's name when the value came from the environment."""
+    dotted = f"policy.{problem.field}" if isinstance(problem, PolicyConfigError) else problem.field
     head, _, key = dotted.partition(".")
     source = overrides.get(head, {}).get(key)
     if source is None:
-        return exc
-    return EnvOverrideError(source[0], exc.value, str(exc))
+        return problem
+    return EnvOverrideError(source[0], problem.value, str(problem))
 
 
 def load_config_env(path: Path, environ: Mapping[str, str] | None = None) -> GatewayConfig:
-    """``load_config`` with the environment's overrides: what ``specgate serve`` runs."""
-    overrides = read_overrides(environ)
-    raw = apply_overrides(_read_yaml(path), overrides)
+    """``load_config`` with the environment's overrides: what ``specgate serve`` runs.
+
+    Raises the first problem carrying all of them: every bad variable, then every bad field
+    (named by its variable when the environment set its value).
+    """
+    raw = _read_yaml(path)
+    overrides, env_problems = scan_overrides(environ)
+    found: list[FieldError] = list(env_problems)
+    config = None
     try:
-        return parse_config(raw, path.resolve().parent, path.resolve())
-    except PolicyConfigError as exc:
-        raise blame(exc, "policy", overrides) from None
-    except ConfigError as exc:
-        raise blame(exc, None, overrides) from None
+        config = parse_config(apply_overrides(raw, overrides), path.resolve().parent, path.resolve())
+    except FieldError as exc:
+        found.extend(blame(problem, overrides) for problem in exc.problems)
+    raise_problems(found)
+    assert config is not None
+    return config
+
+
+def policy_env(section: Any, environ: Mapping[str, str] | None = None) -> tuple[PolicyConfig, dict[str, Origin]]:
+    """A policy mapping (the file's ``policy:`` section, or a bare policy file) with the
+    environment's overrides applied, and where each value came from; raises every problem."""
+    overrides, env_problems = scan_overrides(environ)
+    raw = apply_overrides({"policy": section}, {"policy": overrides.get("policy", {})})["policy"]
+    found: list[FieldError] = list(env_problems)
+    policy = None
+    try:
+        policy = parse_policy(raw)
+    except FieldError as exc:
+        found.extend(blame(problem, overrides) for problem in exc.problems)
+    raise_problems(found)
+    assert policy is not None
+    return policy, policy_origins(section, overrides)
 
 
 def load_policy_env(path: Path, environ: Mapping[str, str] | None = None) -> tuple[PolicyConfig, dict[str, Origin]]:
     """The policy a reload installs, and where each value came from (``env``, ``file``, ``default``)."""
-    overrides = read_overrides(environ)
-    section = _read_yaml(path).get("policy")
-    raw = apply_overrides({"policy": section}, {"policy": overrides.get("policy", {})})["policy"]
-    try:
-        policy = parse_policy(raw)
-    except PolicyConfigError as exc:
-        raise blame(exc, "policy", overrides) from None
-    return policy, policy_origins(section, overrides)
+    return policy_env(_read_yaml(path).get("policy"), environ)
 
 
 def policy_origins(file_section: Any, overrides: Mapping[str, Mapping[str, tuple[str, Any]]]) -> dict[str, Origin]:

@@ -28,6 +28,7 @@ from prometheus_client import multiprocess
 from gateway.config import GatewayConfig, RemoteProtocol, RemoteWorker
 from gateway.metrics import GatewayMetrics
 from gateway.routing import Candidate
+from gateway.worker_output import MAX_LINE_BYTES, StreamName, relay_output
 from policies import CostModel, Mode, SessionState
 
 log = logging.getLogger(__name__)
@@ -60,6 +61,8 @@ class WorkerHandle:
     # to it is costed at (policies.speculation.acceptance_for_k).
     acceptance: SessionState = field(default_factory=SessionState)
     cost_error: str = ""  # why its last published cost model was unusable
+    # JSON logs only: the tasks relaying its stdout and stderr into the gateway's log.
+    output: list[asyncio.Task[None]] = field(default_factory=list)
 
     @property
     def speaks_specgate(self) -> bool:
@@ -147,6 +150,7 @@ class Fleet:
             with contextlib.suppress(asyncio.CancelledError):
                 await task
         await asyncio.gather(*(self._terminate(h) for h in self.workers.values()))
+        await asyncio.gather(*(_finish_output(h) for h in self.workers.values()))
         for handle in self.workers.values():
             await handle.client.close()
             handle.status = "stopped"
@@ -183,7 +187,7 @@ class Fleet:
                    "--default-k", str(wc.max_k if cfg.policy.auto_k else cfg.policy.num_speculative_tokens),
                    "--threads", str(wc.threads), "--dtype", wc.dtype, "--draft-dtype", wc.draft_dtype,
                    "--exact" if wc.exact else "--no-exact", "--cost-budget-s", str(wc.cost_budget_s),
-                   "--max-body-bytes", str(cfg.server.max_body_bytes)]
+                   "--max-body-bytes", str(cfg.server.max_body_bytes), "--log-format", cfg.server.log_format]
         if cfg.model.draft is not None:
             command += ["--draft", str(cfg.model.draft)]
         if wc.cost_cache_dir is not None:
@@ -200,9 +204,7 @@ class Fleet:
         while not self._stopping:
             handle.status = "starting"
             handle.started_at = time.monotonic()
-            # Its own process group: an engine's helper processes (vLLM runs two) go with it.
-            handle.process = await asyncio.create_subprocess_exec(*self._command(handle), env=os.environ.copy(),
-                                                                  start_new_session=True)
+            handle.process = await self._spawn(handle)
             healthy = await self._wait_healthy(handle, wc.startup_timeout_s)
             if healthy:
                 handle.status = "ready"
@@ -212,6 +214,7 @@ class Fleet:
                 _kill_group(handle.process.pid)  # a worker killed -9 leaves its engine's processes behind
             else:
                 await self._terminate(handle)
+            await _finish_output(handle)  # its last words (a traceback) reach the log before the restart line
             if self._stopping:
                 return
             handle.last_error = (f"exited with code {handle.process.returncode}" if healthy
@@ -224,6 +227,22 @@ class Fleet:
             await asyncio.sleep(min(wc.restart_backoff_max_s, wc.restart_backoff_s * 2 ** max(0, failures - 1)))
             handle.restarts += 1
             self.metrics.worker_restarts.labels(model=self.metrics.model, worker=handle.worker_id).inc()
+
+    async def _spawn(self, handle: WorkerHandle) -> asyncio.subprocess.Process:
+        json_logs = self.config.server.log_format == "json"
+        # Text logs: the worker writes to the gateway's own stdout and stderr. JSON logs: through
+        # pipes, so that a line no logger wrote is wrapped as JSON (gateway/worker_output.py).
+        pipe = asyncio.subprocess.PIPE if json_logs else None
+        # Its own process group: an engine's helper processes (vLLM runs two) go with it.
+        process = await asyncio.create_subprocess_exec(*self._command(handle), env=os.environ.copy(),
+                                                       start_new_session=True, stdout=pipe, stderr=pipe,
+                                                       limit=MAX_LINE_BYTES)
+        if json_logs and process.stdout is not None and process.stderr is not None:
+            streams: tuple[tuple[StreamName, asyncio.StreamReader], ...] = (
+                ("stdout", process.stdout), ("stderr", process.stderr))
+            handle.output = [asyncio.create_task(relay_output(handle.worker_id, name, reader),
+                                                 name=f"output-{handle.worker_id}-{name}") for name, reader in streams]
+        return process
 
     async def _wait_healthy(self, handle: WorkerHandle, timeout_s: float) -> bool:
         deadline = time.monotonic() + timeout_s
@@ -339,6 +358,20 @@ class Fleet:
                     log.warning("%s unresponsive for %.0fs; killing pid %d", handle.worker_id, hung_after, process.pid)
                     process.kill()
                     unhealthy_since = None
+
+
+async def _finish_output(handle: WorkerHandle, timeout_s: float = 2.0) -> None:
+    """Waits for a stopped worker's output relays to read their pipes to the end; a pipe that a
+    stray process still holds open after ``timeout_s`` is abandoned."""
+    if not handle.output:
+        return
+    # Cleared only once done: a supervisor cancelled meanwhile (the gateway stopping) leaves
+    # them to Fleet.stop.
+    _, pending = await asyncio.wait(handle.output, timeout=timeout_s)
+    for task in pending:
+        task.cancel()
+    await asyncio.gather(*pending, return_exceptions=True)
+    handle.output = []
 
 
 def _kill_group(pgid: int) -> None:

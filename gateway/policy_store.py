@@ -19,7 +19,7 @@ from typing import Literal
 from gateway.config import ConfigError, _read_yaml
 from gateway.env_overrides import Origin, load_policy_env, policy_origins, read_overrides
 from gateway.metrics import GatewayMetrics
-from policies import PolicyConfig, PolicyConfigError
+from policies import FieldError, PolicyConfig
 
 log = logging.getLogger(__name__)
 ReloadSource = Literal["startup", "file", "sighup", "api"]
@@ -78,11 +78,13 @@ class PolicyStore:
         log.info("policy reloaded from %s%s: %s", source, "" if changed else " (unchanged)", candidate.as_dict())
 
     def reject(self, error: Exception, source: ReloadSource) -> ReloadResult:
-        self.last_error = str(error)
+        """Keeps the running policy; the error (every problem of a candidate) goes to the log,
+        ``last_error`` and the result."""
+        message = error.summary() if isinstance(error, FieldError) else str(error)
+        self.last_error = message
         self.metrics.policy_reloads.labels(model=self.metrics.model, source=source, result="failed").inc()
-        log.error("policy reload from %s rejected, keeping the running policy: %s", source, error)
-        field = error.field if isinstance(error, PolicyConfigError | ConfigError) else None
-        return ReloadResult(False, str(error), field)
+        log.error("policy reload from %s rejected, keeping the running policy: %s", source, message)
+        return ReloadResult(False, message, error.field if isinstance(error, FieldError) else None)
 
     def reload_file(self, source: ReloadSource) -> ReloadResult:
         if self.path is None:
@@ -91,7 +93,7 @@ class PolicyStore:
         try:
             # The environment's overrides are applied again on every reload (they outrank the file).
             candidate, origins = load_policy_env(self.path)
-        except (PolicyConfigError, ConfigError) as exc:
+        except FieldError as exc:
             return self.reject(exc, source)
         self.apply(candidate, source, origins)
         return ReloadResult(True)

@@ -96,7 +96,7 @@ async def open_stream(handle: WorkerHandle, path: str, body: Mapping[str, Any],
     """
     try:
         response = await handle.client.post(
-            handle.base_url + path, json=body, headers=headers,  # headers: the trace context (gateway/tracing.py)
+            handle.base_url + path, json=body, headers=headers,  # trace context, request id, session (gateway/relay.py)
             timeout=aiohttp.ClientTimeout(total=None, sock_connect=5, sock_read=worker_timeout_s))
     except TimeoutError as exc:  # before ClientConnectionError: aiohttp's timeout is both
         raise WorkerTimeout(f"worker {handle.worker_id} sent nothing for {worker_timeout_s}s") from exc

@@ -16,7 +16,6 @@ from aiohttp import web
 from gateway.auth import scope_of
 from gateway.drain import DRAIN_KEY, InFlight
 from gateway.fleet import WorkerHandle
-from gateway.logs import decision_var, request_id_var, session_var
 from gateway.migration import MigratingStream
 from gateway.ops_metrics import OPS_KEY
 from gateway.proxy import NoWorkerLeft, NoWorkerReady, StreamTally, WorkerUnreachable, open_stream, worker_body
@@ -36,9 +35,13 @@ from policies import (
     observe_steps,
     record_decision,
 )
+from workers.logs import decision_var, request_id_var, session_var
 from workers.protocol import (
     DIRECTIVE_FIELD,
     GATEWAY_FIELDS,
+    MAX_SESSION_ID,
+    REQUEST_ID_HEADER,
+    SESSION_HEADER,
     ApiError,
     BadRequest,
     ClientDisconnected,
@@ -57,10 +60,8 @@ from workers.protocol import (
 from workers.web_common import read_json, sse_event, start_sse
 
 log = logging.getLogger(__name__)
-SESSION_HEADER = "X-Session-ID"
 MODE_HEADER = "X-Specgate-Mode"
 WORKER_HEADER = "X-Specgate-Worker"
-MAX_SESSION_ID = 256
 _PATHS: dict[RequestKind, str] = {"chat": "/v1/chat/completions", "completion": "/v1/completions"}
 
 
@@ -177,9 +178,14 @@ async def _admit(state: GatewayState, session: Session, req: CompletionRequest, 
                                           resume, policy.auto_k), handle.protocol)
         handle.in_flight += 1
         attempt = trace.attempt(worker_id, decision)
+        headers = attempt.headers  # the trace context (gateway/tracing.py)
+        request_id = request_id_var.get()
+        if handle.speaks_specgate and request_id is not None:
+            # A specgate worker tags its log lines for this request with the same id and session.
+            headers = {**headers, REQUEST_ID_HEADER: request_id, SESSION_HEADER: session.session_id}
         try:
             response = await open_stream(handle, _PATHS[req.kind], body, state.config.server.worker_timeout_s,
-                                         attempt.headers)
+                                         headers)
         except WorkerUnreachable as exc:
             handle.in_flight -= 1
             attempt.failed(exc)
@@ -284,7 +290,7 @@ async def _relay(request: web.Request, kind: RequestKind, state: GatewayState, t
                  in_flight: InFlight) -> web.StreamResponse:
     started = time.monotonic()
     drain, ops = request.app[DRAIN_KEY], request.app[OPS_KEY]
-    # Tags this request's log lines (gateway/logs.py); each aiohttp handler runs in its own task,
+    # Tags this request's log lines (workers/logs.py); each aiohttp handler runs in its own task,
     # so these values never leak into another request's context.
     request_id_var.set(uuid.uuid4().hex)
     req = parse_request(kind, await read_json(request))
@@ -347,7 +353,7 @@ async def _relay(request: web.Request, kind: RequestKind, state: GatewayState, t
         await stream.aclose()
         stream.admission.attempt.end()
         trace.streamed(tally.first_token_at - started if tally.first_token_at is not None else None, tally.tokens)
-        # One line per request (tagged with its id, session and decision by gateway/logs.py);
+        # One line per request (tagged with its id, session and decision by workers/logs.py);
         # never the body or headers: no prompt text or API key reaches the log.
         log.info("%s request on %s done in %.3f s", kind, stream.admission.handle.worker_id,
                  time.monotonic() - started)

@@ -1,6 +1,6 @@
 """The speculative fallback policy: pure functions, no I/O (see policies/speculation.py)."""
 
-from policies.config import PolicyConfig, PolicyConfigError, bounded_repr, bounded_text
+from policies.config import FieldError, PolicyConfig, PolicyConfigError, bounded_repr, bounded_text, raise_problems
 from policies.cost import CostModel, choose_k, expected_tokens, gain, objective, step_cost, step_k
 from policies.speculation import (
     FIXED_MODE_REASONS,
@@ -28,6 +28,7 @@ __all__ = [
     "REASONS",
     "CostModel",
     "Decision",
+    "FieldError",
     "Mode",
     "PolicyConfig",
     "PolicyConfigError",
@@ -48,6 +49,7 @@ __all__ = [
     "objective",
     "observe",
     "observe_steps",
+    "raise_problems",
     "record_decision",
     "step_cost",
     "step_depth",

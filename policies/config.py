@@ -1,17 +1,22 @@
 """The ``policy:`` section of config.yaml, parsed once into a frozen, validated object.
 
 Every field is named exactly as in config.yaml. Validation errors name the field and the
-value, so an operator's bad edit is rejected with a message that says what to fix.
+value, so an operator's bad edit is rejected with a message that says what to fix; every field
+and every rule is checked, so an edit with several mistakes gets a message for each
+(``FieldError.problems``). The rules are ``rule_problems``, top to bottom.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass, fields
 from typing import Any, Literal
 
 EXCERPT_CHARS = 200  # error messages quote at most this much of a value
+# A summary lists at most this many problems and counts the rest: a hostile body can hold
+# thousands of unknown keys, and the summary is an HTTP answer and a log line.
+MAX_LISTED_PROBLEMS = 10
 
 
 def bounded_repr(value: object, limit: int = EXCERPT_CHARS) -> str:
@@ -35,14 +40,49 @@ def bounded_text(text: str, limit: int = EXCERPT_CHARS) -> str:
     return text if len(text) <= limit else f"{text[:limit]}..."
 
 
-class PolicyConfigError(ValueError):
+class FieldError(ValueError):
+    """A field of operator input failed validation; ``field`` and ``value`` say which and what.
+
+    Parsers check every field, so that an edit with three mistakes is refused with three
+    messages, not fixed one rerun at a time. They raise the first problem found, carrying all of
+    them in ``problems`` (itself included): ``str()`` stays that one message, ``summary()``
+    lists every one. The policy's errors and config.yaml's (gateway/config_errors.py) are both.
+    """
+
+    def __init__(self, message: str, field: str, value: object) -> None:
+        super().__init__(message)
+        self.field = field
+        self.value = value
+        self.problems: tuple[FieldError, ...] = (self,)
+
+    def summary(self) -> str:
+        """Every problem, one message each, joined by "; " (at most MAX_LISTED_PROBLEMS; the rest counted)."""
+        listed = "; ".join(str(problem) for problem in self.problems[:MAX_LISTED_PROBLEMS])
+        more = len(self.problems) - MAX_LISTED_PROBLEMS
+        return listed if more <= 0 else f"{listed}; and {more} more"
+
+
+def raise_problems(found: Iterable[FieldError]) -> None:
+    """Raises the first of ``found`` (single problems: pass an error's ``problems``) carrying them
+    all, each message once; returns if there is none."""
+    unique: dict[str, FieldError] = {}
+    for problem in found:
+        unique.setdefault(str(problem), problem)
+    if not unique:
+        return
+    listed = tuple(unique.values())
+    for problem in listed:  # each one stands for itself again: only the first carries the list
+        problem.problems = (problem,)
+    listed[0].problems = listed
+    raise listed[0]
+
+
+class PolicyConfigError(FieldError):
     """A policy field failed validation; ``field`` and ``value`` say which and what."""
 
     def __init__(self, field: str, value: object, problem: str) -> None:
         field = bounded_text(field, 100)  # an unknown key is the sender's text
-        super().__init__(f"policy.{field}: {problem} (got {bounded_repr(value)})")
-        self.field = field
-        self.value = value
+        super().__init__(f"policy.{field}: {problem} (got {bounded_repr(value)})", field, value)
 
 
 @dataclass(frozen=True)
@@ -70,57 +110,33 @@ class PolicyConfig:
     max_step_drafts: int = 0
 
     def __post_init__(self) -> None:
-        def require(ok: bool, name: str, problem: str) -> None:
-            if not ok:
-                raise PolicyConfigError(name, getattr(self, name), problem)
-
-        for name in ("acceptance_floor", "acceptance_resume"):
-            value = getattr(self, name)
-            require(0.0 <= value <= 1.0, name, "must be between 0 and 1")
-        require(self.acceptance_resume >= self.acceptance_floor, "acceptance_resume",
-                f"must be >= acceptance_floor ({self.acceptance_floor})")
-        require(self.min_proposals >= 0, "min_proposals", "must be >= 0")
-        require(self.acceptance_half_life > 0 and math.isfinite(self.acceptance_half_life),
-                "acceptance_half_life", "must be a positive number of drafted tokens")
-        require(self.max_batch >= 1, "max_batch", "must be >= 1")
-        require(1 <= self.batch_resume <= self.max_batch, "batch_resume", f"must be in 1..max_batch ({self.max_batch})")
-        require(self.max_temperature >= 0 and math.isfinite(self.max_temperature), "max_temperature", "must be >= 0")
-        require(self.probe_every >= 1, "probe_every", "must be >= 1")
-        k = self.num_speculative_tokens
-        require(k == "auto" or (isinstance(k, int) and not isinstance(k, bool) and 1 <= k <= 16),
-                "num_speculative_tokens", "must be in 1..16 or auto")
-        for name in ("min_gain", "k_switch_gain"):
-            value = getattr(self, name)
-            require(0.0 <= value <= 1.0, name, "must be between 0 and 1")
-        require(self.free_batch >= 0, "free_batch", "must be >= 0")
-        require(self.max_step_drafts >= 0, "max_step_drafts", "must be >= 0")
+        raise_problems(rule_problems(self.as_dict()))
 
     @classmethod
     def from_mapping(cls, raw: Mapping[str, Any] | None) -> PolicyConfig:
-        """Builds from parsed YAML/JSON; missing keys take their defaults, unknown keys are errors."""
+        """Builds from parsed YAML/JSON; missing keys take their defaults, unknown keys are errors.
+
+        Every key and every rule is checked: the PolicyConfigError raised carries all problems.
+        """
         if raw is None:
             return cls()
         if not isinstance(raw, Mapping):
             raise PolicyConfigError("(section)", raw, "must be a mapping of policy fields")
         known = {f.name: f for f in fields(cls)}
         values: dict[str, Any] = {}
+        problems: list[PolicyConfigError] = []
         for key, value in raw.items():
             if key not in known:
-                raise PolicyConfigError(str(key), value, f"unknown field; known fields: {', '.join(known)}")
-            expected = known[key].type
-            if key == "num_speculative_tokens" and value == "auto":
-                pass
-            elif expected == "int" or key == "num_speculative_tokens":
-                if isinstance(value, bool) or not isinstance(value, int):
-                    raise PolicyConfigError(key, value, "must be an integer")
-            elif expected == "float":
-                if isinstance(value, bool) or not isinstance(value, int | float):
-                    raise PolicyConfigError(key, value, "must be a number")
-                try:
-                    value = float(value)
-                except OverflowError:
-                    raise PolicyConfigError(key, value, "is too large") from None
-            values[key] = value
+                problems.append(PolicyConfigError(str(key), value, f"unknown field; known fields: {', '.join(known)}"))
+                continue
+            try:
+                values[key] = _typed(key, value, str(known[key].type))
+            except PolicyConfigError as exc:
+                problems.append(exc)
+        # A mistyped field is checked against no rule: it keeps its default here, and is ``bad``.
+        defaults = {name: f.default for name, f in known.items()}
+        problems.extend(rule_problems({**defaults, **values}, bad={problem.field for problem in problems}))
+        raise_problems(problems)
         return cls(**values)
 
     @property
@@ -130,3 +146,63 @@ class PolicyConfig:
 
     def as_dict(self) -> dict[str, float | int | str]:
         return {f.name: getattr(self, f.name) for f in fields(self)}
+
+
+def _typed(key: str, value: Any, expected: str) -> Any:
+    """The value as its field's type (an int for a float field becomes a float); raises PolicyConfigError."""
+    if key == "num_speculative_tokens" and value == "auto":
+        return value
+    if expected == "int" or key == "num_speculative_tokens":
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise PolicyConfigError(key, value, "must be an integer")
+    elif expected == "float":
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            raise PolicyConfigError(key, value, "must be a number")
+        try:
+            return float(value)
+        except OverflowError:
+            raise PolicyConfigError(key, value, "is too large") from None
+    return value
+
+
+def rule_problems(values: Mapping[str, Any], bad: Collection[str] = ()) -> list[PolicyConfigError]:
+    """Every rule that ``values`` (every field, well typed) break: at most one problem per field.
+
+    ``bad``: fields already refused, whose rules are skipped. A rule comparing two fields is
+    checked only while the other one is valid: otherwise it would restate that field's problem.
+    """
+    found: dict[str, PolicyConfigError] = {}
+
+    def valid(name: str) -> bool:
+        return name not in bad and name not in found
+
+    def require(holds: bool, name: str, problem: str) -> None:
+        if valid(name) and not holds:
+            found[name] = PolicyConfigError(name, values[name], problem)
+
+    for name in ("acceptance_floor", "acceptance_resume"):
+        require(0.0 <= values[name] <= 1.0, name, "must be between 0 and 1")
+    floor = values["acceptance_floor"]
+    if valid("acceptance_floor"):
+        require(values["acceptance_resume"] >= floor, "acceptance_resume", f"must be >= acceptance_floor ({floor})")
+    require(values["min_proposals"] >= 0, "min_proposals", "must be >= 0")
+    half_life = values["acceptance_half_life"]
+    require(half_life > 0 and math.isfinite(half_life), "acceptance_half_life",
+            "must be a positive number of drafted tokens")
+    max_batch = values["max_batch"]
+    require(max_batch >= 1, "max_batch", "must be >= 1")
+    if valid("max_batch"):
+        require(1 <= values["batch_resume"] <= max_batch, "batch_resume", f"must be in 1..max_batch ({max_batch})")
+    else:
+        require(values["batch_resume"] >= 1, "batch_resume", "must be >= 1")
+    temperature = values["max_temperature"]
+    require(temperature >= 0 and math.isfinite(temperature), "max_temperature", "must be >= 0")
+    require(values["probe_every"] >= 1, "probe_every", "must be >= 1")
+    k = values["num_speculative_tokens"]
+    require(k == "auto" or (isinstance(k, int) and not isinstance(k, bool) and 1 <= k <= 16),
+            "num_speculative_tokens", "must be in 1..16 or auto")
+    for name in ("min_gain", "k_switch_gain"):
+        require(0.0 <= values[name] <= 1.0, name, "must be between 0 and 1")
+    require(values["free_batch"] >= 0, "free_batch", "must be >= 0")
+    require(values["max_step_drafts"] >= 0, "max_step_drafts", "must be >= 0")
+    return list(found.values())

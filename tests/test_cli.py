@@ -37,15 +37,44 @@ def test_check_accepts_the_repo_config() -> None:
 
 def test_check_names_every_problem_with_field_and_value(tmp_path: Path) -> None:
     path = tmp_path / "config.yaml"
-    path.write_text("server: {port: 70000}\nsessions: {history: 0}\npolicy: {max_batch: 0}\n")
-    result = specgate("check", str(path), env={"SPECGATE_POLICY__NOPE": "1"})
+    path.write_text("server: {port: 70000, log_format: xml}\nsessions: {history: 0}\n"
+                    "policy: {max_batch: 0, probe_every: often, flooor: 1}\n")
+    result = specgate("check", str(path), env={"SPECGATE_POLICY__NOPE": "1", "SPECGATE_SERVER__HOST": "5"})
     assert result.returncode == 1
     lines = result.stderr.splitlines()
-    assert f"{path}: server.port: must be <= 65535 (got 70000)" in lines
-    assert f"{path}: sessions.history: must be >= 1 (got 0)" in lines
-    assert f"{path}: policy.max_batch: must be >= 1 (got 0)" in lines
+    # Every problem, each once: sections with two and three bad fields, one with one, two bad variables.
+    expected = [f"{path}: server.port: must be <= 65535 (got 70000)",
+                f"{path}: server.log_format: must be one of text, json (got 'xml')",
+                f"{path}: sessions.history: must be >= 1 (got 0)",
+                f"{path}: policy.max_batch: must be >= 1 (got 0)",
+                f"{path}: policy.probe_every: must be an integer (got 'often')"]
+    assert [line for line in expected if line not in lines] == []
+    assert any(line.startswith(f"{path}: policy.flooor: unknown field") for line in lines)
     assert any(line.startswith(f"{path}: SPECGATE_POLICY__NOPE: unknown key 'policy.nope'") for line in lines)
+    assert f"{path}: SPECGATE_SERVER__HOST: server.host: must be a str (got 5)" in lines
+    assert len(lines) == len(set(lines)) == 8, lines
     assert result.stdout == ""
+
+
+def test_check_a_policy_file_prints_each_bad_field(tmp_path: Path) -> None:
+    path = tmp_path / "policy.yaml"
+    # A mistyped key does not make it a config file: it has policy fields and no config section.
+    path.write_text("max_batch: x\nprobe_every: 0\nacceptance_flor: 0.5\nacceptance_floor: 0.9\n"
+                    "acceptance_resume: 0.8\n")
+    result = specgate("check", str(path))
+    assert result.returncode == 1
+    assert result.stderr.splitlines() == [
+        f"{path}: policy.max_batch: must be an integer (got 'x')",
+        f"{path}: policy.acceptance_flor: unknown field; known fields: acceptance_floor, acceptance_resume, "
+        "min_proposals, acceptance_half_life, max_batch, batch_resume, max_temperature, probe_every, "
+        "num_speculative_tokens, min_gain, k_switch_gain, free_batch, max_step_drafts (got 0.5)",
+        f"{path}: policy.acceptance_resume: must be >= acceptance_floor (0.9) (got 0.8)",
+        f"{path}: policy.probe_every: must be >= 1 (got 0)",
+    ]
+    # As a reload would: the environment's values are checked, and blamed on their variable.
+    problems = check_problems(path, environ={"SPECGATE_POLICY__MAX_TEMPERATURE": "-1"})
+    assert len(problems) == 5
+    assert "SPECGATE_POLICY__MAX_TEMPERATURE: policy.max_temperature: must be >= 0 (got -1.0)" in problems
 
 
 def test_check_bare_policy_file_as_a_put_body(tmp_path: Path) -> None:

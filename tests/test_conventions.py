@@ -1,10 +1,13 @@
-"""Environment overrides and JSON logs, in a real gateway (sim workers: no torch to load)."""
+"""Environment overrides and JSON logs, in a real gateway and its real (embedded) worker."""
 
 from __future__ import annotations
 
 import json
+import os
 import re
 import signal
+import subprocess
+import sys
 import time
 import urllib.request
 from collections.abc import Iterator
@@ -16,13 +19,15 @@ import yaml
 
 from gateway.config import ConfigError
 from gateway.env_overrides import EnvOverrideError, load_config_env, load_policy_env, read_overrides, section_keys
-from tests.harness import Gateway, free_port, start_gateway, write_config
+from gateway.worker_output import relay_line
+from tests.harness import Gateway, free_port, start_gateway, wait_until_ok, write_config
 
 REPO = Path(__file__).resolve().parents[1]
 ENV = {"SPECGATE_POLICY__MAX_BATCH": "32", "SPECGATE_POLICY__BATCH_RESUME": "30",
        "SPECGATE_SESSIONS__HISTORY": "5", "SPECGATE_HOME": "/not/an/override"}
 SECRET = "sk-specgate-test-secret-0123456789"
 PROMPT = "PROMPT-SENTINEL-never-in-logs"
+STRAY = "STRAY-LINE-not-from-a-logger"  # what a worker writes to stderr outside logging
 
 
 def sim_config(path: Path, **policy: Any) -> Path:
@@ -59,6 +64,21 @@ def test_bad_variables_are_named(variable: str, value: str, message: str) -> Non
     assert isinstance(info.value, ConfigError)
 
 
+def test_every_bad_variable_and_field_is_named(tmp_path: Path) -> None:
+    path = sim_config(tmp_path / "config.yaml", probe_every=0)
+    environ = {"SPECGATE_POLICY__NOPE": "1", "SPECGATE_NOPE__PORT": "1", "SPECGATE_SERVER__PORT": "x",
+               "SPECGATE_POLICY__MAX_BATCH": "0"}
+    with pytest.raises(ConfigError) as info:
+        load_config_env(path, environ)
+    assert [p.field for p in info.value.problems] == [
+        "SPECGATE_NOPE__PORT", "SPECGATE_POLICY__NOPE", "SPECGATE_SERVER__PORT", "SPECGATE_POLICY__MAX_BATCH",
+        "probe_every"]
+    with pytest.raises(EnvOverrideError) as reload:
+        load_policy_env(path, environ)
+    assert [p.field for p in reload.value.problems] == [
+        "SPECGATE_NOPE__PORT", "SPECGATE_POLICY__NOPE", "SPECGATE_POLICY__MAX_BATCH", "probe_every"]
+
+
 def test_every_overridable_key_is_in_the_readme_table() -> None:
     readme = (REPO / "README.md").read_text()
     keys = [f"{section}.{key}" for section, names in section_keys().items() for key in sorted(names)]
@@ -78,7 +98,13 @@ def test_reload_reapplies_the_environment_and_says_where_values_came_from(tmp_pa
 @pytest.fixture(scope="module")
 def gateway(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Gateway]:
     tmp = tmp_path_factory.mktemp("gw-conventions")
-    config = sim_config(tmp / "config.yaml", max_batch=50, batch_resume=40)
+    # The worker's interpreter is a wrapper that first writes a line to stderr that no logger
+    # formatted (as a C extension's warning, or a crash's last words, would be).
+    python = tmp / "python"
+    python.write_text(f"#!/bin/sh\necho '{STRAY}: 1 warning' >&2\nexec {sys.executable} \"$@\"\n")
+    python.chmod(0o755)
+    config = write_config(tmp / "config.yaml", workers={"python": str(python)},
+                          policy={"probe_every": 3, "max_batch": 50, "batch_resume": 40})
     # The flag outranks the environment's port; --log-format json outranks the file's (text) format.
     gw = start_gateway(config, tmp, env={**ENV, "SPECGATE_SERVER__PORT": str(free_port())},
                        args=("--log-format", "json"))
@@ -126,26 +152,99 @@ def test_environment_outranks_the_file_and_survives_reloads(gateway: Gateway) ->
 
 
 def test_json_logs_carry_request_context_and_no_secrets(gateway: Gateway) -> None:
+    """Gateway and worker lines alike: every line one JSON object, tagged, with no secret."""
     body = {"model": "specgate-demo", "prompt": PROMPT, "max_tokens": 4, "temperature": 0}
     request = urllib.request.Request(gateway.base_url + "/completions", data=json.dumps(body).encode(),
                                      headers={"Content-Type": "application/json", "Authorization": f"Bearer {SECRET}",
                                               "X-Session-ID": "log-session"})
-    with urllib.request.urlopen(request, timeout=30) as response:
+    with urllib.request.urlopen(request, timeout=60) as response:
         mode = response.headers["X-Specgate-Mode"]
+        completion_id = json.loads(response.read())["id"]
+
+    def entries() -> list[dict[str, Any]]:
+        return [json.loads(line) for line in gateway.log().splitlines()]  # each line parses, or this fails
+
     deadline = time.monotonic() + 10
-    while '"session": "log-session"' not in gateway.log() and time.monotonic() < deadline:
+    while sum(e.get("session") == "log-session" for e in entries()) < 2 and time.monotonic() < deadline:
         time.sleep(0.1)
-    text = gateway.log()
+    text, found = gateway.log(), entries()
     assert SECRET not in text and PROMPT not in text
-    entries = [json.loads(line) for line in text.splitlines() if line.startswith("{")]
-    assert entries, text
-    for entry in entries:
-        assert {"timestamp", "level", "logger", "message"} <= set(entry)
-    done = [e for e in entries if e.get("session") == "log-session"]
+    for entry in found:
+        assert {"timestamp", "level", "logger", "message"} <= set(entry), entry
+    done = [e for e in found if e.get("session") == "log-session" and e["logger"] == "gateway.relay"]
     assert len(done) == 1, text
     assert done[0]["decision"] == mode and len(done[0]["request_id"]) == 32
-    assert done[0]["logger"] == "gateway.relay" and done[0]["level"] == "INFO"
-    assert "completion request on" in done[0]["message"]
+    assert done[0]["level"] == "INFO" and "completion request on" in done[0]["message"]
+    assert "worker" not in done[0]
+    # The worker's line for the same request: its id, the gateway's request id and the session.
+    finished = [e for e in found if e.get("session") == "log-session" and e["logger"] == "workers.server"]
+    assert len(finished) == 1, text
+    assert finished[0]["worker"] == "worker-0" and finished[0]["request_id"] == done[0]["request_id"]
+    assert completion_id in finished[0]["message"]
+    # The worker's start-up lines carry its id too (gateway lines do not: the fleet's are about it).
+    worker_loggers = {e["logger"] for e in found if e.get("worker") == "worker-0"}
+    assert {"workers.server", "workers.costs_measure"} <= worker_loggers, worker_loggers
+    assert not any(e["logger"].startswith("gateway.") for e in found if "worker" in e)
+    # A line no logger wrote is wrapped, not lost.
+    stray = [e for e in found if STRAY in e["message"]]
+    assert stray and stray[0]["message"] == f"{STRAY}: 1 warning", text
+    assert (stray[0]["worker"], stray[0]["stream"], stray[0]["level"]) == ("worker-0", "stderr", "WARNING")
+
+
+@pytest.mark.parametrize(("line", "expected"), [
+    (b'{"level": "ERROR", "logger": "workers.runner", "message": "m", "worker": "w-1"}\n',
+     {"level": "ERROR", "logger": "workers.runner", "message": "m", "worker": "w-1"}),  # passed on as written
+    (b"Traceback (most recent call last):\n",
+     {"level": "WARNING", "logger": "workers.output", "message": "Traceback (most recent call last):",
+      "worker": "w-1", "stream": "stderr"}),
+    (b"[1, 2]\n", {"level": "WARNING", "logger": "workers.output", "message": "[1, 2]", "worker": "w-1"}),
+    (b"\xff not utf-8\n", {"level": "WARNING", "message": "\ufffd not utf-8"}),
+])
+def test_worker_output_lines_come_out_as_json(line: bytes, expected: dict[str, Any],
+                                              caplog: pytest.LogCaptureFixture) -> None:
+    from workers.logs import JsonFormatter
+
+    with caplog.at_level("INFO", logger="workers.output"):
+        relay_line("w-1", "stderr", line)
+    (record,) = caplog.records
+    entry = json.loads(JsonFormatter().format(record))
+    assert {key: entry.get(key) for key in expected} == expected
+
+
+def test_a_standalone_worker_logs_json_warnings_and_crashes_included(tmp_path: Path) -> None:
+    """``specgate worker --log-format json``, no gateway: its own lines, a request's, a warning."""
+    port = free_port()
+    log_path = tmp_path / "worker.log"
+    with log_path.open("wb") as log:
+        process = subprocess.Popen(
+            [sys.executable, "-m", "gateway.cli", "worker", "--engine", "sim", "--sim-config", '{"time_scale": 0}',
+             "--target", str(REPO / "models" / "demo-target"), "--port", str(port), "--worker-id", "solo",
+             "--log-format", "json"], cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
+    try:
+        wait_until_ok(process, f"http://127.0.0.1:{port}/health", log_path, 120)
+        body = {"model": "specgate-demo", "prompt": PROMPT, "max_tokens": 2, "temperature": 0}
+        request = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", data=json.dumps(body).encode(),
+                                         headers={"Content-Type": "application/json", "X-Request-ID": "req-1"})
+        with urllib.request.urlopen(request, timeout=30) as response:
+            assert response.status == 200
+    finally:
+        process.send_signal(signal.SIGINT)
+        process.wait(timeout=30)
+    entries = [json.loads(line) for line in log_path.read_text().splitlines()]
+    assert entries and all(e["worker"] == "solo" for e in entries), entries
+    assert [e["request_id"] for e in entries if e["logger"] == "workers.server"] == ["req-1"]
+    assert PROMPT not in log_path.read_text()
+    # What Python would print to stderr unformatted: a warning and an uncaught exception.
+    code = ("import sys, warnings; from workers.logs import configure; "
+            "configure('json', name='w', fields={'worker': 'w'}); warnings.warn('careful'); "
+            "raise RuntimeError('boom')")
+    crashed = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=60,
+                             env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert crashed.returncode == 1
+    lines = [json.loads(line) for line in crashed.stderr.splitlines()]
+    assert [(e["logger"], e["level"], e["worker"]) for e in lines] == [
+        ("py.warnings", "WARNING", "w"), ("py.exceptions", "CRITICAL", "w")]
+    assert "careful" in lines[0]["message"] and "RuntimeError: boom" in lines[1]["exception"]
 
 
 def test_a_bad_variable_stops_the_gateway_naming_it(tmp_path: Path) -> None:

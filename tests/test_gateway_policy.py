@@ -144,10 +144,15 @@ async def test_batch_depth_fallback_without_flapping(tmp_path: Path) -> None:
 def _set_policy_file(path: Path, **policy: Any) -> None:
     config = yaml.safe_load(path.read_text())
     config["policy"] = {**config.get("policy", {}), **policy}
-    text = yaml.safe_dump(config, sort_keys=False)
+    _replace_file(path, yaml.safe_dump(config, sort_keys=False))
+
+
+def _replace_file(path: Path, text: str) -> None:
+    # As editors do: write aside, rename over. (Written in place, the watcher may catch the file
+    # truncated and empty, which is a valid all-defaults policy.)
     tmp = path.with_suffix(".tmp")
     tmp.write_text(text)
-    tmp.replace(path)  # as editors do: write aside, rename over
+    tmp.replace(path)
 
 
 def _wait_for(predicate: Any, timeout_s: float) -> float:
@@ -173,15 +178,16 @@ def test_policy_file_edit_applies_within_two_seconds(gateway: Gateway, client: o
         assert view["policy"]["max_temperature"] == 1.5 and view["source"] == "file"
 
         failed_before = gateway.metric("specgate_policy_reloads_total", result="failed")
-        _set_policy_file(path, acceptance_floor=2.0)
+        _set_policy_file(path, acceptance_floor=2.0, probe_every=0)
         _wait_for(lambda: gateway.metric("specgate_policy_reloads_total", result="failed") > failed_before, 2.0)
         view = gateway.get_json("/admin/policy")
-        assert "policy.acceptance_floor" in view["last_error"] and "2.0" in view["last_error"]
+        assert view["last_error"] == ("policy.acceptance_floor: must be between 0 and 1 (got 2.0); "
+                                      "policy.probe_every: must be >= 1 (got 0)")
         assert view["policy"]["max_temperature"] == 1.5  # the old policy keeps serving
         assert mode_of(complete(client, "edit", CODE_PROMPT, max_tokens=2, temperature=1.0)).startswith("speculative")
         assert "keeping the running policy" in gateway.log()
 
-        path.write_text("policy: [unclosed")
+        _replace_file(path, "policy: [unclosed")
         _wait_for(lambda: "invalid YAML" in (gateway.get_json("/admin/policy")["last_error"] or ""), 2.0)
         assert gateway.get_json("/admin/policy")["policy"]["max_temperature"] == 1.5
     finally:
@@ -235,6 +241,13 @@ def test_put_policy_json_yaml_and_invalid(gateway: Gateway) -> None:
         status, error = _put_policy(gateway, b"max_batch: 8\nbatch_resume: 9\n", "application/yaml")
         assert status == 400 and error["error"]["param"] == "policy.batch_resume"
         assert "9" in error["error"]["message"]
+        # Every problem in the one message, the first one's field as the param; also in last_error.
+        status, error = _put_policy(gateway, b"max_batch: x\nprobe_every: 0\nflooor: 1\n", "application/yaml")
+        assert status == 400 and error["error"]["param"] == "policy.max_batch"
+        message = error["error"]["message"]
+        assert message.startswith("policy.max_batch: must be an integer (got 'x'); policy.flooor: unknown field")
+        assert message.endswith("; policy.probe_every: must be >= 1 (got 0)")
+        assert gateway.get_json("/admin/policy")["last_error"] == message
         status, error = _put_policy(gateway, b"{nope: ", "application/yaml")
         assert status == 400
         assert gateway.get_json("/admin/policy")["policy"]["max_batch"] == 32

@@ -156,3 +156,44 @@ def test_validation_is_pure() -> None:
         with pytest.raises(PolicyConfigError):
             PolicyConfig.from_mapping(bad)
     assert bad == {"max_batch": 0}
+
+
+# --------------------------------------------------------------------------------------------
+# Every problem at once
+
+
+def test_every_bad_field_is_reported_first_one_as_the_message() -> None:
+    raw = {"max_batch": "x", "probe_every": 0, "temperature": 1.0, "acceptance_floor": 0.9,
+           "acceptance_resume": 0.8, "num_speculative_tokens": 99}
+    with pytest.raises(PolicyConfigError) as info:
+        PolicyConfig.from_mapping(raw)
+    error = info.value
+    assert str(error) == "policy.max_batch: must be an integer (got 'x')" and error.field == "max_batch"
+    assert [(p.field, p.value) for p in error.problems] == [
+        ("max_batch", "x"), ("temperature", 1.0), ("acceptance_resume", 0.8), ("probe_every", 0),
+        ("num_speculative_tokens", 99)]
+    assert all(p.problems == (p,) for p in error.problems[1:])
+    assert error.summary() == "; ".join(str(p) for p in error.problems)
+
+
+@pytest.mark.parametrize(("raw", "fields"), [
+    # A rule comparing two fields is not blamed on the second when the first is the bad one.
+    ({"acceptance_floor": 1.5}, ["acceptance_floor"]),
+    ({"acceptance_floor": "high", "acceptance_resume": 0.1}, ["acceptance_floor"]),
+    ({"max_batch": 0, "batch_resume": 56}, ["max_batch"]),
+    ({"max_batch": 0, "batch_resume": 0}, ["max_batch", "batch_resume"]),
+    ({"max_batch": True, "batch_resume": 100}, ["max_batch"]),
+    ({"max_batch": 10, "batch_resume": 11, "min_gain": 2}, ["batch_resume", "min_gain"]),
+])
+def test_cross_field_rules_do_not_restate_a_bad_field(raw: dict[str, Any], fields: list[str]) -> None:
+    with pytest.raises(PolicyConfigError) as info:
+        PolicyConfig.from_mapping(raw)
+    assert [p.field for p in info.value.problems] == fields
+
+
+def test_the_summary_of_many_problems_is_bounded() -> None:
+    with pytest.raises(PolicyConfigError) as info:
+        PolicyConfig.from_mapping({f"k{i}": i for i in range(5000)})
+    assert len(info.value.problems) == 5000
+    summary = info.value.summary()
+    assert summary.endswith("; and 4990 more") and len(summary) < 5000

@@ -10,18 +10,19 @@ from __future__ import annotations
 
 import argparse
 import json
-import logging
 import os
 import signal
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import uvloop
+# Only the standard library before the log format is set (main): a warning raised while the
+# server's modules (aiohttp, prometheus_client) or an engine's (torch, vLLM) are imported
+# then comes out in that format.
+from workers.logs import LOG_FORMATS, WORKER_ATTR, configure
 
-from workers.engine_api import Engine
-from workers.server import WorkerSettings, create_worker_app
-from workers.tokens import is_loopback
-from workers.web_runner import run_app
+if TYPE_CHECKING:
+    from workers.engine_api import Engine
 
 TOKEN_ENV = "SPECGATE_WORKER_TOKEN"
 
@@ -59,6 +60,8 @@ def parse_args(argv: list[str] | None = None, prog: str = "python -m workers") -
     where = parser.add_mutually_exclusive_group(required=True)
     where.add_argument("--uds", type=Path, help="listen on this Unix domain socket")
     where.add_argument("--port", type=int, help="listen on TCP (with --host)")
+    parser.add_argument("--log-format", choices=LOG_FORMATS, default="text",
+                        help="log lines as text or one JSON object each, with the worker id (default: %(default)s)")
     parser.add_argument("--host", default="127.0.0.1",
                         help="with --port; an address other than loopback needs the gateway's token "
                              f"(the {TOKEN_ENV} environment variable)")
@@ -104,7 +107,13 @@ def main(argv: list[str] | None = None, prog: str = "python -m workers") -> int:
     args = parse_args(argv, prog)
     if args.uds is not None:
         die_with_parent()
-    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s {args.worker_id} %(levelname)s %(name)s: %(message)s")
+    configure(args.log_format, "INFO", name=args.worker_id, fields={WORKER_ATTR: args.worker_id})
+    import uvloop
+
+    from workers.server import WorkerSettings, create_worker_app
+    from workers.tokens import is_loopback
+    from workers.web_runner import run_app
+
     # From the environment, never the command line, where every user of the machine can read it.
     token = os.environ.get(TOKEN_ENV) or None
     if args.port is not None and token is None and not is_loopback(args.host):

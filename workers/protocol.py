@@ -5,7 +5,8 @@
 - One error hierarchy: each ``ApiError`` carries its HTTP status and OpenAI error type, and
   says whether the client or a worker is at fault.
 - The specgate extension fields: the gateway's ``specgate`` directive in a request (mode, K,
-  batch thresholds) and the per-chunk ``specgate`` step report from a worker.
+  batch thresholds) and the per-chunk ``specgate`` step report from a worker; the headers that
+  carry the request id and session to a worker for its log lines.
 - ``assemble``: folds a stream of chunks into the non-streaming response object, so streaming
   and non-streaming answers are built from the same chunks.
 """
@@ -39,6 +40,10 @@ VLLM_SPEC_K, VLLM_MAX_BATCH, VLLM_BATCH_RESUME = "spec_k", "spec_max_batch", "sp
 TOKEN_IDS_FIELD, PROMPT_IDS_FIELD = "token_ids", "prompt_ids"
 # Fields the gateway sets for its workers; a client sending one is refused.
 GATEWAY_FIELDS = (DIRECTIVE_FIELD, VLLM_XARGS_FIELD)
+# The session key clients send the gateway. The gateway also sends it, and its own request id,
+# to specgate workers, which tag their log lines with both (workers/logs.py).
+SESSION_HEADER, REQUEST_ID_HEADER = "X-Session-ID", "X-Request-ID"
+MAX_SESSION_ID = 256  # characters; a longer X-Session-ID is refused (printable only)
 
 
 # -- errors -------------------------------------------------------------------------------------

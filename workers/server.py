@@ -23,8 +23,12 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_l
 
 from workers.api_models import FIELD_NAMES
 from workers.engine_api import Engine, EngineRequestError, GenerationRequest, SamplingParams, StepStats
+from workers.logs import request_id_var, session_var
 from workers.metrics import WorkerMetrics
 from workers.protocol import (
+    MAX_SESSION_ID,
+    REQUEST_ID_HEADER,
+    SESSION_HEADER,
     ApiError,
     BadRequest,
     CompletionRequest,
@@ -72,7 +76,8 @@ CONTEXT_KEY = web.AppKey("worker_context", WorkerContext)
 def create_worker_app(settings: WorkerSettings, engine: Engine,
                       registry: CollectorRegistry | None = None) -> web.Application:
     """``registry=None`` uses prometheus_client's default (multiprocess-aware) registry."""
-    middlewares: list[Middleware] = [openai_errors]
+    # Outermost, so that the error middleware's lines are tagged too.
+    middlewares: list[Middleware] = [_tag_logs, openai_errors]
     if settings.token is not None:
         middlewares.append(_gateway_only(settings.token))
     app = web.Application(middlewares=middlewares, client_max_size=settings.max_body_bytes)
@@ -116,6 +121,21 @@ def create_worker_app(settings: WorkerSettings, engine: Engine,
     app.router.add_get("/specgate/worker", _describe)
     app.router.add_get("/metrics", _metrics)
     return app
+
+
+@web.middleware
+async def _tag_logs(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """Tags the log lines of a request with the gateway's request id and session (workers/logs.py).
+
+    Each aiohttp request runs in its own task, so the values stay with this request. Either
+    header from another client is taken as well, if it is printable and not too long: it only
+    labels that client's own lines.
+    """
+    for header, var in ((REQUEST_ID_HEADER, request_id_var), (SESSION_HEADER, session_var)):
+        value = request.headers.get(header)
+        if value and len(value) <= MAX_SESSION_ID and value.isprintable():
+            var.set(value)
+    return await handler(request)
 
 
 def _gateway_only(token: str) -> Middleware:
@@ -267,6 +287,7 @@ async def _generate(ctx: WorkerContext, req: CompletionRequest,
                     generation: GenerationRequest) -> AsyncGenerator[dict[str, Any], None]:
     """Chunks for one request: a chunk per engine step, then one usage chunk."""
     rid, created, model = generation.request_id, int(time.time()), ctx.settings.served_model_name
+    started = time.monotonic()
     text = TextStream(ctx.codec, req.stop)
     resume = req.directive.resume if req.directive is not None else None
     prompt_ids = generation.prompt_ids
@@ -332,6 +353,11 @@ async def _generate(ctx: WorkerContext, req: CompletionRequest,
             yield chunk(delta, finish, report, first=first_chunk and resume is None)
             first_chunk = False
         mode = "speculative" if generation.k > 0 else "plain"
+        # One line per request (never its text), tagged by _tag_logs: it ties the id the client
+        # sees to the gateway's request id in the log.
+        log.info("%s %s finished (%s): %d prompt + %d completion tokens, %d steps (%d speculative) in %.3f s",
+                 req.kind, rid, finish, len(prompt_ids), earlier + emitted, steps, spec_steps,
+                 time.monotonic() - started)
         yield {"id": rid, "object": "chat.completion.chunk" if req.kind == "chat" else "text_completion",
                "created": created, "model": model, "choices": [],
                "usage": {"prompt_tokens": len(prompt_ids), "completion_tokens": earlier + emitted,
