@@ -1,7 +1,8 @@
 """Streams that survive a worker's death: one generation across the workers that served it.
 
-A specgate worker's chunks carry the token ids behind them (``specgate.token_ids``) and, in
-the first chunk, the prompt's (``specgate.prompt_ids``). When the worker's stream breaks
+A specgate worker's chunks carry the token ids behind them and, in the first chunk, the
+prompt's, in an SSE comment line of each chunk's event (``workers/protocol.py``), which the
+relay keeps and the client never sees. When the worker's stream breaks
 (it died, its connection did, or it went silent past ``server.worker_timeout_s``) after the
 first chunk, the generation resumes on another worker with a ``specgate.resume`` directive:
 the prompt ids, the output ids so far and how many characters of their text the client
@@ -30,13 +31,11 @@ import aiohttp
 
 from gateway.drain import Drain, ShuttingDown
 from gateway.ops_metrics import OpsMetrics
-from gateway.proxy import NoWorker, WorkerLost, iter_chunks
+from gateway.proxy import NoWorker, RawChunk, WorkerLost, iter_chunk_batches
 from gateway.sessions import Session
 from gateway.state import GatewayState
 from workers.protocol import (
     DIRECTIVE_FIELD,
-    PROMPT_IDS_FIELD,
-    TOKEN_IDS_FIELD,
     ApiError,
     CompletionRequest,
     RequestKind,
@@ -103,7 +102,7 @@ class MigratingStream:
         self.segment = StepCounts()  # steps of the current worker
         self._identity: tuple[Any, Any] | None = None  # the first chunk's id and created
         self._response = response
-        self._chunks = iter_chunks(response)
+        self._chunks = iter_chunk_batches(response)
         self._held = True  # the current admission's in-flight count is ours to release
         self._shutdown = False
 
@@ -115,12 +114,14 @@ class MigratingStream:
     def workers_header(self) -> str:
         return ", ".join(self.workers)
 
-    async def chunks(self) -> AsyncGenerator[dict[str, Any], None]:
+    async def batches(self) -> AsyncGenerator[list[RawChunk], None]:
+        """The chunks, a worker read at a time (what the relay writes to its client in one go)."""
         while True:
             try:
-                async for chunk in self._chunks:
-                    self._observe(chunk)
-                    yield chunk
+                async for batch in self._chunks:
+                    for raw in batch:
+                        self._observe(raw)
+                    yield batch
                 return
             except (WorkerLost, WorkerTimeout) as exc:
                 if self._shutdown:
@@ -128,7 +129,7 @@ class MigratingStream:
                 await self._lose_worker(exc)
                 if self.finish is not None:
                     # Only the tail was lost (usage, [DONE]): the answer is complete.
-                    yield self._usage_chunk()
+                    yield [RawChunk(self._usage_chunk(), None)]
                     return
                 await self._resume(exc)
 
@@ -143,38 +144,36 @@ class MigratingStream:
         self._release()
 
     # -- bookkeeping ------------------------------------------------------------------------------
-    def _observe(self, chunk: dict[str, Any]) -> None:
+    def _observe(self, raw: RawChunk) -> None:
+        chunk = raw.chunk
         if self._identity is None:
             self._identity = (chunk.get("id"), chunk.get("created"))
         elif len(self.workers) > 1:
-            chunk["id"], chunk["created"] = self._identity  # one stream, whoever wrote the chunk
-        spec = chunk.get(DIRECTIVE_FIELD)
+            # One stream, whoever wrote the chunk.
+            raw.changed()["id"], chunk["created"] = self._identity
         text = chunk_text(self.kind, chunk)
         self.text_sent += len(text)
-        if isinstance(spec, dict):
-            # Ids are for the gateway only: the client gets the step report as before.
-            prompt_ids, token_ids = spec.pop(PROMPT_IDS_FIELD, None), spec.pop(TOKEN_IDS_FIELD, None)
-            if isinstance(prompt_ids, list) and self.prompt_ids is None:
-                self.prompt_ids = prompt_ids
-            if isinstance(token_ids, list):
-                self.output_ids.extend(token_ids)
-            elif text:
-                self.ids_complete = False
-            report = StepReport.from_json(spec)
-            if report is not None:
-                self.segment.add(report)
+        if isinstance(raw.prompt_ids, list) and self.prompt_ids is None:
+            self.prompt_ids = raw.prompt_ids
+        if isinstance(raw.token_ids, list):
+            self.output_ids.extend(raw.token_ids)
         elif text:
             self.ids_complete = False
+        report = StepReport.from_json(chunk.get(DIRECTIVE_FIELD))
+        if report is not None:
+            self.segment.add(report)
         for choice in chunk.get("choices") or []:
             self.finish = choice.get("finish_reason") or self.finish
         if self.migrations:
-            self._mark(chunk)
+            self._mark(raw)
 
-    def _mark(self, chunk: dict[str, Any]) -> None:
+    def _mark(self, raw: RawChunk) -> None:
         """The chunks that end a migrated stream name its workers; its usage counts all of them."""
+        chunk = raw.chunk
         finishing = any(c.get("finish_reason") for c in chunk.get("choices") or [])
         usage = chunk.get("usage")
         if finishing or usage:
+            raw.changed()
             spec = chunk.setdefault(DIRECTIVE_FIELD, {})
             if isinstance(spec, dict):
                 spec["workers"], spec["migrations"] = list(self.workers), self.migrations
@@ -265,7 +264,7 @@ class MigratingStream:
                 if self.state.fleet.workers[failed].status == "ready":
                     exclude = frozenset()
         self.admission, self._response = admission, response
-        self._chunks = iter_chunks(response)
+        self._chunks = iter_chunk_batches(response)
         self._held = True
         self.workers.append(admission.handle.worker_id)
         if point is not None:

@@ -21,6 +21,9 @@ from gateway.config import RemoteProtocol
 from gateway.fleet import WorkerHandle
 from workers.protocol import (
     DIRECTIVE_FIELD,
+    IDS_COMMENT,
+    PROMPT_IDS_FIELD,
+    TOKEN_IDS_FIELD,
     VLLM_XARGS_FIELD,
     ApiError,
     BadRequest,
@@ -34,6 +37,7 @@ from workers.protocol import (
     WorkerTimeout,
     vllm_xargs,
 )
+from workers.web_common import sse_event
 
 _STATUS_ERRORS: dict[int, type[ApiError]] = {400: BadRequest, 404: NotFound, 413: PayloadTooLarge, 429: Overloaded,
                                              503: Unavailable, 504: WorkerTimeout}
@@ -118,19 +122,29 @@ async def open_stream(handle: WorkerHandle, path: str, body: Mapping[str, Any],
               retry_after_s=float(retry_after) if retry_after and retry_after.isdigit() else None)
 
 
-# One parsed chunk and its JSON text as the worker sent it (relayed verbatim when unchanged).
-RawChunk = tuple[dict[str, Any], bytes]
+@dataclass(slots=True)
+class RawChunk:
+    """One parsed worker chunk, with what the relay needs beside it."""
 
+    chunk: dict[str, Any]
+    # The chunk's JSON as the worker sent it, relayed verbatim; None once the gateway changed
+    # the chunk (then it is serialized again).
+    payload: bytes | None
+    token_ids: list[int] | None = None  # from the event's ids comment (workers/protocol.py)
+    prompt_ids: list[int] | None = None
 
-async def iter_chunks(response: aiohttp.ClientResponse) -> AsyncGenerator[dict[str, Any], None]:
-    """Parses the worker's SSE stream; raises WorkerFailed on an error event or a cut stream."""
-    async for batch in iter_chunk_batches(response):
-        for chunk, _ in batch:
-            yield chunk
+    def changed(self) -> dict[str, Any]:
+        """The chunk, for a change: its worker's bytes no longer say what it is."""
+        self.payload = None
+        return self.chunk
+
+    def sse(self) -> bytes:
+        return sse_event(self.chunk) if self.payload is None else b"data: %b\n\n" % self.payload
 
 
 async def iter_chunk_batches(response: aiohttp.ClientResponse) -> AsyncGenerator[list[RawChunk], None]:
-    """``iter_chunks`` a network read at a time: every complete event that one read delivered.
+    """The worker's SSE stream a network read at a time: every complete event that one read
+    delivered. Raises WorkerFailed on an error event, WorkerLost on a cut stream.
 
     The relay's hot loop: it writes a batch to the client in one write (a socket write per
     chunk was the gateway's largest cost, bench.overhead) and forwards unchanged chunks'
@@ -150,7 +164,11 @@ async def iter_chunk_batches(response: aiohttp.ClientResponse) -> AsyncGenerator
             batch: list[RawChunk] = []
             while b"\n\n" in buffer and not done:
                 event, buffer = buffer.split(b"\n\n", 1)
+                ids: dict[str, Any] | None = None
                 for line in event.split(b"\n"):
+                    if line.startswith(IDS_COMMENT):
+                        ids = orjson.loads(line[len(IDS_COMMENT):])
+                        continue
                     if not line.startswith(b"data:"):
                         continue
                     payload = line[5:].strip()
@@ -162,7 +180,10 @@ async def iter_chunk_batches(response: aiohttp.ClientResponse) -> AsyncGenerator
                         if batch:  # what came before the error still reaches the client
                             yield batch
                         raise WorkerFailed(str(chunk["error"].get("message", "worker error")))
-                    batch.append((chunk, payload))
+                    raw = RawChunk(chunk, payload)
+                    if ids is not None:
+                        raw.token_ids, raw.prompt_ids = ids.get(TOKEN_IDS_FIELD), ids.get(PROMPT_IDS_FIELD)
+                    batch.append(raw)
             if batch:
                 yield batch
         if done:

@@ -17,6 +17,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Literal
 
+import orjson
 from pydantic import ValidationError
 
 from policies import bounded_repr, bounded_text
@@ -36,8 +37,12 @@ DIRECTIVE_FIELD = "specgate"
 # per-request extension field, under the plugin's names (workers/vllm_plugin/specgate_vllm/rules.py).
 VLLM_XARGS_FIELD = "vllm_xargs"
 VLLM_SPEC_K, VLLM_MAX_BATCH, VLLM_BATCH_RESUME = "spec_k", "spec_max_batch", "spec_batch_resume"
-# In a chunk's step report: the step's token ids and, in the first chunk, the prompt's.
+# A streamed chunk's token ids and, in the first chunk, the prompt's travel in an SSE comment
+# line of the chunk's event (``: ids {"token_ids": [...], "prompt_ids": [...]}``): every SSE
+# client ignores comments, so the chunk stays an OpenAI chunk and the gateway can relay its
+# bytes untouched while it keeps the ids (for resuming on another worker, gateway/migration.py).
 TOKEN_IDS_FIELD, PROMPT_IDS_FIELD = "token_ids", "prompt_ids"
+IDS_COMMENT = b": ids "
 # Fields the gateway sets for its workers; a client sending one is refused.
 GATEWAY_FIELDS = (DIRECTIVE_FIELD, VLLM_XARGS_FIELD)
 # The session key clients send the gateway. The gateway also sends it, and its own request id,
@@ -286,7 +291,8 @@ class StepReport:
     # ``count`` steps of ``proposed`` drafts with ``accepted`` accepted each.
     late_steps: tuple[SpecSteps, ...] = ()
     # The ids of the ``tokens`` counted above, and (first chunk only) the prompt's: what the
-    # gateway needs to resume the generation on another worker should this one die.
+    # gateway needs to resume the generation on another worker should this one die. They are
+    # not part of the chunk's JSON but of its SSE event (``ids_comment``).
     token_ids: tuple[int, ...] | None = None
     prompt_ids: tuple[int, ...] | None = None
 
@@ -295,11 +301,16 @@ class StepReport:
                                "k": self.k, "tokens": self.tokens}
         if self.late_steps:
             out["late_steps"] = [[g.proposed, g.accepted, g.count] for g in self.late_steps]
-        if self.token_ids is not None:
-            out[TOKEN_IDS_FIELD] = list(self.token_ids)
-        if self.prompt_ids is not None:
-            out[PROMPT_IDS_FIELD] = list(self.prompt_ids)
         return out
+
+    def ids_comment(self) -> bytes:
+        """The SSE comment line that carries this step's ids (empty when it has none)."""
+        ids: dict[str, list[int]] = {}
+        if self.token_ids is not None:
+            ids[TOKEN_IDS_FIELD] = list(self.token_ids)
+        if self.prompt_ids is not None:
+            ids[PROMPT_IDS_FIELD] = list(self.prompt_ids)
+        return IDS_COMMENT + orjson.dumps(ids) + b"\n" if ids else b""
 
     @classmethod
     def from_json(cls, raw: Any) -> StepReport | None:

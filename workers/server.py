@@ -261,13 +261,13 @@ async def _serve(request: web.Request, kind: RequestKind) -> web.StreamResponse:
         # The first chunk comes before the response starts, so early failures keep their status.
         first = await anext(chunks)
         if not req.stream:
-            return web.json_response(assemble(kind, [first] + [c async for c in chunks]))
+            return web.json_response(assemble(kind, [first[0]] + [c async for c, _ in chunks]))
         response = await start_sse(request)
         try:
-            async for chunk in _prepend(first, chunks):
+            async for chunk, ids in _prepend(first, chunks):
                 if chunk.get("usage") is not None and not req.include_usage:
                     continue
-                await response.write(sse_event(chunk))
+                await response.write(sse_event(chunk, ids))
         except ApiError as error:  # too late for a status code: the stream carries the error
             await response.write(sse_event(error.body()))
             return response
@@ -277,14 +277,18 @@ async def _serve(request: web.Request, kind: RequestKind) -> web.StreamResponse:
         await chunks.aclose()  # a vanished client aborts the sequence (see _generate's finally)
 
 
-async def _prepend(first: dict[str, Any], rest: AsyncIterator[dict[str, Any]]) -> AsyncIterator[dict[str, Any]]:
+# A chunk and the SSE comment line with its token ids (``StepReport.ids_comment``; may be empty).
+Chunk = tuple[dict[str, Any], bytes]
+
+
+async def _prepend(first: Chunk, rest: AsyncIterator[Chunk]) -> AsyncIterator[Chunk]:
     yield first
     async for item in rest:
         yield item
 
 
 async def _generate(ctx: WorkerContext, req: CompletionRequest,
-                    generation: GenerationRequest) -> AsyncGenerator[dict[str, Any], None]:
+                    generation: GenerationRequest) -> AsyncGenerator[Chunk, None]:
     """Chunks for one request: a chunk per engine step, then one usage chunk."""
     rid, created, model = generation.request_id, int(time.time()), ctx.settings.served_model_name
     started = time.monotonic()
@@ -350,7 +354,7 @@ async def _generate(ctx: WorkerContext, req: CompletionRequest,
                                 token_ids=tuple(item.tokens[:text.last_kept]),
                                 prompt_ids=tuple(prompt_ids) if first_chunk else None)
             # A resumed stream continues the client's: its role was sent by the first worker.
-            yield chunk(delta, finish, report, first=first_chunk and resume is None)
+            yield chunk(delta, finish, report, first=first_chunk and resume is None), report.ids_comment()
             first_chunk = False
         mode = "speculative" if generation.k > 0 else "plain"
         # One line per request (never its text), tagged by _tag_logs: it ties the id the client
@@ -363,6 +367,6 @@ async def _generate(ctx: WorkerContext, req: CompletionRequest,
                "usage": {"prompt_tokens": len(prompt_ids), "completion_tokens": earlier + emitted,
                          "total_tokens": len(prompt_ids) + earlier + emitted,
                          "speculative": speculative_usage(proposed, accepted, mode, spec_steps,
-                                                          max(0, steps - spec_steps))}}
+                                                          max(0, steps - spec_steps))}}, b""
     finally:
         await events.aclose()  # aborts the sequence if it has not finished (stop string, client gone)

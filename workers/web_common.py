@@ -4,12 +4,12 @@ bodies, client disconnects, and SSE. No torch."""
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import math
 from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
+import orjson
 from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
 
@@ -106,9 +106,10 @@ async def read_json(request: web.Request) -> Any:
         raise BadRequest(str(exc)) from None
 
 
-def sse_event(payload: Mapping[str, Any] | str) -> bytes:
-    data = payload if isinstance(payload, str) else json.dumps(payload, separators=(",", ":"))
-    return f"data: {data}\n\n".encode()
+def sse_event(payload: Mapping[str, Any] | str, comment: bytes = b"") -> bytes:
+    """One SSE event; ``comment`` (whole ``: ...\\n`` lines) goes before its data line."""
+    data = payload.encode() if isinstance(payload, str) else orjson.dumps(payload)
+    return b"%bdata: %b\n\n" % (comment, data)
 
 
 async def start_sse(request: web.Request, headers: Mapping[str, str] | None = None) -> web.StreamResponse:
