@@ -50,9 +50,9 @@ async def count_requests(request: web.Request, handler: Handler) -> web.StreamRe
         return response
     finally:
         metrics = request.app[STATE_KEY].metrics
-        metrics.requests.labels(model=metrics.model, route=route, status=str(status)).inc()
+        metrics.series(metrics.requests, route, str(status)).inc()
         if route.startswith("/v1/") and route != "/v1/models":
-            metrics.e2e_latency.labels(model=metrics.model, route=route).observe(time.monotonic() - started)
+            metrics.series(metrics.e2e_latency, route).observe(time.monotonic() - started)
 
 
 def create_app(config: GatewayConfig, metrics: GatewayMetrics | None = None) -> web.Application:

@@ -16,6 +16,7 @@ from __future__ import annotations
 import os
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
+from typing import Any
 
 from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram, generate_latest, multiprocess
 from prometheus_client.core import GaugeHistogramMetricFamily, GaugeMetricFamily, Metric
@@ -51,6 +52,9 @@ class GatewayMetrics:
     # Collectors computed at scrape from live state; kept apart from the multiprocess files,
     # which hold only what processes wrote.
     live: CollectorRegistry = field(default_factory=lambda: CollectorRegistry(auto_describe=True))
+    # Labelled series the relay touches per chunk, looked up once: prometheus_client's labels()
+    # takes a lock and builds a key on every call. Keys are bounded (modes, workers x positions).
+    _series: dict[tuple[int, tuple[str, ...]], Any] = field(default_factory=dict, repr=False, compare=False)
 
     @classmethod
     def create(cls, model: str, registry: CollectorRegistry | None = None) -> GatewayMetrics:
@@ -95,6 +99,14 @@ class GatewayMetrics:
                                          labels("worker", "position"), registry=reg),
         )
 
+    def series(self, metric: Counter | Histogram, *values: str) -> Any:
+        """``metric.labels(model, *values)``, cached."""
+        key = (id(metric), values)
+        child = self._series.get(key)
+        if child is None:
+            child = self._series[key] = metric.labels(self.model, *values)
+        return child
+
     def record_steps(self, worker: str, proposed: int, accepted: int, count: int = 1) -> None:
         """``count`` speculative steps that each drafted ``proposed`` and accepted ``accepted``.
 
@@ -107,9 +119,9 @@ class GatewayMetrics:
         accepted = max(0, min(accepted, proposed))
         for position in range(1, proposed + 1):
             label = str(position)
-            self.drafted_by_position.labels(model=self.model, worker=worker, position=label).inc(count)
+            self.series(self.drafted_by_position, worker, label).inc(count)
             if position <= accepted:
-                self.accepted_by_position.labels(model=self.model, worker=worker, position=label).inc(count)
+                self.series(self.accepted_by_position, worker, label).inc(count)
 
     def exposition(self) -> bytes:
         live = bytes(generate_latest(self.live))

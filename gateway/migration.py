@@ -159,9 +159,8 @@ class MigratingStream:
             self.output_ids.extend(raw.token_ids)
         elif text:
             self.ids_complete = False
-        report = StepReport.from_json(chunk.get(DIRECTIVE_FIELD))
-        if report is not None:
-            self.segment.add(report)
+        if raw.report is not None:
+            self.segment.add(raw.report)
         for choice in chunk.get("choices") or []:
             self.finish = choice.get("finish_reason") or self.finish
         if self.migrations:

@@ -32,6 +32,7 @@ from workers.protocol import (
     NotFound,
     Overloaded,
     PayloadTooLarge,
+    StepReport,
     Unavailable,
     WorkerFailed,
     WorkerTimeout,
@@ -132,6 +133,7 @@ class RawChunk:
     payload: bytes | None
     token_ids: list[int] | None = None  # from the event's ids comment (workers/protocol.py)
     prompt_ids: list[int] | None = None
+    report: StepReport | None = None  # the chunk's ``specgate`` step report, parsed once
 
     def changed(self) -> dict[str, Any]:
         """The chunk, for a change: its worker's bytes no longer say what it is."""
@@ -180,7 +182,7 @@ async def iter_chunk_batches(response: aiohttp.ClientResponse) -> AsyncGenerator
                         if batch:  # what came before the error still reaches the client
                             yield batch
                         raise WorkerFailed(str(chunk["error"].get("message", "worker error")))
-                    raw = RawChunk(chunk, payload)
+                    raw = RawChunk(chunk, payload, report=StepReport.from_json(chunk.get(DIRECTIVE_FIELD)))
                     if ids is not None:
                         raw.token_ids, raw.prompt_ids = ids.get(TOKEN_IDS_FIELD), ids.get(PROMPT_IDS_FIELD)
                     batch.append(raw)

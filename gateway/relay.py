@@ -11,6 +11,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 import aiohttp
+import orjson
 from aiohttp import web
 
 from gateway.auth import scope_of
@@ -58,7 +59,6 @@ from workers.protocol import (
     NotFound,
     RequestKind,
     ResumePoint,
-    StepReport,
     assemble,
     chunk_text,
     parse_request,
@@ -149,9 +149,9 @@ def _route(state: GatewayState, session: Session, candidates: list[Candidate], r
 
 def _record(state: GatewayState, session: Session, decision: Decision, policy: PolicyConfig) -> None:
     metrics = state.metrics
-    metrics.decisions.labels(model=metrics.model, mode=decision.mode, reason=decision.reason).inc()
+    metrics.series(metrics.decisions, decision.mode, decision.reason).inc()
     if decision.mode == "plain":
-        metrics.fallbacks.labels(model=metrics.model, reason=decision.reason).inc()
+        metrics.series(metrics.fallbacks, decision.reason).inc()
     previous = session.last_decision
     if previous is None or previous.mode != decision.mode:
         if previous is not None:
@@ -217,7 +217,7 @@ def _account(state: GatewayState, admission: Admission, tally: StreamTally, raw:
     chunk = raw.chunk if raw.chunk.get("usage") is None else raw.changed()
     now = time.monotonic()
     metrics = state.metrics
-    report = StepReport.from_json(chunk.get(DIRECTIVE_FIELD))
+    report = raw.report
     if admission.handle.protocol == "vllm" and chunk.get("usage"):
         report = vllm_step_report(chunk, admission.decision.k)
         # vLLM's own field, restated in specgate's terms: every engine's chunks look alike.
@@ -248,14 +248,15 @@ def _account(state: GatewayState, admission: Admission, tally: StreamTally, raw:
         mode = admission.decision.mode
     if tokens:
         tally.tokens += tokens
-        metrics.tokens.labels(model=metrics.model, mode=mode).inc(tokens)
+        metrics.series(metrics.tokens, mode).inc(tokens)
         if tally.first_token_at is None:
             tally.first_token_at = now
-            metrics.time_to_first_token.labels(model=metrics.model, mode=admission.decision.mode).observe(now - started)
+            metrics.series(metrics.time_to_first_token, admission.decision.mode).observe(now - started)
         else:
             gap = (now - tally.last_at) / tokens
+            gaps = metrics.series(metrics.inter_token_latency, mode)
             for _ in range(tokens):
-                metrics.inter_token_latency.labels(model=metrics.model, mode=mode).observe(gap)
+                gaps.observe(gap)
         tally.last_at = now
     if chunk.get("usage"):
         usage = dict(chunk["usage"])
@@ -339,7 +340,8 @@ async def _relay(request: web.Request, kind: RequestKind, state: GatewayState, t
             # After a migration: every worker that served it, in order; the mode is the last decision's.
             headers[WORKER_HEADER] = stream.workers_header
             headers[MODE_HEADER] = stream.admission.decision.header
-            return web.json_response(assemble(kind, tally.collected), headers=headers)
+            return web.Response(body=orjson.dumps(assemble(kind, tally.collected)), headers=headers,
+                                content_type="application/json")
         out = await start_sse(request, headers)
         try:
             # One client write per worker read, of the worker's own bytes for every chunk the

@@ -128,7 +128,8 @@ def test_eos_is_counted_as_vllm_counts_it(tcp_worker: int) -> None:
     chunks = [json.loads(line[6:]) for line in lines if line.startswith("data: ") and line != "data: [DONE]"]
     # The token ids ride in an SSE comment line of each chunk's event, never in the chunk.
     assert not any("token_ids" in c.get("specgate", {}) for c in chunks)
-    sent = sum(len(json.loads(line[len(": ids "):]).get("token_ids", [])) for line in lines if line.startswith(": ids "))
+    sent = sum(len(json.loads(line[len(": ids "):]).get("token_ids", []))
+               for line in lines if line.startswith(": ids "))
     finish = [c["choices"][0]["finish_reason"] for c in chunks if c.get("choices") and c["choices"][0]["finish_reason"]]
     usage = next(c["usage"] for c in chunks if c.get("usage"))
     assert finish == ["stop"] and usage["completion_tokens"] < 200

@@ -35,10 +35,16 @@ def _refuse_constant(name: str) -> Any:
     raise InputRefused(f"{name} is not valid JSON")
 
 
+# One decoder for every body: json.loads with an argument builds a new one per call.
+_DECODER = json.JSONDecoder(parse_constant=_refuse_constant)
+
+
 def loads_json(raw: bytes) -> Any:
     """Parses a request body: UTF-8 JSON, no NaN/Infinity, nested at most MAX_JSON_DEPTH deep."""
     try:
-        value = json.loads(raw, parse_constant=_refuse_constant)
+        # Decoded as json.loads decodes bytes (its encoding detection, BOM included).
+        text = raw.decode(json.detect_encoding(raw), "surrogatepass") if isinstance(raw, bytes | bytearray) else raw
+        value = _DECODER.decode(text)
     except RecursionError:  # the C scanner recurses per level: thousands of levels end here
         raise InputRefused(f"JSON nested more than {MAX_JSON_DEPTH} levels deep") from None
     except UnicodeDecodeError:
