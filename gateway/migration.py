@@ -6,10 +6,12 @@ relay keeps and the client never sees. When the worker's stream breaks
 (it died, its connection did, or it went silent past ``server.worker_timeout_s``) after the
 first chunk, the generation resumes on another worker with a ``specgate.resume`` directive:
 the prompt ids, the output ids so far and how many characters of their text the client
-already has. That worker prefills prompt + output, goes on with ``max_tokens`` reduced by what
-was generated, the same sampling parameters and the seed's position continued, and sends only
-text the client does not have. Text alone could not do this: a stop string's holdback means
-the text sent is not the text of the tokens generated, and a chat cannot continue from text.
+already has. That worker prefills prompt + output (the embedded engine computes the output as
+the first worker's decode steps did: greedy and seeded continuations are exact), goes on
+with ``max_tokens`` reduced by what was generated, the same sampling parameters and the seed's
+position continued, and sends only text the client does not have. Text alone could not do
+this: a stop string's holdback means the text sent is not the text of the tokens generated,
+and a chat cannot continue from text.
 
 The client sees one stream: the same ``id`` and ``created`` throughout, one role delta, usage
 that counts every token once (the dead worker's step counts are carried into the final

@@ -114,12 +114,11 @@ async def run_one(http: aiohttp.ClientSession, gw: Gateway, path: str, body: dic
 @pytest.fixture(scope="module")
 def gateway(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Gateway]:
     tmp = tmp_path_factory.mktemp("migration")
-    # float32, where `python -m bench.resume` measured resumed continuations identical to
-    # undisturbed runs (240/240). Where the cost model picks unpacked bfloat16 (workers.exact on a
-    # CPU without AVX512-BF16/AMX), a resumed prefill runs the fused attention over prompt and
-    # output alike, which rounds differently from the original decode steps: not yet exact there.
-    config = write_config(tmp / "config.yaml", workers={"count": 2, "max_slots": 16, "restart_backoff_s": 0.2,
-                                                        "dtype": "float32", "exact": False},
+    # The default precision (workers.dtype auto, exact): bfloat16 wherever its verification is
+    # bit-identical to plain decoding, prepacked or (AVX2 only) not. A resumed prefill computes
+    # the prompt fused and the output row-invariant, as the first worker did, so the cache and
+    # every logit are the undisturbed run's bit for bit (tests/test_engine_resume.py).
+    config = write_config(tmp / "config.yaml", workers={"count": 2, "max_slots": 16, "restart_backoff_s": 0.2},
                           server={"worker_timeout_s": 120})
     gw = start_gateway(config, tmp)
     gw.wait_workers_ready(2)
@@ -142,18 +141,30 @@ async def run_all(gw: Gateway, kill: bool) -> list[Outcome]:
         return list(await asyncio.gather(*tasks))
 
 
+async def served_precision(gw: Gateway) -> str:
+    """What the workers' start-up measurement chose to serve, e.g. "bfloat16 unpacked, exact"."""
+    async with aiohttp.ClientSession() as http:
+        workers = (await (await http.get(gw.url + "/admin/workers")).json())["workers"]
+    precisions = [w["precision"] for w in workers]
+    assert all(p == precisions[0] for p in precisions), precisions
+    p = precisions[0]
+    return f"{p['target']} {'prepacked' if p['target_prepacked'] else 'unpacked'}, {'' if p['exact'] else 'in'}exact"
+
+
 async def test_kill_9_under_streams_and_requests_loses_nothing(gateway: Gateway) -> None:
+    precision = await served_precision(gateway)
     undisturbed = await run_all(gateway, kill=False)
     assert all(o.status == 200 and o.done and not o.errors for o in undisturbed), undisturbed
     migrations_before = gateway.metric("specgate_migrations_total")
     disturbed = await run_all(gateway, kill=True)
     migrated = 0
     for i, (calm, outcome) in enumerate(zip(undisturbed, disturbed, strict=True)):
-        where = f"request {i} on {outcome.worker}: {outcome}"
+        where = f"request {i} on {outcome.worker} ({precision}): {outcome}"
         assert outcome.status == 200 and outcome.done and not outcome.errors, where
-        # The answer an undisturbed run gives, and usage that counts every token once. (The premise:
-        # the demo models' greedy answers keep a clear margin between the best and second-best
-        # token, so float32's prefill-vs-decode rounding cannot flip one; docs/engine.md.)
+        # The answer an undisturbed run gives, and usage that counts every token once. Exact by
+        # construction where the served precision verifies bit-identically ("exact", what the
+        # default serves wherever one does); elsewhere on the premise that the demo models'
+        # answers keep a clear margin between the best and second-best token (docs/engine.md).
         assert outcome.text == calm.text, where
         assert outcome.finish == calm.finish, where
         assert outcome.usage is not None and calm.usage is not None, where

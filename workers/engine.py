@@ -88,9 +88,10 @@ class _Row:
     start: int
     new_tokens: list[int]
     n_logits: int  # logits wanted for the last n_logits new tokens
-    # A long prompt's prefill (see step): the bare prompt in a forward of its own, computed the
-    # same way in every mode, so the target may use fused attention for it.
-    prefill: bool = False
+    # Leading new tokens the target may compute with fused attention: a long prompt in its
+    # prefill (see step), bare, in a forward of its own, so computed the same way in every mode.
+    # Tokens after them (a resumed request's output) go row-invariant, as decoding computed them.
+    fused: int = 0
 
 
 class SpeculativeEngine:
@@ -154,6 +155,8 @@ class SpeculativeEngine:
         self.validate(len(request.prompt_ids), request.max_tokens)
         request = replace(request, params=check_sampling(request.params))  # no NaN reaches a kernel
         vocab = self.target.cfg.vocab_size
+        if not 0 <= request.resumed_tokens < len(request.prompt_ids):
+            raise ValueError("resumed_tokens must leave at least one prompt token")
         if any(not 0 <= t < vocab for t in request.prompt_ids):
             raise ValueError(f"token ids must be in 0..{vocab - 1}")
         if request.request_id in self._running or self._waiting_index(request.request_id) is not None:
@@ -221,13 +224,14 @@ class SpeculativeEngine:
         self._propose([s for s in seqs if s.step_k > 0], failed)
         proposed = time.perf_counter()
         seqs = [s for s in seqs if s.request.request_id not in failed]
-        rows = [_Row(s.slot, s.target_len, s.tokens[s.target_len:] + s.drafts, s.step_k + 1, self._prefilling(s))
+        prefill = any(self._prefilling(s) for s in seqs)
+        rows = [_Row(s.slot, s.target_len, s.tokens[s.target_len:] + s.drafts, s.step_k + 1, self._fused_prefix(s))
                 for s in seqs]
         target_logits = self._forward_isolated(self.target, self.target_cache, seqs, rows, failed)
         self.last_draft_s, self.last_target_s = proposed - started, time.perf_counter() - proposed
         drafting = [s.step_k for s in seqs if s.step_k > 0]
         self.last_shape = StepShape(len(rows), max((len(r.new_tokens) for r in rows), default=0),
-                                    any(r.prefill for r in rows), len(drafting), max(drafting, default=0))
+                                    prefill, len(drafting), max(drafting, default=0))
         events = []
         for seq, logits in zip(seqs, target_logits, strict=True):
             if logits is None:
@@ -267,6 +271,22 @@ class SpeculativeEngine:
     def _prefilling(self, seq: _Sequence) -> bool:
         """More pending prompt tokens than ride along in a batched decode forward."""
         return len(seq.tokens) - seq.target_len > self._batched_row_limit
+
+    def _fused_prefix(self, seq: _Sequence) -> int:
+        """Pending tokens the target may compute with fused attention: in a sequence's first
+        forward, its prompt if that is a prefill, exactly as an undisturbed run's first forward.
+
+        A resumed request's prompt ids end with output another worker generated
+        (``resumed_tokens``). That worker prefilled only the prompt and computed the output in
+        decode steps, row-invariant. The fused kernel's blocking depends on the number of
+        queries, so output computed fused rounds differently (in bfloat16, often enough to flip a
+        later near-tie). Split the same way, cache and logits are the undisturbed run's, bit for
+        bit, wherever verification is (tests/test_engine_resume.py).
+        """
+        if seq.target_len > 0:
+            return 0
+        prompt = len(seq.request.prompt_ids) - seq.request.resumed_tokens
+        return prompt if prompt > self._batched_row_limit else 0
 
     def _propose(self, seqs: list[_Sequence], failed: dict[str, Exception]) -> None:
         """Draft K_i tokens for each sequence, batched across sequences per draft position.
@@ -354,21 +374,20 @@ class SpeculativeEngine:
         for group in groups:
             # The target's rows must score each token exactly as plain decoding would
             # (row-invariant attention), drafts above all, even in a long row (a short prompt
-            # plus K drafts). A prefill row is always the bare prompt in a forward of its own
-            # (see step), so it is computed identically in every mode and may use the fused
-            # kernel, 2-3x faster on long prompts. The draft's numerics never reach the output.
-            row_invariant = model is self.target and not any(rows[i].prefill for i in group)
+            # plus K drafts). A prefill's prompt is always bare, in a forward of its own (see
+            # step), so it is computed identically in every mode and may use the fused kernel,
+            # 2-3x faster on long prompts (_Row.fused). The draft's numerics never reach the output.
+            row_invariant = model is self.target and not any(rows[i].fused for i in group)
             if len(group) == 1:
-                # One row (batch 1, every draft step there): no padding, no gather; only the
-                # positions whose logits are read go through the LM head.
                 row = rows[group[0]]
-                n = len(row.new_tokens)
-                batch = CacheBatch.build([row.slot], [row.start], [n], n, self.max_positions,
-                                         row_invariant=row_invariant)
-                wanted = None if row.n_logits == n else torch.arange(n - row.n_logits, n)
-                logits = model.forward_cached(torch.tensor([row.new_tokens]), cache, batch,
-                                              None if wanted is None else torch.zeros_like(wanted), wanted)
-                out[group[0]] = logits[0] if wanted is None else logits
+                if model is self.target and 0 < row.fused < len(row.new_tokens):
+                    # A resumed prefill: the prompt fused (no logits wanted), then the output
+                    # row-invariant in one forward, which computes each token as its decode step did.
+                    self._forward_single(model, cache, replace(row, new_tokens=row.new_tokens[:row.fused],
+                                                               n_logits=0), row_invariant=False)
+                    row = _Row(row.slot, row.start + row.fused, row.new_tokens[row.fused:], row.n_logits)
+                    row_invariant = True
+                out[group[0]] = self._forward_single(model, cache, row, row_invariant)
                 continue
             width = max(len(rows[i].new_tokens) for i in group)
             tokens = torch.zeros((len(group), width), dtype=torch.long)
@@ -388,6 +407,16 @@ class SpeculativeEngine:
             for i, chunk in zip(group, splits, strict=True):
                 out[i] = chunk
         return [o for o in out if o is not None]
+
+    def _forward_single(self, model: LlamaForCausalLM, cache: KVCache, row: _Row, row_invariant: bool) -> torch.Tensor:
+        """One row alone (batch 1, every draft step there): no padding, no gather; only the
+        positions whose logits are read go through the LM head. Returns (n_logits, V)."""
+        n = len(row.new_tokens)
+        batch = CacheBatch.build([row.slot], [row.start], [n], n, self.max_positions, row_invariant=row_invariant)
+        wanted = None if row.n_logits == n else torch.arange(n - row.n_logits, n)
+        logits = model.forward_cached(torch.tensor([row.new_tokens]), cache, batch,
+                                      None if wanted is None else torch.zeros_like(wanted), wanted)
+        return logits[0] if wanted is None else logits
 
     # -- convenience ---------------------------------------------------------------------------
     def generate(self, request: GenerationRequest) -> list[StepEvent]:

@@ -38,6 +38,10 @@ class GenerationRequest:
     max_tokens: int
     params: SamplingParams = field(default_factory=SamplingParams)
     k: int = 0  # requested speculation depth; 0 = plain
+    # A resumed generation (mid-stream migration): the last ``resumed_tokens`` of ``prompt_ids``
+    # are output another worker generated. An engine that can computes them as decoding did, not
+    # as prompt, so a greedy or seeded continuation is exactly the undisturbed run's.
+    resumed_tokens: int = 0
 
 
 @dataclass(frozen=True)

@@ -253,7 +253,7 @@ async def _serve(request: web.Request, kind: RequestKind) -> web.StreamResponse:
                                         req.directive.max_step_drafts, req.directive.cost_rule)
     generation = GenerationRequest(
         request_id=("chatcmpl-" if kind == "chat" else "cmpl-") + secrets.token_hex(12), prompt_ids=prompt_ids,
-        max_tokens=max_tokens, k=k,
+        max_tokens=max_tokens, k=k, resumed_tokens=len(resume.output_ids) if resume is not None else 0,
         params=SamplingParams(temperature=req.temperature, top_p=req.top_p, top_k=req.top_k, seed=req.seed,
                               position_offset=len(resume.output_ids) if resume is not None else 0))
     chunks = _generate(ctx, req, generation)
