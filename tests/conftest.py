@@ -17,6 +17,7 @@ import torch
 from scipy import stats
 
 from tests.vllm_harness import VllmServer, start_vllm_server
+from workers.costs_measure import verification_bit_identical
 from workers.model import LlamaForCausalLM, ModelConfig, bf16_prepacking_available
 from workers.sampling import Verdict, sample
 
@@ -29,11 +30,10 @@ HEAD_SCALE = 20.0  # the (untied) LM head by this: logits spread over several na
 DRAFT_NOISE = 0.1  # draft = target + DRAFT_NOISE * std(weight) * N(0, 1), per weight
 FAR_DRAFT_NOISE = 0.3  # a draft that disagrees more (distribution tests)
 
-# Bit-identical verification is a property of the prepacked bfloat16 path. On a CPU without
-# AVX512-BF16/AMX, workers.dtype auto serves float32 instead, which promises closeness only.
+# Prepacked bfloat16 projections exist only on CPUs with AVX512-BF16/AMX.
 requires_bf16_prepacking = pytest.mark.skipif(
     not bf16_prepacking_available(),
-    reason="this CPU cannot prepack bfloat16 (no AVX512-BF16/AMX); workers serve float32 there")
+    reason="this CPU cannot prepack bfloat16 (no AVX512-BF16/AMX)")
 
 GreedyReference = Callable[[Sequence[int], int], list[int]]
 ChiSquare = Callable[[Sequence[int], torch.Tensor], float]
@@ -170,6 +170,17 @@ def bf16_models(target_model: LlamaForCausalLM, draft_model: LlamaForCausalLM
                 ) -> tuple[LlamaForCausalLM, LlamaForCausalLM]:
     """The serving defaults: a bfloat16 target with prepacked projections, a float32 draft."""
     return converted(target_model, torch.bfloat16), converted(draft_model, torch.float32)
+
+
+@pytest.fixture(scope="session")
+def bf16_exact(bf16_models: tuple[LlamaForCausalLM, LlamaForCausalLM]) -> None:
+    """Skips unless bfloat16 verification is bit-identical to one-at-a-time decoding on this CPU:
+    the start-up check a worker runs (workers/costs_measure.py) before ``exact: true`` may serve
+    bfloat16. Prepacked (AVX512-BF16/AMX) and unpacked (``F.linear``, e.g. AVX2) bfloat16 both
+    pass it on the CPUs measured so far; a CPU where it fails serves float32 only with
+    ``exact: false``, so bit-identity is not promised there."""
+    if not verification_bit_identical(bf16_models[0], 7):
+        pytest.skip("bfloat16 verification is not bit-identical on this CPU (the worker's start-up check)")
 
 
 @pytest.fixture(scope="session")

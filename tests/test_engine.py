@@ -16,7 +16,7 @@ from workers.engine import GenerationRequest, SpeculativeEngine, StepDepthRule, 
 from workers.model import CacheBatch, KVCache, LlamaForCausalLM, ModelConfig
 from workers.sampling import SamplingParams, Verdict
 
-from .conftest import converted, requires_bf16_prepacking
+from .conftest import converted
 
 GreedyReference = Callable[[Sequence[int], int], list[int]]
 ChiSquare = Callable[[Sequence[int], torch.Tensor], float]
@@ -221,7 +221,7 @@ def bf16_plain_reference(bf16_models: tuple[LlamaForCausalLM, LlamaForCausalLM])
     return reference
 
 
-@requires_bf16_prepacking
+@pytest.mark.usefixtures("bf16_exact")
 @pytest.mark.parametrize("k", range(1, MAX_K + 1))
 def test_greedy_parity_bfloat16_batch1(k: int, bf16_models: tuple[LlamaForCausalLM, LlamaForCausalLM],
                                        bf16_plain_reference: GreedyReference) -> None:
@@ -235,7 +235,7 @@ def test_greedy_parity_bfloat16_batch1(k: int, bf16_models: tuple[LlamaForCausal
     assert accepted > 0
 
 
-@requires_bf16_prepacking
+@pytest.mark.usefixtures("bf16_exact")
 def test_greedy_parity_bfloat16_mixed_batch(bf16_models: tuple[LlamaForCausalLM, LlamaForCausalLM],
                                             bf16_plain_reference: GreedyReference) -> None:
     run = run_mixed(SpeculativeEngine(*bf16_models, max_slots=MIXED_SLOTS, max_k=MAX_K), GREEDY)
@@ -370,9 +370,9 @@ def test_drafts_are_always_verified_with_row_invariant_attention(target_model: L
 
 
 # -- 3b. row invariance: a verification scores each token exactly as decoding it alone would -------
-@requires_bf16_prepacking
+@pytest.mark.usefixtures("bf16_exact")
 def test_verification_logits_equal_one_at_a_time_bitwise(tiny_config: ModelConfig) -> None:
-    # bfloat16 (the serving default, prepacked projections) promises bit-identical rows. float32
+    # bfloat16 (the serving default where the start-up check passes) promises bit-identical rows. float32
     # matmuls round one row differently from several, so float32 is only close (1e-6), which the
     # float32 parity tests cover. The demo models' head size (64) and long contexts: that is
     # where the fused kernel's blocking changes with the number of queries.
