@@ -107,7 +107,7 @@ def run_interleaved(engines: dict[int, SpeculativeEngine], groups: list[list[lis
                 events = engine.step()
                 elapsed = time.perf_counter() - started
                 if costs is not None:
-                    observe_step(costs, engine, events)
+                    observe_step(costs, engine, events, elapsed)
                 for event in events:
                     produced[k][event.request_id].extend(event.tokens)
                     totals[k] += RunResult(len(event.tokens), 0.0, event.proposed, event.accepted,
@@ -118,11 +118,13 @@ def run_interleaved(engines: dict[int, SpeculativeEngine], groups: list[list[lis
     return totals, outputs
 
 
-def observe_step(costs: OnlineCosts, engine: SpeculativeEngine, events: list[StepEvent]) -> None:
-    """What ``workers.runner`` folds into a worker's cost model after each step."""
+def observe_step(costs: OnlineCosts, engine: SpeculativeEngine, events: list[StepEvent], step_s: float) -> None:
+    """What ``workers.runner`` folds into a worker's cost model after each step; ``step_s`` is
+    the step's whole time, as this benchmark counts it."""
     shape = engine.last_shape
     costs.observe_step(shape.target_rows, shape.target_width, 0.0 if shape.prefill else engine.last_target_s,
-                       shape.draft_rows, shape.draft_forwards, engine.last_draft_s)
+                       shape.draft_rows, shape.draft_forwards, engine.last_draft_s, step_s=step_s,
+                       drafts=shape.drafts)
     for event in events:
         costs.observe_drafts(event.proposed, event.accepted)
 
@@ -292,6 +294,15 @@ def main() -> None:
     measured_at = by_k[auto_k_b1].tok_s / plain.tok_s if auto_k_b1 else 1.0
     log(f"cost model at alpha {best.alpha:.3f}: K={auto_k_b1}, predicted speed-up {predicted:.2f}x (measured at "
         f"that K {measured_at:.2f}x); from the start-up measurement alone K={startup_k_b1}, {predicted_startup:.2f}x")
+    # The step's work outside its forwards, as the model holds it now (start-up, then refined).
+    refined = online.report()
+    outside_ms = (refined.step_overhead_ms or (0.0,))[0]
+    overhead_b1 = {"startup_ms": (costs.step_overhead_ms or (0.0,))[0], "refined_ms": outside_ms,
+                   "per_draft_refined_ms": (refined.draft_overhead_ms or (0.0,))[0],
+                   "share_of_plain_step": round(outside_ms / (refined.plain_step_ms[0] + outside_ms), 4)}
+    log(f"step work outside the forwards at batch 1: {outside_ms:.2f} ms "
+        f"({100 * overhead_b1['share_of_plain_step']:.1f}% of a plain step; start-up {overhead_b1['startup_ms']:.2f} "
+        f"ms), {overhead_b1['per_draft_refined_ms']:.3f} ms more per draft")
     # Acceptance needs many drafts, not quiet timing: measure it batched, over more prompts.
     alpha_prompts = prompts[:args.alpha_prompts]
     alpha_by_t: dict[str, float] = {}
@@ -351,6 +362,7 @@ def main() -> None:
         "predicted_speedup_b1": round(predicted, 3), "predicted_k_b1": auto_k_b1,
         "measured_speedup_at_predicted_k_b1": round(measured_at, 3),
         "predicted_speedup_b1_startup": round(predicted_startup, 3), "predicted_k_b1_startup": startup_k_b1,
+        "step_overhead_b1": overhead_b1,
         "cost_model": costs.to_json(), "cost_model_refined": online.report().to_json(),
     }
     if args.json:

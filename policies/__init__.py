@@ -1,7 +1,7 @@
 """The speculative fallback policy: pure functions, no I/O (see policies/speculation.py)."""
 
 from policies.config import FieldError, PolicyConfig, PolicyConfigError, bounded_repr, bounded_text, raise_problems
-from policies.cost import CostModel, choose_k, expected_tokens, gain, objective, step_cost, step_k
+from policies.cost import CostModel, choose_k, expected_tokens, gain, objective, step_cost, step_k, whole_step_costs
 from policies.speculation import (
     FIXED_MODE_REASONS,
     REASONS,
@@ -55,4 +55,5 @@ __all__ = [
     "step_depth",
     "step_k",
     "tested_drafts",
+    "whole_step_costs",
 ]

@@ -9,10 +9,13 @@ The objective, per sequence and step, relative to a plain step at the same batch
     gain(α, K, d) = E(α, K) / step_cost(d, K),   E(α, K) = (1 − α^(K+1)) / (1 − α)
 
 E is the expected number of tokens a step with K drafts emits (Leviathan et al.);
-``step_cost(d, K)`` is what that step costs (the target verifying K+1 tokens plus K draft
-forwards) divided by what a plain step costs at depth d, so ``step_cost(d, 0) = 1`` and a plain
-step's gain is 1. Plain is credited ``min_gain`` on top: a K must promise at least
-(1 + min_gain)× plain's throughput to be chosen (the cost curves are measurements, not exact).
+``step_cost(d, K)`` is what that whole step costs divided by what a whole plain step costs at
+depth d, so ``step_cost(d, 0) = 1`` and a plain step's gain is 1. "Whole" matters: a step is
+the target verifying K+1 tokens and K draft forwards, plus work outside the forwards (sampling,
+bookkeeping) that plain steps pay too. Leaving that fixed work out prices speculation too high
+wherever forwards are cheap (``whole_step_costs`` says how the parts add up). Plain is credited
+``min_gain`` on top: a K must promise at least (1 + min_gain)× plain's throughput to be chosen
+(the cost curves are measurements, not exact).
 """
 
 from __future__ import annotations
@@ -52,6 +55,19 @@ class CostModel:
         depths = tuple(int(d) for d in raw["depths"])
         rows = tuple(tuple(float(c) for c in row) for row in raw["step_cost"])
         return cls(depths, rows)
+
+
+def whole_step_costs(target_s: Sequence[float], draft_s: float, overhead_s: float = 0.0,
+                     draft_overhead_s: float = 0.0) -> tuple[float, ...]:
+    """``step_cost`` for K = 0..len(target_s)-1 at one depth, from its parts in seconds.
+
+    ``target_s[n-1]``: the target's forward of n tokens per sequence; ``draft_s``: one draft
+    forward; ``overhead_s``: a plain step's work outside its forwards; ``draft_overhead_s``: what
+    each draft per sequence adds to that outside the forwards. A K-draft step costs
+    target_s[K] + K (draft_s + draft_overhead_s) + overhead_s, a plain one target_s[0] + overhead_s.
+    """
+    plain = target_s[0] + overhead_s
+    return tuple((target_s[k] + k * (draft_s + draft_overhead_s) + overhead_s) / plain for k in range(len(target_s)))
 
 
 def expected_tokens(alpha: float, k: int) -> float:

@@ -1,8 +1,8 @@
 """The on-disk cache of start-up cost measurements, so a restarted worker is ready at once. No torch.
 
-An entry is keyed by everything the figures depend on: the CPU (model name and the vector
-extensions that pick kernels), the torch version, the model files (path, size, mtime) and the
-worker's settings. Workers that share a cache directory take the entry's lock while they
+An entry is keyed by everything the figures depend on: the report's schema version, the CPU
+(model name and the vector extensions that pick kernels), the torch version, the model files
+(path, size, mtime) and the worker's settings. Workers that share a cache directory take the entry's lock while they
 measure, so the workers of one gateway, started together, measure once and agree on one
 precision: the first measures and writes, the others wait and read.
 """
@@ -24,6 +24,10 @@ from typing import Any
 from workers.cost_model import CostReport
 
 log = logging.getLogger(__name__)
+# What a cached report means: bumped whenever the measurement or the schema changes, so a
+# worker never serves figures measured under another definition (2: the step's work outside
+# its forwards, step_overhead_ms and draft_overhead_ms; entries without it are measured again).
+SCHEMA_VERSION = 2
 # The CPU features that decide which matmul kernels run (and so what a step costs).
 KERNEL_FLAGS = ("avx2", "avx512f", "avx512_bf16", "avx512_vnni", "amx_bf16", "amx_tile", "amx_int8")
 
@@ -58,7 +62,8 @@ def _file_stamp(path: Path) -> list[Any]:
 def cache_key(model_dirs: Mapping[str, Path | None], settings: Mapping[str, Any], torch_version: str) -> str:
     files = {role: None if d is None else [_file_stamp(d / name) for name in ("config.json", "model.safetensors")]
              for role, d in model_dirs.items()}
-    material = {"cpu": cpu_label(), "torch": torch_version, "files": files, "settings": dict(settings)}
+    material = {"schema": SCHEMA_VERSION, "cpu": cpu_label(), "torch": torch_version, "files": files,
+                "settings": dict(settings)}
     return hashlib.sha256(json.dumps(material, sort_keys=True, default=str).encode()).hexdigest()[:32]
 
 

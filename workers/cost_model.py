@@ -6,10 +6,16 @@ One schema for every engine (``CostReport``; ``/specgate/worker`` publishes it u
 
 - ``depths``: batch depths (running sequences) the curves are given at, ascending.
 - ``plain_step_ms``: a plain step's target forward (one token per sequence) at each depth.
-- ``step_cost[d][K]``: a step with K drafts per sequence (the target verifying K+1 tokens per
-  sequence plus K draft forwards) divided by a plain step at the same depth; ``[d][0]`` is 1.
-- ``verify_cost[d][n-1]`` and ``draft_cost[d]`` (optional): the two parts, the target forward of
-  n tokens per sequence relative to n = 1, and one draft forward relative to a plain step.
+- ``step_cost[d][K]``: a whole step with K drafts per sequence (the target verifying K+1 tokens
+  per sequence, K draft forwards, and the step's work outside the forwards) divided by a whole
+  plain step at the same depth; ``[d][0]`` is 1 (``policies.cost.whole_step_costs``).
+- ``verify_cost[d][n-1]`` and ``draft_cost[d]`` (optional): the forwards, the target's of n tokens
+  per sequence relative to n = 1, and one draft forward relative to a plain step's target forward.
+- ``step_overhead_ms[d]`` and ``draft_overhead_ms[d]``: the work outside the forwards, a plain
+  step's (sampling, bookkeeping; it grows with depth) and what each draft per sequence adds to
+  it. The embedded engine measures both; the simulated engine derives them from its model (0:
+  its steps are forwards only); a vLLM worker publishes 0, because its ``step_cost`` comes from
+  whole-step timings that already hold that work.
 
 Where the figures come from differs by engine: the embedded engine measures them at start-up
 (``workers/costs_measure.py``) and refines them online from its step timings
@@ -24,6 +30,8 @@ import threading
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Literal
+
+from policies.cost import whole_step_costs
 
 CostSource = Literal["measured", "cache", "derived", "online", "estimated"]
 # Folded per observation: about the last 50 steps that touched a curve point carry it, so the
@@ -81,6 +89,8 @@ class CostReport:
     total_points: int = 0
     measure_s: float = 0.0  # start-up measurement's wall time (0: from the cache or derived)
     cpu: str = ""
+    step_overhead_ms: tuple[float, ...] | None = None  # a plain step's work outside its forwards, per depth
+    draft_overhead_ms: tuple[float, ...] | None = None  # what each draft per sequence adds to it, per depth
 
     def to_json(self) -> dict[str, Any]:
         out = asdict(self)
@@ -92,6 +102,9 @@ class CostReport:
         def rows(value: Any) -> tuple[tuple[float, ...], ...] | None:
             return None if value is None else tuple(tuple(float(c) for c in row) for row in value)
 
+        def floats(value: Any) -> tuple[float, ...] | None:
+            return None if value is None else tuple(float(x) for x in value)
+
         precision = raw.get("precision")
         choice = None
         if precision is not None:
@@ -102,28 +115,42 @@ class CostReport:
         return cls(
             depths=tuple(int(d) for d in raw["depths"]), plain_step_ms=tuple(float(x) for x in raw["plain_step_ms"]),
             step_cost=step_cost, verify_cost=rows(raw.get("verify_cost")),
-            draft_cost=None if raw.get("draft_cost") is None else tuple(float(x) for x in raw["draft_cost"]),
+            draft_cost=floats(raw.get("draft_cost")),
             source=raw.get("source", "measured"), precision=choice, online_steps=int(raw.get("online_steps", 0)),
             acceptance=raw.get("acceptance"), measured_points=int(raw.get("measured_points", 0)),
             total_points=int(raw.get("total_points", 0)), measure_s=float(raw.get("measure_s", 0.0)),
-            cpu=str(raw.get("cpu", "")))
+            cpu=str(raw.get("cpu", "")), step_overhead_ms=floats(raw.get("step_overhead_ms")),
+            draft_overhead_ms=floats(raw.get("draft_overhead_ms")))
 
 
 def report_from_forward_times(depths: Sequence[int], target_s: Sequence[Sequence[float]], draft_s: Sequence[float],
-                              *, source: CostSource = "derived", **extra: Any) -> CostReport:
-    """The schema from absolute forward times: ``target_s[d][n-1]``, seconds of the target's
-    forward with n tokens per sequence (n = 1..max_k+1) at ``depths[d]``; ``draft_s[d]``, one
-    draft forward (one token per sequence) there. What the simulated engine calls with its
-    model's step times; what the embedded engine's measurements go through."""
+                              *, source: CostSource = "derived", overhead_s: Sequence[float] | None = None,
+                              draft_overhead_s: Sequence[float] | None = None, **extra: Any) -> CostReport:
+    """The schema from absolute times: ``target_s[d][n-1]``, seconds of the target's forward
+    with n tokens per sequence (n = 1..max_k+1) at ``depths[d]``; ``draft_s[d]``, one draft
+    forward (one token per sequence) there; ``overhead_s[d]`` and ``draft_overhead_s[d]``, a plain
+    step's work outside the forwards and what each draft per sequence adds to it (None: 0; a
+    negative estimate counts as 0). What the simulated engine calls with its model's step
+    times; what the embedded engine's measurements go through."""
+    fixed = [max(0.0, x) for x in overhead_s] if overhead_s is not None else [0.0] * len(depths)
+    per_draft = [max(0.0, x) for x in draft_overhead_s] if draft_overhead_s is not None else [0.0] * len(depths)
     step_cost, verify_cost, draft_cost = [], [], []
-    for times, draft in zip(target_s, draft_s, strict=True):
+    for times, draft, over, over_k in zip(target_s, draft_s, fixed, per_draft, strict=True):
         plain = times[0]
-        step_cost.append(tuple(round((times[k] + k * draft) / plain, 4) for k in range(len(times))))
+        step_cost.append(tuple(round(c, 4) for c in whole_step_costs(times, draft, over, over_k)))
         verify_cost.append(tuple(round(t / plain, 4) for t in times))
         draft_cost.append(round(draft / plain, 4))
     return CostReport(depths=tuple(depths), plain_step_ms=tuple(round(1000 * t[0], 4) for t in target_s),
                       step_cost=tuple(step_cost), verify_cost=tuple(verify_cost), draft_cost=tuple(draft_cost),
-                      source=source, **extra)
+                      source=source, step_overhead_ms=tuple(round(1000 * x, 4) for x in fixed),
+                      draft_overhead_ms=tuple(round(1000 * x, 4) for x in per_draft), **extra)
+
+
+def _ratio(curve: Sequence[float], i: int, depths: Sequence[int], depth: int) -> float:
+    """What scales an observation at ``depth`` to grid point ``i``: the curve's own ratio (1
+    where the curve is zero there, e.g. an overhead nobody measured yet)."""
+    here = _interpolate(depths, curve, depth)
+    return curve[i] / here if here > 0 and curve[i] > 0 else 1.0
 
 
 def _nearest(depths: Sequence[int], depth: int) -> int:
@@ -168,15 +195,21 @@ class OnlineCosts:
     Start-up measured them on a quiet context of 128 tokens; serving has longer contexts and
     neighbours that come and go. Each step's verification time (at its depth and widest row)
     and per-forward draft time move the nearest grid point by ``ONLINE_WEIGHT``, after scaling
-    the observation from the step's depth to the grid depth by the curves' own ratio.
+    the observation from the step's depth to the grid depth by the curves' own ratio. So does
+    the step's time outside its forwards: a plain step's moves ``overhead_s``; a speculative
+    step's, less the plain overhead at its depth and divided by its drafts per sequence, moves
+    ``draft_overhead_s``.
     """
 
     base: CostReport
     target_s: list[list[float]] = field(default_factory=list)
     draft_s: list[float] = field(default_factory=list)
+    overhead_s: list[float] = field(default_factory=list)
+    draft_overhead_s: list[float] = field(default_factory=list)
     steps: int = 0
     acceptance: _Acceptance = field(default_factory=_Acceptance)
-    seen: dict[tuple[int, int], int] = field(default_factory=dict)  # observations per (depth index, n; 0: draft)
+    # Observations per (depth index, n); n = 0: draft, -1: overhead, -2: draft overhead.
+    seen: dict[tuple[int, int], int] = field(default_factory=dict)
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
     def _weight(self, point: tuple[int, int]) -> float:
@@ -190,13 +223,19 @@ class OnlineCosts:
         self.target_s = [[p / 1000 * v for v in row] for p, row in zip(base.plain_step_ms, base.verify_cost,
                                                                          strict=True)]
         self.draft_s = [p / 1000 * d for p, d in zip(base.plain_step_ms, base.draft_cost, strict=True)]
+        zeros = (0.0,) * len(base.depths)
+        self.overhead_s = [x / 1000 for x in base.step_overhead_ms or zeros]
+        self.draft_overhead_s = [x / 1000 for x in base.draft_overhead_ms or zeros]
 
     def observe_step(self, depth: int, width: int, verify_s: float, draft_depth: int, draft_forwards: int,
-                     draft_s: float) -> None:
+                     draft_s: float, *, step_s: float = 0.0, drafts: int = 0) -> None:
         """One step: ``depth`` rows of up to ``width`` tokens verified in ``verify_s``, and
-        ``draft_forwards`` draft forwards of up to ``draft_depth`` rows in ``draft_s``."""
+        ``draft_forwards`` draft forwards of up to ``draft_depth`` rows in ``draft_s``; the whole
+        step took ``step_s`` (0: not timed) with ``drafts`` drafts over all its sequences."""
         depths = self.base.depths
         with self._lock:
+            if step_s > 0 and verify_s > 0 and depth >= 1:
+                self._observe_overhead(depth, step_s - verify_s - max(0.0, draft_s), drafts)
             if depth >= 1 and 1 <= width <= len(self.target_s[0]) and verify_s > 0:
                 i, n = _nearest(depths, depth), width - 1
                 column = [row[n] for row in self.target_s]
@@ -209,6 +248,19 @@ class OnlineCosts:
                 self.draft_s[i] += self._weight((i, 0)) * (scaled - self.draft_s[i])
             self.steps += 1
 
+    def _observe_overhead(self, depth: int, outside_s: float, drafts: int) -> None:
+        depths, i = self.base.depths, _nearest(self.base.depths, depth)
+        per_sequence = drafts / depth
+        if drafts <= 0:
+            scaled = outside_s * _ratio(self.overhead_s, i, depths, depth)
+            self.overhead_s[i] += self._weight((i, -1)) * (scaled - self.overhead_s[i])
+        elif per_sequence >= 1:
+            # Fewer drafts than sequences would divide timing noise by a small number; such
+            # steps (a few sequences speculating in a plain batch) teach nothing reliable here.
+            per_draft = (outside_s - _interpolate(depths, self.overhead_s, depth)) / per_sequence
+            scaled = per_draft * _ratio(self.draft_overhead_s, i, depths, depth)
+            self.draft_overhead_s[i] += self._weight((i, -2)) * (scaled - self.draft_overhead_s[i])
+
     def observe_drafts(self, proposed: int, accepted: int) -> None:
         with self._lock:
             self.acceptance.add(proposed, accepted)
@@ -220,10 +272,13 @@ class OnlineCosts:
     def report(self) -> CostReport:
         with self._lock:
             target, draft, steps, alpha = [list(r) for r in self.target_s], list(self.draft_s), self.steps, self.alpha
+            overhead, draft_overhead = list(self.overhead_s), list(self.draft_overhead_s)
         source: CostSource = "online" if steps else self.base.source
-        live = report_from_forward_times(self.base.depths, target, draft, source=source)
+        live = report_from_forward_times(self.base.depths, target, draft, source=source, overhead_s=overhead,
+                                         draft_overhead_s=draft_overhead)
         return replace(self.base, plain_step_ms=live.plain_step_ms, step_cost=live.step_cost,
                        verify_cost=live.verify_cost, draft_cost=live.draft_cost, source=live.source,
+                       step_overhead_ms=live.step_overhead_ms, draft_overhead_ms=live.draft_overhead_ms,
                        online_steps=steps, acceptance=None if alpha is None else round(alpha, 4))
 
 
@@ -271,9 +326,12 @@ class StepTimeCosts:
             return None
         observed = sorted(curves)
         rows = [curves[_closest(observed, i)] for i in range(len(self.depths))]
+        # Whole-step timings already hold each step's work outside the forwards: no separate term.
+        zeros = (0.0,) * len(self.depths)
         return CostReport(depths=self.depths, plain_step_ms=tuple(round(1000 * p, 4) for p, _ in rows),
                           step_cost=tuple(tuple(round(c, 4) for c in costs) for _, costs in rows),
-                          source="estimated", online_steps=steps, acceptance=None if alpha is None else round(alpha, 4))
+                          step_overhead_ms=zeros, draft_overhead_ms=zeros, source="estimated", online_steps=steps,
+                          acceptance=None if alpha is None else round(alpha, 4))
 
 
 def _closest(observed: Sequence[int], i: int) -> int:

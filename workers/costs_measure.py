@@ -9,7 +9,12 @@ Before a worker reports ready it spends at most ``budget_s`` here (or nothing, o
    the draft. The candidates take turns, one forward each, so a noisy neighbour hits them
    alike. The choice is the best predicted batch-1 throughput (at ``REFERENCE_ALPHA``) among
    the bit-identical ones; ``workers.exact: false`` admits the others. CPU flags decide nothing.
-2. **Depth.** The chosen target and the draft are timed at the deeper batch depths (1, 2, 4, ...,
+2. **Step overhead.** The engine itself steps the chosen target and the draft, plain and
+   speculative, and the time each step spends outside its forwards (sampling, bookkeeping) is
+   kept: at batch 1 for a plain step and per draft, and at a deeper batch for a plain step
+   (``measure_overheads``). Forward times alone price speculation too high where forwards
+   are cheap, since a plain step pays that work too.
+3. **Depth.** The chosen target and the draft are timed at the deeper batch depths (1, 2, 4, ...,
    max_slots) for a subset of n, interpolated in n; points the budget did not reach are
    extrapolated from the deepest measured depth, and the report counts both.
 """
@@ -36,6 +41,8 @@ from workers.cost_model import (
     depth_grid,
     report_from_forward_times,
 )
+from workers.engine import GenerationRequest, SpeculativeEngine
+from workers.engine_api import SamplingParams
 from workers.model import TORCH_DTYPES, CacheBatch, KVCache, LlamaForCausalLM, bf16_prepacking_available
 
 log = logging.getLogger(__name__)
@@ -46,6 +53,9 @@ TargetDtype = Literal["float32", "bfloat16"]
 REFERENCE_ALPHA = 0.8
 CONTEXT = 128  # tokens already in the cache when a forward is timed
 REPS = 3  # timings per point; the median is kept
+# The deeper batch the step overhead is timed at (or max_slots, if smaller): deep enough that
+# its per-sequence part stands out of timing noise, shallow enough to be cheap.
+OVERHEAD_DEPTH = 16
 
 
 @dataclass(frozen=True)
@@ -223,12 +233,13 @@ def measure_with_model(settings: MeasureSettings) -> tuple[CostReport, LlamaForC
     chosen, why = choose_precision(candidates, settings)
     chosen_dtype = next(d for d in targets if d == chosen.target)
     target, cache = targets[chosen_dtype], caches[chosen_dtype]
+    depths = depth_grid(full)
+    overhead_s, draft_overhead_s = measure_overheads(target, draft, max_k, depths, started + 0.7 * settings.budget_s)
     # Phase 2, the chosen target: every n at batch 1, then the full batch and the depths between
     # (a sparse n each), until the budget ends.
     measured = {1: {n: times[(chosen.target, 1, n)] for n in n_plan}}
     measured.setdefault(full, {})[1] = times[(chosen.target, full, 1)]  # (full may be 1: the same point)
     draft_measured = {1: times[("draft", 1, 1)]} if draft is not None else {}
-    depths = depth_grid(full)
     # The full batch's slope in n first (phase 1 timed it plain only), then every n at batch 1.
     plan: list[tuple[int, int]] = [(full, 2)] if full > 1 and width > 1 else []
     plan += [(1, n) for n in range(1, width + 1) if n not in n_plan]
@@ -250,9 +261,65 @@ def measure_with_model(settings: MeasureSettings) -> tuple[CostReport, LlamaForC
                              tuple(candidates))
     log.info("cost model measured in %.2fs: %s", elapsed, why)
     report = report_from_forward_times(depths, target_s, draft_s, source="measured", precision=choice,
+                                       overhead_s=overhead_s, draft_overhead_s=draft_overhead_s,
                                        measured_points=sum(len(r) for r in measured.values()),
                                        total_points=width * len(depths), measure_s=round(elapsed, 3), cpu=cpu_label())
     return report, target
+
+
+@torch.inference_mode()
+def measure_overheads(target: LlamaForCausalLM, draft: LlamaForCausalLM | None, max_k: int,
+                      depths: tuple[int, ...], until: float) -> tuple[list[float], list[float]]:
+    """Per grid depth, seconds of a plain step outside its forwards, and what each draft per
+    sequence adds to that, timed on the engine that will serve (``SpeculativeEngine``).
+
+    Outside = the whole step less the engine's own draft and target phases, step by step, so
+    context length and machine load cancel. Timed at batch 1 (plain and at ``max_k``,
+    alternating) and plain at a deeper batch; the plain part is linear in depth between them
+    (per-sequence work) and beyond; the per-draft part is per (sequence, draft), so it grows in
+    proportion to depth. Rounds stop at ``until``, after at least one of each.
+    """
+    k = max_k if draft is not None else 0
+    deep = min(depths[-1], OVERHEAD_DEPTH)
+    engine = SpeculativeEngine(target, draft, max_slots=deep, max_k=k)
+    greedy = SamplingParams(temperature=0.0)
+    live: list[str] = []  # sequences in the engine, oldest first
+    added = 0
+
+    def outside(depth: int, step_k: int) -> float | None:
+        nonlocal added
+        while len(live) > depth:  # leave exactly ``depth`` sequences
+            engine.abort(live.pop())
+        while len(live) < depth:  # one-token prompts: no prefill forward
+            live.append(f"o{added}")
+            engine.add(GenerationRequest(live[-1], [5 + added % 64], 256, greedy))
+            added += 1
+        for request_id in live:
+            engine.set_k(request_id, step_k)
+        for event in engine.step():
+            if event.finish_reason is not None:
+                live.remove(event.request_id)
+        shape = engine.last_shape
+        if shape.target_rows != depth or shape.prefill or shape.drafts != depth * step_k:
+            return None  # a sequence ended or drafted less (end of its budget): not this shape
+        return engine.last_step_s - engine.last_target_s - engine.last_draft_s
+
+    plans = [(1, 0)] + ([(1, k)] if k else []) + ([(deep, 0)] if deep > 1 else [])
+    samples: dict[tuple[int, int], list[float]] = {plan: [] for plan in plans}
+    with torch.inference_mode():
+        for plan in plans:  # warm-up: first-call allocations, each shape once
+            outside(*plan)
+        for _ in range(5):
+            for plan in plans:
+                if (value := outside(*plan)) is not None:
+                    samples[plan].append(value)
+            if time.perf_counter() > until and all(samples.values()):
+                break
+    med = {plan: statistics.median(v) for plan, v in samples.items() if v}
+    plain_1 = max(0.0, med.get((1, 0), 0.0))
+    per_sequence = max(0.0, (med[(deep, 0)] - plain_1) / (deep - 1)) if (deep, 0) in med else 0.0
+    per_draft_1 = max(0.0, (med[(1, k)] - plain_1) / k) if k and (1, k) in med else 0.0
+    return [plain_1 + per_sequence * (d - 1) for d in depths], [per_draft_1 * d for d in depths]
 
 
 @torch.inference_mode()

@@ -71,13 +71,15 @@ class _Sequence:
 @dataclass(frozen=True)
 class StepShape:
     """What the last step's forwards computed: the target's rows and widest row, whether a
-    prefill forward ran too (its time is then in the target's), and the draft's rows and forwards."""
+    prefill forward ran too (its time is then in the target's), the draft's rows and forwards,
+    and the drafts proposed over all sequences."""
 
     target_rows: int
     target_width: int
     prefill: bool
     draft_rows: int
     draft_forwards: int
+    drafts: int = 0
 
 
 @dataclass(frozen=True)
@@ -122,10 +124,12 @@ class SpeculativeEngine:
         # Prompt tails up to this many tokens ride in the batched decode forward; longer ones
         # (prefills) get a forward of their own so the batch is not padded to prompt length.
         self._batched_row_limit = self.max_k + 2
-        # Wall time of the last step's draft proposals and target verification (metrics), and
+        # Wall time of the last step's draft proposals and target verification (metrics), of the
+        # whole step (what is outside those two is the cost model's per-step overhead), and
         # their shapes (the cost model's online refinement, workers/cost_model.py).
         self.last_draft_s = 0.0
         self.last_target_s = 0.0
+        self.last_step_s = 0.0
         self.last_shape = StepShape(0, 0, False, 0, 0)
 
     # -- queue management ----------------------------------------------------------------
@@ -203,6 +207,7 @@ class SpeculativeEngine:
     # -- one step --------------------------------------------------------------------------
     @torch.inference_mode()
     def step(self) -> list[StepEvent]:
+        step_started = time.perf_counter()
         self._admit()
         if not self._running:
             return []
@@ -231,7 +236,7 @@ class SpeculativeEngine:
         self.last_draft_s, self.last_target_s = proposed - started, time.perf_counter() - proposed
         drafting = [s.step_k for s in seqs if s.step_k > 0]
         self.last_shape = StepShape(len(rows), max((len(r.new_tokens) for r in rows), default=0),
-                                    prefill, len(drafting), max(drafting, default=0))
+                                    prefill, len(drafting), max(drafting, default=0), sum(drafting))
         events = []
         for seq, logits in zip(seqs, target_logits, strict=True):
             if logits is None:
@@ -243,6 +248,7 @@ class SpeculativeEngine:
         for request_id, error in failed.items():
             self.abort(request_id)
             events.append(StepEvent(request_id, [], 0, 0, depth, error=error))
+        self.last_step_s = time.perf_counter() - step_started
         return events
 
     def _forward_isolated(self, model: LlamaForCausalLM, cache: KVCache, seqs: list[_Sequence], rows: list[_Row],

@@ -12,6 +12,7 @@ import asyncio
 import logging
 import queue
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -62,6 +63,10 @@ class EngineRunner:
         self._cost_rule = False
         self._cost_table: dict[tuple[int, int], int] = {}
         self._cost_table_age = COST_TABLE_STEPS
+        # This loop's own per-step work after the engine's step (accounting, handing events to
+        # the event loop): part of a step's cost outside the forwards, so it is added to the
+        # next step's observed time (the engine cannot time it).
+        self._tail_s = 0.0
         engine.step_depth_rule = self._step_depth
 
     @property
@@ -153,6 +158,7 @@ class EngineRunner:
                 continue
             try:
                 events = self.engine.step()
+                stepped = time.perf_counter()
             except Exception as exc:  # outside any one sequence's work (a bug): fail what is in flight
                 log.exception("engine step failed")
                 for request_id in list(self._sinks):
@@ -171,6 +177,7 @@ class EngineRunner:
                 self._deliver(event.request_id, event)
                 if event.finish_reason is not None:
                     self._sinks.pop(event.request_id, None)
+            self._tail_s = time.perf_counter() - stepped
             if not self.engine.has_work:
                 self._went_idle()
 
@@ -189,7 +196,8 @@ class EngineRunner:
             shape = engine.last_shape
             self.costs.observe_step(shape.target_rows, shape.target_width,
                                     0.0 if shape.prefill else engine.last_target_s, shape.draft_rows,
-                                    shape.draft_forwards, engine.last_draft_s)
+                                    shape.draft_forwards, engine.last_draft_s,
+                                    step_s=engine.last_step_s + self._tail_s, drafts=shape.drafts)
             for event in events:
                 self.costs.observe_drafts(event.proposed, event.accepted)
             self._cost_table_age -= 1

@@ -149,7 +149,18 @@ class SimEngine:
                         for d in depths]
             draft_s = [cost.forward(self.config.draft, d, d * COST_CONTEXT) if self.config.draft is not None
                        else 0.0 for d in depths]
-            self._cost_report = report_from_forward_times(depths, target_s, draft_s, source="derived")
+            # The step's time outside its forwards, as the model has it: a whole modelled step
+            # less its forwards (0 today: the model's fixed overhead is per forward, already in
+            # the forward times; this follows the model if it grows a per-step term).
+            contexts = [[COST_CONTEXT] * d for d in depths]
+            overhead_s = [cost.step_time([0] * d, ctx)[0] - t[0] for d, ctx, t in zip(depths, contexts, target_s,
+                                                                                     strict=True)]
+            draft_overhead_s = [(cost.step_time([max_k] * d, ctx)[0] - t[max_k] - max_k * dr - o) / max_k
+                                if max_k and self.config.draft is not None else 0.0
+                                for d, ctx, t, dr, o in zip(depths, contexts, target_s, draft_s, overhead_s,
+                                                            strict=True)]
+            self._cost_report = report_from_forward_times(depths, target_s, draft_s, source="derived",
+                                                          overhead_s=overhead_s, draft_overhead_s=draft_overhead_s)
         return self._cost_report
 
     def set_batch_thresholds(self, max_batch: int, batch_resume: int, max_step_drafts: int = 0,
