@@ -141,12 +141,15 @@ class AutoK:
     def __init__(self, costs: OnlineCosts, alpha: float, max_k: int) -> None:
         self.costs, self.alpha, self.max_k = costs, alpha, max_k
         self.calls, self.model = 0, live_model(costs)
+        self.chosen: dict[int, int] = {}  # K -> sequence-steps it was chosen for (why auto wins or loses)
 
     def __call__(self, requested_k: int, depth: int) -> int:
         self.calls += 1
         if self.calls % 256 == 0:
             self.model = live_model(self.costs)
-        return min(requested_k, choose_k(self.model, self.alpha, depth, self.max_k, 0.05, 0.0))
+        k = min(requested_k, choose_k(self.model, self.alpha, depth, self.max_k, 0.05, 0.0))
+        self.chosen[k] = self.chosen.get(k, 0) + 1
+        return k
 
 
 def forward_times(models: dict[str, tuple[LlamaForCausalLM, int]], drafts: tuple[LlamaForCausalLM, ...], reps: int,
@@ -318,26 +321,27 @@ def main() -> None:
             coupled_by_t[str(temperature)] = round(coupled.alpha, 4)
             line += f", seeded (coupled) {coupled.alpha:.3f} over {coupled.tested} tested drafts"
         log(f"{line}; standard over {result.tested} tested drafts")
-    batched: dict[str, float] = {}
+    batched: dict[str, float | dict[str, int]] = {}
     del engine  # its caches; the batched runs get a plain and a speculative engine of their own
     for size in batch_sizes:
         group = (prompts * (size // len(prompts) + 1))[:size]
         # K auto: each step's K from the cost model at that step's depth (what the gateway's
         # choice and the worker's per-step rule give together), at the measured alpha. Keyed
         # kmax + 1 (requests ask for the deepest K; the rule cuts it).
-        auto = SpeculativeEngine(target, draft, max_slots=size, max_k=args.kmax,
-                                 step_depth_rule=AutoK(online, best.alpha, args.kmax))
+        rule = AutoK(online, best.alpha, args.kmax)
+        auto = SpeculativeEngine(target, draft, max_slots=size, max_k=args.kmax, step_depth_rule=rule)
         trio = {0: SpeculativeEngine(target, draft, max_slots=size, max_k=args.kmax),
                 best_k: SpeculativeEngine(target, draft, max_slots=size, max_k=args.kmax), args.kmax + 1: auto}
         both, _ = run_interleaved(trio, [group], args.batch_max_tokens, 0.0, costs=online)
         p, s, a = both[0], both[best_k], both[args.kmax + 1]
         batched[f"tok_s_b{size}_plain"], batched[f"tok_s_b{size}_spec"] = round(p.tok_s, 1), round(s.tok_s, 1)
         batched[f"tok_s_b{size}_auto"] = round(a.tok_s, 1)
+        batched[f"auto_k_sequence_steps_b{size}"] = {str(k): n for k, n in sorted(rule.chosen.items())}
         batched[f"draft_share_b{size}_spec"] = round(s.draft_share, 3)
         log(f"batch {size}, T=0: plain {p.tok_s:.1f} tok/s, speculative K={best_k} {s.tok_s:.1f} tok/s "
             f"({s.tok_s / p.tok_s:.2f}x), alpha {s.alpha:.3f}, drafting {100 * s.draft_share:.0f}% of its time; "
             f"K auto (K={choose_k(live_model(online), best.alpha, size, args.kmax, 0.05, 0.0)} at depth {size}) "
-            f"{a.tok_s:.1f} tok/s ({a.tok_s / p.tok_s:.2f}x)")
+            f"{a.tok_s:.1f} tok/s ({a.tok_s / p.tok_s:.2f}x); sequence-steps by K {dict(sorted(rule.chosen.items()))}")
     summary = {
         "bench": "engine", "dtype": args.dtype, "target_prepacked": target.prepacked,
         "draft_dtype": args.draft_dtype, "threads": args.threads,

@@ -9,10 +9,12 @@ from pathlib import Path
 import pytest
 import torch
 
+import workers.cost_cache as cost_cache
 import workers.costs_measure as costs_measure
-from policies import CostModel
+from policies import CostModel, whole_step_costs
 from workers.cost_cache import CostCache, cpu_label
 from workers.cost_model import (
+    LOAD_WEIGHT,
     ONLINE_WEIGHT,
     CostReport,
     OnlineCosts,
@@ -85,6 +87,17 @@ def test_measurement_on_the_demo_models(one_thread: None) -> None:
     chosen = next(c for c in report.precision.candidates if c.target == report.precision.target)
     assert report.precision.exact == chosen.bit_identical
     assert 5 <= report.measured_points <= report.total_points == 15
+    # The step's work outside the forwards: measured on the engine, never negative, not shrinking
+    # with depth, and inside step_cost as policies.cost.whole_step_costs adds it up.
+    assert report.step_overhead_ms is not None and report.draft_overhead_ms is not None
+    assert len(report.step_overhead_ms) == len(report.draft_overhead_ms) == len(report.depths)
+    assert all(x >= 0 for x in report.step_overhead_ms + report.draft_overhead_ms)
+    assert list(report.step_overhead_ms) == sorted(report.step_overhead_ms)
+    assert report.verify_cost is not None and report.draft_cost is not None
+    for i, plain in enumerate(report.plain_step_ms):
+        parts = whole_step_costs([plain * v for v in report.verify_cost[i]], plain * report.draft_cost[i],
+                                 report.step_overhead_ms[i], report.draft_overhead_ms[i])
+        assert report.step_cost[i] == pytest.approx(parts, abs=2e-3)
     # The published JSON is what the gateway builds its policy model from.
     model = CostModel.from_json(report.to_json())
     assert model.depths == report.depths and model.max_k == 4
@@ -127,6 +140,89 @@ def test_cache_miss_then_hit(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) ->
     assert len(calls) == 4
 
 
+def test_cache_entries_of_another_schema_are_measured_again(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """An entry written before the overhead term (schema 1) is a miss: its step costs hold no
+    work outside the forwards, and a worker must not serve them as if they did."""
+    calls: list[MeasureSettings] = []
+    fake = report_from_forward_times((1,), [[0.01, 0.012]], [0.002], source="measured", overhead_s=[0.001])
+
+    def fake_measure(s: MeasureSettings) -> tuple[CostReport, None]:
+        calls.append(s)
+        return fake, None
+
+    monkeypatch.setattr(costs_measure, "measure_with_model", fake_measure)
+    cache_dir, wanted = tmp_path / "cache", settings(max_k=1, max_slots=1)
+    monkeypatch.setattr(cost_cache, "SCHEMA_VERSION", 1)
+    old_key = wanted.cache_key()
+    measure_or_load(wanted, cache_dir)
+    assert len(calls) == 1 and CostCache(cache_dir).load(old_key) is not None
+    monkeypatch.setattr(cost_cache, "SCHEMA_VERSION", 2)
+    assert wanted.cache_key() != old_key
+    report, _ = measure_or_load(wanted, cache_dir)
+    assert len(calls) == 2 and report.step_overhead_ms == (1.0,)
+    assert measure_or_load(wanted, cache_dir)[0].source == "cache" and len(calls) == 2
+    # A report in the old format still parses (a gateway reading an older worker): no overhead.
+    old_format = {k: v for k, v in fake.to_json().items() if k not in ("step_overhead_ms", "draft_overhead_ms")}
+    assert CostReport.from_json(old_format).step_overhead_ms is None
+
+
+def test_overhead_outside_the_forwards_enters_every_step_cost() -> None:
+    target_s, draft_s = [[0.010, 0.015, 0.020]], [0.002]
+    bare = report_from_forward_times((1,), target_s, draft_s)
+    assert bare.step_cost[0] == (1.0, 1.7, 2.4) and bare.step_overhead_ms == (0.0,)
+    # 2 ms a step outside the forwards: speculation is relatively cheaper than the forwards say...
+    fixed = report_from_forward_times((1,), target_s, draft_s, overhead_s=[0.002])
+    assert fixed.step_cost[0] == pytest.approx((1.0, 19 / 12, 26 / 12), abs=1e-4)
+    # ...and 1 ms more per draft makes it dearer again; negative estimates (noise) count as 0.
+    per_draft = report_from_forward_times((1,), target_s, draft_s, overhead_s=[0.002], draft_overhead_s=[0.001])
+    assert per_draft.step_cost[0] == pytest.approx((1.0, 20 / 12, 28 / 12), abs=1e-4)
+    assert report_from_forward_times((1,), target_s, draft_s, overhead_s=[-0.001]).step_cost == bare.step_cost
+    # The schema survives the JSON round trip.
+    assert CostReport.from_json(per_draft.to_json()) == per_draft
+
+
+def test_online_refinement_moves_the_overhead_toward_step_timings() -> None:
+    costs = OnlineCosts(base_report())
+    assert costs.overhead_s == [0.0, 0.0]
+    # Plain steps at depth 4 spend 3 ms outside their 20 ms forward.
+    for _ in range(300):
+        costs.observe_step(4, 1, 0.020, 0, 0, 0.0, step_s=0.023)
+    assert costs.overhead_s[1] == pytest.approx(0.003, rel=0.01) and costs.overhead_s[0] == 0.0
+    plain_only = costs.report()
+    assert plain_only.step_overhead_ms == pytest.approx((0.0, 3.0), abs=0.05)
+    assert plain_only.step_cost[1][2] < base_report().step_cost[1][2]  # speculation looks cheaper
+    # Speculative steps (2 drafts per sequence) spend 1 ms more per draft outside the forwards.
+    for _ in range(300):
+        costs.observe_step(4, 3, 0.040, 4, 2, 0.008, step_s=0.048 + 0.003 + 0.002, drafts=8)
+    assert costs.draft_overhead_s[1] == pytest.approx(0.001, rel=0.02)
+    assert costs.report().step_cost[1][2] > plain_only.step_cost[1][2]
+    # Untimed steps, prefills (no verification time) and steps where few sequences drafted say nothing.
+    before = (list(costs.overhead_s), list(costs.draft_overhead_s))
+    costs.observe_step(4, 1, 0.020, 0, 0, 0.0)
+    costs.observe_step(4, 1, 0.0, 0, 0, 0.0, step_s=0.5)
+    costs.observe_step(4, 2, 0.030, 1, 1, 0.004, step_s=0.5, drafts=1)
+    assert (costs.overhead_s, costs.draft_overhead_s) == before
+    # A start-up measurement's overhead is where refinement starts.
+    measured = report_from_forward_times((1, 4), [[0.010, 0.011, 0.012], [0.020, 0.030, 0.040]], [0.002, 0.004],
+                                         overhead_s=[0.001, 0.002], draft_overhead_s=[0.0001, 0.0004])
+    assert OnlineCosts(measured).overhead_s == pytest.approx([0.001, 0.002])
+    assert OnlineCosts(measured).report().step_cost == measured.step_cost
+
+
+def test_the_sim_derives_no_overhead_and_vllm_estimates_none() -> None:
+    """The sim's steps are its forwards (its fixed cost is per forward, inside them); vLLM's
+    whole-step timings already hold the work outside the forwards. Both publish the field."""
+    from workers.engines.sim import SimEngine, SimSettings
+
+    sim = SimEngine(SimSettings(MODELS / "demo-target", max_slots=8, max_k=4)).cost_model
+    assert sim.step_overhead_ms == sim.draft_overhead_ms == (0.0,) * len(sim.depths)
+    vllm = StepTimeCosts(depth_grid(8), max_k=4)
+    vllm.observe(1, 0, 0.010)
+    vllm.observe(1, 2, 0.014)
+    report = vllm.report()
+    assert report is not None and report.step_overhead_ms == (0.0,) * len(report.depths)
+
+
 def base_report() -> CostReport:
     # Depths 1 and 4; target 10 ms plain at depth 1, 20 ms at depth 4; n = 1..3 tokens.
     return report_from_forward_times((1, 4), [[0.010, 0.011, 0.012], [0.020, 0.030, 0.040]], [0.002, 0.004],
@@ -136,30 +232,49 @@ def base_report() -> CostReport:
 def test_online_refinement_moves_costs_toward_step_timings() -> None:
     costs = OnlineCosts(base_report())
     assert costs.report().step_cost == base_report().step_cost and costs.report().online_steps == 0
-    # The machine got busier: verifying 3 tokens at depth 4 now takes 80 ms, drafting 8 ms.
+    # Verifying 3 tokens at depth 4 now takes 80 ms (start-up: 40), drafting 8 ms (4), while
+    # plain steps there still take their 20 ms: a dearer verification, not a busier machine.
     for _ in range(300):
+        costs.observe_step(4, 1, 0.020, 0, 0, 0.0)
         costs.observe_step(4, 3, 0.080, 4, 2, 0.016)
     report = costs.report()
-    assert report.source == "online" and report.online_steps == 300
-    assert costs.target_s[1][2] == pytest.approx(0.080, rel=0.01)
-    assert costs.draft_s[1] == pytest.approx(0.008, rel=0.01)
-    assert report.step_cost[1][2] > base_report().step_cost[1][2]
+    assert report.source == "online" and report.online_steps == 600
+    target, draft, _, _ = costs.seconds()
+    assert target[1][0] == pytest.approx(0.020, rel=0.03) and target[1][2] == pytest.approx(0.080, rel=0.03)
+    assert draft[1] == pytest.approx(0.008, rel=0.03)
+    assert report.step_cost[1][2] == pytest.approx((0.080 + 2 * 0.008) / 0.020, rel=0.03)
     assert report.step_cost[0] == base_report().step_cost[0]  # depth 1 untouched
     # A point's first observation counts half, later ones less, down to ONLINE_WEIGHT; a depth
-    # between grid points is scaled to the nearest one by the curve's own shape.
+    # between grid points is scaled to the nearest one by the curve's own shape; observations
+    # are divided by the load before they move a point.
     fresh = OnlineCosts(base_report())
     fresh.observe_step(2, 1, 0.030, 0, 0, 0.0)
     expected_at_depth_1 = 0.030 * 0.010 / (0.010 + (0.020 - 0.010) / 3)
-    assert fresh.target_s[0][0] == pytest.approx(0.010 + 0.5 * (expected_at_depth_1 - 0.010))
+    assert fresh.load_at(0) == pytest.approx(1 + LOAD_WEIGHT * (expected_at_depth_1 / 0.010 - 1))
+    assert fresh.target_s[0][0] == pytest.approx(0.010 + 0.5 * (expected_at_depth_1 / fresh.load_at(0) - 0.010))
     for _ in range(100):
         fresh.observe_step(1, 2, 0.011, 0, 0, 0.0)
     before = fresh.target_s[0][1]
     fresh.observe_step(1, 2, 0.021, 0, 0, 0.0)
-    assert fresh.target_s[0][1] == pytest.approx(before + ONLINE_WEIGHT * (0.021 - before))
+    assert fresh.target_s[0][1] == pytest.approx(before + ONLINE_WEIGHT * (0.021 / fresh.load_at(0) - before))
     # Steps that do not fit the grid (a prefill, a prompt riding along) are ignored.
     fresh.observe_step(1, 9, 1.0, 0, 0, 0.0)
     fresh.observe_step(1, 1, 0.0, 0, 0, 0.0)
     assert fresh.target_s[0][2] == 0.012
+
+
+def test_a_busier_machine_leaves_unobserved_points_in_proportion() -> None:
+    """Only plain steps run at depth 4 while the machine gets twice as slow: the speculative
+    points nobody timed must slow down with them, not look twice as cheap as before."""
+    costs = OnlineCosts(base_report())
+    for _ in range(300):
+        costs.observe_step(4, 1, 0.040, 0, 0, 0.0)
+    report = costs.report()
+    assert report.plain_step_ms[1] == pytest.approx(40.0, rel=0.02)
+    assert report.step_cost[1] == pytest.approx(base_report().step_cost[1], rel=0.02)
+    # Depth 1 was never observed: it follows the machine-wide load.
+    assert costs.load == pytest.approx(2.0, rel=0.02) and report.plain_step_ms[0] == pytest.approx(20.0, rel=0.02)
+    assert report.step_cost[0] == pytest.approx(base_report().step_cost[0], rel=0.02)
 
 
 def test_online_acceptance_counts_tested_drafts() -> None:

@@ -28,6 +28,7 @@ from policies import (
     record_decision,
     step_cost,
     step_k,
+    whole_step_costs,
 )
 from tests.policy_data import COOL, PROPERTY
 
@@ -119,6 +120,49 @@ def test_chosen_k_maximizes_the_objective(model: CostModel, alpha: float, depth:
     ks = range(min(max_k, model.max_k) + 1)
     assert k in ks
     assert all(objective(model, alpha, k, depth, min_gain) >= objective(model, alpha, j, depth, min_gain) for j in ks)
+
+
+@st.composite
+def step_parts(draw: st.DrawFn) -> tuple[list[float], float, float, float]:
+    """One depth's parts in ms: target forwards of n = 1.. tokens (growing), a draft forward,
+    the step's work outside the forwards and what each draft adds to it."""
+    target = [draw(st.floats(1.0, 100.0))]
+    for _ in range(draw(st.integers(1, 9))):
+        target.append(target[-1] + draw(st.floats(0.0, 50.0)))
+    return (target, draw(st.floats(0.0, 50.0)), draw(st.floats(0.0, 50.0)), draw(st.floats(0.0, 5.0)))
+
+
+@PROPERTY
+@given(parts=step_parts(), alpha=alphas, min_gain=st.floats(0.0, 0.5))
+def test_chosen_k_maximizes_tokens_per_second_including_the_overhead(
+        parts: tuple[list[float], float, float, float], alpha: float, min_gain: float) -> None:
+    """Tokens per second from the parts themselves, written out independently of the model: the
+    K chosen is the best one, the step's work outside the forwards counted in every step."""
+    target, draft, overhead, draft_overhead = parts
+    model = CostModel((1,), (whole_step_costs(target, draft, overhead, draft_overhead),))
+    k = choose_k(model, alpha, 1, 16, min_gain, 0.0)
+
+    def tokens_per_ms(j: int) -> float:
+        step_ms = target[j] + j * (draft + draft_overhead) + overhead
+        return expected_tokens(alpha, j) / step_ms * (1.0 + min_gain if j == 0 else 1.0)
+
+    best = max(tokens_per_ms(j) for j in range(len(target)))
+    assert tokens_per_ms(k) == pytest.approx(best, rel=1e-9)
+
+
+def test_overhead_outside_the_forwards_can_make_speculation_pay() -> None:
+    """The AVX512 CPU's curve at alpha 0.5: on forwards alone no K beats plain by min_gain; when a
+    plain step also spends half its forward's time on sampling and bookkeeping, K=1 does."""
+    forwards = [10.0 * v for v in AVX512_VERIFY]
+    bare = CostModel((1,), (whole_step_costs(forwards, 3.0),))
+    busy = CostModel((1,), (whole_step_costs(forwards, 3.0, overhead_s=5.0),))
+    assert bare.step_cost[0] == pytest.approx(curve(AVX512_VERIFY, 0.3))
+    assert choose_k(bare, 0.5, 1, 8, AUTO.min_gain, 0.0) == 0
+    assert choose_k(busy, 0.5, 1, 8, AUTO.min_gain, 0.0) == 1
+    assert gain(busy, 0.5, 1, 1) == pytest.approx(1.5 * 15.0 / (12.3 + 3.0 + 5.0))
+    # Work per draft outside the forwards counts against speculation.
+    drafty = CostModel((1,), (whole_step_costs(forwards, 3.0, overhead_s=5.0, draft_overhead_s=2.0),))
+    assert choose_k(drafty, 0.5, 1, 8, AUTO.min_gain, 0.0) == 0
 
 
 @PROPERTY

@@ -255,6 +255,20 @@ def test_step_accounting_sampled_with_depth_rule(target_model: LlamaForCausalLM,
                for s in run.steps for e in s)
 
 
+
+def test_step_times_and_shape_cover_the_whole_step(target_model: LlamaForCausalLM,
+                                                   draft_model: LlamaForCausalLM) -> None:
+    """What the cost model's overhead term is read from: the whole step's time holds its draft and
+    target phases, and the shape counts every sequence's drafts."""
+    engine = SpeculativeEngine(target_model, draft_model, max_slots=3, max_k=MAX_K)
+    for i, k in enumerate((3, 1, 0)):
+        engine.add(GenerationRequest(f"r{i}", PROMPTS[i][:4], 20, GREEDY, k=k))
+    engine.step()  # short prompts ride in the batched forward: no prefill forward
+    shape = engine.last_shape
+    assert (shape.target_rows, shape.prefill, shape.draft_rows, shape.draft_forwards) == (3, False, 2, 3)
+    assert shape.drafts == 3 + 1
+    assert engine.last_step_s >= engine.last_target_s + engine.last_draft_s > 0
+
 # -- 3. the output distribution at T=1 ---------------------------------------------------------
 DIST_PROMPT = [17, 37, 41, 45, 24]
 DIST_K = 2

@@ -39,6 +39,9 @@ CostSource = Literal["measured", "cache", "derived", "online", "estimated"]
 # them by 2%. A point's first observations weigh more (1/2, 1/3, ... down to this): many
 # points were interpolated at start-up, and the start-up timing is one sample of a quiet moment.
 ONLINE_WEIGHT = 0.02
+# The load factor (a depth's seconds now over its start-up seconds) moves this much per observed
+# forward: about the last 20 forwards, a few steps, since a neighbour's load comes and goes fast.
+LOAD_WEIGHT = 0.05
 # The worker's own acceptance estimate (per-step batch rule): evidence this many tested drafts
 # old weighs half.
 ACCEPTANCE_HALF_LIFE = 256.0
@@ -199,17 +202,31 @@ class OnlineCosts:
     the step's time outside its forwards: a plain step's moves ``overhead_s``; a speculative
     step's, less the plain overhead at its depth and divided by its drafts per sequence, moves
     ``draft_overhead_s``.
+
+    **Load.** A step observes one or two points of a depth's curve; the others are not timed
+    until some step has their shape. If points held absolute seconds, a busier machine would
+    raise the observed points (plain steps, mostly) and leave the rest at quiet start-up
+    seconds, so the K nobody ran would look ever cheaper, and be chosen, wrongly. So the points
+    are kept in start-up units: each depth has a load factor (an average of observed seconds
+    over their start-up values, ``LOAD_WEIGHT`` per observation; a depth not yet observed uses
+    the machine-wide one), observations are divided by it before they move a point, and the
+    published seconds are points times load. A point never observed keeps its start-up ratio to
+    the observed ones.
     """
 
     base: CostReport
-    target_s: list[list[float]] = field(default_factory=list)
+    target_s: list[list[float]] = field(default_factory=list)  # start-up units (times the load: seconds)
     draft_s: list[float] = field(default_factory=list)
     overhead_s: list[float] = field(default_factory=list)
     draft_overhead_s: list[float] = field(default_factory=list)
+    load: float = 1.0  # machine-wide: now / at start-up
+    depth_load: list[float | None] = field(default_factory=list)  # per depth; None: not observed yet
     steps: int = 0
     acceptance: _Acceptance = field(default_factory=_Acceptance)
     # Observations per (depth index, n); n = 0: draft, -1: overhead, -2: draft overhead.
     seen: dict[tuple[int, int], int] = field(default_factory=dict)
+    _start_target: list[list[float]] = field(default_factory=list)
+    _start_draft: list[float] = field(default_factory=list)
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
     def _weight(self, point: tuple[int, int]) -> float:
@@ -226,6 +243,24 @@ class OnlineCosts:
         zeros = (0.0,) * len(base.depths)
         self.overhead_s = [x / 1000 for x in base.step_overhead_ms or zeros]
         self.draft_overhead_s = [x / 1000 for x in base.draft_overhead_ms or zeros]
+        self.depth_load = [None] * len(base.depths)
+        self._start_target = [list(row) for row in self.target_s]
+        self._start_draft = list(self.draft_s)
+
+    def load_at(self, i: int) -> float:
+        """Depth index ``i``'s seconds over its start-up seconds now."""
+        own = self.depth_load[i]
+        return self.load if own is None else own
+
+    def _observe_load(self, i: int, seconds: float, start_s: float) -> float:
+        """Folds one forward's seconds against its start-up seconds into the load; returns depth i's."""
+        if start_s > 0:
+            # A point's start-up value may be a rough interpolation: bound what one step can say.
+            ratio = min(max(seconds / start_s, 0.1), 10.0)
+            self.load += LOAD_WEIGHT * (ratio - self.load)
+            own = self.depth_load[i]
+            self.depth_load[i] = self.load if own is None else own + LOAD_WEIGHT * (ratio - own)
+        return self.load_at(i)
 
     def observe_step(self, depth: int, width: int, verify_s: float, draft_depth: int, draft_forwards: int,
                      draft_s: float, *, step_s: float = 0.0, drafts: int = 0) -> None:
@@ -234,32 +269,46 @@ class OnlineCosts:
         step took ``step_s`` (0: not timed) with ``drafts`` drafts over all its sequences."""
         depths = self.base.depths
         with self._lock:
-            if step_s > 0 and verify_s > 0 and depth >= 1:
-                self._observe_overhead(depth, step_s - verify_s - max(0.0, draft_s), drafts)
             if depth >= 1 and 1 <= width <= len(self.target_s[0]) and verify_s > 0:
                 i, n = _nearest(depths, depth), width - 1
                 column = [row[n] for row in self.target_s]
                 scaled = verify_s * column[i] / _interpolate(depths, column, depth)
-                self.target_s[i][n] += self._weight((i, n + 1)) * (scaled - self.target_s[i][n])
+                load = self._observe_load(i, scaled, self._start_target[i][n])
+                self.target_s[i][n] += self._weight((i, n + 1)) * (scaled / load - self.target_s[i][n])
             if draft_depth >= 1 and draft_forwards >= 1 and draft_s > 0:
                 i = _nearest(depths, draft_depth)
                 per_forward = draft_s / draft_forwards
                 scaled = per_forward * self.draft_s[i] / _interpolate(depths, self.draft_s, draft_depth)
-                self.draft_s[i] += self._weight((i, 0)) * (scaled - self.draft_s[i])
+                load = self._observe_load(i, scaled, self._start_draft[i])
+                self.draft_s[i] += self._weight((i, 0)) * (scaled / load - self.draft_s[i])
+            if step_s > 0 and verify_s > 0 and depth >= 1:
+                outside = step_s - verify_s - max(0.0, draft_s)
+                self._observe_overhead(depth, outside / self.load_at(_nearest(depths, depth)), drafts)
             self.steps += 1
 
-    def _observe_overhead(self, depth: int, outside_s: float, drafts: int) -> None:
+    def _observe_overhead(self, depth: int, outside: float, drafts: int) -> None:
+        """``outside``: the step's time outside its forwards, in start-up units."""
         depths, i = self.base.depths, _nearest(self.base.depths, depth)
         per_sequence = drafts / depth
         if drafts <= 0:
-            scaled = outside_s * _ratio(self.overhead_s, i, depths, depth)
+            scaled = outside * _ratio(self.overhead_s, i, depths, depth)
             self.overhead_s[i] += self._weight((i, -1)) * (scaled - self.overhead_s[i])
         elif per_sequence >= 1:
             # Fewer drafts than sequences would divide timing noise by a small number; such
             # steps (a few sequences speculating in a plain batch) teach nothing reliable here.
-            per_draft = (outside_s - _interpolate(depths, self.overhead_s, depth)) / per_sequence
+            per_draft = (outside - _interpolate(depths, self.overhead_s, depth)) / per_sequence
             scaled = per_draft * _ratio(self.draft_overhead_s, i, depths, depth)
             self.draft_overhead_s[i] += self._weight((i, -2)) * (scaled - self.draft_overhead_s[i])
+
+    def seconds(self) -> tuple[list[list[float]], list[float], list[float], list[float]]:
+        """The curves in seconds now (start-up units times each depth's load): target[d][n-1],
+        draft[d], overhead[d], draft overhead[d]."""
+        with self._lock:
+            loads = [self.load_at(i) for i in range(len(self.base.depths))]
+            return ([[v * f for v in row] for row, f in zip(self.target_s, loads, strict=True)],
+                    [v * f for v, f in zip(self.draft_s, loads, strict=True)],
+                    [v * f for v, f in zip(self.overhead_s, loads, strict=True)],
+                    [v * f for v, f in zip(self.draft_overhead_s, loads, strict=True)])
 
     def observe_drafts(self, proposed: int, accepted: int) -> None:
         with self._lock:
@@ -270,9 +319,9 @@ class OnlineCosts:
         return self.acceptance.value
 
     def report(self) -> CostReport:
+        target, draft, overhead, draft_overhead = self.seconds()
         with self._lock:
-            target, draft, steps, alpha = [list(r) for r in self.target_s], list(self.draft_s), self.steps, self.alpha
-            overhead, draft_overhead = list(self.overhead_s), list(self.draft_overhead_s)
+            steps, alpha = self.steps, self.alpha
         source: CostSource = "online" if steps else self.base.source
         live = report_from_forward_times(self.base.depths, target, draft, source=source, overhead_s=overhead,
                                          draft_overhead_s=draft_overhead)

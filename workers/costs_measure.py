@@ -317,7 +317,7 @@ def measure_overheads(target: LlamaForCausalLM, draft: LlamaForCausalLM | None, 
                 break
     med = {plan: statistics.median(v) for plan, v in samples.items() if v}
     plain_1 = max(0.0, med.get((1, 0), 0.0))
-    per_sequence = max(0.0, (med[(deep, 0)] - plain_1) / (deep - 1)) if (deep, 0) in med else 0.0
+    per_sequence = max(0.0, (med[(deep, 0)] - plain_1) / (deep - 1)) if deep > 1 and (deep, 0) in med else 0.0
     per_draft_1 = max(0.0, (med[(1, k)] - plain_1) / k) if k and (1, k) in med else 0.0
     return [plain_1 + per_sequence * (d - 1) for d in depths], [per_draft_1 * d for d in depths]
 
