@@ -236,24 +236,42 @@ def measure_with_model(settings: MeasureSettings) -> tuple[CostReport, LlamaForC
     depths = depth_grid(full)
     overhead_s, draft_overhead_s = measure_overheads(target, draft, max_k, depths, started + 0.7 * settings.budget_s)
     # Phase 2, the chosen target: every n at batch 1, then the full batch and the depths between
-    # (a sparse n each), until the budget ends.
+    # (a sparse n each), until the budget ends. A depth's points are timed together, taking
+    # turns with its plain step, and joined to what that depth already has through the plain
+    # step's ratio: step costs are ratios within a depth, and points timed seconds apart on a
+    # shared machine differ by its load (a 2-token step at batch 64 once came out 1.05x a plain
+    # one, timed alone; 1.9x, timed in turns).
     measured = {1: {n: times[(chosen.target, 1, n)] for n in n_plan}}
     measured.setdefault(full, {})[1] = times[(chosen.target, full, 1)]  # (full may be 1: the same point)
     draft_measured = {1: times[("draft", 1, 1)]} if draft is not None else {}
+    drafting = [0] if draft is not None else []
     # The full batch's slope in n first (phase 1 timed it plain only), then every n at batch 1.
-    plan: list[tuple[int, int]] = [(full, 2)] if full > 1 and width > 1 else []
-    plan += [(1, n) for n in range(1, width + 1) if n not in n_plan]
-    plan += [(d, n) for d in (full, *depths[1:-1]) for n in ([0] if draft is not None else []) + n_plan
-             if (d, n) not in ((full, 1), (full, 2))]
-    with torch.inference_mode():
-        for depth, n in plan:
-            if time.perf_counter() > deadline:
-                break
+    groups: list[tuple[int, list[int]]] = [(full, [2])] if full > 1 and width > 1 else []
+    groups.append((1, [n for n in range(1, width + 1) if n not in n_plan]))
+    groups += [(d, [n for n in drafting + n_plan if (d, n) not in ((full, 1), (full, 2))])
+               for d in (full, *depths[1:-1])]
+    for depth, ns in groups:
+        if not ns:
+            continue
+        if time.perf_counter() > deadline:
+            break
+        group: dict[tuple[str, int, int], Callable[[], None]] = {
+            ("target", depth, 1): _forward(target, cache, depth, 1, positions, True)}
+        for n in ns:
             if n == 0:
                 assert draft is not None and draft_cache is not None
-                draft_measured[depth] = _median(_forward(draft, draft_cache, depth, 1, positions, False))
+                group[("draft", depth, 1)] = _forward(draft, draft_cache, depth, 1, positions, False)
             else:
-                measured.setdefault(depth, {})[n] = _median(_forward(target, cache, depth, n, positions, True))
+                group[("target", depth, n)] = _forward(target, cache, depth, n, positions, True)
+        timed = _time_rounds(group, deadline)
+        row = measured.setdefault(depth, {})
+        scale = row[1] / timed[("target", depth, 1)] if 1 in row else 1.0
+        row.setdefault(1, timed[("target", depth, 1)])
+        for (kind, _, n), seconds in timed.items():
+            if kind == "draft":
+                draft_measured[depth] = seconds * scale
+            elif n > 1:
+                row[n] = seconds * scale
     measured = {d: row for d, row in measured.items() if 1 in row}
     target_s, draft_s = _curves(depths, measured, draft_measured, width, draft is not None)
     elapsed = time.perf_counter() - started
@@ -335,11 +353,6 @@ def _time_rounds(runs: dict[tuple[str, int, int], Callable[[], None]],
         for key, run in runs.items():
             samples[key].append(_timed(run))
     return {key: statistics.median(s) for key, s in samples.items()}
-
-
-def _median(run: Callable[[], None]) -> float:
-    run()
-    return statistics.median(_timed(run) for _ in range(REPS))
 
 
 def _curves(depths: tuple[int, ...], measured: dict[int, dict[int, float]], draft_measured: dict[int, float],
