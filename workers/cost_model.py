@@ -39,9 +39,10 @@ CostSource = Literal["measured", "cache", "derived", "online", "estimated"]
 # them by 2%. A point's first observations weigh more (1/2, 1/3, ... down to this): many
 # points were interpolated at start-up, and the start-up timing is one sample of a quiet moment.
 ONLINE_WEIGHT = 0.02
-# The load factor (a depth's seconds now over its start-up seconds) moves this much per observed
-# forward: about the last 20 forwards, a few steps, since a neighbour's load comes and goes fast.
-LOAD_WEIGHT = 0.05
+# A curve point no step has timed for this many steps is stale: it moves with its depth's plain
+# point (OnlineCosts). About a second of serving; long enough that a point timed now and then
+# (a K some sessions use) keeps its own measurements.
+STALE_STEPS = 64
 # The worker's own acceptance estimate (per-step batch rule): evidence this many tested drafts
 # old weighs half.
 ACCEPTANCE_HALF_LIFE = 256.0
@@ -203,35 +204,31 @@ class OnlineCosts:
     step's, less the plain overhead at its depth and divided by its drafts per sequence, moves
     ``draft_overhead_s``.
 
-    **Load.** A step observes one or two points of a depth's curve; the others are not timed
-    until some step has their shape. If points held absolute seconds, a busier machine would
-    raise the observed points (plain steps, mostly) and leave the rest at quiet start-up
-    seconds, so the K nobody ran would look ever cheaper, and be chosen, wrongly. So the points
-    are kept in start-up units: each depth has a load factor (an average of observed seconds
-    over their start-up values, ``LOAD_WEIGHT`` per observation; a depth not yet observed uses
-    the machine-wide one), observations are divided by it before they move a point, and the
-    published seconds are points times load. A point never observed keeps its start-up ratio to
-    the observed ones.
+    **Stale points follow the plain step.** A step observes one or two points of a depth's
+    curve; step costs are ratios to the plain step. A point no step has timed for
+    ``STALE_STEPS`` steps is moved by the same factor as its depth's plain point whenever that
+    one moves, so it keeps its last measured ratio to it. Otherwise a busier machine raises the
+    plain point and leaves the untimed ones at quiet seconds, and the K nobody ran looks ever
+    cheaper and gets chosen, wrongly (on the AVX2 CPU under a load average of 5-7: verifying 3
+    tokens at batch 8 fell from 3.6x to 1.8x a plain step, at the same 248 ms).
     """
 
     base: CostReport
-    target_s: list[list[float]] = field(default_factory=list)  # start-up units (times the load: seconds)
+    target_s: list[list[float]] = field(default_factory=list)
     draft_s: list[float] = field(default_factory=list)
     overhead_s: list[float] = field(default_factory=list)
     draft_overhead_s: list[float] = field(default_factory=list)
-    load: float = 1.0  # machine-wide: now / at start-up
-    depth_load: list[float | None] = field(default_factory=list)  # per depth; None: not observed yet
     steps: int = 0
     acceptance: _Acceptance = field(default_factory=_Acceptance)
     # Observations per (depth index, n); n = 0: draft, -1: overhead, -2: draft overhead.
     seen: dict[tuple[int, int], int] = field(default_factory=dict)
-    _start_target: list[list[float]] = field(default_factory=list)
-    _start_draft: list[float] = field(default_factory=list)
+    last_seen: dict[tuple[int, int], int] = field(default_factory=dict)  # (depth index, n) -> step last timed
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
     def _weight(self, point: tuple[int, int]) -> float:
         count = self.seen.get(point, 0)
         self.seen[point] = count + 1
+        self.last_seen[point] = self.steps
         return max(ONLINE_WEIGHT, 1.0 / (count + 2))
 
     def __post_init__(self) -> None:
@@ -243,24 +240,19 @@ class OnlineCosts:
         zeros = (0.0,) * len(base.depths)
         self.overhead_s = [x / 1000 for x in base.step_overhead_ms or zeros]
         self.draft_overhead_s = [x / 1000 for x in base.draft_overhead_ms or zeros]
-        self.depth_load = [None] * len(base.depths)
-        self._start_target = [list(row) for row in self.target_s]
-        self._start_draft = list(self.draft_s)
 
-    def load_at(self, i: int) -> float:
-        """Depth index ``i``'s seconds over its start-up seconds now."""
-        own = self.depth_load[i]
-        return self.load if own is None else own
+    def _stale(self, point: tuple[int, int]) -> bool:
+        last = self.last_seen.get(point)
+        return last is None or self.steps - last > STALE_STEPS
 
-    def _observe_load(self, i: int, seconds: float, start_s: float) -> float:
-        """Folds one forward's seconds against its start-up seconds into the load; returns depth i's."""
-        if start_s > 0:
-            # A point's start-up value may be a rough interpolation: bound what one step can say.
-            ratio = min(max(seconds / start_s, 0.1), 10.0)
-            self.load += LOAD_WEIGHT * (ratio - self.load)
-            own = self.depth_load[i]
-            self.depth_load[i] = self.load if own is None else own + LOAD_WEIGHT * (ratio - own)
-        return self.load_at(i)
+    def _carry(self, i: int, factor: float) -> None:
+        """Depth i's plain point moved by ``factor``: its stale points move with it."""
+        row = self.target_s[i]
+        for n in range(1, len(row)):
+            if self._stale((i, n + 1)):
+                row[n] *= factor
+        if self._stale((i, 0)):
+            self.draft_s[i] *= factor
 
     def observe_step(self, depth: int, width: int, verify_s: float, draft_depth: int, draft_forwards: int,
                      draft_s: float, *, step_s: float = 0.0, drafts: int = 0) -> None:
@@ -273,21 +265,21 @@ class OnlineCosts:
                 i, n = _nearest(depths, depth), width - 1
                 column = [row[n] for row in self.target_s]
                 scaled = verify_s * column[i] / _interpolate(depths, column, depth)
-                load = self._observe_load(i, scaled, self._start_target[i][n])
-                self.target_s[i][n] += self._weight((i, n + 1)) * (scaled / load - self.target_s[i][n])
+                old = self.target_s[i][n]
+                self.target_s[i][n] += self._weight((i, n + 1)) * (scaled - old)
+                if n == 0 and old > 0:
+                    self._carry(i, self.target_s[i][n] / old)
             if draft_depth >= 1 and draft_forwards >= 1 and draft_s > 0:
                 i = _nearest(depths, draft_depth)
                 per_forward = draft_s / draft_forwards
                 scaled = per_forward * self.draft_s[i] / _interpolate(depths, self.draft_s, draft_depth)
-                load = self._observe_load(i, scaled, self._start_draft[i])
-                self.draft_s[i] += self._weight((i, 0)) * (scaled / load - self.draft_s[i])
+                self.draft_s[i] += self._weight((i, 0)) * (scaled - self.draft_s[i])
             if step_s > 0 and verify_s > 0 and depth >= 1:
-                outside = step_s - verify_s - max(0.0, draft_s)
-                self._observe_overhead(depth, outside / self.load_at(_nearest(depths, depth)), drafts)
+                self._observe_overhead(depth, step_s - verify_s - max(0.0, draft_s), drafts)
             self.steps += 1
 
     def _observe_overhead(self, depth: int, outside: float, drafts: int) -> None:
-        """``outside``: the step's time outside its forwards, in start-up units."""
+        """``outside``: seconds of the step outside its forwards."""
         depths, i = self.base.depths, _nearest(self.base.depths, depth)
         per_sequence = drafts / depth
         if drafts <= 0:
@@ -300,16 +292,6 @@ class OnlineCosts:
             scaled = per_draft * _ratio(self.draft_overhead_s, i, depths, depth)
             self.draft_overhead_s[i] += self._weight((i, -2)) * (scaled - self.draft_overhead_s[i])
 
-    def seconds(self) -> tuple[list[list[float]], list[float], list[float], list[float]]:
-        """The curves in seconds now (start-up units times each depth's load): target[d][n-1],
-        draft[d], overhead[d], draft overhead[d]."""
-        with self._lock:
-            loads = [self.load_at(i) for i in range(len(self.base.depths))]
-            return ([[v * f for v in row] for row, f in zip(self.target_s, loads, strict=True)],
-                    [v * f for v, f in zip(self.draft_s, loads, strict=True)],
-                    [v * f for v, f in zip(self.overhead_s, loads, strict=True)],
-                    [v * f for v, f in zip(self.draft_overhead_s, loads, strict=True)])
-
     def observe_drafts(self, proposed: int, accepted: int) -> None:
         with self._lock:
             self.acceptance.add(proposed, accepted)
@@ -319,9 +301,9 @@ class OnlineCosts:
         return self.acceptance.value
 
     def report(self) -> CostReport:
-        target, draft, overhead, draft_overhead = self.seconds()
         with self._lock:
-            steps, alpha = self.steps, self.alpha
+            target, draft, steps, alpha = [list(r) for r in self.target_s], list(self.draft_s), self.steps, self.alpha
+            overhead, draft_overhead = list(self.overhead_s), list(self.draft_overhead_s)
         source: CostSource = "online" if steps else self.base.source
         live = report_from_forward_times(self.base.depths, target, draft, source=source, overhead_s=overhead,
                                          draft_overhead_s=draft_overhead)
