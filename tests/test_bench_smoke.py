@@ -66,3 +66,13 @@ def test_bench_overhead_quick_json() -> None:
     assert set(result["gateway_cpu_us_per_chunk"]) == {"instant", "paced"}
     assert (result["stream256_ratio_vs_vllm_router"] is None) == (result["vllm_router"] is None)
     assert "added latency through specgate" in stdout
+
+
+def test_bench_draft_vocab_quick_json() -> None:
+    result, stdout = _json_run("-m", "bench.draft_vocab", "--quick", "--json")
+    assert set(result["c_by_vocab"]) == {"1", "8"}
+    for costs in result["c_by_vocab"].values():
+        assert set(costs) == {"4096", "2048", "1024", "512"} and all(c > 0 for c in costs.values())
+    coverage = result["coverage_by_vocab"]
+    assert 0 < coverage["512"] <= coverage["1024"] <= coverage["2048"] <= 1
+    assert "held-out code tokens inside" in stdout
