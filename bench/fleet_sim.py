@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 
 from gateway.routing import Candidate, choose_worker
 from policies import (
+    CostModel,
     PolicyConfig,
     RequestFacts,
     SessionState,
@@ -27,6 +28,7 @@ from policies import (
     observe,
     record_decision,
 )
+from workers.engines.sim import derived_cost_report
 from workers.engines.sim_model import NO_CAP, BatchStep, SimBatch, SimConfig, SimSeq, StepRule, gain
 
 # -- policies -------------------------------------------------------------------------------------------
@@ -168,6 +170,10 @@ class _Replica:
     batch: SimBatch
     in_flight: int = 0
     gateway_latch: bool = False  # the gateway's batch latch for this worker (batch_latch)
+    # What the gateway knows of the worker for K auto: its published costs (the sim engine's
+    # derived cost model, parsed as the gateway parses it) and its acceptance over all sessions.
+    cost: CostModel | None = None
+    acceptance: SessionState = field(default_factory=SessionState)
     busy: bool = False
 
 
@@ -188,10 +194,11 @@ class FleetSim:
         self.config, self.policy, self.phases = config, policy, list(phases)
         self.rng = random.Random(seed)
         self.replicas = {}
+        cost = CostModel.from_json(derived_cost_report(config, max_k, max_slots).to_json())
         for i in range(replicas):
             batch = SimBatch(config, max_slots, max_k)
             batch.step_rule = policy.step_rule(batch)
-            self.replicas[f"worker-{i}"] = _Replica(f"worker-{i}", batch)
+            self.replicas[f"worker-{i}"] = _Replica(f"worker-{i}", batch, cost=cost)
         self.requests: dict[str, _Request] = {}
         self.events: list[tuple[float, int, _Session | tuple[_Replica, BatchStep]]] = []
         self.counter = 0
@@ -265,7 +272,8 @@ class FleetSim:
         policy = self.policy
         if policy.config is not None:  # the gateway's admission, as gateway/relay.py runs it
             replica.gateway_latch = batch_latch(replica.gateway_latch, replica.in_flight, policy.config)
-            worker = WorkerState(replica.in_flight, replica.gateway_latch, replica.batch.max_k)
+            worker = WorkerState(replica.in_flight, replica.gateway_latch, replica.batch.max_k, cost=replica.cost,
+                                 acceptance=replica.acceptance.acceptance_ewma)
             decision = decide(session.state, worker, RequestFacts(temperature), policy.config)
             session.state = record_decision(session.state, decision)
             k, mode = decision.k, decision.mode
@@ -315,6 +323,7 @@ class FleetSim:
                 if policy is not None:  # the gateway folds every step report into the session
                     session = request.session
                     session.state = observe(session.state, r.k, r.accepted, policy)
+                    replica.acceptance = observe(replica.acceptance, r.k, r.accepted, policy)
             if request.first_at is None:
                 request.first_at = now
                 stats.ttft.add(now - request.arrived)

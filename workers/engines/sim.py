@@ -140,27 +140,8 @@ class SimEngine:
 
     @property
     def cost_model(self) -> CostReport:
-        """Derived from the sim's own roofline, not measured: a step of every sequence at
-        ``COST_CONTEXT`` cached tokens, for the batch depths a worker would measure."""
         if self._cost_report is None:
-            cost, max_k = StepCost(self.config), self.settings.max_k
-            depths = depth_grid(self.settings.max_slots)
-            target_s = [[cost.forward(self.config.target, d * n, d * COST_CONTEXT) for n in range(1, max_k + 2)]
-                        for d in depths]
-            draft_s = [cost.forward(self.config.draft, d, d * COST_CONTEXT) if self.config.draft is not None
-                       else 0.0 for d in depths]
-            # The step's time outside its forwards, as the model has it: a whole modelled step
-            # less its forwards (0 today: the model's fixed overhead is per forward, already in
-            # the forward times; this follows the model if it grows a per-step term).
-            contexts = [[COST_CONTEXT] * d for d in depths]
-            overhead_s = [cost.step_time([0] * d, ctx)[0] - t[0] for d, ctx, t in zip(depths, contexts, target_s,
-                                                                                     strict=True)]
-            draft_overhead_s = [(cost.step_time([max_k] * d, ctx)[0] - t[max_k] - max_k * dr - o) / max_k
-                                if max_k and self.config.draft is not None else 0.0
-                                for d, ctx, t, dr, o in zip(depths, contexts, target_s, draft_s, overhead_s,
-                                                            strict=True)]
-            self._cost_report = report_from_forward_times(depths, target_s, draft_s, source="derived",
-                                                          overhead_s=overhead_s, draft_overhead_s=draft_overhead_s)
+            self._cost_report = derived_cost_report(self.config, self.settings.max_k, self.settings.max_slots)
         return self._cost_report
 
     def set_batch_thresholds(self, max_batch: int, batch_resume: int, max_step_drafts: int = 0,
@@ -236,3 +217,24 @@ class SimEngine:
             self._totals.add(stats)
             if self._observer is not None:
                 self._observer(stats)
+
+
+def derived_cost_report(config: SimConfig, max_k: int, max_slots: int) -> CostReport:
+    """The sim's published cost model, derived from its own roofline, not measured: a step of
+    every sequence at ``COST_CONTEXT`` cached tokens, for the batch depths a worker would
+    measure. The virtual-time fleet (bench/fleet_sim.py) gives the policy the same one."""
+    cost = StepCost(config)
+    depths = depth_grid(max_slots)
+    target_s = [[cost.forward(config.target, d * n, d * COST_CONTEXT) for n in range(1, max_k + 2)]
+                for d in depths]
+    draft_s = [cost.forward(config.draft, d, d * COST_CONTEXT) if config.draft is not None else 0.0 for d in depths]
+    # The step's time outside its forwards, as the model has it: a whole modelled step less its
+    # forwards (0 today: the model's fixed overhead is per forward, already in the forward
+    # times; this follows the model if it grows a per-step term).
+    contexts = [[COST_CONTEXT] * d for d in depths]
+    overhead_s = [cost.step_time([0] * d, ctx)[0] - t[0] for d, ctx, t in zip(depths, contexts, target_s, strict=True)]
+    draft_overhead_s = [(cost.step_time([max_k] * d, ctx)[0] - t[max_k] - max_k * dr - o) / max_k
+                        if max_k and config.draft is not None else 0.0
+                        for d, ctx, t, dr, o in zip(depths, contexts, target_s, draft_s, overhead_s, strict=True)]
+    return report_from_forward_times(depths, target_s, draft_s, source="derived", overhead_s=overhead_s,
+                                     draft_overhead_s=draft_overhead_s)
