@@ -76,3 +76,13 @@ def test_bench_draft_vocab_quick_json() -> None:
     coverage = result["coverage_by_vocab"]
     assert 0 < coverage["512"] <= coverage["1024"] <= coverage["2048"] <= 1
     assert "held-out code tokens inside" in stdout
+
+
+def test_bench_kauto_mix_json() -> None:
+    result, stdout = _json_run("-m", "bench.kauto_mix", "--json")
+    assert set(result["depths"]) == {"16", "24", "32"}
+    for row in result["depths"].values():
+        assert row["gain_uniform"][0] == row["gain_mixed"][0] == 1.0  # plain is the unit
+        # The finding the README states: with a third of the batch drafting, deeper K pays.
+        assert row["best_k_mixed"] > row["best_k_uniform"], row
+    assert "draft K (cost model)" in stdout
