@@ -29,7 +29,6 @@ import json
 import os
 import random
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -40,6 +39,8 @@ from typing import Any
 
 import aiohttp
 import yaml
+
+from bench.procs import free_port, sse_data
 
 REPO = Path(__file__).resolve().parent.parent
 MODEL = "specgate-demo"
@@ -121,11 +122,7 @@ async def send(http: aiohttp.ClientSession, url: str, variant: Variant, session:
                 outcome.kind, outcome.detail = "failed", str(payload["error"].get("message"))
                 return outcome
             done = error = False
-            async for raw in response.content:
-                line = raw.decode().strip()
-                if not line.startswith("data:"):
-                    continue
-                data = line[5:].strip()
+            async for data in sse_data(response):
                 if data == "[DONE]":
                     done, outcome.finals = True, outcome.finals + 1
                     continue
@@ -216,13 +213,6 @@ async def metric(http: aiohttp.ClientSession, url: str, name: str) -> float:
         text = await response.text()
     return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
                if line.startswith(name + " ") or line.startswith(name + "{"))
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
 
 
 def start_gateway(config: Path, log: Path) -> tuple[subprocess.Popen[bytes], str]:

@@ -11,10 +11,11 @@ import sys
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
 from typing import Any
 
+import aiohttp
 import yaml
 
 REPO = Path(__file__).resolve().parent.parent
@@ -28,11 +29,16 @@ def free_port() -> int:
         return port
 
 
-def wait_ok(process: subprocess.Popen[bytes], url: str, timeout_s: float = 60.0) -> None:
+def wait_ok(process: subprocess.Popen[bytes], url: str, timeout_s: float = 60.0, log_path: Path | None = None) -> None:
+    """Polls ``url`` until it answers 200; fails early if the process exits (with its log, when given)."""
+
+    def failed(what: str) -> RuntimeError:
+        return RuntimeError(f"{url}: {what}" + (f":\n{log_path.read_text()}" if log_path is not None else ""))
+
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if process.poll() is not None:
-            raise RuntimeError(f"{url}: process exited with {process.returncode}")
+            raise failed(f"process exited with {process.returncode}")
         try:
             with urllib.request.urlopen(url, timeout=2) as response:
                 if response.status == 200:
@@ -40,7 +46,15 @@ def wait_ok(process: subprocess.Popen[bytes], url: str, timeout_s: float = 60.0)
         except (urllib.error.URLError, ConnectionError, TimeoutError):
             pass
         time.sleep(0.1)
-    raise RuntimeError(f"{url}: not ready within {timeout_s}s")
+    raise failed(f"not ready within {timeout_s}s")
+
+
+async def sse_data(response: aiohttp.ClientResponse) -> AsyncIterator[str]:
+    """The ``data:`` payloads of an SSE response, ``[DONE]`` included, as a client reads them."""
+    async for raw in response.content:
+        line = raw.decode().strip()
+        if line.startswith("data:"):
+            yield line[5:].strip()
 
 
 def get_json(url: str) -> Any:

@@ -152,7 +152,7 @@ class MigratingStream:
             self._identity = (chunk.get("id"), chunk.get("created"))
         elif len(self.workers) > 1:
             # One stream, whoever wrote the chunk.
-            raw.changed()["id"], chunk["created"] = self._identity
+            raw.changed().update(id=self._identity[0], created=self._identity[1])
         text = chunk_text(self.kind, chunk)
         self.text_sent += len(text)
         if isinstance(raw.prompt_ids, list) and self.prompt_ids is None:

@@ -8,7 +8,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -21,6 +20,8 @@ from typing import Any
 
 import openai
 import yaml
+
+from bench.procs import free_port, wait_ok
 
 REPO = Path(__file__).resolve().parent.parent
 MODELS = REPO / "models"
@@ -35,13 +36,6 @@ def cost_cache_dir() -> Path:
     path = Path(tempfile.mkdtemp(prefix="specgate-test-costs-"))
     atexit.register(shutil.rmtree, path, True)
     return path
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
 
 
 @dataclass
@@ -138,27 +132,11 @@ def start_gateway(config_path: Path, log_dir: Path, ready_timeout_s: float = 120
                                     *args], cwd=REPO, stdout=log, stderr=subprocess.STDOUT, env=environ)
     gateway = Gateway(process, port, config_path, log_path)
     try:
-        wait_until_ok(process, gateway.url + "/ready", log_path, ready_timeout_s)
+        wait_ok(process, gateway.url + "/ready", ready_timeout_s, log_path)
     except RuntimeError:
         gateway.stop()
         raise
     return gateway
-
-
-def wait_until_ok(process: subprocess.Popen[bytes], url: str, log_path: Path, timeout_s: float) -> None:
-    """Polls ``url`` until it answers 200; fails early, with the log, if the process exits."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            raise RuntimeError(f"{url}: process exited with {process.returncode}:\n{log_path.read_text()}")
-        try:
-            with urllib.request.urlopen(url, timeout=2) as response:
-                if response.status == 200:
-                    return
-        except (urllib.error.URLError, ConnectionError, TimeoutError):
-            pass
-        time.sleep(0.2)
-    raise RuntimeError(f"{url}: not ready within {timeout_s}s:\n{log_path.read_text()}")
 
 
 def start_tcp_worker(log_dir: Path, *extra: str, ready_timeout_s: float = 120.0,
@@ -173,7 +151,7 @@ def start_tcp_worker(log_dir: Path, *extra: str, ready_timeout_s: float = 120.0,
              "--cost-cache-dir", str(cost_cache_dir()), "--cost-budget-s", str(TEST_COST_BUDGET_S), *extra],
             cwd=REPO, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})})
     try:
-        wait_until_ok(process, f"http://127.0.0.1:{port}/health", log_path, ready_timeout_s)
+        wait_ok(process, f"http://127.0.0.1:{port}/health", ready_timeout_s, log_path)
     except RuntimeError:
         process.kill()
         process.wait()

@@ -23,8 +23,8 @@ from typing import Any
 import pytest
 import yaml
 
+from bench.procs import free_port, wait_ok
 from dashboards.observe import DEPLOY, ToolMissing, prometheus_command, tool, write_config
-from tests.harness import free_port, wait_until_ok
 
 DASHBOARD = Path(__file__).resolve().parent.parent / "dashboards" / "specgate.json"
 
@@ -124,7 +124,7 @@ def start_prometheus(tmp: Path, gateway: str, scrape_interval: str = "1s") -> Pr
                                    stdout=log, stderr=subprocess.STDOUT)
     prom = Prometheus(process, port, log_path)
     try:
-        wait_until_ok(process, prom.url + "/-/ready", log_path, 60)
+        wait_ok(process, prom.url + "/-/ready", 60, log_path)
     except RuntimeError:
         prom.stop()
         raise

@@ -17,10 +17,11 @@ from typing import Any
 import pytest
 import yaml
 
+from bench.procs import free_port, wait_ok
 from gateway.config import ConfigError
 from gateway.env_overrides import EnvOverrideError, load_config_env, load_policy_env, read_overrides, section_keys
 from gateway.worker_output import relay_line
-from tests.harness import Gateway, free_port, start_gateway, wait_until_ok, write_config
+from tests.harness import Gateway, start_gateway, write_config
 
 REPO = Path(__file__).resolve().parents[1]
 ENV = {"SPECGATE_POLICY__MAX_BATCH": "32", "SPECGATE_POLICY__BATCH_RESUME": "30",
@@ -221,7 +222,7 @@ def test_a_standalone_worker_logs_json_warnings_and_crashes_included(tmp_path: P
              "--target", str(REPO / "models" / "demo-target"), "--port", str(port), "--worker-id", "solo",
              "--log-format", "json"], cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
     try:
-        wait_until_ok(process, f"http://127.0.0.1:{port}/health", log_path, 120)
+        wait_ok(process, f"http://127.0.0.1:{port}/health", 120, log_path)
         body = {"model": "specgate-demo", "prompt": PROMPT, "max_tokens": 2, "temperature": 0}
         request = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", data=json.dumps(body).encode(),
                                          headers={"Content-Type": "application/json", "X-Request-ID": "req-1"})

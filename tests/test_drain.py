@@ -13,6 +13,7 @@ from typing import Any
 
 import aiohttp
 
+from bench.procs import sse_data
 from tests.harness import start_gateway, write_config
 
 PROMPT = "import os\n\n\ndef walk(root):\n    "
@@ -24,11 +25,7 @@ async def _stream(http: aiohttp.ClientSession, url: str, max_tokens: int, first:
     outcome: dict[str, Any] = {"text": "", "done": False, "errors": []}
     async with http.post(url + "/v1/completions", json=body) as response:
         assert response.status == 200
-        async for raw in response.content:
-            line = raw.decode().strip()
-            if not line.startswith("data:"):
-                continue
-            data = line[5:].strip()
+        async for data in sse_data(response):
             if data == "[DONE]":
                 outcome["done"] = True
                 continue

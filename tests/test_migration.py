@@ -14,6 +14,7 @@ from typing import Any
 import aiohttp
 import pytest
 
+from bench.procs import sse_data
 from tests.harness import Gateway, start_gateway, write_config
 
 PROMPTS = [
@@ -83,11 +84,7 @@ async def run_one(http: aiohttp.ClientSession, gw: Gateway, path: str, body: dic
             else:
                 outcome.errors.append(payload)
             return outcome
-        async for raw in response.content:
-            line = raw.decode().strip()
-            if not line.startswith("data:"):
-                continue
-            data = line[5:].strip()
+        async for data in sse_data(response):
             if data == "[DONE]":
                 outcome.done = True
                 continue

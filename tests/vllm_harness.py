@@ -16,7 +16,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from tests.harness import MODELS, free_port, wait_until_ok
+from bench.procs import free_port, wait_ok
+from tests.harness import MODELS
 
 ENGINE_K = 3  # the demo engines' num_speculative_tokens
 MAX_MODEL_LEN = 512
@@ -68,7 +69,7 @@ def start_vllm_server(log_dir: Path, *, speculative: bool, plugin: bool,
     with log_path.open("wb") as log:
         process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=vllm_env())
     try:
-        wait_until_ok(process, f"http://127.0.0.1:{port}/health", log_path, STARTUP_TIMEOUT_S)
+        wait_ok(process, f"http://127.0.0.1:{port}/health", STARTUP_TIMEOUT_S, log_path)
     except RuntimeError:
         process.kill()
         process.wait()
