@@ -26,7 +26,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import AsyncGenerator, Awaitable, Callable
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 import aiohttp
@@ -36,13 +36,13 @@ from gateway.ops_metrics import OpsMetrics
 from gateway.proxy import NoWorker, RawChunk, WorkerLost, iter_chunk_batches
 from gateway.sessions import Session
 from gateway.state import GatewayState
+from workers.engine_api import StepCounts
 from workers.protocol import (
     DIRECTIVE_FIELD,
     ApiError,
     CompletionRequest,
     RequestKind,
     ResumePoint,
-    StepReport,
     WorkerFailed,
     WorkerTimeout,
     chunk_text,
@@ -56,23 +56,6 @@ log = logging.getLogger(__name__)
 AdmitFn = Callable[[GatewayState, Session, CompletionRequest, frozenset[str], ResumePoint | None],
                    Awaitable[tuple["Admission", aiohttp.ClientResponse]]]
 RETRY_PAUSE_S = 0.1
-
-
-@dataclass
-class StepCounts:
-    """What the steps of one worker's part of a generation ran (its usage never arrived)."""
-
-    proposed: int = 0
-    accepted: int = 0
-    steps: int = 0
-    speculative_steps: int = 0
-
-    def add(self, report: StepReport) -> None:
-        late = report.late_steps
-        self.proposed += report.proposed + sum(g.proposed * g.count for g in late)
-        self.accepted += report.accepted + sum(g.accepted * g.count for g in late)
-        self.steps += 1
-        self.speculative_steps += int(report.proposed > 0) + sum(g.count for g in late)
 
 
 def resumed_request(req: CompletionRequest, generated: int) -> CompletionRequest:
@@ -162,7 +145,7 @@ class MigratingStream:
         elif text:
             self.ids_complete = False
         if raw.report is not None:
-            self.segment.add(raw.report)
+            self.segment.add(raw.report.proposed, raw.report.accepted, raw.report.late_steps)
         for choice in chunk.get("choices") or []:
             self.finish = choice.get("finish_reason") or self.finish
         if self.migrations:

@@ -10,7 +10,7 @@ and usage are the server's, so every engine answers the same request the same wa
 
 from __future__ import annotations
 
-from collections.abc import AsyncGenerator, Callable, Iterable, Mapping
+from collections.abc import AsyncGenerator, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
 
@@ -102,6 +102,25 @@ class StepStats:
     queue_length: int  # waiting sequences
     step_s: float  # wall time of the step (0 when the engine does not time its steps)
     verify_s: float  # of which the target's verification forward
+
+
+@dataclass
+class StepCounts:
+    """What the steps of one generation ran, folded step by step: the worker's usage counts
+    (workers/server.py), and the gateway's for a dead worker's part of a migrated stream."""
+
+    proposed: int = 0
+    accepted: int = 0
+    steps: int = 0
+    speculative_steps: int = 0
+
+    def add(self, proposed: int, accepted: int, late: Sequence[SpecSteps] = ()) -> None:
+        """One step, and the steps whose acceptance its engine reported late (``late_steps``):
+        a step that drafted is speculative, and so is every late one."""
+        self.proposed += proposed + sum(g.proposed * g.count for g in late)
+        self.accepted += accepted + sum(g.accepted * g.count for g in late)
+        self.steps += 1
+        self.speculative_steps += int(proposed > 0) + sum(g.count for g in late)
 
 
 @dataclass

@@ -22,7 +22,14 @@ from aiohttp.typedefs import Middleware
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
 from workers.api_models import FIELD_NAMES
-from workers.engine_api import Engine, EngineRequestError, GenerationRequest, SamplingParams, StepStats
+from workers.engine_api import (
+    Engine,
+    EngineRequestError,
+    GenerationRequest,
+    SamplingParams,
+    StepCounts,
+    StepStats,
+)
 from workers.logs import request_id_var, session_var
 from workers.metrics import WorkerMetrics
 from workers.protocol import (
@@ -299,8 +306,8 @@ async def _generate(ctx: WorkerContext, req: CompletionRequest,
     if resume is not None:
         prompt_ids, earlier = list(resume.prompt_ids), len(resume.output_ids)
         text.prime(list(resume.output_ids), resume.text_sent)
-    emitted = proposed = accepted = 0
-    steps = spec_steps = 0  # what ran, step by step (the worker's batch latch may run steps plain)
+    emitted = 0
+    ran = StepCounts()  # what ran, step by step (the worker's batch latch may run steps plain)
     finished = False
     first_chunk = True
 
@@ -332,12 +339,9 @@ async def _generate(ctx: WorkerContext, req: CompletionRequest,
                 log.exception("engine failed request %s", rid)
                 raise WorkerFailed(f"engine failed: {exc}") from None
             late = item.late_steps
-            proposed += item.proposed + sum(g.proposed * g.count for g in late)
-            accepted += item.accepted + sum(g.accepted * g.count for g in late)
-            steps += 1
-            # A step that drafted is speculative; engines that learn acceptance late (vLLM)
-            # report their speculative steps in late_steps, and the rest of their steps are plain.
-            spec_steps += int(item.proposed > 0) + sum(g.count for g in late)
+            # Engines that learn acceptance late (vLLM) report their speculative steps in
+            # late_steps, and the rest of their steps are plain.
+            ran.add(item.proposed, item.accepted, late)
             delta = text.push(item.tokens)
             # Tokens after a stop string were never the client's: they are not counted.
             kept = text.last_kept
@@ -360,13 +364,13 @@ async def _generate(ctx: WorkerContext, req: CompletionRequest,
         # One line per request (never its text), tagged by _tag_logs: it ties the id the client
         # sees to the gateway's request id in the log.
         log.info("%s %s finished (%s): %d prompt + %d completion tokens, %d steps (%d speculative) in %.3f s",
-                 req.kind, rid, finish, len(prompt_ids), earlier + emitted, steps, spec_steps,
+                 req.kind, rid, finish, len(prompt_ids), earlier + emitted, ran.steps, ran.speculative_steps,
                  time.monotonic() - started)
         yield {"id": rid, "object": "chat.completion.chunk" if req.kind == "chat" else "text_completion",
                "created": created, "model": model, "choices": [],
                "usage": {"prompt_tokens": len(prompt_ids), "completion_tokens": earlier + emitted,
                          "total_tokens": len(prompt_ids) + earlier + emitted,
-                         "speculative": speculative_usage(proposed, accepted, mode, spec_steps,
-                                                          max(0, steps - spec_steps))}}, b""
+                         "speculative": speculative_usage(ran.proposed, ran.accepted, mode, ran.speculative_steps,
+                                                          max(0, ran.steps - ran.speculative_steps))}}, b""
     finally:
         await events.aclose()  # aborts the sequence if it has not finished (stop string, client gone)
