@@ -16,7 +16,7 @@ from typing import Any, Literal
 from gateway.auth_config import AuthConfig, parse_auth
 from gateway.config_errors import ConfigError, Problems
 from gateway.safe_yaml import YamlRefused, load_yaml
-from policies.config import PolicyConfig, PolicyConfigError
+from policies.config import PolicyConfig, PolicyConfigError, raise_problems
 
 __all__ = ["ConfigError", "GatewayConfig", "load_config", "parse_config"]
 
@@ -291,7 +291,8 @@ def _sim(raw: Any) -> Mapping[str, Any]:
     try:
         SimConfig.from_mapping(raw)
     except SimConfigError as exc:
-        raise ConfigError(f"workers.sim.{exc.field}", exc.value, exc.problem) from None
+        raise_problems([ConfigError(f"workers.sim.{p.field}", p.value, p.problem) for p in exc.problems])
+        raise  # unreachable: raise_problems raised (it returns only when given none)
     return dict(raw)
 
 

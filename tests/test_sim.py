@@ -155,6 +155,23 @@ def test_sim_config_validation_names_the_field() -> None:
     assert config_error.value.field == "workers.sim.efficiency.flops_fraction"
 
 
+def test_sim_config_reports_every_bad_field() -> None:
+    bad = {"hardware": {"gpus": 0, "peak_tflops": "fast", "hbm": 3}, "efficiency": {"flops_fraction": -1},
+           "acceptance": {"code": [[0.8, 1.5]]}, "seed": 1.5, "context_window": 8, "colour": "red",
+           "target": {"params": 0}}
+    with pytest.raises(SimConfigError) as info:
+        SimConfig.from_mapping(bad)
+    assert [p.field for p in info.value.problems] == [
+        "colour", "hardware.hbm", "hardware.gpus", "hardware.peak_tflops", "efficiency.flops_fraction",
+        "acceptance.code", "seed", "context_window", "target.params"]
+    assert info.value.field == "colour"  # the first, as str() says
+    with pytest.raises(ConfigError) as config_error:
+        parse_config({"workers": {"engine": "sim", "sim": bad}}, REPO)
+    fields = [p.field for p in config_error.value.problems]
+    assert fields[:3] == ["workers.sim.colour", "workers.sim.hardware.hbm", "workers.sim.hardware.gpus"]
+    assert len(fields) == 9 and all("got" in str(p) for p in config_error.value.problems)
+
+
 def test_sim_worker_imports_no_torch() -> None:
     code = ("import sys, argparse\nfrom workers.__main__ import build_engine, parse_args\n"
             "build_engine(parse_args(['--engine', 'sim', '--port', '1', '--target', 'models/demo-target']))\n"

@@ -174,7 +174,9 @@ class SimConfig:
     @classmethod
     def from_mapping(cls, raw: Mapping[str, Any] | None) -> SimConfig:
         """From config.yaml's ``workers.sim`` (or ``--sim-config``); errors name the field."""
-        return _parse(raw or {})
+        from workers.engines.sim_config import parse  # the parser needs this module's types
+
+        return parse(raw or {})
 
     def summary(self) -> dict[str, Any]:
         """What ``/specgate/worker`` shows: the modelled deployment and its calibration."""
@@ -380,94 +382,10 @@ class SimBatch:
 
 # -- parsing ----------------------------------------------------------------------------------------------
 class SimConfigError(ValueError):
+    """A bad ``workers.sim`` field. ``problems`` lists every bad field of the parse that raised
+    it (this one first), so ``specgate check`` can name them all."""
+
     def __init__(self, field: str, value: object, problem: str) -> None:
         super().__init__(f"{field}: {problem} (got {value!r})")
         self.field, self.value, self.problem = field, value, problem
-
-
-def _number(raw: Mapping[str, Any], name: str, default: float, prefix: str, positive: bool = True) -> float:
-    value = raw.get(name, default)
-    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
-        raise SimConfigError(f"{prefix}{name}", value, "must be a number")
-    if value < 0 or (positive and value == 0):
-        raise SimConfigError(f"{prefix}{name}", value, "must be > 0" if positive else "must be >= 0")
-    return float(value)
-
-
-def _mapping(raw: Mapping[str, Any], name: str, allowed: set[str]) -> Mapping[str, Any]:
-    value = raw.get(name) or {}
-    if not isinstance(value, Mapping):
-        raise SimConfigError(name, value, "must be a mapping")
-    for key in value:
-        if key not in allowed:
-            raise SimConfigError(f"{name}.{key}", value[key], f"unknown field; known: {', '.join(sorted(allowed))}")
-    return value
-
-
-def _shape(raw: Mapping[str, Any], name: str, default: ModelShape) -> ModelShape:
-    m = _mapping(raw, name, {"params", "bytes_per_param", "kv_bytes_per_token"})
-    p = f"{name}."
-    return ModelShape(_number(m, "params", default.params, p),
-                      _number(m, "bytes_per_param", default.bytes_per_param, p),
-                      _number(m, "kv_bytes_per_token", default.kv_bytes_per_token, p, positive=False))
-
-
-def _parse(raw: Mapping[str, Any]) -> SimConfig:
-    if not isinstance(raw, Mapping):
-        raise SimConfigError("(section)", raw, "must be a mapping")
-    known = {"target", "draft", "hardware", "efficiency", "acceptance", "default_category", "time_scale", "seed",
-             "context_window"}
-    for key in raw:
-        if key not in known:
-            raise SimConfigError(str(key), raw[key], f"unknown field; known: {', '.join(sorted(known))}")
-    d = SimConfig()
-    h = _mapping(raw, "hardware", {"gpus", "bandwidth_gb_s", "peak_tflops"})
-    gpus = h.get("gpus", d.hardware.gpus)
-    if isinstance(gpus, bool) or not isinstance(gpus, int) or gpus < 1:
-        raise SimConfigError("hardware.gpus", gpus, "must be an integer >= 1")
-    hardware = Hardware(gpus, _number(h, "bandwidth_gb_s", d.hardware.bandwidth_gb_s, "hardware."),
-                        _number(h, "peak_tflops", d.hardware.peak_tflops, "hardware."))
-    e = _mapping(raw, "efficiency", set(vars(d.efficiency)))
-    efficiency = Efficiency(**{name: _number(e, name, default, "efficiency.", positive=name != "forward_overhead_ms")
-                               for name, default in vars(d.efficiency).items()})
-    acceptance = d.acceptance
-    if "acceptance" in raw:
-        acceptance = AcceptanceTable(_bands(raw["acceptance"]), acceptance.default_category)
-    category = raw.get("default_category", acceptance.default_category)
-    if category not in acceptance.bands:
-        raise SimConfigError("default_category", category, f"must be one of {', '.join(acceptance.bands)}")
-    seed, window = raw.get("seed", 0), raw.get("context_window", d.context_window)
-    if isinstance(seed, bool) or not isinstance(seed, int):
-        raise SimConfigError("seed", seed, "must be an integer")
-    if isinstance(window, bool) or not isinstance(window, int) or window < 16:
-        raise SimConfigError("context_window", window, "must be an integer >= 16")
-    draft = None if "draft" in raw and raw["draft"] is None else _shape(raw, "draft", LLAMA_1B)
-    return SimConfig(_shape(raw, "target", d.target), draft, hardware, efficiency,
-                     replace(acceptance, default_category=category),
-                     _number(raw, "time_scale", d.time_scale, "", positive=False), seed, window)
-
-
-def _bands(raw: Any) -> Mapping[str, Bands]:
-    """``{category: [[max_temperature | null, alpha], ...]}``; null (or .inf) means any temperature."""
-    if not isinstance(raw, Mapping) or not raw:
-        raise SimConfigError("acceptance", raw, "must be a non-empty mapping of category to bands")
-    out: dict[str, Bands] = {}
-    for category, bands in raw.items():
-        name = f"acceptance.{category}"
-        if not isinstance(category, str) or not re.fullmatch(r"[a-z][a-z0-9_]*", category):
-            raise SimConfigError(name, category, "category names are lowercase words")
-        if not isinstance(bands, list) or not bands:
-            raise SimConfigError(name, bands, "must be a list of [max_temperature, alpha] pairs")
-        parsed = []
-        for band in bands:
-            ok = isinstance(band, list | tuple) and len(band) == 2
-            max_t, alpha = band if ok else (None, None)
-            max_t = math.inf if max_t is None else max_t
-            if (not ok or isinstance(alpha, bool) or not isinstance(alpha, int | float) or not 0 <= alpha <= 1
-                    or isinstance(max_t, bool) or not isinstance(max_t, int | float)):
-                raise SimConfigError(name, band, "each band is [max_temperature (or null), alpha in 0..1]")
-            parsed.append((float(max_t), float(alpha)))
-        if parsed != sorted(parsed):
-            raise SimConfigError(name, bands, "bands must be in ascending max_temperature")
-        out[category] = tuple(parsed)
-    return out
+        self.problems: list[SimConfigError] = [self]
