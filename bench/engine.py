@@ -235,7 +235,7 @@ def main() -> None:
     startup_model = CostModel(costs.depths, costs.step_cost)
     online = OnlineCosts(costs)  # refined by every step below, as a serving worker's is
     args.dtype = resolve_dtype(args.dtype) if args.dtype != "auto" else costs.precision.target
-    target = LlamaForCausalLM.from_pretrained(args.target, TORCH_DTYPES[args.dtype])
+    target = LlamaForCausalLM.from_pretrained(args.target, TORCH_DTYPES[args.dtype], costs.precision.prepacked)
     draft = LlamaForCausalLM.from_pretrained(args.draft, TORCH_DTYPES[args.draft_dtype])
     codec = TextCodec.from_model_dir(args.target)
     texts = heldout_prompts(max(args.prompts, args.alpha_prompts, *batch_sizes), seed=1)

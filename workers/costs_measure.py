@@ -33,6 +33,7 @@ from typing import Literal
 import torch
 
 from policies.cost import expected_tokens
+from workers import rowgemm
 from workers.cost_cache import CostCache, cache_key, cpu_label
 from workers.cost_model import (
     CostReport,
@@ -75,7 +76,8 @@ class MeasureSettings:
         return cache_key({"target": self.target, "draft": self.draft},
                          {"max_slots": self.max_slots, "max_k": self.max_k, "dtype": self.dtype,
                           "draft_dtype": self.draft_dtype, "exact": self.exact, "threads": self.threads,
-                          "prepacking": bf16_prepacking_available()}, torch.__version__)
+                          "prepacking": bf16_prepacking_available(), "rowgemm": rowgemm.load() is not None},
+                         torch.__version__)
 
 
 def _scratch_cache(model: LlamaForCausalLM, slots: int, positions: int) -> KVCache:
@@ -178,12 +180,13 @@ def choose_precision(candidates: list[PrecisionCandidate],
                 f"plain at full batch")
 
     fastest = max(candidates, key=lambda c: c.score)
-    if settings.dtype != "auto":
-        only = candidates[0]
-        note = "" if only.bit_identical else "; its verification is not bit-identical on this CPU"
-        return only, f"workers.dtype: {settings.dtype} (configured){note}"
     exact = [c for c in candidates if c.bit_identical]
     listing = ", ".join(describe(c) + ("" if c.bit_identical else " not bit-identical") for c in candidates)
+    if settings.dtype != "auto":
+        # The dtype is configured; its kernels (packed or F.linear) are still measured.
+        only = max(exact, key=lambda c: c.score) if exact and settings.exact else fastest
+        note = "" if only.bit_identical else "; its verification is not bit-identical on this CPU"
+        return only, f"workers.dtype: {settings.dtype} (configured){note}: {listing}"
     if not settings.exact:
         return fastest, f"fastest predicted at alpha {REFERENCE_ALPHA} (workers.exact: false): {listing}"
     if not exact:
@@ -191,6 +194,16 @@ def choose_precision(candidates: list[PrecisionCandidate],
                          f"exact: {listing}")
     best = max(exact, key=lambda c: c.score)
     return best, f"fastest bit-identical at alpha {REFERENCE_ALPHA}: {listing}"
+
+
+def target_configs(dtype: Literal["auto", "float32", "bfloat16"]) -> dict[str, tuple[TargetDtype, bool]]:
+    """The target configurations to measure, by label: (dtype, packed). float32 packed runs
+    workers/rowgemm.py's kernels where they compiled, and is then measured against F.linear."""
+    dtypes: list[TargetDtype] = ["bfloat16", "float32"] if dtype == "auto" else [dtype]
+    configs: dict[str, tuple[TargetDtype, bool]] = {d: (d, True) for d in dtypes}
+    if "float32" in dtypes and rowgemm.load() is not None:
+        configs["float32-F.linear"] = ("float32", False)
+    return configs
 
 
 def measure(settings: MeasureSettings) -> CostReport:
@@ -206,11 +219,12 @@ def measure_with_model(settings: MeasureSettings) -> tuple[CostReport, LlamaForC
     positions = CONTEXT + width + 64
     full = settings.max_slots
     n_plan = sorted({n for n in (1, 2, 4, width) if n <= width})
-    dtypes: list[TargetDtype] = ["bfloat16", "float32"] if settings.dtype == "auto" else [settings.dtype]
+    configs = target_configs(settings.dtype)
     draft = None
     if settings.draft is not None:
         draft = LlamaForCausalLM.from_pretrained(settings.draft, TORCH_DTYPES[settings.draft_dtype])
-    targets = {d: LlamaForCausalLM.from_pretrained(settings.target, TORCH_DTYPES[d]) for d in dtypes}
+    targets = {d: LlamaForCausalLM.from_pretrained(settings.target, TORCH_DTYPES[configs[d][0]], configs[d][1])
+               for d in configs}
     identical = {d: verification_bit_identical(m, max(2, width)) for d, m in targets.items()}
     caches = {d: _scratch_cache(m, full, positions) for d, m in targets.items()}
     draft_cache = None if draft is None else _scratch_cache(draft, full, positions)
@@ -227,12 +241,13 @@ def measure_with_model(settings: MeasureSettings) -> tuple[CostReport, LlamaForC
     for d, model in targets.items():
         curve = _fill({n: times[(d, 1, n)] for n in n_plan}, width)
         tok_s, k = _best_b1(curve, times.get(("draft", 1, 1)), REFERENCE_ALPHA)
-        candidates.append(PrecisionCandidate(d, model.prepacked, identical[d], round(1000 * curve[0], 3),
+        candidates.append(PrecisionCandidate(configs[d][0], model.prepacked, identical[d], round(1000 * curve[0], 3),
                                              round(1000 * curve[-1], 3), round(tok_s, 1), k,
                                              round(full / times[(d, full, 1)], 1)))
     chosen, why = choose_precision(candidates, settings)
-    chosen_dtype = next(d for d in targets if d == chosen.target)
-    target, cache = targets[chosen_dtype], caches[chosen_dtype]
+    chosen_config = next(d for d, m in targets.items() if configs[d][0] == chosen.target
+                         and m.prepacked == chosen.prepacked)
+    target, cache = targets[chosen_config], caches[chosen_config]
     depths = depth_grid(full)
     overhead_s, draft_overhead_s = measure_overheads(target, draft, max_k, depths, started + 0.7 * settings.budget_s)
     # Phase 2, the chosen target: every n at batch 1, then the full batch and the depths between
@@ -241,8 +256,8 @@ def measure_with_model(settings: MeasureSettings) -> tuple[CostReport, LlamaForC
     # step's ratio: step costs are ratios within a depth, and points timed seconds apart on a
     # shared machine differ by its load (a 2-token step at batch 64 once came out 1.05x a plain
     # one, timed alone; 1.9x, timed in turns).
-    measured = {1: {n: times[(chosen.target, 1, n)] for n in n_plan}}
-    measured.setdefault(full, {})[1] = times[(chosen.target, full, 1)]  # (full may be 1: the same point)
+    measured = {1: {n: times[(chosen_config, 1, n)] for n in n_plan}}
+    measured.setdefault(full, {})[1] = times[(chosen_config, full, 1)]  # (full may be 1: the same point)
     draft_measured = {1: times[("draft", 1, 1)]} if draft is not None else {}
     drafting = [0] if draft is not None else []
     # The full batch's slope in n first (phase 1 timed it plain only), then every n at batch 1.

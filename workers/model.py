@@ -27,6 +27,8 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 from torch import nn
 
+from workers import rowgemm
+
 
 @dataclass(frozen=True)
 class ModelConfig:
@@ -109,18 +111,27 @@ class FrozenLinear:
     step. Where packing is unavailable (other dtypes, builds without oneDNN) it is ``F.linear``.
     """
 
-    def __init__(self, weight: torch.Tensor) -> None:
+    def __init__(self, weight: torch.Tensor, packed: bool = True) -> None:
         weight = weight.detach().contiguous()
-        # Exactly one of the two is kept: a packed copy replaces the plain weight.
+        # Exactly one of the three is kept: a packed copy replaces the plain weight.
         self.packed: torch.Tensor | None = None
+        self.panels: torch.Tensor | None = None  # float32 on workers/rowgemm.py's kernel
         self.weight: torch.Tensor | None = weight
+        self._rowgemm = rowgemm.load() if packed and weight.dtype == torch.float32 else None
+        if not packed:
+            return
         if weight.dtype == torch.bfloat16 and bf16_prepacking_available():
             self.packed, self.weight = torch.ops.mkldnn._reorder_linear_weight(weight, 1), None
+        elif self._rowgemm is not None and self._rowgemm.packable(weight):
+            self.panels, self.weight = self._rowgemm.pack(weight), None
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed is not None:
             out: torch.Tensor = torch.ops.mkldnn._linear_pointwise(x, self.packed, None, "none", [None], "")
             return out
+        if self.panels is not None:
+            assert self._rowgemm is not None
+            return self._rowgemm.linear(x, self.panels)
         assert self.weight is not None
         return F.linear(x, self.weight)
 
@@ -162,9 +173,10 @@ class Attention(nn.Module):
         self.qkv_fused: FrozenLinear | None = None
         self.o_frozen: FrozenLinear | None = None
 
-    def prepare_inference(self) -> None:
-        self.qkv_fused = FrozenLinear(torch.cat([self.q_proj.weight, self.k_proj.weight, self.v_proj.weight]))
-        self.o_frozen = FrozenLinear(self.o_proj.weight)
+    def prepare_inference(self, packed: bool) -> None:
+        self.qkv_fused = FrozenLinear(torch.cat([self.q_proj.weight, self.k_proj.weight, self.v_proj.weight]),
+                                      packed)
+        self.o_frozen = FrozenLinear(self.o_proj.weight, packed)
 
     def _out(self, attended: torch.Tensor) -> torch.Tensor:
         if self.o_frozen is not None:
@@ -258,9 +270,9 @@ class MLP(nn.Module):
         self.gate_up_fused: FrozenLinear | None = None
         self.down_frozen: FrozenLinear | None = None
 
-    def prepare_inference(self) -> None:
-        self.gate_up_fused = FrozenLinear(torch.cat([self.gate_proj.weight, self.up_proj.weight]))
-        self.down_frozen = FrozenLinear(self.down_proj.weight)
+    def prepare_inference(self, packed: bool) -> None:
+        self.gate_up_fused = FrozenLinear(torch.cat([self.gate_proj.weight, self.up_proj.weight]), packed)
+        self.down_frozen = FrozenLinear(self.down_proj.weight, packed)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.gate_up_fused is not None and self.down_frozen is not None:
@@ -302,6 +314,10 @@ class Backbone(nn.Module):
     def blocks(self) -> list[DecoderLayer]:
         return [layer for layer in self.layers if isinstance(layer, DecoderLayer)]
 
+
+# The native float32 path (LlamaForCausalLM._forward_native) attends with its own kernel in
+# forwards up to this many tokens, and in every row-invariant one; longer ones (prefills) with SDPA.
+NATIVE_ATTENTION_MAX_TOKENS = 16
 
 # Row-invariant attention spans are padded to whole blocks of this many keys (masked), so a
 # token's attention reads the same number of keys whether it is decoded alone or verified
@@ -359,6 +375,8 @@ class CacheBatch:
     # Every token's logits independent of the batch's shape (see _attend_per_query): what a
     # target needs so verification scores exactly what plain decoding would. A draft can skip it.
     row_invariant: bool = True
+    # Each row's (slot, first position, real tokens), for the native kernels (workers/rowgemm.py).
+    rows: tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]] = ((), (), ())
 
     @classmethod
     def build(cls, slots: list[int], starts: list[int], lengths: list[int], width: int,
@@ -373,7 +391,8 @@ class CacheBatch:
             mask = None
             if row_invariant or width > 1:
                 mask = (keys[None, :] <= positions[0, :, None])[None, None]
-            return cls(positions, key_span, mask, (slots[0], starts[0]), None, row_invariant)
+            return cls(positions, key_span, mask, (slots[0], starts[0]), None, row_invariant,
+                       ((slots[0],), (starts[0],), (width,)))
         b = len(slots)
         slot_t = torch.tensor(slots, dtype=torch.long)
         len_t = torch.tensor(lengths, dtype=torch.long)
@@ -385,7 +404,8 @@ class CacheBatch:
         mask = (keys[None, None, :] <= positions[:, :, None])[:, None]
         contiguous = (slots[0], slots[0] + b) if slots == list(range(slots[0], slots[0] + b)) else None
         scatter = Scatter(slot_t, rows_idx, cols_idx, slot_t[rows_idx], positions[rows_idx, cols_idx], contiguous)
-        return cls(positions.clamp(max=max_positions - 1), key_span, mask, None, scatter, row_invariant)
+        return cls(positions.clamp(max=max_positions - 1), key_span, mask, None, scatter, row_invariant,
+                   (tuple(slots), tuple(starts), tuple(lengths)))
 
 
 class LlamaForCausalLM(nn.Module):
@@ -400,6 +420,8 @@ class LlamaForCausalLM(nn.Module):
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         self.head_frozen: FrozenLinear | None = None
+        # Set by prepare_inference where the float32 forward runs workers/rowgemm.py's kernels.
+        self.native: rowgemm.RowGemm | None = None
         cos, sin = rotary_tables(cfg, torch.float32)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
@@ -420,7 +442,8 @@ class LlamaForCausalLM(nn.Module):
                     p.normal_(0.0, std * scale, generator=gen)
 
     @classmethod
-    def from_pretrained(cls, directory: Path | str, dtype: torch.dtype = torch.float32) -> LlamaForCausalLM:
+    def from_pretrained(cls, directory: Path | str, dtype: torch.dtype = torch.float32,
+                        packed: bool = True) -> LlamaForCausalLM:
         directory = Path(directory)
         cfg = ModelConfig.from_json(directory / "config.json")
         model = cls(cfg)
@@ -432,23 +455,29 @@ class LlamaForCausalLM(nn.Module):
         if missing or unexpected:
             raise ValueError(f"{directory}: checkpoint mismatch, missing={missing} unexpected={unexpected}")
         model.to(dtype)
-        return model.prepare_inference()
+        return model.prepare_inference(packed)
 
     @property
     def prepacked(self) -> bool:
-        """Whether the projections run on oneDNN's prepacked weights (see FrozenLinear)."""
-        return self.head_frozen is not None and self.head_frozen.packed is not None
+        """Whether the projections run on weights laid out once for a row-invariant kernel:
+        oneDNN's prepacked bfloat16, or float32 panels on workers/rowgemm.py's (see FrozenLinear)."""
+        head = self.head_frozen
+        return head is not None and (head.packed is not None or head.panels is not None)
 
-    def prepare_inference(self) -> LlamaForCausalLM:
-        """Freeze for serving: eval, no grad, fused and prepacked projections (see FrozenLinear).
+    def prepare_inference(self, packed: bool = True) -> LlamaForCausalLM:
+        """Freeze for serving: eval, no grad, fused projections, prepacked where this CPU can
+        (``packed``; False: plain ``F.linear``, the reference the packed kernels are measured against).
 
         The frozen projections snapshot the weights: call this after the last weight change.
         """
         self.eval().requires_grad_(False)
         for layer in self.model.blocks():
-            layer.self_attn.prepare_inference()
-            layer.mlp.prepare_inference()
-        self.head_frozen = FrozenLinear(self.lm_head.weight)
+            layer.self_attn.prepare_inference(packed)
+            layer.mlp.prepare_inference(packed)
+        self.head_frozen = FrozenLinear(self.lm_head.weight, packed)
+        kernel = self.head_frozen._rowgemm if self.head_frozen.panels is not None else None
+        self.native = kernel if kernel is not None and kernel.supports(self.cfg.hidden_size,
+                                                                       self.cfg.head_dim) else None
         return self
 
     def save_pretrained(self, directory: Path | str, dtype: torch.dtype = torch.bfloat16) -> None:
@@ -480,6 +509,8 @@ class LlamaForCausalLM(nn.Module):
         Returns (B, L, V), or (N, V) for the (row, col) pairs given, which avoids the LM head
         over padding and prefill positions whose logits nobody reads.
         """
+        if self.native is not None:
+            return self._forward_native(self.native, tokens, cache, batch, logit_rows, logit_cols)
         # The rotary tables were cast with the model (buffers follow .to(dtype)).
         if batch.single is not None:
             start, length = batch.single[1], tokens.shape[1]
@@ -495,3 +526,44 @@ class LlamaForCausalLM(nn.Module):
         x = self.model.norm(x)
         logits = self.head_frozen(x) if self.head_frozen is not None else self.lm_head(x)
         return logits.float()
+
+    def _forward_native(self, kernel: rowgemm.RowGemm, tokens: torch.Tensor, cache: KVCache, batch: CacheBatch,
+                        logit_rows: torch.Tensor | None, logit_cols: torch.Tensor | None) -> torch.Tensor:
+        """``forward_cached`` in float32 on workers/rowgemm.py's kernels: one call each for a
+        norm, a projection, SwiGLU, and rotary + cache write + attention, instead of a dozen
+        small torch ops each (at batch 1 a small model's step is mostly their overhead).
+
+        Every kernel computes a row from that row alone, and attention reads each query's own
+        prefix of keys, so a token's logits do not depend on the forward's shape: verification
+        is bit-identical to plain decoding without padding key spans. A long forward that need
+        not be row-invariant (a prefill) attends with the fused SDPA kernel instead, faster there.
+        """
+        cfg = self.cfg
+        length = tokens.shape[1]
+        native_attention = batch.row_invariant or length <= NATIVE_ATTENTION_MAX_TOKENS
+        if native_attention:
+            rows = torch.tensor(batch.rows, dtype=torch.long)
+        elif batch.single is not None:
+            start = batch.single[1]
+            cos = self.rope_cos[start:start + length][None, :, None]
+            sin = self.rope_sin[start:start + length][None, :, None]
+        else:
+            cos, sin = self.rope_cos[batch.positions][:, :, None], self.rope_sin[batch.positions][:, :, None]
+        x = self.model.embed_tokens(tokens)
+        for i, layer in enumerate(self.model.blocks()):
+            attn, mlp = layer.self_attn, layer.mlp
+            assert attn.qkv_fused is not None and attn.o_frozen is not None
+            assert mlp.gate_up_fused is not None and mlp.down_frozen is not None
+            h = kernel.rmsnorm(x, layer.input_layernorm.weight, cfg.rms_norm_eps)
+            if native_attention:
+                attended = kernel.rope_attend(attn.qkv_fused(h), self.rope_cos, self.rope_sin, cache.k[i], cache.v[i],
+                                              rows, cfg.num_attention_heads, cfg.num_key_value_heads)
+                x = x + attn.o_frozen(attended)
+            else:
+                x = x + attn.forward_cached(h, cos, sin, cache, i, batch)
+            h = kernel.rmsnorm(x, layer.post_attention_layernorm.weight, cfg.rms_norm_eps)
+            x = x + mlp.down_frozen(kernel.swiglu(mlp.gate_up_fused(h)))
+        if logit_rows is not None and logit_cols is not None:
+            x = x[logit_rows, logit_cols]
+        assert self.head_frozen is not None
+        return self.head_frozen(kernel.rmsnorm(x.contiguous(), self.model.norm.weight, cfg.rms_norm_eps))

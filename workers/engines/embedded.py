@@ -52,12 +52,14 @@ class EmbeddedSettings:
     cost_budget_s: float = 4.0  # start-up measurement's time budget (a cache hit skips it)
 
 
-def load_speculative_engine(settings: EmbeddedSettings, target: LlamaForCausalLM | None = None) -> SpeculativeEngine:
+def load_speculative_engine(settings: EmbeddedSettings, target: LlamaForCausalLM | None = None,
+                            packed: bool = True) -> SpeculativeEngine:
     """The engine with ``settings.dtype`` as given ("auto": by CPU flags, ``resolve_dtype``);
-    a worker passes the dtype its cost measurement chose, and the target it loaded to measure
-    (``EmbeddedEngine.start``)."""
+    a worker passes the dtype and packing its cost measurement chose, and the target it loaded
+    to measure (``EmbeddedEngine.start``)."""
     if target is None:
-        target = LlamaForCausalLM.from_pretrained(settings.target, TORCH_DTYPES[resolve_dtype(settings.dtype)])
+        target = LlamaForCausalLM.from_pretrained(settings.target, TORCH_DTYPES[resolve_dtype(settings.dtype)],
+                                                  packed)
     draft = None
     if settings.draft is not None:
         draft = LlamaForCausalLM.from_pretrained(settings.draft, TORCH_DTYPES[settings.draft_dtype])
@@ -114,7 +116,7 @@ class EmbeddedEngine:
         report, target = measure_or_load(measuring, s.cost_cache_dir)
         assert report.precision is not None
         dtype: Literal["float32", "bfloat16"] = "bfloat16" if report.precision.target == "bfloat16" else "float32"
-        engine = load_speculative_engine(dataclasses.replace(s, dtype=dtype), target)
+        engine = load_speculative_engine(dataclasses.replace(s, dtype=dtype), target, report.precision.prepacked)
         self._costs = OnlineCosts(report)
         self._runner = EngineRunner(engine, asyncio.get_running_loop(), observer, self._costs)
         self._runner.start()

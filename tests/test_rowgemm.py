@@ -1,0 +1,130 @@
+"""workers/rowgemm.py: the float32 kernels against F.linear and the torch forward, row
+invariance (what makes float32 verification bit-identical), and the fallback without them."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from workers import rowgemm
+from workers.costs_measure import verification_bit_identical
+from workers.demo_corpus import heldout_prompts
+from workers.engine import GenerationRequest, SpeculativeEngine
+from workers.model import CacheBatch, KVCache, LlamaForCausalLM
+from workers.sampling import SamplingParams
+from workers.text import TextCodec
+
+REPO = Path(__file__).resolve().parent.parent
+KERNEL = rowgemm.load()
+needs_kernel = pytest.mark.skipif(KERNEL is None, reason="rowgemm did not build here (no C compiler or no AVX2)")
+
+
+@pytest.fixture(scope="module")
+def demo_models() -> dict[str, LlamaForCausalLM]:
+    """The demo checkpoints in float32, on the kernels and on F.linear (the reference)."""
+    return {f"{name}-{'packed' if packed else 'linear'}":
+            LlamaForCausalLM.from_pretrained(REPO / f"models/demo-{name}", torch.float32, packed)
+            for name in ("draft", "target") for packed in (True, False)}
+
+
+@needs_kernel
+@pytest.mark.parametrize("weight_dtype", [torch.bfloat16, torch.float32])
+def test_projection_matches_f_linear_and_rows_are_invariant(weight_dtype: torch.dtype) -> None:
+    assert KERNEL is not None
+    gen = torch.Generator().manual_seed(0)
+    # bfloat16-valued weights are packed losslessly in bfloat16; others stay float32.
+    weight = torch.randn(200, 72, generator=gen).to(weight_dtype).float()
+    packed = KERNEL.pack(weight)
+    assert packed.dtype == weight_dtype and packed.shape == (25, 72, 8)
+    x = torch.randn(1, 11, 72, generator=gen)
+    y = KERNEL.linear(x, packed)
+    torch.testing.assert_close(y, F.linear(x, weight), rtol=1e-5, atol=1e-5)
+    for m in range(1, 11):  # every row as computed in a call of any size: bit for bit
+        assert torch.equal(KERNEL.linear(x[:, :m], packed), y[:, :m]), m
+        assert torch.equal(KERNEL.linear(x[:, m:m + 1], packed), y[:, m:m + 1]), m
+
+
+@needs_kernel
+def test_native_forward_is_close_to_the_torch_forward(demo_models: dict[str, LlamaForCausalLM]) -> None:
+    """Held-out prompts, prefill then decode steps: logits close, argmax equal, on both models."""
+    codec = TextCodec.from_model_dir(REPO / "models/demo-target")
+    for name in ("draft", "target"):
+        native, reference = demo_models[f"{name}-packed"], demo_models[f"{name}-linear"]
+        assert native.native is not None and reference.native is None and native.prepacked
+        for text in heldout_prompts(3, seed=5):
+            ids = codec.encode(text)[:40]
+            caches = [KVCache.allocate(m.cfg, 1, torch.float32) for m in (native, reference)]
+            with torch.inference_mode():
+                for step, (start, n) in enumerate([(0, len(ids) - 3), (len(ids) - 3, 1), (len(ids) - 2, 2)]):
+                    tokens = torch.tensor([ids[start:start + n]])
+                    out = [m.forward_cached(tokens, c, CacheBatch.build([0], [start], [n], n, 1024, name == "target"))
+                           for m, c in zip((native, reference), caches, strict=True)]
+                    torch.testing.assert_close(out[0], out[1], rtol=1e-3, atol=2e-3)
+                    assert torch.equal(out[0].argmax(-1), out[1].argmax(-1)), (name, step)
+
+
+@needs_kernel
+def test_native_float32_verification_is_bit_identical(demo_models: dict[str, LlamaForCausalLM]) -> None:
+    """What the start-up check finds: F.linear's float32 is not row-invariant here, the kernels are."""
+    assert verification_bit_identical(demo_models["target-packed"], 9)
+    assert verification_bit_identical(demo_models["target-packed"], 4)
+
+
+@needs_kernel
+@pytest.mark.parametrize("k", [1, 3, 6])
+def test_native_greedy_speculative_output_is_plain_output(k: int, demo_models: dict[str, LlamaForCausalLM]) -> None:
+    target, draft = demo_models["target-packed"], demo_models["draft-packed"]
+    codec = TextCodec.from_model_dir(REPO / "models/demo-target")
+    prompts = [codec.encode(t) for t in heldout_prompts(3, seed=2)]
+    greedy = SamplingParams(temperature=0.0)
+    outputs = {}
+    for depth in (0, k):
+        engine = SpeculativeEngine(target, draft, max_slots=3, max_k=6)
+        for i, ids in enumerate(prompts):  # a batch of three, then each alone
+            engine.add(GenerationRequest(f"b{i}", ids, 24, greedy, k=depth))
+        got: dict[str, list[int]] = {}
+        while engine.has_work:
+            for event in engine.step():
+                got.setdefault(event.request_id, []).extend(event.tokens)
+        for i, ids in enumerate(prompts):
+            got[f"a{i}"] = [t for e in engine.generate(GenerationRequest(f"a{i}", ids, 24, greedy, k=depth))
+                            for t in e.tokens]
+        outputs[depth] = got
+    assert outputs[k] == outputs[0]
+    assert all(outputs[0][f"a{i}"] == outputs[0][f"b{i}"] for i in range(len(prompts)))
+
+
+def test_disabled_kernel_falls_back_to_f_linear(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("SPECGATE_ROWGEMM", "0")
+    rowgemm.load.cache_clear()
+    try:
+        assert rowgemm.load() is None
+        model = LlamaForCausalLM.from_pretrained(REPO / "models/demo-draft", torch.float32)
+        assert model.native is None and not model.prepacked
+        cache = KVCache.allocate(model.cfg, 1, torch.float32)
+        with torch.inference_mode():
+            logits = model.forward_cached(torch.tensor([[5, 6, 7]]), cache, CacheBatch.build([0], [0], [3], 3, 1024))
+        assert logits.shape == (1, 3, model.cfg.vocab_size) and torch.isfinite(logits).all()
+    finally:
+        rowgemm.load.cache_clear()
+
+
+@pytest.mark.parametrize("compiler", ["/bin/false", "/nonexistent/cc"])
+def test_failed_or_missing_compiler_falls_back(compiler: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("CC", compiler)
+    monkeypatch.setenv("SPECGATE_ROWGEMM_DIR", str(tmp_path))
+    rowgemm.load.cache_clear()
+    try:
+        assert rowgemm.load() is None
+        assert not LlamaForCausalLM.from_pretrained(REPO / "models/demo-draft", torch.float32).prepacked
+    finally:
+        rowgemm.load.cache_clear()
+
+
+@needs_kernel
+def test_engine_test_models_run_the_kernels(target_model: LlamaForCausalLM) -> None:
+    """So the engine's parity tests (tests/test_engine.py) cover the native path where it builds."""
+    assert target_model.native is not None
