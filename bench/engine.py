@@ -236,7 +236,7 @@ def main() -> None:
     online = OnlineCosts(costs)  # refined by every step below, as a serving worker's is
     args.dtype = resolve_dtype(args.dtype) if args.dtype != "auto" else costs.precision.target
     target = LlamaForCausalLM.from_pretrained(args.target, TORCH_DTYPES[args.dtype], costs.precision.prepacked)
-    draft = LlamaForCausalLM.from_pretrained(args.draft, TORCH_DTYPES[args.draft_dtype])
+    draft = LlamaForCausalLM.load_draft(args.draft, TORCH_DTYPES[args.draft_dtype])
     codec = TextCodec.from_model_dir(args.target)
     texts = heldout_prompts(max(args.prompts, args.alpha_prompts, *batch_sizes), seed=1)
     prompts = [codec.encode(t) for t in texts]

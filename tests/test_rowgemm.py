@@ -31,17 +31,21 @@ def demo_models() -> dict[str, LlamaForCausalLM]:
 
 
 @needs_kernel
-@pytest.mark.parametrize("weight_dtype", [torch.bfloat16, torch.float32])
-def test_projection_matches_f_linear_and_rows_are_invariant(weight_dtype: torch.dtype) -> None:
+@pytest.mark.parametrize(("weight_dtype", "int8"), [(torch.bfloat16, False), (torch.float32, False),
+                                                    (torch.bfloat16, True)])
+def test_projection_matches_f_linear_and_rows_are_invariant(weight_dtype: torch.dtype, int8: bool) -> None:
     assert KERNEL is not None
     gen = torch.Generator().manual_seed(0)
-    # bfloat16-valued weights are packed losslessly in bfloat16; others stay float32.
+    # bfloat16-valued weights are packed losslessly in bfloat16; others stay float32; int8 on request.
     weight = torch.randn(200, 72, generator=gen).to(weight_dtype).float()
-    packed = KERNEL.pack(weight)
-    assert packed.dtype == weight_dtype and packed.shape == (25, 72, 8)
+    packed = KERNEL.pack(weight, int8)
+    assert packed.weights.dtype == (torch.int8 if int8 else weight_dtype)
+    assert packed.weights.shape[0] == 25 and packed.weights.shape[1] >= 72
     x = torch.randn(1, 11, 72, generator=gen)
     y = KERNEL.linear(x, packed)
-    torch.testing.assert_close(y, F.linear(x, weight), rtol=1e-5, atol=1e-5)
+    # int8: within the rounding of 8 bits per weight (a column's largest / 254 each).
+    tolerance = 0.3 if int8 else 1e-5
+    torch.testing.assert_close(y, F.linear(x, weight), rtol=tolerance, atol=tolerance)
     for m in range(1, 11):  # every row as computed in a call of any size: bit for bit
         assert torch.equal(KERNEL.linear(x[:, :m], packed), y[:, :m]), m
         assert torch.equal(KERNEL.linear(x[:, m:m + 1], packed), y[:, m:m + 1]), m
@@ -64,6 +68,30 @@ def test_native_forward_is_close_to_the_torch_forward(demo_models: dict[str, Lla
                            for m, c in zip((native, reference), caches, strict=True)]
                     torch.testing.assert_close(out[0], out[1], rtol=1e-3, atol=2e-3)
                     assert torch.equal(out[0].argmax(-1), out[1].argmax(-1)), (name, step)
+
+
+@needs_kernel
+def test_fused_forward_is_the_per_op_path_bit_for_bit(demo_models: dict[str, LlamaForCausalLM]) -> None:
+    """One kernel call per forward (FusedForward) runs the same kernels in the same order."""
+    model = demo_models["target-packed"]
+    fused = model.fused
+    assert fused is not None
+    gen = torch.Generator().manual_seed(4)
+    tokens = torch.randint(5, model.cfg.vocab_size, (2, 5), generator=gen)
+    batch = CacheBatch.build([0, 1], [30, 12], [5, 3], 5, 1024)
+    outs = []
+    for use_fused in (True, False):
+        cache = KVCache.allocate(model.cfg, 2, torch.float32)
+        model.fused = fused if use_fused else None
+        try:
+            with torch.inference_mode():
+                model.forward_cached(torch.randint(5, 100, (2, 30), generator=torch.Generator().manual_seed(1)), cache,
+                                     CacheBatch.build([0, 1], [0, 0], [30, 12], 30, 1024))
+                outs.append((model.forward_cached(tokens, cache, batch, torch.tensor([0, 0, 1]),
+                                                  torch.tensor([3, 4, 2])), cache.k[3].clone()))
+        finally:
+            model.fused = fused
+    assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])
 
 
 @needs_kernel
@@ -128,3 +156,27 @@ def test_failed_or_missing_compiler_falls_back(compiler: str, tmp_path: Path, mo
 def test_engine_test_models_run_the_kernels(target_model: LlamaForCausalLM) -> None:
     """So the engine's parity tests (tests/test_engine.py) cover the native path where it builds."""
     assert target_model.native is not None
+
+
+@needs_kernel
+def test_int8_draft_agrees_with_the_target_as_often(demo_models: dict[str, LlamaForCausalLM]) -> None:
+    """The draft the engine serves (int8 projections, ``load_draft``) predicts the target's next
+    token on held-out text as often as the checkpoint's own bfloat16 weights do (what α rests on)."""
+    int8_draft = LlamaForCausalLM.load_draft(REPO / "models/demo-draft")
+    models = {"target": demo_models["target-packed"], "draft": demo_models["draft-packed"], "int8": int8_draft}
+    codec = TextCodec.from_model_dir(REPO / "models/demo-target")
+    agree = {"draft": 0, "int8": 0}
+    total = 0
+    with torch.inference_mode():
+        for text in heldout_prompts(16, seed=3):
+            ids = torch.tensor([codec.encode(text)[:120]])
+            n = ids.shape[1]
+            argmax = {}
+            for name, model in models.items():
+                cache = KVCache.allocate(model.cfg, 1, torch.float32)
+                batch = CacheBatch.build([0], [0], [n], n, 1024, row_invariant=False)
+                argmax[name] = model.forward_cached(ids, cache, batch).argmax(-1)
+            agree["draft"] += int((argmax["draft"] == argmax["target"]).sum())
+            agree["int8"] += int((argmax["int8"] == argmax["target"]).sum())
+            total += n
+    assert agree["int8"] >= agree["draft"] - 0.01 * total, (agree, total)

@@ -222,7 +222,7 @@ def measure_with_model(settings: MeasureSettings) -> tuple[CostReport, LlamaForC
     configs = target_configs(settings.dtype)
     draft = None
     if settings.draft is not None:
-        draft = LlamaForCausalLM.from_pretrained(settings.draft, TORCH_DTYPES[settings.draft_dtype])
+        draft = LlamaForCausalLM.load_draft(settings.draft, TORCH_DTYPES[settings.draft_dtype])
     targets = {d: LlamaForCausalLM.from_pretrained(settings.target, TORCH_DTYPES[configs[d][0]], configs[d][1])
                for d in configs}
     identical = {d: verification_bit_identical(m, max(2, width)) for d, m in targets.items()}

@@ -111,11 +111,11 @@ class FrozenLinear:
     step. Where packing is unavailable (other dtypes, builds without oneDNN) it is ``F.linear``.
     """
 
-    def __init__(self, weight: torch.Tensor, packed: bool = True) -> None:
+    def __init__(self, weight: torch.Tensor, packed: bool = True, int8: bool = False) -> None:
         weight = weight.detach().contiguous()
         # Exactly one of the three is kept: a packed copy replaces the plain weight.
         self.packed: torch.Tensor | None = None
-        self.panels: torch.Tensor | None = None  # float32 on workers/rowgemm.py's kernel
+        self.panels: rowgemm.Panels | None = None  # float32 on workers/rowgemm.py's kernel
         self.weight: torch.Tensor | None = weight
         self._rowgemm = rowgemm.load() if packed and weight.dtype == torch.float32 else None
         if not packed:
@@ -123,7 +123,7 @@ class FrozenLinear:
         if weight.dtype == torch.bfloat16 and bf16_prepacking_available():
             self.packed, self.weight = torch.ops.mkldnn._reorder_linear_weight(weight, 1), None
         elif self._rowgemm is not None and self._rowgemm.packable(weight):
-            self.panels, self.weight = self._rowgemm.pack(weight), None
+            self.panels, self.weight = self._rowgemm.pack(weight, int8), None
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed is not None:
@@ -173,10 +173,10 @@ class Attention(nn.Module):
         self.qkv_fused: FrozenLinear | None = None
         self.o_frozen: FrozenLinear | None = None
 
-    def prepare_inference(self, packed: bool) -> None:
+    def prepare_inference(self, packed: bool, int8: bool) -> None:
         self.qkv_fused = FrozenLinear(torch.cat([self.q_proj.weight, self.k_proj.weight, self.v_proj.weight]),
-                                      packed)
-        self.o_frozen = FrozenLinear(self.o_proj.weight, packed)
+                                      packed, int8)
+        self.o_frozen = FrozenLinear(self.o_proj.weight, packed, int8)
 
     def _out(self, attended: torch.Tensor) -> torch.Tensor:
         if self.o_frozen is not None:
@@ -270,9 +270,9 @@ class MLP(nn.Module):
         self.gate_up_fused: FrozenLinear | None = None
         self.down_frozen: FrozenLinear | None = None
 
-    def prepare_inference(self, packed: bool) -> None:
-        self.gate_up_fused = FrozenLinear(torch.cat([self.gate_proj.weight, self.up_proj.weight]), packed)
-        self.down_frozen = FrozenLinear(self.down_proj.weight, packed)
+    def prepare_inference(self, packed: bool, int8: bool) -> None:
+        self.gate_up_fused = FrozenLinear(torch.cat([self.gate_proj.weight, self.up_proj.weight]), packed, int8)
+        self.down_frozen = FrozenLinear(self.down_proj.weight, packed, int8)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.gate_up_fused is not None and self.down_frozen is not None:
@@ -422,6 +422,7 @@ class LlamaForCausalLM(nn.Module):
         self.head_frozen: FrozenLinear | None = None
         # Set by prepare_inference where the float32 forward runs workers/rowgemm.py's kernels.
         self.native: rowgemm.RowGemm | None = None
+        self.fused: rowgemm.FusedForward | None = None  # the same path in one kernel call
         cos, sin = rotary_tables(cfg, torch.float32)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
@@ -443,7 +444,7 @@ class LlamaForCausalLM(nn.Module):
 
     @classmethod
     def from_pretrained(cls, directory: Path | str, dtype: torch.dtype = torch.float32,
-                        packed: bool = True) -> LlamaForCausalLM:
+                        packed: bool = True, int8: bool = False) -> LlamaForCausalLM:
         directory = Path(directory)
         cfg = ModelConfig.from_json(directory / "config.json")
         model = cls(cfg)
@@ -455,7 +456,15 @@ class LlamaForCausalLM(nn.Module):
         if missing or unexpected:
             raise ValueError(f"{directory}: checkpoint mismatch, missing={missing} unexpected={unexpected}")
         model.to(dtype)
-        return model.prepare_inference(packed)
+        return model.prepare_inference(packed, int8)
+
+    @classmethod
+    def load_draft(cls, directory: Path | str, dtype: torch.dtype = torch.float32) -> LlamaForCausalLM:
+        """A draft as the engine serves it: in float32 on workers/rowgemm.py's kernels (where they
+        build) with int8 projections. Its numerics never reach the output, and on the demo pair
+        its argmax agreed with the target's as often as the bfloat16 weights' did (docs/engine.md
+        section 3); half the bytes to stream cut its forward by about a sixth on the AVX2 CPU."""
+        return cls.from_pretrained(directory, dtype, packed=True, int8=True)
 
     @property
     def prepacked(self) -> bool:
@@ -464,20 +473,37 @@ class LlamaForCausalLM(nn.Module):
         head = self.head_frozen
         return head is not None and (head.packed is not None or head.panels is not None)
 
-    def prepare_inference(self, packed: bool = True) -> LlamaForCausalLM:
+    def prepare_inference(self, packed: bool = True, int8: bool = False) -> LlamaForCausalLM:
         """Freeze for serving: eval, no grad, fused projections, prepacked where this CPU can
         (``packed``; False: plain ``F.linear``, the reference the packed kernels are measured against).
+        ``int8``: float32 projections on the kernels stored in 8 bits with a scale per output
+        column, for a draft (its numerics never reach the output; a target's must be its own).
 
         The frozen projections snapshot the weights: call this after the last weight change.
         """
         self.eval().requires_grad_(False)
         for layer in self.model.blocks():
-            layer.self_attn.prepare_inference(packed)
-            layer.mlp.prepare_inference(packed)
-        self.head_frozen = FrozenLinear(self.lm_head.weight, packed)
+            layer.self_attn.prepare_inference(packed, int8)
+            layer.mlp.prepare_inference(packed, int8)
+        self.head_frozen = FrozenLinear(self.lm_head.weight, packed, int8)
         kernel = self.head_frozen._rowgemm if self.head_frozen.panels is not None else None
         self.native = kernel if kernel is not None and kernel.supports(self.cfg.hidden_size,
                                                                        self.cfg.head_dim) else None
+        self.fused = None
+        if self.native is not None:
+            cfg, blocks = self.cfg, self.model.blocks()
+            frozen = [f for layer in blocks for f in (layer.self_attn.qkv_fused, layer.self_attn.o_frozen,
+                                                      layer.mlp.gate_up_fused, layer.mlp.down_frozen)]
+            panels = [f.panels for f in [*frozen, self.head_frozen] if f is not None and f.panels is not None]
+            norms = [w for layer in blocks
+                     for w in (layer.input_layernorm.weight, layer.post_attention_layernorm.weight)]
+            assert len(panels) == len(frozen) + 1
+            self.fused = rowgemm.FusedForward(
+                self.native, embed=self.model.embed_tokens.weight.detach().contiguous(),
+                norms=[*norms, self.model.norm.weight], panels=panels,
+                hidden=cfg.hidden_size, inter=cfg.intermediate_size, heads=cfg.num_attention_heads,
+                kv_heads=cfg.num_key_value_heads, head_dim=cfg.head_dim, eps=cfg.rms_norm_eps,
+                cos=self.rope_cos, sin=self.rope_sin)
         return self
 
     def save_pretrained(self, directory: Path | str, dtype: torch.dtype = torch.bfloat16) -> None:
@@ -543,6 +569,11 @@ class LlamaForCausalLM(nn.Module):
         native_attention = batch.row_invariant or length <= NATIVE_ATTENTION_MAX_TOKENS
         if native_attention:
             rows = torch.tensor(batch.rows, dtype=torch.long)
+            if self.fused is not None:
+                if logit_rows is not None and logit_cols is not None:
+                    return self.fused(tokens, cache.k, cache.v, rows, logit_rows * length + logit_cols)
+                logits = self.fused(tokens, cache.k, cache.v, rows, torch.arange(tokens.numel()))
+                return logits.view(*tokens.shape, -1)
         elif batch.single is not None:
             start = batch.single[1]
             cos = self.rope_cos[start:start + length][None, :, None]

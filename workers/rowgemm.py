@@ -32,6 +32,7 @@ import shutil
 import subprocess
 import tempfile
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
@@ -42,8 +43,12 @@ _SOURCE = r"""
 #include <math.h>
 #include <stdint.h>
 
-/* y (M, N) = x (M, K) . W^T; W in panels (N/8, K, 8), float32 (f32) or bfloat16 (b16). */
+/* y (M, N) = x (M, K) . W^T; W in panels (N/8, K + pad, 8), float32 (f32), bfloat16 (b16), or int8
+   (i8) times a scale per output column (sc, else NULL). */
 static inline __m256 load_f32(const float* p) { return _mm256_loadu_ps(p); }
+static inline __m256 load_i8(const int8_t* p) {
+  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)p)));
+}
 static inline __m256 load_b16(const uint16_t* p) {
   __m256i w = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)p));
   return _mm256_castsi256_ps(_mm256_slli_epi32(w, 16));
@@ -51,32 +56,36 @@ static inline __m256 load_b16(const uint16_t* p) {
 
 #define UNROLL _Pragma("GCC unroll 16")
 #define TILE(T, MR, NB) \
-static void tile_##T##_##MR##_##NB(const float* x, int64_t K, const T##_t* p, float* y, int64_t N) { \
+static void tile_##T##_##MR##_##NB(const float* x, int64_t K, int64_t KS, const T##_t* p, const float* sc, \
+                                   float* y, int64_t N) { \
   __m256 acc[MR][NB]; \
   UNROLL for (int m = 0; m < MR; ++m) UNROLL for (int b = 0; b < NB; ++b) acc[m][b] = _mm256_setzero_ps(); \
   for (int64_t k = 0; k < K; ++k) { \
     __m256 w[NB]; \
-    UNROLL for (int b = 0; b < NB; ++b) w[b] = load_##T(p + (b * K + k) * 8); \
+    UNROLL for (int b = 0; b < NB; ++b) w[b] = load_##T(p + (b * KS + k) * 8); \
     UNROLL for (int m = 0; m < MR; ++m) { \
       __m256 xv = _mm256_broadcast_ss(x + m * K + k); \
       UNROLL for (int b = 0; b < NB; ++b) acc[m][b] = _mm256_fmadd_ps(xv, w[b], acc[m][b]); \
     } \
   } \
+  if (sc) UNROLL for (int m = 0; m < MR; ++m) UNROLL for (int b = 0; b < NB; ++b) \
+    acc[m][b] = _mm256_mul_ps(acc[m][b], _mm256_loadu_ps(sc + b * 8)); \
   UNROLL for (int m = 0; m < MR; ++m) UNROLL for (int b = 0; b < NB; ++b) \
     _mm256_storeu_ps(y + m * N + b * 8, acc[m][b]); \
 }
 
 #define RUN(T, MR, NB) do { \
   int64_t b = b0; \
-  for (; b + NB <= b1; b += NB) tile_##T##_##MR##_##NB(xm, K, p + b * K * 8, ym + b * 8, N); \
-  for (; b < b1; ++b) tile_##T##_##MR##_1(xm, K, p + b * K * 8, ym + b * 8, N); } while (0)
+  for (; b + NB <= b1; b += NB) tile_##T##_##MR##_##NB(xm, K, KS, p + b * KS * 8, sc ? sc + b * 8 : 0, ym + b * 8, N); \
+  for (; b < b1; ++b) tile_##T##_##MR##_1(xm, K, KS, p + b * KS * 8, sc ? sc + b * 8 : 0, ym + b * 8, N); } while (0)
 
 /* Rows in tiles of 4, the last 1-3 together. The weight is streamed once: every row tile
    works through a chunk of 24 panels (under 300 KB, in L2) before the next chunk is read. */
 #define GEMM(T) \
 TILE(T, 4, 3) TILE(T, 3, 4) TILE(T, 2, 6) TILE(T, 1, 8) \
 TILE(T, 4, 1) TILE(T, 3, 1) TILE(T, 2, 1) TILE(T, 1, 1) \
-void rowgemm_##T(const float* x, const T##_t* p, float* y, int64_t M, int64_t K, int64_t N) { \
+void rowgemm_##T(const float* x, const T##_t* p, const float* sc, float* y, int64_t M, int64_t K, int64_t KS, \
+                 int64_t N) { \
   int64_t blocks = N / 8; \
   int64_t chunk = M <= 4 ? blocks : 24; /* a multiple of every tile's NB */ \
   for (int64_t b0 = 0; b0 < blocks; b0 += chunk) { \
@@ -94,8 +103,10 @@ void rowgemm_##T(const float* x, const T##_t* p, float* y, int64_t M, int64_t K,
 
 typedef float f32_t;
 typedef uint16_t b16_t;
+typedef int8_t i8_t;
 GEMM(f32)
 GEMM(b16)
+GEMM(i8)
 
 static inline float hsum(__m256 v) {
   __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -188,9 +199,62 @@ void rope_attend(const float* qkv, const float* cos_t, const float* sin_t, float
       }
     }
 }
+
+/* A projection's panels: weights, int8 scales or NULL, panel stride in k-rows, element kind. */
+typedef struct { const void* w; const float* sc; int64_t ks; int64_t kind; } lin_t;
+
+static void gemm(const float* x, const lin_t* l, float* y, int64_t M, int64_t K, int64_t N) {
+  switch (l->kind) {
+    case 0: rowgemm_f32(x, (const float*)l->w, l->sc, y, M, K, l->ks, N); break;
+    case 1: rowgemm_b16(x, (const uint16_t*)l->w, l->sc, y, M, K, l->ks, N); break;
+    default: rowgemm_i8(x, (const int8_t*)l->w, l->sc, y, M, K, l->ks, N); break;
+  }
+}
+
+static void add_into(float* x, const float* t, int64_t n) { for (int64_t i = 0; i < n; ++i) x[i] += t[i]; }
+
+/* A whole cached forward of B rows x L new tokens, as LlamaForCausalLM._forward_native runs it
+   op by op: embedding, per layer RMSNorm, QKV, rotary + cache write + attention, O, residual,
+   RMSNorm, gate/up, SwiGLU, down, residual; then the final norm and the LM head for the rows
+   logit_idx (indices into B*L). norms: 2 per layer + the final one; lins: QKV, O, gate/up,
+   down per layer + the head. The same kernels in the same order, so the same bits. */
+void forward(const int64_t* tokens, int64_t B, int64_t L, const float* embed, int64_t hid, int64_t inter,
+             int64_t layers, const float* const* norms, const lin_t* lins, float* const* kc, float* const* vc,
+             int64_t P, const float* cos_t, const float* sin_t, const int64_t* slots, const int64_t* starts,
+             const int64_t* lengths, int64_t H, int64_t Hkv, int64_t D, float eps, float scale,
+             const int64_t* logit_idx, int64_t n_logits, int64_t vocab, float* logits, float* scratch) {
+  int64_t M = B * L, W = (H + 2 * Hkv) * D;
+  float *x = scratch, *h = x + M * hid, *qkv = h + M * hid, *att = qkv + M * W, *tmp = att + M * H * D;
+  float *gu = tmp + M * hid, *act = gu + M * 2 * inter, *sc = act + M * inter;
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t i = 0; i < hid; ++i) x[m * hid + i] = embed[tokens[m] * hid + i];
+  for (int64_t l = 0; l < layers; ++l) {
+    rmsnorm(x, norms[2 * l], h, M, hid, eps);
+    gemm(h, &lins[4 * l], qkv, M, hid, W);
+    rope_attend(qkv, cos_t, sin_t, kc[l], vc[l], slots, starts, lengths, B, L, H, Hkv, D, P, scale, att, sc);
+    gemm(att, &lins[4 * l + 1], tmp, M, H * D, hid);
+    add_into(x, tmp, M * hid);
+    rmsnorm(x, norms[2 * l + 1], h, M, hid, eps);
+    gemm(h, &lins[4 * l + 2], gu, M, hid, 2 * inter);
+    swiglu(gu, act, M, inter);
+    gemm(act, &lins[4 * l + 3], tmp, M, inter, hid);
+    add_into(x, tmp, M * hid);
+  }
+  for (int64_t r = 0; r < n_logits; ++r)
+    for (int64_t i = 0; i < hid; ++i) tmp[r * hid + i] = x[logit_idx[r] * hid + i];
+  rmsnorm(tmp, norms[2 * layers], h, n_logits, hid, eps);
+  gemm(h, &lins[4 * layers], logits, n_logits, hid, vocab);
+}
 """
 _FLAGS = ("-O3", "-mavx2", "-mfma", "-shared", "-fPIC")
-_ARGTYPES = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 3
+_ARGTYPES = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 4
+
+
+class Panels(NamedTuple):
+    """A weight laid out for the kernel: (N/8, K + pad, 8), and int8's scale per output column."""
+
+    weights: torch.Tensor
+    scales: torch.Tensor | None
 
 
 class RowGemm:
@@ -200,7 +264,8 @@ class RowGemm:
         self._lib = lib
         self._f32 = lib.rowgemm_f32
         self._b16 = lib.rowgemm_b16
-        for fn in (self._f32, self._b16):
+        self._i8 = lib.rowgemm_i8
+        for fn in (self._f32, self._b16, self._i8):
             fn.argtypes, fn.restype = _ARGTYPES, None
         self._rmsnorm = lib.rmsnorm
         self._rmsnorm.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 2 + [ctypes.c_float]
@@ -223,21 +288,41 @@ class RowGemm:
         return weight.dtype == torch.float32 and weight.dim() == 2 and weight.shape[0] % 8 == 0
 
     @staticmethod
-    def pack(weight: torch.Tensor) -> torch.Tensor:
-        """(N, K) float32 -> (N/8, K, 8) panels, in bfloat16 when that loses nothing."""
-        n, k = weight.shape
-        panels = weight.detach().contiguous().view(n // 8, 8, k).transpose(1, 2).contiguous()
-        as_b16 = panels.to(torch.bfloat16)
-        return as_b16 if torch.equal(as_b16.float(), panels) else panels
+    def pack(weight: torch.Tensor, int8: bool = False) -> Panels:
+        """(N, K) float32 -> (N/8, K + pad, 8) panels: in bfloat16 when that loses nothing,
+        else float32; or, ``int8``, rounded to 8 bits with a scale per output column (a quarter
+        of float32's bytes; for a draft, whose numerics never reach the output).
 
-    def linear(self, x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
+        Each panel is padded by one cache line: panels K·8 elements apart sit a multiple of
+        4 KB apart for the usual K, and a tile's streams would then share an L1 set.
+        """
+        n, k = weight.shape
+        weight = weight.detach().float()
+        scales = None
+        if int8:
+            scales = (weight.abs().amax(dim=1) / 127).clamp(min=torch.finfo(torch.float32).tiny)
+            weight = (weight / scales[:, None]).round().clamp(-127, 127)
+        panels = weight.contiguous().view(n // 8, 8, k).transpose(1, 2)
+        if int8:
+            dtype = torch.int8
+        else:
+            as_b16 = panels.to(torch.bfloat16)
+            dtype = torch.bfloat16 if torch.equal(as_b16.float(), panels) else torch.float32
+        pad = 64 // (8 * dtype.itemsize)
+        out = torch.zeros((n // 8, k + pad, 8), dtype=dtype)
+        out[:, :k] = panels
+        return Panels(out, scales)
+
+    def linear(self, x: torch.Tensor, packed: Panels) -> torch.Tensor:
         """x (..., K) float32 -> (..., N) float32."""
-        blocks, k, _ = packed.shape
-        n = blocks * 8
+        weights, scales = packed
+        blocks, stride, _ = weights.shape
+        k, n = x.shape[-1], blocks * 8
         x = x.contiguous()
         y = torch.empty((*x.shape[:-1], n), dtype=torch.float32)
-        fn = self._b16 if packed.dtype == torch.bfloat16 else self._f32
-        fn(x.data_ptr(), packed.data_ptr(), y.data_ptr(), x.numel() // k, k, n)
+        fn = {torch.bfloat16: self._b16, torch.int8: self._i8}.get(weights.dtype, self._f32)
+        fn(x.data_ptr(), weights.data_ptr(), None if scales is None else scales.data_ptr(), y.data_ptr(),
+           x.numel() // k, k, stride, n)
         return y
 
 
@@ -270,6 +355,57 @@ class RowGemm:
                      rows[0].data_ptr(), rows[1].data_ptr(), rows[2].data_ptr(), b, length, heads, kv_heads,
                      head_dim, positions, 1.0 / head_dim ** 0.5, out.data_ptr(), scratch.data_ptr())
         return out
+
+
+class _Lin(ctypes.Structure):
+    _fields_ = [("w", ctypes.c_void_p), ("sc", ctypes.c_void_p), ("ks", ctypes.c_int64), ("kind", ctypes.c_int64)]
+
+
+_KINDS = {torch.float32: 0, torch.bfloat16: 1, torch.int8: 2}
+
+
+class FusedForward:
+    """A model's whole cached forward in one call of the kernel (``forward`` in the C source):
+    the per-op path's kernels in the same order, without a Python call per op. Built once per
+    model; holds references to every tensor the C side reads."""
+
+    def __init__(self, kernel: RowGemm, *, embed: torch.Tensor, norms: list[torch.Tensor], panels: list[Panels],
+                 hidden: int, inter: int, heads: int, kv_heads: int, head_dim: int, eps: float,
+                 cos: torch.Tensor, sin: torch.Tensor) -> None:
+        self._fn = kernel._lib.forward
+        self._fn.restype = None
+        self._keep = (embed, norms, panels, cos, sin)
+        self.embed, self.cos, self.sin = embed, cos, sin
+        self.norms = (ctypes.c_void_p * len(norms))(*[n.data_ptr() for n in norms])
+        self.lins = (_Lin * len(panels))(*[
+            _Lin(p.weights.data_ptr(), None if p.scales is None else p.scales.data_ptr(), p.weights.shape[1],
+                 _KINDS[p.weights.dtype]) for p in panels])
+        self.layers = (len(panels) - 1) // 4
+        self.hidden, self.inter, self.heads, self.kv_heads, self.head_dim = hidden, inter, heads, kv_heads, head_dim
+        self.vocab = panels[-1].weights.shape[0] * 8
+        self.eps, self.scale = eps, 1.0 / head_dim ** 0.5
+
+    def __call__(self, tokens: torch.Tensor, k_cache: list[torch.Tensor], v_cache: list[torch.Tensor],
+                 rows: torch.Tensor, logit_idx: torch.Tensor) -> torch.Tensor:
+        """tokens (B, L); rows (3, B) slots/starts/lengths; logit_idx (N,) into B*L -> logits (N, V)."""
+        b, length = tokens.shape
+        m, n = b * length, logit_idx.shape[0]
+        width = (self.heads + 2 * self.kv_heads) * self.head_dim
+        size = m * (3 * self.hidden + width + self.heads * self.head_dim + 3 * self.inter) + k_cache[0].shape[2]
+        scratch = torch.empty(max(size, n * self.hidden + 1), dtype=torch.float32)
+        logits = torch.empty((n, self.vocab), dtype=torch.float32)
+        tokens, logit_idx = tokens.contiguous(), logit_idx.contiguous()
+        kc = (ctypes.c_void_p * self.layers)(*[t.data_ptr() for t in k_cache])
+        vc = (ctypes.c_void_p * self.layers)(*[t.data_ptr() for t in v_cache])
+        c_int, c_ptr = ctypes.c_int64, ctypes.c_void_p
+        self._fn(c_ptr(tokens.data_ptr()), c_int(b), c_int(length), c_ptr(self.embed.data_ptr()),
+                 c_int(self.hidden), c_int(self.inter), c_int(self.layers), self.norms, self.lins, kc, vc,
+                 c_int(k_cache[0].shape[2]), c_ptr(self.cos.data_ptr()), c_ptr(self.sin.data_ptr()),
+                 c_ptr(rows[0].data_ptr()), c_ptr(rows[1].data_ptr()), c_ptr(rows[2].data_ptr()),
+                 c_int(self.heads), c_int(self.kv_heads), c_int(self.head_dim), ctypes.c_float(self.eps),
+                 ctypes.c_float(self.scale), c_ptr(logit_idx.data_ptr()), c_int(n), c_int(self.vocab),
+                 c_ptr(logits.data_ptr()), c_ptr(scratch.data_ptr()))
+        return logits
 
 
 def _cpu_supported() -> bool:

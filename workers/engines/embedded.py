@@ -62,7 +62,7 @@ def load_speculative_engine(settings: EmbeddedSettings, target: LlamaForCausalLM
                                                   packed)
     draft = None
     if settings.draft is not None:
-        draft = LlamaForCausalLM.from_pretrained(settings.draft, TORCH_DTYPES[settings.draft_dtype])
+        draft = LlamaForCausalLM.load_draft(settings.draft, TORCH_DTYPES[settings.draft_dtype])
     if settings.dtype == "bfloat16" and not target.prepacked:
         log.warning("bfloat16 target without oneDNN prepacking on this CPU (no AVX512-BF16/AMX?): expect slow "
                     "steps and no bit-identical verification; workers.dtype: auto picks float32 here")
