@@ -26,7 +26,8 @@ from pathlib import Path
 import torch
 
 from workers.demo_corpus import stdlib_sources
-from workers.model import TORCH_DTYPES, CacheBatch, FrozenLinear, KVCache, LlamaForCausalLM
+from workers.kv_cache import CacheBatch, KVCache
+from workers.model import TORCH_DTYPES, FrozenLinear, LlamaForCausalLM
 from workers.text import TextCodec
 
 REPO = Path(__file__).resolve().parent.parent

@@ -33,7 +33,8 @@ from workers.cost_model import OnlineCosts
 from workers.costs_measure import MeasureSettings, measure
 from workers.demo_corpus import heldout_prompts
 from workers.engine import GenerationRequest, SpeculativeEngine, StepEvent
-from workers.model import TORCH_DTYPES, CacheBatch, KVCache, LlamaForCausalLM, resolve_dtype
+from workers.kv_cache import CacheBatch, KVCache
+from workers.model import TORCH_DTYPES, LlamaForCausalLM, resolve_dtype
 from workers.sampling import SamplingParams
 from workers.text import TextCodec
 

@@ -37,7 +37,8 @@ from workers.cost_cache import cpu_label
 from workers.costs_measure import verification_bit_identical
 from workers.demo_corpus import heldout_prompts
 from workers.engine import GenerationRequest, SpeculativeEngine
-from workers.model import TORCH_DTYPES, CacheBatch, KVCache, LlamaForCausalLM
+from workers.kv_cache import CacheBatch, KVCache
+from workers.model import TORCH_DTYPES, LlamaForCausalLM
 from workers.sampling import SamplingParams
 from workers.text import TextCodec
 

@@ -13,7 +13,8 @@ import pytest
 import torch
 
 from workers.engine import GenerationRequest, SpeculativeEngine, StepDepthRule, StepEvent
-from workers.model import CacheBatch, KVCache, LlamaForCausalLM, ModelConfig
+from workers.kv_cache import CacheBatch, KVCache
+from workers.model import LlamaForCausalLM, ModelConfig
 from workers.sampling import SamplingParams, Verdict
 
 from .conftest import converted

@@ -11,7 +11,8 @@ import torch
 
 from workers.costs_measure import verification_bit_identical
 from workers.engine import GenerationRequest, SpeculativeEngine, StepEvent
-from workers.model import CacheBatch, KVCache, LlamaForCausalLM
+from workers.kv_cache import CacheBatch, KVCache
+from workers.model import LlamaForCausalLM
 from workers.sampling import SamplingParams
 
 from .conftest import VOCAB

@@ -13,7 +13,8 @@ from workers import rowgemm
 from workers.costs_measure import verification_bit_identical
 from workers.demo_corpus import heldout_prompts
 from workers.engine import GenerationRequest, SpeculativeEngine
-from workers.model import CacheBatch, KVCache, LlamaForCausalLM
+from workers.kv_cache import CacheBatch, KVCache
+from workers.model import LlamaForCausalLM
 from workers.sampling import SamplingParams
 from workers.text import TextCodec
 
@@ -180,3 +181,14 @@ def test_int8_draft_agrees_with_the_target_as_often(demo_models: dict[str, Llama
             agree["int8"] += int((argmax["int8"] == argmax["target"]).sum())
             total += n
     assert agree["int8"] >= agree["draft"] - 0.01 * total, (agree, total)
+
+
+def test_native_forward_refuses_out_of_range_rows_instead_of_writing_past_the_cache() -> None:
+    tokens = torch.tensor([[5, 6]])
+    with pytest.raises(ValueError, match="vocabulary"):
+        rowgemm.check_bounds(torch.tensor([[5, 4096]]), 4096, ((0,), (0,), (2,)), 2, 64)
+    with pytest.raises(ValueError, match="cache rows"):
+        rowgemm.check_bounds(tokens, 4096, ((0,), (63,), (2,)), 2, 64)  # one position past the end
+    with pytest.raises(ValueError, match="cache rows"):
+        rowgemm.check_bounds(tokens, 4096, ((2,), (0,), (2,)), 2, 64)  # no slot 2
+    rowgemm.check_bounds(tokens, 4096, ((1,), (62,), (2,)), 2, 64)  # the last two positions: fine

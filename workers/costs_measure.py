@@ -44,7 +44,8 @@ from workers.cost_model import (
 )
 from workers.engine import GenerationRequest, SpeculativeEngine
 from workers.engine_api import SamplingParams
-from workers.model import TORCH_DTYPES, CacheBatch, KVCache, LlamaForCausalLM, bf16_prepacking_available
+from workers.kv_cache import CacheBatch, KVCache
+from workers.model import TORCH_DTYPES, LlamaForCausalLM, bf16_prepacking_available
 
 log = logging.getLogger(__name__)
 TargetDtype = Literal["float32", "bfloat16"]

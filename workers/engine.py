@@ -27,8 +27,9 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from workers.engine_api import FinishReason, GenerationRequest, StepEvent
+from workers.kv_cache import CacheBatch, KVCache
 from workers.limits import check_sampling
-from workers.model import CacheBatch, KVCache, LlamaForCausalLM
+from workers.model import LlamaForCausalLM
 from workers.sampling import Verdict, gumbel_max, probabilities, sample, seeded_noise, verify, verify_greedy
 
 __all__ = ["GenerationRequest", "SpeculativeEngine", "StepDepthRule", "StepEvent"]

@@ -357,6 +357,21 @@ class RowGemm:
         return out
 
 
+def check_bounds(tokens: torch.Tensor, vocab: int, rows: tuple[tuple[int, ...], ...], slots: int,
+                 positions: int) -> None:
+    """Raises ValueError unless every token id is in the vocabulary and every row's cache span
+    lies inside the cache. The C side indexes with these unchecked: the engine's own limits
+    (admission, K capped at the context's end) keep them in range, and this keeps a bug there
+    an exception instead of a write past the cache."""
+    slot_ids, starts, lengths = rows
+    if tokens.numel() and (int(tokens.min()) < 0 or int(tokens.max()) >= vocab):
+        raise ValueError(f"token id outside the vocabulary of {vocab}")
+    if len(slot_ids) != tokens.shape[0] or any(
+            not (0 <= slot < slots and start >= 0 and 0 <= n <= tokens.shape[1] and start + n <= positions)
+            for slot, start, n in zip(slot_ids, starts, lengths, strict=True)):
+        raise ValueError(f"cache rows out of range: {rows} for {slots} slots x {positions} positions")
+
+
 class _Lin(ctypes.Structure):
     _fields_ = [("w", ctypes.c_void_p), ("sc", ctypes.c_void_p), ("ks", ctypes.c_int64), ("kind", ctypes.c_int64)]
 
@@ -390,6 +405,8 @@ class FusedForward:
         """tokens (B, L); rows (3, B) slots/starts/lengths; logit_idx (N,) into B*L -> logits (N, V)."""
         b, length = tokens.shape
         m, n = b * length, logit_idx.shape[0]
+        if n and (int(logit_idx.min()) < 0 or int(logit_idx.max()) >= m):
+            raise ValueError(f"logit rows out of range for {m} tokens")
         width = (self.heads + 2 * self.kv_heads) * self.head_dim
         size = m * (3 * self.hidden + width + self.heads * self.head_dim + 3 * self.inter) + k_cache[0].shape[2]
         scratch = torch.empty(max(size, n * self.hidden + 1), dtype=torch.float32)
