@@ -10,8 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.harness import sdk_client, start_gateway, start_tcp_worker, write_config
-from workers.model import bf16_prepacking_available
+from tests.harness import sdk_client, start_gateway, start_tcp_worker, target_prepacked_expected, write_config
 
 PROMPT = "import os\nimport sys\n\n\ndef main(argv):\n    "
 
@@ -43,7 +42,7 @@ def test_worker_describes_its_precision(tcp_worker: int) -> None:
     cost = described["cost_model"]
     target = cost["precision"]["target"]
     assert described["precision"]["target"] == target and described["precision"]["draft"] == "float32"
-    assert described["precision"]["target_prepacked"] == (target == "bfloat16" and bf16_prepacking_available())
+    assert described["precision"]["target_prepacked"] == target_prepacked_expected(target)
     assert described["precision"]["why"] == cost["precision"]["why"]
     assert cost["max_k"] == 8 and cost["depths"][0] == 1 and cost["depths"][-1] == 16
     assert all(row[0] == 1.0 for row in cost["step_cost"])
