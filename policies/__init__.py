@@ -1,7 +1,20 @@
 """The speculative fallback policy: pure functions, no I/O (see policies/speculation.py)."""
 
 from policies.config import FieldError, PolicyConfig, PolicyConfigError, bounded_repr, bounded_text, raise_problems
-from policies.cost import CostModel, choose_k, expected_tokens, gain, objective, step_cost, step_k, whole_step_costs
+from policies.cost import (
+    CostModel,
+    StepMix,
+    StepParts,
+    batch_step_k,
+    choose_k,
+    expected_tokens,
+    gain,
+    mixed_step_cost,
+    objective,
+    step_cost,
+    step_k,
+    whole_step_costs,
+)
 from policies.speculation import (
     FIXED_MODE_REASONS,
     REASONS,
@@ -21,6 +34,7 @@ from policies.speculation import (
     record_decision,
     step_depth,
     tested_drafts,
+    worker_acceptance,
 )
 
 __all__ = [
@@ -36,16 +50,20 @@ __all__ = [
     "RequestFacts",
     "SessionState",
     "StepDepth",
+    "StepMix",
+    "StepParts",
     "WorkerState",
     "acceptance_for_k",
     "acceptance_latch",
     "batch_latch",
+    "batch_step_k",
     "bounded_repr",
     "bounded_text",
     "choose_k",
     "decide",
     "expected_tokens",
     "gain",
+    "mixed_step_cost",
     "objective",
     "observe",
     "observe_steps",
@@ -56,4 +74,5 @@ __all__ = [
     "step_k",
     "tested_drafts",
     "whole_step_costs",
+    "worker_acceptance",
 ]

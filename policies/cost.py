@@ -2,9 +2,10 @@
 
 Pure, like the rest of ``policies/``: a worker's cost curves come in as a frozen ``CostModel``
 (the gateway builds it from the JSON the worker publishes, ``workers/cost_model.py``), the
-acceptance estimate and batch depth as numbers, and a K comes out.
+acceptance estimate, batch depth and the step's draft mix as numbers, and a K comes out.
 
-The objective, per sequence and step, relative to a plain step at the same batch depth d:
+**Uniform pricing** (a model with ``step_cost`` only, or no mix known). Per sequence and step,
+relative to a plain step at the same batch depth d:
 
     gain(α, K, d) = E(α, K) / step_cost(d, K),   E(α, K) = (1 − α^(K+1)) / (1 − α)
 
@@ -13,9 +14,44 @@ E is the expected number of tokens a step with K drafts emits (Leviathan et al.)
 depth d, so ``step_cost(d, 0) = 1`` and a plain step's gain is 1. "Whole" matters: a step is
 the target verifying K+1 tokens and K draft forwards, plus work outside the forwards (sampling,
 bookkeeping) that plain steps pay too. Leaving that fixed work out prices speculation too high
-wherever forwards are cheap (``whole_step_costs`` says how the parts add up). Plain is credited
-``min_gain`` on top: a K must promise at least (1 + min_gain)× plain's throughput to be chosen
-(the cost curves are measurements, not exact).
+wherever forwards are cheap (``whole_step_costs`` says how the parts add up). This prices a
+step of d sequences as if all d drafted K.
+
+**Mixed pricing** (a model with its parts, ``StepParts``, and the worker's ``StepMix``). In a
+real batch only some sequences draft (hot or low-acceptance sessions decode plain next to
+them), and pricing every one of them at K overprices K: at depth 16 with a third drafting, the
+uniform price puts the best K for α = 0.9 at 4 where the step's own cost puts it at 8
+(``python -m bench.kauto_mix``). A step of d sequences with D drafted tokens costs
+
+    target(d, n = 1 + D/d) + F · draft(m) + overhead(d) + draft_overhead(d) · D/d
+
+the target's forward interpolated on tokens per sequence n, F the draft's sequential forwards
+(the deepest K in the step) over the m drafting sequences, the work outside the forwards as
+``whole_step_costs`` has it (``mixed_step_cost``). With every sequence drafting K this is the
+uniform price again.
+
+**The objective with a mix: the batch's goodput per drafting sequence.** The drafting sequences
+of a step share the draft's forwards (as many as the deepest K), so K is a choice they make
+together: the session priced and the g − 1 others that draft (or would: sent plain for
+``no_gain`` or by the batch latch) are priced drafting the same K, the P others plain:
+
+    gain(K) = [(P + E(α, K) + (g − 1) · E(α_w, K)) / cost(g draft K) − P] / g
+
+α is the session's acceptance, α_w the worker's (the others are not all like this session).
+Plain scores 1; with every sequence drafting (P = 0) and α_w = α it is the uniform gain. The
+alternatives, measured with ``bench.policy`` over six seeds (README "What the policy is
+worth"):
+
+- the session's own speed-up, E(α, K) / cost(K): 1.7% less goodput. A step is shared: one
+  session's drafts make every plain sequence in it wait for the longer step, and counting only
+  its own tokens drafts too deep wherever the batch has plain sequences;
+- one session's marginal batch goodput with the others as they are: a session drafting alone
+  among plain ones never pays for its forwards, and a K deeper than the others' never pays for
+  the forwards it adds, so K stays where it started (plain, or K = 1 after a burst: the
+  recovery phase lost 10% in a first trial).
+
+Plain is credited ``min_gain`` on top: a K must promise at least (1 + min_gain)× plain's
+throughput to be chosen (the cost curves are measurements, not exact).
 """
 
 from __future__ import annotations
@@ -27,11 +63,45 @@ from typing import Any
 
 
 @dataclass(frozen=True)
+class StepParts:
+    """What a step's parts cost at each of the model's depths: what pricing a mixed step needs.
+
+    The fields of ``workers.cost_model.CostReport`` of the same names (``plain_step_ms``,
+    ``verify_cost``, ``draft_cost``, ``step_overhead_ms``, ``draft_overhead_ms``)."""
+
+    plain_ms: tuple[float, ...]  # the target's forward of one token per sequence, ms
+    verify: tuple[tuple[float, ...], ...]  # [depth][n-1]: its forward of n tokens per sequence / n = 1
+    draft: tuple[float, ...]  # one draft forward (one token per drafting sequence) / plain_ms
+    overhead_ms: tuple[float, ...]  # a plain step's work outside its forwards
+    draft_overhead_ms: tuple[float, ...]  # what each draft per sequence adds to it
+
+
+@dataclass(frozen=True)
+class StepMix:
+    """The other sequences a step would hold besides the session being priced.
+
+    The gateway fills it from the requests it has in flight on the worker and the decision
+    each went with; a worker, from its step's sequences. Sequences of the batch it does not
+    describe (a remote worker's other clients) count as plain."""
+
+    sequences: int = 0  # sequences described here
+    drafting: int = 0  # of them, how many draft
+    # Of the plain ones, how many the rules would let draft: sent plain for ``no_gain`` or by the
+    # batch latch. Their next requests draft once a K pays (or the latch clears), so the K priced
+    # now is one they will share.
+    would_draft: int = 0
+    # What the other drafting sequences accept per token: the worker's estimate over all its
+    # sessions (None: as the priced session does). They are not all like the session priced.
+    acceptance: float | None = None
+
+
+@dataclass(frozen=True)
 class CostModel:
     """A worker's step cost by batch depth and K, relative to a plain step at that depth."""
 
     depths: tuple[int, ...]  # batch depths measured, ascending, the first >= 1
     step_cost: tuple[tuple[float, ...], ...]  # [depth index][K], K = 0..max_k; [i][0] == 1.0
+    parts: StepParts | None = None  # absent in the old schema (and vLLM's): uniform pricing only
 
     def __post_init__(self) -> None:
         if not self.depths or len(self.depths) != len(self.step_cost):
@@ -44,6 +114,20 @@ class CostModel:
                 raise ValueError("cost model: every depth needs the same K = 0..max_k")
             if not all(math.isfinite(c) and c > 0 for c in row):
                 raise ValueError(f"cost model: costs must be positive and finite (got {row})")
+        parts = self.parts
+        if parts is not None:
+            count = len(self.depths)
+            columns = (parts.plain_ms, parts.verify, parts.draft, parts.overhead_ms, parts.draft_overhead_ms)
+            if any(len(column) != count for column in columns):
+                raise ValueError("cost model: one value of each part per depth")
+            if any(len(row) != width for row in parts.verify):
+                raise ValueError("cost model: verify_cost needs n = 1..max_k+1 tokens at every depth")
+            flat = [*parts.plain_ms, *(c for row in parts.verify for c in row)]
+            if not all(math.isfinite(c) and c > 0 for c in flat):
+                raise ValueError("cost model: plain_step_ms and verify_cost must be positive and finite")
+            if not all(math.isfinite(c) and c >= 0 for c in (*parts.draft, *parts.overhead_ms,
+                                                             *parts.draft_overhead_ms)):
+                raise ValueError("cost model: draft and overhead costs must be finite and >= 0")
 
     @property
     def max_k(self) -> int:
@@ -51,10 +135,21 @@ class CostModel:
 
     @classmethod
     def from_json(cls, raw: Mapping[str, Any]) -> CostModel:
-        """From the ``cost_model`` object a worker publishes (``depths``, ``step_cost``)."""
+        """From the ``cost_model`` object a worker publishes (``depths``, ``step_cost``, and the
+        parts when it has them: ``plain_step_ms``, ``verify_cost``, ``draft_cost``, overheads)."""
         depths = tuple(int(d) for d in raw["depths"])
         rows = tuple(tuple(float(c) for c in row) for row in raw["step_cost"])
-        return cls(depths, rows)
+        parts = None
+        if all(raw.get(name) is not None for name in ("plain_step_ms", "verify_cost", "draft_cost")):
+            zeros = [0.0] * len(depths)
+
+            def floats(name: str) -> tuple[float, ...]:
+                value = raw.get(name)
+                return tuple(float(x) for x in (zeros if value is None else value))
+            parts = StepParts(floats("plain_step_ms"),
+                              tuple(tuple(float(c) for c in row) for row in raw["verify_cost"]),
+                              floats("draft_cost"), floats("step_overhead_ms"), floats("draft_overhead_ms"))
+        return cls(depths, rows, parts)
 
 
 def whole_step_costs(target_s: Sequence[float], draft_s: float, overhead_s: float = 0.0,
@@ -78,35 +173,90 @@ def expected_tokens(alpha: float, k: int) -> float:
     return (1.0 - alpha ** (k + 1)) / (1.0 - alpha)
 
 
-def step_cost(model: CostModel, depth: int, k: int) -> float:
-    """Relative cost of a K-draft step at ``depth``, linear between measured depths.
-
-    Outside the measured range the nearest depth's curve holds: a worker never batches more
-    than its slots, so the deepest measured depth is as deep as its steps get.
-    """
-    depths = model.depths
+def _between(depths: Sequence[int], depth: float) -> tuple[int, int, float]:
+    """(lower index, upper index, weight of the upper): linear between measured depths; outside
+    the range the nearest depth holds (a worker never batches more than its slots, so the
+    deepest measured depth is as deep as its steps get)."""
     if depth <= depths[0]:
-        return model.step_cost[0][k]
+        return 0, 0, 0.0
     for i in range(1, len(depths)):
         if depth <= depths[i]:
-            lo, hi = depths[i - 1], depths[i]
-            w = (depth - lo) / (hi - lo)
-            return (1 - w) * model.step_cost[i - 1][k] + w * model.step_cost[i][k]
-    return model.step_cost[-1][k]
+            return i - 1, i, (depth - depths[i - 1]) / (depths[i] - depths[i - 1])
+    return len(depths) - 1, len(depths) - 1, 0.0
 
 
-def gain(model: CostModel, alpha: float, k: int, depth: int) -> float:
-    """Tokens per unit of time with K drafts, relative to plain decoding (plain: 1)."""
-    return expected_tokens(alpha, k) / step_cost(model, depth, k)
+def step_cost(model: CostModel, depth: int, k: int) -> float:
+    """Relative cost of a K-draft step at ``depth`` with every sequence drafting K (uniform)."""
+    lo, hi, w = _between(model.depths, depth)
+    return (1 - w) * model.step_cost[lo][k] + w * model.step_cost[hi][k]
 
 
-def objective(model: CostModel, alpha: float, k: int, depth: int, min_gain: float) -> float:
+def mixed_step_cost(model: CostModel, depth: int, drafting: int, drafts: int, draft_forwards: int) -> float:
+    """Cost of a step of ``depth`` sequences, ``drafting`` of which draft ``drafts`` tokens in
+    all in ``draft_forwards`` sequential draft forwards, relative to a plain step at that depth
+    (the module docstring). Needs the model's parts.
+
+    Priced at the measured depths around ``depth`` with the same shares (tokens per sequence,
+    drafting sequences per sequence) and the ratios interpolated between them, as ``step_cost``
+    does, so a step where every sequence drafts K costs ``step_cost(depth, K)`` at any depth.
+    (Reading the target at the same total tokens instead would follow a roofline's kink between
+    two measured depths more closely, and chose worse K in bench.policy, whose steps carry
+    prefill work the cost model does not price; README "What the policy is worth".)"""
+    parts, depths = model.parts, model.depths
+    assert parts is not None
+    lo, hi, w = _between(depths, depth)
+    per_sequence = drafts / depth
+
+    def draft_ms(rows: float) -> float:  # one draft forward over ``rows`` drafting sequences
+        dlo, dhi, dw = _between(depths, rows)
+        return (1 - dw) * parts.plain_ms[dlo] * parts.draft[dlo] + dw * parts.plain_ms[dhi] * parts.draft[dhi]
+
+    def relative(i: int) -> float:
+        target = parts.plain_ms[i] * _verify(parts.verify[i], 1.0 + per_sequence)
+        outside = parts.overhead_ms[i] + parts.draft_overhead_ms[i] * per_sequence
+        draft = draft_forwards * draft_ms(drafting * depths[i] / depth) if drafting > 0 and draft_forwards > 0 else 0.0
+        return (target + outside + draft) / (parts.plain_ms[i] + parts.overhead_ms[i])
+
+    return (1 - w) * relative(lo) + w * relative(hi)
+
+
+def _verify(row: Sequence[float], tokens: float) -> float:
+    """The target's relative forward cost at ``tokens`` per sequence (>= 1), linear between the
+    measured n = 1..len(row); no step verifies more than the last."""
+    if tokens >= len(row):
+        return row[-1]
+    n = int(tokens)
+    return row[n - 1] + (tokens - n) * (row[n] - row[n - 1])
+
+
+def gain(model: CostModel, alpha: float, k: int, depth: int, mix: StepMix | None = None) -> float:
+    """Tokens per unit of time with K drafts, relative to plain decoding (plain: 1).
+
+    ``depth`` counts the session's own sequence. Without a ``mix`` (or a model without its
+    parts) every sequence is priced drafting K; with both, the step is priced with the mix's
+    drafting sequences and this one at K, the rest plain, and the gain is the batch's per
+    drafting sequence (module docstring)."""
+    tokens = expected_tokens(alpha, k)
+    if k == 0:
+        return 1.0
+    if mix is None or model.parts is None:
+        return tokens / step_cost(model, depth, k)
+    depth = max(depth, mix.sequences + 1)
+    group = min(mix.drafting + mix.would_draft, depth - 1) + 1  # the drafting sequences, this one included
+    plain_others = depth - group
+    speedup = 1.0 / mixed_step_cost(model, depth, group, group * k, k)
+    others = tokens if mix.acceptance is None else expected_tokens(mix.acceptance, k)
+    return ((plain_others + tokens + (group - 1) * others) * speedup - plain_others) / group
+
+
+def objective(model: CostModel, alpha: float, k: int, depth: int, min_gain: float,
+              mix: StepMix | None = None) -> float:
     """What ``choose_k`` maximizes: the gain, with plain credited ``min_gain``."""
-    return 1.0 + min_gain if k == 0 else gain(model, alpha, k, depth)
+    return 1.0 + min_gain if k == 0 else gain(model, alpha, k, depth, mix)
 
 
 def choose_k(model: CostModel, alpha: float, depth: int, max_k: int, min_gain: float, k_switch_gain: float,
-             current: int | None = None) -> int:
+             current: int | None = None, mix: StepMix | None = None) -> int:
     """The K (0: plain) that maximizes ``objective``, with hysteresis.
 
     A session keeps its ``current`` K (plain included) unless another K's objective is higher
@@ -115,18 +265,36 @@ def choose_k(model: CostModel, alpha: float, depth: int, max_k: int, min_gain: f
     smaller K (less work for the same tokens).
     """
     ks = range(0, min(max_k, model.max_k) + 1)
-    values = {k: objective(model, alpha, k, depth, min_gain) for k in ks}
+    values = {k: objective(model, alpha, k, depth, min_gain, mix) for k in ks}
     best = max(ks, key=lambda k: (values[k], -k))
     if current is not None and current in values and values[current] * (1.0 + k_switch_gain) >= values[best]:
         return current
     return best
 
 
-def step_k(model: CostModel, alpha: float, depth: int, requested_k: int) -> int:
-    """The worker's per-step rule: the best K up to the requested one at this step's depth,
-    0 where no K beats plain. No margin and no hysteresis: depth is exact, not an estimate,
-    and the gateway's choice already carries both."""
+def step_k(model: CostModel, alpha: float, depth: int, requested_k: int, mix: StepMix | None = None) -> int:
+    """The best K up to the requested one at a step's depth (and mix), 0 where no K beats plain.
+    No margin and no hysteresis: the step is known exactly, not estimated, and the gateway's
+    choice already carries both."""
     if requested_k <= 0:
         return 0
     ks: Sequence[int] = range(0, min(requested_k, model.max_k) + 1)
-    return max(ks, key=lambda k: (gain(model, alpha, k, depth), -k))
+    return max(ks, key=lambda k: (gain(model, alpha, k, depth, mix), -k))
+
+
+def batch_step_k(model: CostModel, alpha: float, requested: Sequence[int]) -> int:
+    """The worker's per-step rule under K auto: the K every drafting sequence of one step drafts
+    (``requested``: each sequence's K for the step, 0 for plain or a prefill).
+
+    It is the best K for the step's drafting sequences together, at its exact depth and mix,
+    up to the deepest K requested; 0 where none beats plain. One K for all, not each its own:
+    the draft runs as many forwards as the deepest K in the step, for every sequence, so a
+    sequence drafting fewer than that saves only its verification and gives up tokens, and a
+    step whose sessions asked for K = 4, 5 and 6 pays six forwards for the tokens of five
+    (bench.policy measured that spread costing 1.5% of goodput in its steady phase). The
+    gateway's K per session still bounds the step, and plain sequences stay plain."""
+    deepest = max(requested, default=0)
+    if deepest <= 0:
+        return 0
+    drafting = sum(1 for k in requested if k > 0)
+    return step_k(model, alpha, len(requested), deepest, StepMix(len(requested) - 1, drafting - 1))

@@ -21,12 +21,15 @@ Rules, in the order ``decide`` applies them (thresholds named as in config.yaml)
    (``probe``), so a session's estimate can recover.
 6. ``default``: speculate with K = ``num_speculative_tokens`` (capped by the worker's max K), or
    with ``auto``, the K that maximizes expected tokens per unit of time on the worker's cost
-   curves, kept unless another K is better by ``k_switch_gain`` (``policies/cost.py``). A worker
-   that publishes no cost model speculates with its own max K.
+   curves, priced at the worker's draft mix (``WorkerState.mix``: how many of its in-flight
+   sequences draft), kept unless another K is better by ``k_switch_gain`` (``policies/cost.py``).
+   A worker that publishes no cost model speculates with its own max K.
 ``free_batch`` (off at 0) exempts shallow batches from rules 2 and 4: at or below that depth a
 GPU step is memory-bound and drafting cheap, so a hot or low-acceptance session still gains
 (reason ``free_batch`` when a rule was waived). Per step, inside the worker, ``step_depth``
-applies the batch latch and shrinks K once the batch drafts more than ``max_step_drafts``.
+applies the batch latch and shrinks K once the batch drafts more than ``max_step_drafts``; with
+``auto`` the worker then gives the step's drafting sequences one K, the best at the step's exact
+mix (``policies.cost.batch_step_k``).
 """
 
 from __future__ import annotations
@@ -36,7 +39,7 @@ from dataclasses import dataclass, replace
 from typing import Literal
 
 from policies.config import PolicyConfig
-from policies.cost import CostModel, choose_k, gain
+from policies.cost import CostModel, StepMix, choose_k, gain
 
 Mode = Literal["speculative", "plain"]
 Reason = Literal["default", "probe", "worker_plain_only", "worker_speculative_only", "high_temperature",
@@ -79,6 +82,10 @@ class WorkerState:
     serves_plain: bool = True  # False for a worker that serves one fixed speculative mode
     cost: CostModel | None = None  # the worker's published step costs (num_speculative_tokens: auto)
     acceptance: float | None = None  # the worker's acceptance estimate over all its sessions
+    # K auto: what the worker's in-flight sequences draft (the gateway's decisions for them), so
+    # a step is priced at its real mix, not as if every sequence drafted (policies/cost.py).
+    # None: unknown, priced uniformly.
+    mix: StepMix | None = None
 
 
 @dataclass(frozen=True)
@@ -117,7 +124,7 @@ def _rules(session: SessionState, worker: WorkerState, request: RequestFacts, po
     if policy.num_speculative_tokens == "auto" and worker.cost is not None:
         alpha = acceptance_for_k(session, worker, policy)
         k = choose_k(worker.cost, alpha, worker.batch_depth + 1, worker.max_k, policy.min_gain,
-                     policy.k_switch_gain, session.auto_k)
+                     policy.k_switch_gain, session.auto_k, _mix(worker))
         if k == 0:
             if probe_due:
                 return Decision("speculative", _probe_k(session, worker, policy, 1), "probe")
@@ -138,13 +145,30 @@ def acceptance_for_k(session: SessionState, worker: WorkerState, policy: PolicyC
     return policy.acceptance_resume
 
 
+def worker_acceptance(worker: SessionState, policy: PolicyConfig) -> float | None:
+    """A worker's acceptance over all its sessions (folded as a session's is), as
+    ``WorkerState.acceptance`` gives it to the cost model: only once it rests on
+    ``min_proposals`` tested drafts. Before that, one unlucky first session (two rejected
+    drafts: α = 0) would send every session new to the worker plain for ``no_gain``, and keep
+    them so: plain requests add no evidence, and only probes would bring it back."""
+    if worker.acceptance_ewma is None or worker.proposals_seen < policy.min_proposals:
+        return None
+    return worker.acceptance_ewma
+
+
 def _probe_k(session: SessionState, worker: WorkerState, policy: PolicyConfig, fallback: int) -> int:
     """A probe's K: with ``auto`` and a cost model, the K with the best gain (never 0)."""
     if policy.num_speculative_tokens != "auto" or worker.cost is None:
         return fallback
     cost, alpha, depth = worker.cost, acceptance_for_k(session, worker, policy), worker.batch_depth + 1
     ks = range(1, min(worker.max_k, cost.max_k) + 1)
-    return max(ks, key=lambda k: (gain(cost, alpha, k, depth), -k), default=fallback)
+    mix = _mix(worker)
+    return max(ks, key=lambda k: (gain(cost, alpha, k, depth, mix), -k), default=fallback)
+
+
+def _mix(worker: WorkerState) -> StepMix | None:
+    """The worker's draft mix, its drafting sequences accepting as the worker does overall."""
+    return None if worker.mix is None else replace(worker.mix, acceptance=worker.acceptance)
 
 
 def record_decision(session: SessionState, decision: Decision, auto_k: bool = False) -> SessionState:

@@ -256,6 +256,33 @@ def test_step_accounting_sampled_with_depth_rule(target_model: LlamaForCausalLM,
                for s in run.steps for e in s)
 
 
+def test_step_cost_rule_gives_the_drafting_sequences_one_k(target_model: LlamaForCausalLM,
+                                                           draft_model: LlamaForCausalLM) -> None:
+    """K auto's per-step rule (the runner plugs in policies.cost.batch_step_k) sees the step's
+    Ks and returns one K for every drafting sequence; plain ones and prefills stay plain, and no
+    sequence drafts past what it could emit."""
+    seen: list[list[int]] = []
+
+    def common(requested: list[int]) -> int:
+        seen.append(list(requested))
+        return 3
+
+    engine = SpeculativeEngine(target_model, draft_model, max_slots=3, max_k=MAX_K)
+    engine.step_cost_rule = common
+    engine.add(GenerationRequest("deep", PROMPTS[0], 24, GREEDY, k=6))
+    engine.add(GenerationRequest("shallow", PROMPTS[1], 24, GREEDY, k=1))
+    engine.add(GenerationRequest("plain", PROMPTS[2], 24, GREEDY, k=0))
+    events = run_until_idle(engine)
+    assert [6, 1, 0] in seen  # the step's requests, in slot order, after the prefills
+    for rid in ("deep", "shallow"):
+        drafted = [e.proposed for e in events[rid] if e.proposed]
+        assert drafted[0] == max(drafted) == 3, (rid, drafted)  # "shallow" asked for 1: raised to the step's K
+    assert all(e.proposed == 0 for e in events["plain"])
+    assert output_tokens(events["deep"]) == output_tokens(generate(
+        SpeculativeEngine(target_model, draft_model, max_slots=1, max_k=MAX_K),
+        GenerationRequest("alone", PROMPTS[0], 24, GREEDY, k=0)))  # greedy: the same text whatever K
+
+
 
 def test_step_times_and_shape_cover_the_whole_step(target_model: LlamaForCausalLM,
                                                    draft_model: LlamaForCausalLM) -> None:

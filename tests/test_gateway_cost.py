@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from policies import CostModel, PolicyConfig, choose_k
+from policies import CostModel, PolicyConfig, StepMix, choose_k
 from tests.harness import MODELS, Gateway, sdk_client, start_gateway, write_config
 from tests.test_cost_policy import AMX_VERIFY, curve
 from workers.cost_cache import CostCache
@@ -36,7 +36,7 @@ def inject_costs(cache_dir: Path) -> CostModel:
     # What the worker computes (workers.*: the harness's and the defaults; 1 torch thread).
     settings = MeasureSettings(MODELS / "demo-target", MODELS / "demo-draft", max_slots=16, max_k=8, threads=1)
     CostCache(cache_dir).store(settings.cache_key(), report)
-    return CostModel(report.depths, report.step_cost)
+    return report.policy_model()
 
 
 @pytest.fixture(scope="module")
@@ -57,9 +57,10 @@ def test_a_code_session_speculates_with_the_cost_model_k(injected: tuple[Gateway
     assert published["source"] in ("cache", "online") and published["precision"]["why"] == "injected by the test"
     assert worker["precision"]["target"] == "float32"  # the engine serves what the cost model chose
     assert CostModel.from_json(published) == model  # nothing has run yet: the injected curves
-    # A new session on a worker with no evidence yet is costed at acceptance_resume (0.70) at depth 1.
+    # A new session on a worker with no evidence yet is costed at acceptance_resume (0.70) at depth 1,
+    # alone on its worker (an empty draft mix).
     policy = PolicyConfig(num_speculative_tokens="auto")
-    expected = choose_k(model, policy.acceptance_resume, 1, 8, policy.min_gain, policy.k_switch_gain)
+    expected = choose_k(model, policy.acceptance_resume, 1, 8, policy.min_gain, policy.k_switch_gain, mix=StepMix())
     assert expected == 3
     with sdk_client(gateway) as client:
         raw = client.completions.with_raw_response.create(

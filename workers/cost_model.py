@@ -31,7 +31,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Literal
 
-from policies.cost import whole_step_costs
+from policies.cost import CostModel, batch_step_k, whole_step_costs
 
 CostSource = Literal["measured", "cache", "derived", "online", "estimated"]
 # Folded per observation: about the last 50 steps that touched a curve point carry it, so the
@@ -46,6 +46,10 @@ STALE_STEPS = 64
 # The worker's own acceptance estimate (per-step batch rule): evidence this many tested drafts
 # old weighs half.
 ACCEPTANCE_HALF_LIFE = 256.0
+# The per-step rule reads that estimate only once this many tested drafts stand behind it: a
+# first unlucky request (two rejections, α = 0) would otherwise cut every later step to plain,
+# and plain steps add no evidence to undo it.
+RULE_EVIDENCE = 32.0
 
 
 @dataclass(frozen=True)
@@ -100,6 +104,10 @@ class CostReport:
         out = asdict(self)
         out["max_k"] = len(self.step_cost[0]) - 1
         return out
+
+    def policy_model(self) -> CostModel:
+        """The policy's view of it, parts included, as the gateway parses the JSON."""
+        return CostModel.from_json(self.to_json())
 
     @classmethod
     def from_json(cls, raw: Mapping[str, Any]) -> CostReport:
@@ -173,7 +181,7 @@ def _interpolate(depths: Sequence[int], values: Sequence[float], depth: int) -> 
 
 
 @dataclass
-class _Acceptance:
+class AcceptanceEstimate:
     """Per-token acceptance over tested drafts (the policy's definition), decayed by half-life."""
 
     tested: float = 0.0
@@ -190,6 +198,35 @@ class _Acceptance:
     @property
     def value(self) -> float | None:
         return None if self.tested <= 0 else self.accepted / self.tested
+
+    @property
+    def evidenced(self) -> float | None:
+        """The value once ``RULE_EVIDENCE`` tested drafts stand behind it (the per-step rule's α)."""
+        return self.value if self.tested >= RULE_EVIDENCE else None
+
+
+@dataclass
+class StepCostRule:
+    """The worker's per-step K rule under K auto (``policies.cost.batch_step_k``) at the
+    worker's acceptance estimate. It runs every step, so answers are kept per step shape
+    (depth, drafting sequences, deepest K asked, α to 0.01); a new model starts afresh."""
+
+    model: CostModel
+    _memo: dict[tuple[int, int, int, int], int] = field(default_factory=dict)
+
+    def k(self, requested: Sequence[int], alpha: float) -> int:
+        """The K each drafting sequence of the step drafts (each within its own limits)."""
+        deepest = max(requested, default=0)
+        if deepest <= 0:
+            return 0
+        alpha = round(alpha, 2)
+        key = (round(alpha * 100), len(requested), sum(1 for k in requested if k > 0), deepest)
+        chosen = self._memo.get(key)
+        if chosen is None:
+            if len(self._memo) > 4096:  # shapes come and go with the load: keep the recent ones
+                self._memo.clear()
+            chosen = self._memo[key] = batch_step_k(self.model, alpha, requested)
+        return chosen
 
 
 @dataclass
@@ -219,7 +256,7 @@ class OnlineCosts:
     overhead_s: list[float] = field(default_factory=list)
     draft_overhead_s: list[float] = field(default_factory=list)
     steps: int = 0
-    acceptance: _Acceptance = field(default_factory=_Acceptance)
+    acceptance: AcceptanceEstimate = field(default_factory=AcceptanceEstimate)
     # Observations per (depth index, n); n = 0: draft, -1: overhead, -2: draft overhead.
     seen: dict[tuple[int, int], int] = field(default_factory=dict)
     last_seen: dict[tuple[int, int], int] = field(default_factory=dict)  # (depth index, n) -> step last timed
@@ -329,7 +366,7 @@ class StepTimeCosts:
     max_k: int
     cells: dict[tuple[int, int], float] = field(default_factory=dict)  # (depth index, K) -> seconds
     steps: int = 0
-    acceptance: _Acceptance = field(default_factory=_Acceptance)
+    acceptance: AcceptanceEstimate = field(default_factory=AcceptanceEstimate)
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
     def observe(self, depth: int, k: int, step_s: float) -> None:

@@ -32,9 +32,12 @@ from workers.limits import check_sampling
 from workers.model import LlamaForCausalLM
 from workers.sampling import Verdict, gumbel_max, probabilities, sample, seeded_noise, verify, verify_greedy
 
-__all__ = ["GenerationRequest", "SpeculativeEngine", "StepDepthRule", "StepEvent"]
+__all__ = ["GenerationRequest", "SpeculativeEngine", "StepCostRule", "StepDepthRule", "StepEvent"]
 # (requested K, batch depth) -> K for this step. The worker plugs in the policy's batch rule.
 StepDepthRule = Callable[[int, int], int]
+# The step's Ks after that rule (0: plain or a prefill) -> the one K every drafting sequence
+# drafts this step, each within its own limits (K auto: policies.cost.batch_step_k).
+StepCostRule = Callable[[list[int]], int]
 
 
 @dataclass
@@ -117,6 +120,7 @@ class SpeculativeEngine:
             self.draft_cache = KVCache.allocate(draft.cfg, max_slots, draft.lm_head.weight.dtype)
         self.eos_ids = frozenset(target.cfg.eos_token_ids)
         self.step_depth_rule = step_depth_rule
+        self.step_cost_rule: StepCostRule | None = None
         # Seeds for unseeded requests' streams (a fixed rng makes tests and benchmarks repeatable).
         self._rng = rng if rng is not None else random.Random()
         self._waiting: deque[GenerationRequest] = deque()
@@ -214,17 +218,21 @@ class SpeculativeEngine:
             return []
         seqs = sorted(self._running.values(), key=lambda s: s.slot)
         depth = len(seqs)
+        requested = []
         for seq in seqs:
             k = seq.k if self.step_depth_rule is None else self.step_depth_rule(seq.k, depth)
+            # A prefill: the prompt alone, in a forward of its own, whatever the mode, so the
+            # cache it writes is the same for plain and speculative decoding and the fast fused
+            # attention may serve it (see _forward). Drafting starts next step.
+            requested.append(0 if self._prefilling(seq) else max(0, min(k, self.max_k)))
+            seq.drafts, seq.draft_probs = [], []
+        if self.step_cost_rule is not None and any(requested):
+            common = self.step_cost_rule(requested)
+            requested = [common if k > 0 else 0 for k in requested]
+        for seq, k in zip(seqs, requested, strict=True):
             remaining = seq.request.max_tokens - seq.emitted
             # More than remaining-1 drafts could never be emitted; the cache must hold them too.
             seq.step_k = max(0, min(k, self.max_k, remaining - 1, self.max_positions - len(seq.tokens) - 1))
-            if self._prefilling(seq):
-                # A prefill: the prompt alone, in a forward of its own, whatever the mode, so the
-                # cache it writes is the same for plain and speculative decoding and the fast
-                # fused attention may serve it (see _forward). Drafting starts next step.
-                seq.step_k = 0
-            seq.drafts, seq.draft_probs = [], []
         failed: dict[str, Exception] = {}  # one sequence's failure must not end the others
         started = time.perf_counter()
         self._propose([s for s in seqs if s.step_k > 0], failed)

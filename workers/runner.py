@@ -16,15 +16,14 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from policies.cost import CostModel, step_k
 from policies.speculation import step_depth
-from workers.cost_model import OnlineCosts
+from workers.cost_model import OnlineCosts, StepCostRule
 from workers.engine import SpeculativeEngine
 from workers.engine_api import EngineTotals, GenerationRequest, StepEvent, StepObserver, StepStats
 
 log = logging.getLogger(__name__)
-# Steps between rebuilds of the per-step rule's cost table from the online curves: they move
-# slowly (workers/cost_model.py), and the rule runs once per sequence per step.
+# Steps between rebuilds of the per-step rule's cost model from the online curves: they move
+# slowly (workers/cost_model.py), and the rule runs every step.
 COST_TABLE_STEPS = 32
 
 EventSink = Callable[[StepEvent | BaseException], None]
@@ -57,17 +56,19 @@ class EngineRunner:
         self._batch_resume = 1 << 20
         self._batch_full = False
         self._max_step_drafts = 0
-        # The cost rule (policy num_speculative_tokens: auto, from the latest directive): a step
-        # at a depth where the measured costs say speculation loses runs plain (policies.cost.step_k).
+        # The cost rule (policy num_speculative_tokens: auto, from the latest directive): every
+        # drafting sequence of a step drafts the best K for the step's depth and mix, 0 where the
+        # measured costs say speculation loses (policies.cost.batch_step_k).
         self.costs = costs
         self._cost_rule = False
-        self._cost_table: dict[tuple[int, int], int] = {}
+        self._step_costs: StepCostRule | None = None
         self._cost_table_age = COST_TABLE_STEPS
         # This loop's own per-step work after the engine's step (accounting, handing events to
         # the event loop): part of a step's cost outside the forwards, so it is added to the
         # next step's observed time (the engine cannot time it).
         self._tail_s = 0.0
         engine.step_depth_rule = self._step_depth
+        engine.step_cost_rule = self._step_cost
 
     @property
     def batch_depth(self) -> int:
@@ -105,17 +106,18 @@ class EngineRunner:
         decision = step_depth(requested_k, batch_depth, self._batch_full, self._max_batch, self._batch_resume,
                               self._max_step_drafts)
         self._batch_full = decision.batch_full
-        if not self._cost_rule or decision.k <= 0 or self.costs is None:
-            return decision.k
-        key = (decision.k, batch_depth)
-        k = self._cost_table.get(key)
-        if k is None:
-            alpha = self.costs.alpha
-            report = self.costs.report()
-            k = decision.k if alpha is None else step_k(CostModel(report.depths, report.step_cost), alpha,
-                                                        batch_depth, decision.k)
-            self._cost_table[key] = k
-        return k
+        return decision.k
+
+    def _step_cost(self, requested: list[int]) -> int:
+        deepest = max(requested, default=0)
+        if not self._cost_rule or self.costs is None:
+            return deepest
+        alpha = self.costs.acceptance.evidenced
+        if alpha is None:
+            return deepest
+        if self._step_costs is None:
+            self._step_costs = StepCostRule(self.costs.report().policy_model())
+        return self._step_costs.k(requested, alpha)
 
     # -- compute thread ---------------------------------------------------------------------------
     def _deliver(self, request_id: str, item: StepEvent | BaseException) -> None:
@@ -201,8 +203,8 @@ class EngineRunner:
             for event in events:
                 self.costs.observe_drafts(event.proposed, event.accepted)
             self._cost_table_age -= 1
-            if self._cost_table_age <= 0:  # the curves and α moved: choose afresh
-                self._cost_table.clear()
+            if self._cost_table_age <= 0:  # the curves moved: choose afresh
+                self._step_costs = None
                 self._cost_table_age = COST_TABLE_STEPS
         stats = StepStats(
             proposed=sum(e.proposed for e in events), accepted=sum(e.accepted for e in events),

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from workers.cost_model import CostReport, depth_grid, report_from_forward_times
+from workers.cost_model import CostReport, StepCostRule, depth_grid, report_from_forward_times
 from workers.engine_api import (
     EngineInfo,
     EngineRequestError,
@@ -146,10 +146,13 @@ class SimEngine:
 
     def set_batch_thresholds(self, max_batch: int, batch_resume: int, max_step_drafts: int = 0,
                              cost_rule: bool = False) -> None:
-        # The sim's step rule is the latch and the draft limit; its costs are published
-        # (cost_model) for the gateway's K choice, not applied per step.
         self.batch.max_batch, self.batch.batch_resume = max_batch, batch_resume
         self.batch.max_step_drafts = max_step_drafts
+        # K auto: each step's K also cut to the best at its mix, on the published costs.
+        if not cost_rule:
+            self.batch.cost_rule = None
+        elif self.batch.cost_rule is None:
+            self.batch.cost_rule = StepCostRule(self.cost_model.policy_model())
 
     def _seq(self, request: GenerationRequest) -> SimSeq:
         assert self._codec is not None

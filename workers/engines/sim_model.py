@@ -26,6 +26,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from policies.speculation import step_depth
+from workers.cost_model import AcceptanceEstimate, StepCostRule
 
 # -- units and published facts ------------------------------------------------------------------------
 GB, TFLOP = 1e9, 1e12
@@ -331,6 +332,10 @@ class SimBatch:
         self.max_step_drafts = 0  # 0: no per-step draft limit
         self.batch_full = False
         self.step_rule = step_rule or self.latch_rule
+        # K auto (the directive's cost_rule): each step's Ks cut to the best at its mix, at the
+        # batch's own acceptance estimate, as the embedded engine's runner does. None: off.
+        self.cost_rule: StepCostRule | None = None
+        self.acceptance = AcceptanceEstimate()
 
     def latch_rule(self, depth: int) -> int:
         rule = step_depth(NO_CAP, depth, self.batch_full, self.max_batch, self.batch_resume, self.max_step_drafts)
@@ -362,13 +367,20 @@ class SimBatch:
             if seq.prefill:  # the prompt's step: no drafts, the first token comes out of it
                 ks.append(0)
                 prefill += seq.prefill
-            else:  # never more drafts than could be emitted
-                ks.append(min(seq.k, cap, seq.remaining - 1))
+            else:
+                ks.append(min(seq.k, cap))
             contexts.append(seq.context)
+        alpha = self.acceptance.evidenced
+        if self.cost_rule is not None and alpha is not None:
+            common = self.cost_rule.k(ks, alpha)
+            ks = [common if k > 0 else 0 for k in ks]
+        # Never more drafts than could be emitted.
+        ks = [min(k, seq.remaining - 1) for k, seq in zip(ks, seqs, strict=True)]
         duration, verify = self.cost.step_time(ks, contexts, prefill)
         results = []
         for seq, k in zip(seqs, ks, strict=True):
             accepted = sample_accepted(seq.rng, seq.log_alpha, k)
+            self.acceptance.add(k, accepted)
             emitted = min(accepted + 1, seq.remaining)
             seq.context += seq.prefill + emitted
             seq.prefill = 0
