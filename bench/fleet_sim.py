@@ -3,9 +3,11 @@
 A discrete-event simulation. Every replica is a ``SimBatch`` (the very code the sim worker
 engine steps, with the same roofline and acceptance sampler); the router is the gateway's
 ``choose_worker``; the policies call the gateway's pure functions (``decide``,
-``record_decision``, ``observe``, ``batch_latch``) at the same points the gateway does, and
-the replicas apply ``step_depth`` per step as every specgate engine does. Seeded throughout:
-the same arguments give the same figures.
+``record_decision``, ``observe``, ``batch_latch``) at the same points the gateway does, with
+what the gateway knows of each worker (its published cost model, its acceptance, the draft mix
+of the requests in flight there: ``gateway.draft_mix``), and the replicas apply ``step_depth``
+per step as every specgate engine does (with K auto, the cost rule too: ``StepCostRule``).
+Seeded throughout: the same arguments give the same figures.
 """
 
 from __future__ import annotations
@@ -16,9 +18,11 @@ import random
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
+from gateway.draft_mix import DraftMix
 from gateway.routing import Candidate, choose_worker
 from policies import (
     CostModel,
+    Decision,
     PolicyConfig,
     RequestFacts,
     SessionState,
@@ -27,7 +31,9 @@ from policies import (
     decide,
     observe,
     record_decision,
+    worker_acceptance,
 )
+from workers.cost_model import StepCostRule
 from workers.engines.sim import derived_cost_report
 from workers.engines.sim_model import NO_CAP, BatchStep, SimBatch, SimConfig, SimSeq, StepRule, gain
 
@@ -160,6 +166,7 @@ class _Request:
     session: _Session
     arrived: float
     worker: str
+    decision: Decision  # what it was sent with (its part of the worker's draft mix)
     first_at: float | None = None
     last_at: float = 0.0
 
@@ -174,6 +181,7 @@ class _Replica:
     # derived cost model, parsed as the gateway parses it) and its acceptance over all sessions.
     cost: CostModel | None = None
     acceptance: SessionState = field(default_factory=SessionState)
+    mix: DraftMix = field(default_factory=DraftMix)  # the in-flight requests by K, as the gateway tracks them
     busy: bool = False
 
 
@@ -198,6 +206,8 @@ class FleetSim:
         for i in range(replicas):
             batch = SimBatch(config, max_slots, max_k)
             batch.step_rule = policy.step_rule(batch)
+            if policy.config is not None and policy.config.auto_k:  # the directive's cost_rule, as the gateway sends it
+                batch.cost_rule = StepCostRule(cost)
             self.replicas[f"worker-{i}"] = _Replica(f"worker-{i}", batch, cost=cost)
         self.requests: dict[str, _Request] = {}
         self.events: list[tuple[float, int, _Session | tuple[_Replica, BatchStep]]] = []
@@ -273,12 +283,13 @@ class FleetSim:
         if policy.config is not None:  # the gateway's admission, as gateway/relay.py runs it
             replica.gateway_latch = batch_latch(replica.gateway_latch, replica.in_flight, policy.config)
             worker = WorkerState(replica.in_flight, replica.gateway_latch, replica.batch.max_k, cost=replica.cost,
-                                 acceptance=replica.acceptance.acceptance_ewma)
+                                 acceptance=worker_acceptance(replica.acceptance, policy.config),
+                                 mix=replica.mix.step_mix())
             decision = decide(session.state, worker, RequestFacts(temperature), policy.config)
-            session.state = record_decision(session.state, decision)
-            k, mode = decision.k, decision.mode
+            session.state = record_decision(session.state, decision, policy.config.auto_k)
         else:
-            k, mode = policy.k, "speculative" if policy.k > 0 else "plain"
+            decision = Decision("speculative", policy.k, "default") if policy.k > 0 else Decision("plain", 0, "default")
+        k, mode = decision.k, decision.mode
         stats = self.stats[self._phase_at(self.now)]
         if session.last_mode is not None and session.last_mode != mode:
             stats.switches += 1
@@ -291,8 +302,9 @@ class FleetSim:
         rid = f"r{self.next_rid}"
         seq = SimSeq(rid, k, self.config.acceptance.alpha(kind.category, temperature), rng.randint(*kind.max_tokens),
                      rng.randint(*kind.prompt_tokens), random.Random(rng.getrandbits(64)))
-        self.requests[rid] = _Request(session, self.now, worker_id)
+        self.requests[rid] = _Request(session, self.now, worker_id, decision)
         replica.in_flight += 1
+        replica.mix.add(decision)
         replica.batch.add(seq)
         if not replica.busy:
             self._start_step(replica)
@@ -336,6 +348,7 @@ class FleetSim:
             if r.finished:
                 del self.requests[r.seq.request_id]
                 replica.in_flight -= 1
+                replica.mix.remove(request.decision)
                 session = request.session
                 self._push(now + session.rng.expovariate(1 / THINK_TIME_S), session)
         self._start_step(replica)

@@ -26,6 +26,7 @@ import aiohttp
 from prometheus_client import multiprocess
 
 from gateway.config import GatewayConfig, RemoteProtocol, RemoteWorker
+from gateway.draft_mix import DraftMix
 from gateway.metrics import GatewayMetrics
 from gateway.routing import Candidate
 from gateway.worker_output import MAX_LINE_BYTES, StreamName, relay_output
@@ -50,7 +51,9 @@ class WorkerHandle:
     status: WorkerStatus = "starting"
     process: asyncio.subprocess.Process | None = None
     restarts: int = 0
-    in_flight: int = 0  # requests the gateway has forwarded and not yet finished
+    # The requests the gateway has forwarded and not yet finished, by the decision each went
+    # with: their count is ``in_flight``, their drafting mix what K auto prices a step at.
+    draft_mix: DraftMix = field(default_factory=DraftMix)
     reported_depth: int = 0  # the worker's own running + queued count, from its last poll
     batch_full: bool = False  # the policy's batch latch for this worker (gateway side)
     info: dict[str, Any] = field(default_factory=dict)
@@ -63,6 +66,10 @@ class WorkerHandle:
     cost_error: str = ""  # why its last published cost model was unusable
     # JSON logs only: the tasks relaying its stdout and stderr into the gateway's log.
     output: list[asyncio.Task[None]] = field(default_factory=list)
+
+    @property
+    def in_flight(self) -> int:
+        return self.draft_mix.count
 
     @property
     def speaks_specgate(self) -> bool:
@@ -87,6 +94,7 @@ class WorkerHandle:
             "batch_depth": self.info.get("batch_depth", self.in_flight), "queue_length": self.info.get("queue_length"),
             "batch_full": self.batch_full, "precision": self.info.get("precision"), "stats": self.info.get("stats"),
             "cost_model": self.info.get("cost_model"), "acceptance": self.acceptance.acceptance_ewma,
+            "draft_mix": self.draft_mix.view(),
             "last_error": self.last_error or None,
         }
 

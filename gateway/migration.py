@@ -195,7 +195,7 @@ class MigratingStream:
     def _release(self) -> None:
         if self._held:
             self._held = False
-            self.admission.handle.in_flight -= 1
+            self.admission.handle.draft_mix.remove(self.admission.decision)
 
     # -- migration --------------------------------------------------------------------------------
     async def _lose_worker(self, exc: ApiError) -> None:

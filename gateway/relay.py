@@ -43,6 +43,7 @@ from policies import (
     observe,
     observe_steps,
     record_decision,
+    worker_acceptance,
 )
 from workers.logs import decision_var, request_id_var, session_var
 from workers.protocol import (
@@ -111,7 +112,8 @@ def _decide(session: Session, handle: WorkerHandle, req: CompletionRequest, poli
     """The decision on ``handle``; with ``any_mode``, what the rules want were it to serve both modes."""
     handle.batch_full = batch_latch(handle.batch_full, handle.load, policy)
     worker = WorkerState(handle.load, handle.batch_full, handle.max_k, "speculative" in handle.modes,
-                         "plain" in handle.modes, handle.cost, handle.acceptance.acceptance_ewma)
+                         "plain" in handle.modes, handle.cost, worker_acceptance(handle.acceptance, policy),
+                         handle.draft_mix.step_mix())
     if any_mode:
         fixed_k = 1 if policy.num_speculative_tokens == "auto" else policy.num_speculative_tokens
         worker = replace(worker, max_k=max(handle.max_k, fixed_k), serves_speculative=True, serves_plain=True)
@@ -184,7 +186,7 @@ async def _admit(state: GatewayState, session: Session, req: CompletionRequest, 
         worker_id = session.worker_id = handle.worker_id
         body = worker_body(req, Directive(decision.k, policy.max_batch, policy.batch_resume, policy.max_step_drafts,
                                           resume, policy.auto_k), handle.protocol)
-        handle.in_flight += 1
+        handle.draft_mix.add(decision)
         attempt = trace.attempt(worker_id, decision)
         headers = attempt.headers  # the trace context (gateway/tracing.py)
         request_id = request_id_var.get()
@@ -195,7 +197,7 @@ async def _admit(state: GatewayState, session: Session, req: CompletionRequest, 
             response = await open_stream(handle, _PATHS[req.kind], body, state.config.server.worker_timeout_s,
                                          headers)
         except WorkerUnreachable as exc:
-            handle.in_flight -= 1
+            handle.draft_mix.remove(decision)
             attempt.failed(exc)
             log.warning("%s unreachable (%s); retrying elsewhere", worker_id, exc)
             state.fleet.report_failure(handle, str(exc))
@@ -203,7 +205,7 @@ async def _admit(state: GatewayState, session: Session, req: CompletionRequest, 
             session.worker_id = None
             continue
         except BaseException as exc:
-            handle.in_flight -= 1
+            handle.draft_mix.remove(decision)
             attempt.failed(exc)
             raise
         _record(state, session, decision, policy)

@@ -8,6 +8,7 @@ cache under the key the worker computes, so the worker starts at once and publis
 from __future__ import annotations
 
 import json
+import time
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
@@ -96,3 +97,28 @@ def test_fixed_k_keeps_todays_behaviour_after_a_live_edit(injected: tuple[Gatewa
                                          data=json.dumps({"num_speculative_tokens": "auto"}).encode())
         with urllib.request.urlopen(request, timeout=10):
             pass
+
+
+def test_the_gateway_tracks_each_workers_draft_mix(injected: tuple[Gateway, CostModel]) -> None:
+    """While a speculative stream is in flight its worker's draft mix holds it (K auto prices a
+    new session's step with it); once the stream ends the mix is empty again."""
+    gateway, _ = injected
+    with sdk_client(gateway) as client:
+        stream = client.completions.with_raw_response.create(
+            model="specgate-demo", prompt=CODE_PROMPT, max_tokens=400, temperature=0, stream=True,
+            extra_headers={"X-Session-ID": "code-mix"})
+        mode = stream.headers["X-Specgate-Mode"]
+        chunks = iter(stream.parse())
+        next(chunks)  # the stream is open: its request is in flight on the worker
+        (worker,) = gateway.get_json("/admin/workers")["workers"]
+        assert mode.startswith("speculative; k=")
+        k = int(mode.split("k=")[1].split(";")[0])
+        assert worker["draft_mix"] == {"by_k": {str(k): 1}, "drafting": 1, "drafts_per_step": k, "would_draft": 0}
+        assert worker["in_flight"] == 1
+        for _ in chunks:  # (it runs for seconds after the first chunk on this CPU)
+            pass
+    deadline = time.monotonic() + 10
+    while gateway.get_json("/admin/workers")["workers"][0]["in_flight"] and time.monotonic() < deadline:
+        time.sleep(0.05)
+    (worker,) = gateway.get_json("/admin/workers")["workers"]
+    assert worker["draft_mix"] == {"by_k": {}, "drafting": 0, "drafts_per_step": 0, "would_draft": 0}
