@@ -1,13 +1,21 @@
-"""Why K auto under-picks K in the simulated fleet: the cost model prices a step of d sequences
-as if all d drafted the same K, while in a mixed batch only some draft.
+"""Why K auto prices a step at its worker's draft mix: the cost model's two prices of K next to
+the simulated GPU's own step times.
 
     python -m bench.kauto_mix [--json]
 
-For the sim engine's derived cost model (workers/engines/sim.py) at α = 0.9, it prints the gain
-of each K (tokens per unit of time relative to plain) at depths 16, 24 and 32 two ways: as the
-cost model has it (every sequence drafts K), and from the sim's own step time when a third of
-the batch drafts K and the rest decode plain (the steady phase of ``bench.policy``, where only
-the code sessions speculate). Pure arithmetic on the model: no timing, no noise.
+For the sim engine's derived cost model (workers/engines/sim.py) at α = 0.9, at depths 16, 24
+and 32, where a third of the batch drafts and the rest decode plain (the steady phase of
+``bench.policy``: only the code sessions speculate), it prints the gain of each K (tokens per
+unit of time relative to plain) three ways:
+
+- ``uniform``: as the cost model priced a step before the mix was known, every sequence
+  drafting K (``policies.cost.gain`` without a mix);
+- ``mixed``: as K auto prices it now, the drafting third at K and the rest plain, as the batch's
+  goodput per drafting sequence (``policies.cost.gain`` with a ``StepMix``);
+- ``sim``: the same objective on the sim's own step times for that batch
+  (``workers.engines.sim_model.StepCost``), which the mixed price should match.
+
+Pure arithmetic on the models: no timing, no noise.
 """
 
 from __future__ import annotations
@@ -16,12 +24,22 @@ import argparse
 import json
 from typing import Any
 
-from policies.cost import CostModel, expected_tokens, gain
+from policies.cost import CostModel, StepMix, expected_tokens, gain
 from workers.engines.sim import COST_CONTEXT, derived_cost_report
 from workers.engines.sim_model import SimConfig, StepCost
 
 ALPHA = 0.9
 MAX_K = 8
+
+
+def sim_gain(cost: StepCost, depth: int, drafting: int, k: int) -> float:
+    """The batch's goodput per drafting sequence with ``drafting`` of ``depth`` sequences at K,
+    relative to the whole batch plain, on the sim's step times (``policies.cost``'s objective)."""
+    contexts = [COST_CONTEXT] * depth
+    plain = cost.step_time([0] * depth, contexts)[0]
+    spec = cost.step_time([k] * drafting + [0] * (depth - drafting), contexts)[0]
+    others = depth - drafting
+    return ((others + drafting * expected_tokens(ALPHA, k)) * plain / spec - others) / drafting
 
 
 def run() -> dict[str, Any]:
@@ -30,20 +48,22 @@ def run() -> dict[str, Any]:
     cost = StepCost(config)
     out: dict[str, Any] = {"alpha": ALPHA, "depths": {}}
     for depth in (16, 24, 32):
-        uniform = {k: gain(model, ALPHA, k, depth) for k in range(MAX_K + 1)}
         drafting = depth // 3
-        contexts = [COST_CONTEXT] * depth
-        plain = cost.step_time([0] * depth, contexts)[0]
-        mixed = {k: expected_tokens(ALPHA, k) * plain / cost.step_time([k] * drafting + [0] * (depth - drafting),
-                                                                       contexts)[0]
-                 for k in range(MAX_K + 1)}
+        mix = StepMix(depth - 1, drafting - 1, 0, ALPHA)  # the others, as the session priced sees them
+        ks = range(MAX_K + 1)
+        prices = {
+            "uniform": ("all draft K (cost model, before)", {k: gain(model, ALPHA, k, depth) for k in ks}),
+            "mixed": (f"{drafting} of {depth} draft K (cost model)",
+                      {k: gain(model, ALPHA, k, depth, mix) for k in ks}),
+            "sim": (f"{drafting} of {depth} draft K (sim)", {k: sim_gain(cost, depth, drafting, k) if k else 1.0
+                                                           for k in ks}),
+        }
         row: dict[str, Any] = {"drafting": drafting}
-        for key, name, gains in (("uniform", "all draft K (cost model)", uniform),
-                                 ("mixed", f"{drafting} of {depth} draft K (sim)", mixed)):
+        for key, (name, gains) in prices.items():
             best = max(gains, key=lambda k: gains[k])
             row[f"best_k_{key}"] = best
             row[f"gain_{key}"] = [round(g, 3) for g in gains.values()]
-            print(f"depth {depth:>2}, {name:<26} best K {best}  gains "
+            print(f"depth {depth:>2}, {name:<33} best K {best}  gains "
                   + " ".join(f"{k}:{g:.2f}" for k, g in gains.items()))
         out["depths"][str(depth)] = row
     return out
