@@ -51,11 +51,13 @@ def policies(sim: SimConfig) -> list[tuple[str, FleetPolicy]]:
         ("specgate_gpu", FleetPolicy("specgate GPU profile (free_batch 32, max_step_drafts 48, K=5)", PolicyConfig(
             num_speculative_tokens=K, free_batch=GPU_FREE_BATCH, max_step_drafts=GPU_MAX_STEP_DRAFTS))),
     ]
-    # Hook for the cost-model issue: once policy.num_speculative_tokens accepts "auto", this
-    # entry runs too; until then the config refuses it and the policy is left out.
+    # K from the workers' costs, priced at each step's draft mix (policies/cost.py); on the
+    # defaults, and on the GPU profile. (Left out where the config refuses "auto".)
     with contextlib.suppress(PolicyConfigError, TypeError, ValueError):
         out.append(("specgate_auto", FleetPolicy("specgate K=auto", PolicyConfig.from_mapping(
             {"num_speculative_tokens": "auto"}))))
+        out.append(("specgate_gpu_auto", FleetPolicy("specgate GPU profile, K=auto", PolicyConfig.from_mapping(
+            {"num_speculative_tokens": "auto", "free_batch": GPU_FREE_BATCH, "max_step_drafts": GPU_MAX_STEP_DRAFTS}))))
     return out
 
 
