@@ -449,13 +449,7 @@ class LlamaForCausalLM(nn.Module):
         """
         if self.native is not None:
             return self._forward_native(self.native, tokens, cache, batch, logit_rows, logit_cols)
-        # The rotary tables were cast with the model (buffers follow .to(dtype)).
-        if batch.single is not None:
-            start, length = batch.single[1], tokens.shape[1]
-            cos = self.rope_cos[start:start + length][None, :, None]
-            sin = self.rope_sin[start:start + length][None, :, None]
-        else:
-            cos, sin = self.rope_cos[batch.positions][:, :, None], self.rope_sin[batch.positions][:, :, None]
+        cos, sin = self._rotary(batch, tokens.shape[1])
         x = self.model.embed_tokens(tokens)
         for i, layer in enumerate(self.model.blocks()):
             x = layer.forward_cached(x, cos, sin, cache, i, batch)
@@ -464,6 +458,15 @@ class LlamaForCausalLM(nn.Module):
         x = self.model.norm(x)
         logits = self.head_frozen(x) if self.head_frozen is not None else self.lm_head(x)
         return logits.float()
+
+    def _rotary(self, batch: CacheBatch, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The rotary tables at the forward's positions, shaped to broadcast over heads. (They
+        were cast with the model: buffers follow .to(dtype).)"""
+        if batch.single is not None:
+            start = batch.single[1]
+            return (self.rope_cos[start:start + length][None, :, None],
+                    self.rope_sin[start:start + length][None, :, None])
+        return self.rope_cos[batch.positions][:, :, None], self.rope_sin[batch.positions][:, :, None]
 
     def _forward_native(self, kernel: rowgemm.RowGemm, tokens: torch.Tensor, cache: KVCache, batch: CacheBatch,
                         logit_rows: torch.Tensor | None, logit_cols: torch.Tensor | None) -> torch.Tensor:
@@ -488,12 +491,8 @@ class LlamaForCausalLM(nn.Module):
                     return self.fused(tokens, cache.k, cache.v, rows, logit_rows * length + logit_cols)
                 logits = self.fused(tokens, cache.k, cache.v, rows, torch.arange(tokens.numel()))
                 return logits.view(*tokens.shape, -1)
-        elif batch.single is not None:
-            start = batch.single[1]
-            cos = self.rope_cos[start:start + length][None, :, None]
-            sin = self.rope_sin[start:start + length][None, :, None]
         else:
-            cos, sin = self.rope_cos[batch.positions][:, :, None], self.rope_sin[batch.positions][:, :, None]
+            cos, sin = self._rotary(batch, length)
         x = self.model.embed_tokens(tokens)
         for i, layer in enumerate(self.model.blocks()):
             attn, mlp = layer.self_attn, layer.mlp
