@@ -58,6 +58,10 @@ def policies(sim: SimConfig) -> list[tuple[str, FleetPolicy]]:
             {"num_speculative_tokens": "auto"}))))
         out.append(("specgate_gpu_auto", FleetPolicy("specgate GPU profile, K=auto", PolicyConfig.from_mapping(
             {"num_speculative_tokens": "auto", "free_batch": GPU_FREE_BATCH, "max_step_drafts": GPU_MAX_STEP_DRAFTS}))))
+        # Everything from the costs: K auto, and the rules waived where the cost model says the
+        # session's acceptance pays at the worker's depth (free_batch: auto), no number read off a table.
+        out.append(("specgate_cost", FleetPolicy("specgate K=auto, free_batch auto", PolicyConfig.from_mapping(
+            {"num_speculative_tokens": "auto", "free_batch": "auto"}))))
     return out
 
 

@@ -103,7 +103,9 @@ class PolicyConfig:
     # At or below this batch depth a GPU step is memory-bound and drafting costs little, so even a
     # hot or low-acceptance session gains from speculating: the temperature and acceptance rules
     # wait until the batch is deeper (bench.policy, docs/sim.md). 0: those rules apply at any depth.
-    free_batch: int = 0
+    # "auto": they wait wherever the worker's measured costs say this session's acceptance buys
+    # min_gain at the worker's depth and mix (policies/cost.py) -- no depth read off a table.
+    free_batch: int | Literal["auto"] = 0
     # Drafts per engine step across the batch: beyond it each sequence drafts
     # max(1, round(max_step_drafts / batch depth)) instead of K, because once the target's
     # verification is compute-bound every draft verified costs time. 0: no limit.
@@ -148,11 +150,14 @@ class PolicyConfig:
         return {f.name: getattr(self, f.name) for f in fields(self)}
 
 
+AUTO_FIELDS = ("num_speculative_tokens", "free_batch")  # integer fields that also take "auto"
+
+
 def _typed(key: str, value: Any, expected: str) -> Any:
     """The value as its field's type (an int for a float field becomes a float); raises PolicyConfigError."""
-    if key == "num_speculative_tokens" and value == "auto":
+    if key in AUTO_FIELDS and value == "auto":
         return value
-    if expected == "int" or key == "num_speculative_tokens":
+    if expected == "int" or key in AUTO_FIELDS:
         if isinstance(value, bool) or not isinstance(value, int):
             raise PolicyConfigError(key, value, "must be an integer")
     elif expected == "float":
@@ -203,6 +208,8 @@ def rule_problems(values: Mapping[str, Any], bad: Collection[str] = ()) -> list[
             "num_speculative_tokens", "must be in 1..16 or auto")
     for name in ("min_gain", "k_switch_gain"):
         require(0.0 <= values[name] <= 1.0, name, "must be between 0 and 1")
-    require(values["free_batch"] >= 0, "free_batch", "must be >= 0")
+    free_batch = values["free_batch"]
+    require(free_batch == "auto" or (isinstance(free_batch, int) and free_batch >= 0), "free_batch",
+            "must be >= 0 or auto")
     require(values["max_step_drafts"] >= 0, "max_step_drafts", "must be >= 0")
     return list(found.values())

@@ -26,10 +26,11 @@ Rules, in the order ``decide`` applies them (thresholds named as in config.yaml)
    A worker that publishes no cost model speculates with its own max K.
 ``free_batch`` (off at 0) exempts shallow batches from rules 2 and 4: at or below that depth a
 GPU step is memory-bound and drafting cheap, so a hot or low-acceptance session still gains
-(reason ``free_batch`` when a rule was waived). Per step, inside the worker, ``step_depth``
-applies the batch latch and shrinks K once the batch drafts more than ``max_step_drafts``; with
-``auto`` the worker then gives the step's drafting sequences one K, the best at the step's exact
-mix (``policies.cost.batch_step_k``).
+(reason ``free_batch`` when a rule was waived). ``free_batch: auto`` exempts them wherever the
+worker's cost model says the session's acceptance pays at the worker's depth (``_free_batch_k``).
+Per step, inside the worker, ``step_depth`` applies the batch latch and shrinks K once the
+batch drafts more than ``max_step_drafts``; with ``auto`` the worker then gives the step's
+drafting sequences one K, the best at the step's exact mix (``policies.cost.batch_step_k``).
 """
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ from dataclasses import dataclass, replace
 from typing import Literal
 
 from policies.config import PolicyConfig
-from policies.cost import CostModel, StepMix, choose_k, gain
+from policies.cost import CostModel, StepMix, choose_k, gain, objective
 
 Mode = Literal["speculative", "plain"]
 Reason = Literal["default", "probe", "worker_plain_only", "worker_speculative_only", "high_temperature",
@@ -107,7 +108,9 @@ def _rules(session: SessionState, worker: WorkerState, request: RequestFacts, po
     if worker.max_k <= 0 or not worker.serves_speculative:
         return Decision("plain", 0, "worker_plain_only")
     k = worker.max_k if policy.num_speculative_tokens == "auto" else min(policy.num_speculative_tokens, worker.max_k)
-    shallow = policy.free_batch > 0 and worker.batch_depth <= policy.free_batch and not worker.batch_full
+    waived_k = _free_batch_k(session, worker, policy, k)
+    shallow = waived_k > 0
+    k = waived_k or k
     if request.temperature > policy.max_temperature:
         if shallow:
             return Decision("speculative", k, "free_batch")
@@ -130,6 +133,27 @@ def _rules(session: SessionState, worker: WorkerState, request: RequestFacts, po
                 return Decision("speculative", _probe_k(session, worker, policy, 1), "probe")
             return Decision("plain", 0, "no_gain")
     return Decision("speculative", k, "default")
+
+
+def _free_batch_k(session: SessionState, worker: WorkerState, policy: PolicyConfig, k: int) -> int:
+    """The K a session speculates with where ``free_batch`` waives the temperature and acceptance
+    rules; 0 where it does not (off, the batch latch set, or too deep).
+
+    A number waives them at or below that depth. ``auto`` waives them wherever the worker's cost
+    model says a K buys ``min_gain`` for this session's acceptance at the worker's depth and mix,
+    and that K is the one it runs (a fixed ``num_speculative_tokens`` must pay itself). Without
+    a cost model, ``auto`` waives nothing: the configured rules stand.
+    """
+    if worker.batch_full or policy.free_batch == 0:
+        return 0
+    if policy.free_batch != "auto":
+        return k if worker.batch_depth <= policy.free_batch else 0
+    if worker.cost is None:
+        return 0
+    alpha, depth, mix = acceptance_for_k(session, worker, policy), worker.batch_depth + 1, _mix(worker)
+    if policy.num_speculative_tokens != "auto":
+        return k if objective(worker.cost, alpha, k, depth, policy.min_gain, mix) > 1.0 + policy.min_gain else 0
+    return choose_k(worker.cost, alpha, depth, worker.max_k, policy.min_gain, 0.0, None, mix)
 
 
 def acceptance_for_k(session: SessionState, worker: WorkerState, policy: PolicyConfig) -> float:

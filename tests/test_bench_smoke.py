@@ -50,7 +50,7 @@ def _json_run(*args: str, timeout: int = 240) -> tuple[dict[str, Any], str]:
 
 def test_bench_policy_quick_json(tmp_path: Path) -> None:
     result, stdout = _json_run("-m", "bench.policy", "--quick", "--json", "--out", str(tmp_path))
-    policies = {"always", "never", "vllm_rule", "bare_thresholds", "specgate"}
+    policies = {"always", "never", "vllm_rule", "bare_thresholds", "specgate", "specgate_auto", "specgate_cost"}
     assert policies <= set(result["goodput"])
     for rows in result["goodput"].values():
         assert set(rows) == {"light", "steady", "burst", "recovery", "overall"}

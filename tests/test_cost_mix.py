@@ -32,6 +32,7 @@ from policies import (
     step_cost,
     worker_acceptance,
 )
+from policies.speculation import RequestFacts
 from tests.policy_data import COOL, PROPERTY
 from workers.cost_model import StepCostRule, report_from_forward_times
 from workers.engines.sim import derived_cost_report
@@ -243,3 +244,65 @@ def test_the_virtual_fleet_gives_the_policy_the_mix_the_gateway_tracks(monkeypat
     for replica in sim.replicas.values():
         assert replica.mix.count == replica.in_flight
         assert replica.batch.cost_rule is not None  # and the replicas run the worker's step rule
+
+
+# -- free_batch: auto ---------------------------------------------------------------------------------
+HOT = RequestFacts(temperature=1.0)
+FREE_AUTO = PolicyConfig(num_speculative_tokens="auto", free_batch="auto")
+# A CPU whose verification is compute-bound from the second token (cost ~ n) and whose draft costs
+# 0.3 of the target: no K pays for any acceptance, so the waiver never applies there.
+NO_GAIN = CostModel((1, 16), (tuple(round(n + 0.3 * (n - 1), 3) for n in range(1, 10)),) * 2)
+
+
+def hot_session(alpha: float) -> SessionState:
+    return SessionState(acceptance_ewma=alpha, proposals_seen=1000)
+
+
+@pytest.mark.parametrize(("worker", "session", "expected_reason"), [
+    # The GPU deployment at a shallow depth: a hot session accepting 0.7 still gains, so the
+    # temperature rule waits, and the session runs the cost model's K.
+    (WorkerState(batch_depth=5, batch_full=False, max_k=8, cost=SIM, acceptance=0.9), hot_session(0.7), "free_batch"),
+    # The same session where the cost model says no K pays: the configured rule stands.
+    (WorkerState(batch_depth=5, batch_full=False, max_k=8, cost=NO_GAIN, acceptance=0.9), hot_session(0.7),
+     "high_temperature"),
+    # No cost model to ask: the rules stand.
+    (WorkerState(batch_depth=5, batch_full=False, max_k=8, acceptance=0.9), hot_session(0.7), "high_temperature"),
+    # The batch latch is never waived.
+    (WorkerState(batch_depth=70, batch_full=True, max_k=8, cost=SIM, acceptance=0.9), hot_session(0.7),
+     "high_temperature"),
+    # A session whose acceptance is too low to pay even on a shallow GPU batch stays plain.
+    (WorkerState(batch_depth=5, batch_full=False, max_k=8, cost=SIM, acceptance=0.9), hot_session(0.02),
+     "high_temperature"),
+])
+def test_free_batch_auto_waives_the_rules_only_where_the_costs_say_speculation_pays(
+        worker: WorkerState, session: SessionState, expected_reason: str) -> None:
+    decision = decide(session, worker, HOT, FREE_AUTO)
+    assert decision.reason == expected_reason
+    if expected_reason == "free_batch":
+        alpha = session.acceptance_ewma
+        assert alpha is not None
+        best = choose_k(SIM, alpha, worker.batch_depth + 1, 8, FREE_AUTO.min_gain, 0.0, None, None)
+        assert decision.mode == "speculative" and decision.k == best > 0
+        assert objective(SIM, alpha, decision.k, worker.batch_depth + 1, FREE_AUTO.min_gain) > 1 + FREE_AUTO.min_gain
+    else:
+        assert decision == Decision("plain", 0, "high_temperature")
+
+
+def test_free_batch_auto_waives_the_acceptance_floor_too_and_a_fixed_k_must_pay_itself() -> None:
+    worker = WorkerState(batch_depth=3, batch_full=False, max_k=8, cost=SIM, acceptance=0.9)
+    latched = SessionState(acceptance_ewma=0.55, proposals_seen=1000, low_acceptance=True)
+    assert decide(latched, worker, COOL, FREE_AUTO).reason == "free_batch"
+    fixed = PolicyConfig(num_speculative_tokens=5, free_batch="auto")
+    assert decide(latched, worker, COOL, fixed) == Decision("speculative", 5, "free_batch")
+    cpu = replace(worker, cost=NO_GAIN)
+    assert decide(latched, cpu, COOL, fixed).reason in ("low_acceptance", "probe")
+
+
+@pytest.mark.parametrize(("value", "ok"), [("auto", True), (0, True), (32, True), (-1, False), ("deep", False),
+                                            (1.5, False), (True, False)])
+def test_free_batch_takes_a_depth_or_auto(value: object, ok: bool) -> None:
+    if ok:
+        assert PolicyConfig.from_mapping({"free_batch": value}).free_batch == value
+        return
+    with pytest.raises(ValueError, match=r"policy\.free_batch: must be"):
+        PolicyConfig.from_mapping({"free_batch": value})
