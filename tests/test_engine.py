@@ -283,6 +283,19 @@ def test_step_cost_rule_gives_the_drafting_sequences_one_k(target_model: LlamaFo
         GenerationRequest("alone", PROMPTS[0], 24, GREEDY, k=0)))  # greedy: the same text whatever K
 
 
+def test_a_step_cost_rule_without_an_answer_leaves_each_sequence_its_own_k(
+        target_model: LlamaForCausalLM, draft_model: LlamaForCausalLM) -> None:
+    """The runner's rule answers None while the cost rule is off (a fixed K) or has too little
+    evidence: then no sequence is raised to another's K."""
+    engine = SpeculativeEngine(target_model, draft_model, max_slots=2, max_k=MAX_K)
+    engine.step_cost_rule = lambda requested: None
+    engine.add(GenerationRequest("deep", PROMPTS[0], 24, GREEDY, k=6))
+    engine.add(GenerationRequest("shallow", PROMPTS[1], 24, GREEDY, k=1))
+    events = run_until_idle(engine)
+    assert max(e.proposed for e in events["deep"]) == 6
+    assert {e.proposed for e in events["shallow"]} <= {0, 1} and max(e.proposed for e in events["shallow"]) == 1
+
+
 
 def test_step_times_and_shape_cover_the_whole_step(target_model: LlamaForCausalLM,
                                                    draft_model: LlamaForCausalLM) -> None:

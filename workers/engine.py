@@ -36,8 +36,9 @@ __all__ = ["GenerationRequest", "SpeculativeEngine", "StepCostRule", "StepDepthR
 # (requested K, batch depth) -> K for this step. The worker plugs in the policy's batch rule.
 StepDepthRule = Callable[[int, int], int]
 # The step's Ks after that rule (0: plain or a prefill) -> the one K every drafting sequence
-# drafts this step, each within its own limits (K auto: policies.cost.batch_step_k).
-StepCostRule = Callable[[list[int]], int]
+# drafts this step, each within its own limits (K auto: policies.cost.batch_step_k); None leaves
+# each sequence its own K (the rule is off, or has no evidence yet).
+StepCostRule = Callable[[list[int]], int | None]
 
 
 @dataclass
@@ -226,8 +227,8 @@ class SpeculativeEngine:
             # attention may serve it (see _forward). Drafting starts next step.
             requested.append(0 if self._prefilling(seq) else max(0, min(k, self.max_k)))
             seq.drafts, seq.draft_probs = [], []
-        if self.step_cost_rule is not None and any(requested):
-            common = self.step_cost_rule(requested)
+        common = self.step_cost_rule(requested) if self.step_cost_rule is not None and any(requested) else None
+        if common is not None:
             requested = [common if k > 0 else 0 for k in requested]
         for seq, k in zip(seqs, requested, strict=True):
             remaining = seq.request.max_tokens - seq.emitted

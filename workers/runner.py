@@ -108,13 +108,15 @@ class EngineRunner:
         self._batch_full = decision.batch_full
         return decision.k
 
-    def _step_cost(self, requested: list[int]) -> int:
-        deepest = max(requested, default=0)
+    def _step_cost(self, requested: list[int]) -> int | None:
+        """One K for the step's drafting sequences under the cost rule; None (each keeps its own
+        K, as a fixed num_speculative_tokens asks) while the rule is off or the worker's
+        acceptance has too little evidence behind it, as the sim engine's batch does."""
         if not self._cost_rule or self.costs is None:
-            return deepest
+            return None
         alpha = self.costs.acceptance.evidenced
         if alpha is None:
-            return deepest
+            return None
         if self._step_costs is None:
             self._step_costs = StepCostRule(self.costs.report().policy_model())
         return self._step_costs.k(requested, alpha)
