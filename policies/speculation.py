@@ -108,17 +108,16 @@ def _rules(session: SessionState, worker: WorkerState, request: RequestFacts, po
     if worker.max_k <= 0 or not worker.serves_speculative:
         return Decision("plain", 0, "worker_plain_only")
     k = worker.max_k if policy.num_speculative_tokens == "auto" else min(policy.num_speculative_tokens, worker.max_k)
-    waived_k = _free_batch_k(session, worker, policy, k)
-    shallow = waived_k > 0
-    k = waived_k or k
+    # The waiver is priced only where a rule it waives would apply (it may ask the cost model).
     if request.temperature > policy.max_temperature:
-        if shallow:
-            return Decision("speculative", k, "free_batch")
+        waived_k = _free_batch_k(session, worker, policy, k)
+        if waived_k:
+            return Decision("speculative", waived_k, "free_batch")
         return Decision("plain", 0, "high_temperature")
     if worker.batch_full:
         return Decision("plain", 0, "batch_full")
-    if session.low_acceptance and shallow:
-        return Decision("speculative", k, "free_batch")
+    if session.low_acceptance and (waived_k := _free_batch_k(session, worker, policy, k)):
+        return Decision("speculative", waived_k, "free_batch")
     probe_due = session.plain_since_probe + 1 >= policy.probe_every
     if session.low_acceptance:
         if probe_due:
