@@ -77,8 +77,14 @@ class MeasureSettings:
         return cache_key({"target": self.target, "draft": self.draft},
                          {"max_slots": self.max_slots, "max_k": self.max_k, "dtype": self.dtype,
                           "draft_dtype": self.draft_dtype, "exact": self.exact, "threads": self.threads,
-                          "prepacking": bf16_prepacking_available(), "rowgemm": rowgemm.load() is not None},
+                          "prepacking": bf16_prepacking_available(), "rowgemm": kernel_build()},
                          torch.__version__)
+
+
+def kernel_build() -> str | None:
+    """The float32 kernels' build (``workers/rowgemm.py``), None where they do not run."""
+    kernel = rowgemm.load()
+    return None if kernel is None else kernel.build
 
 
 def _scratch_cache(model: LlamaForCausalLM, slots: int, positions: int) -> KVCache:

@@ -29,7 +29,7 @@ import torch
 from workers.engine_api import FinishReason, GenerationRequest, StepEvent
 from workers.kv_cache import CacheBatch, KVCache
 from workers.limits import check_sampling
-from workers.model import LlamaForCausalLM
+from workers.model import NATIVE_ATTENTION_MAX_TOKENS, LlamaForCausalLM
 from workers.sampling import Verdict, gumbel_max, probabilities, sample, seeded_noise, verify, verify_greedy
 
 __all__ = ["GenerationRequest", "SpeculativeEngine", "StepCostRule", "StepDepthRule", "StepEvent"]
@@ -406,6 +406,11 @@ class SpeculativeEngine:
                 out[group[0]] = self._forward_single(model, cache, row, row_invariant)
                 continue
             width = max(len(rows[i].new_tokens) for i in group)
+            native = self._forward_native(model, cache, [rows[i] for i in group], row_invariant)
+            if native is not None:
+                for i, chunk in zip(group, native.split([rows[i].n_logits for i in group]), strict=True):
+                    out[i] = chunk
+                continue
             tokens = torch.zeros((len(group), width), dtype=torch.long)
             logit_rows: list[int] = []
             logit_cols: list[int] = []
@@ -427,12 +432,33 @@ class SpeculativeEngine:
     def _forward_single(self, model: LlamaForCausalLM, cache: KVCache, row: _Row, row_invariant: bool) -> torch.Tensor:
         """One row alone (batch 1, every draft step there): no padding, no gather; only the
         positions whose logits are read go through the LM head. Returns (n_logits, V)."""
+        native = self._forward_native(model, cache, [row], row_invariant)
+        if native is not None:
+            return native
         n = len(row.new_tokens)
         batch = CacheBatch.build([row.slot], [row.start], [n], n, self.max_positions, row_invariant=row_invariant)
         wanted = None if row.n_logits == n else torch.arange(n - row.n_logits, n)
         logits = model.forward_cached(torch.tensor([row.new_tokens]), cache, batch,
                                       None if wanted is None else torch.zeros_like(wanted), wanted)
         return logits[0] if wanted is None else logits
+
+    def _forward_native(self, model: LlamaForCausalLM, cache: KVCache, rows: list[_Row],
+                        row_invariant: bool) -> torch.Tensor | None:
+        """Rows straight into the model's one-call kernel (workers/rowgemm.py), where it serves
+        them as ``forward_cached`` would (row-invariant or short rows), from Python lists: no
+        CacheBatch, no torch op per index check. At batch 1 a draft forward's bookkeeping
+        through ``forward_cached`` cost about as much as its arithmetic. None: take that path."""
+        fused = model.fused
+        width = max(len(r.new_tokens) for r in rows)
+        if fused is None or not (row_invariant or width <= NATIVE_ATTENTION_MAX_TOKENS):
+            return None
+        needed = max(r.start + len(r.new_tokens) for r in rows)
+        if needed > self.max_positions:
+            raise ValueError(f"sequence needs {needed} positions, cache holds {self.max_positions}")
+        logit_idx = [b * width + col for b, r in enumerate(rows)
+                     for col in range(len(r.new_tokens) - r.n_logits, len(r.new_tokens))]
+        return fused.run_rows([r.new_tokens for r in rows], cache.k, cache.v, [r.slot for r in rows],
+                              [r.start for r in rows], logit_idx)
 
     # -- convenience ---------------------------------------------------------------------------
     def generate(self, request: GenerationRequest) -> list[StepEvent]:

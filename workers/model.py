@@ -112,7 +112,7 @@ class FrozenLinear:
     step. Where packing is unavailable (other dtypes, builds without oneDNN) it is ``F.linear``.
     """
 
-    def __init__(self, weight: torch.Tensor, packed: bool = True, int8: bool = False) -> None:
+    def __init__(self, weight: torch.Tensor, packed: bool = True) -> None:
         weight = weight.detach().contiguous()
         # Exactly one of the three is kept: a packed copy replaces the plain weight.
         self.packed: torch.Tensor | None = None
@@ -124,7 +124,7 @@ class FrozenLinear:
         if weight.dtype == torch.bfloat16 and bf16_prepacking_available():
             self.packed, self.weight = torch.ops.mkldnn._reorder_linear_weight(weight, 1), None
         elif self._rowgemm is not None and self._rowgemm.packable(weight):
-            self.panels, self.weight = self._rowgemm.pack(weight, int8), None
+            self.panels, self.weight = self._rowgemm.pack(weight), None
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed is not None:
@@ -174,10 +174,10 @@ class Attention(nn.Module):
         self.qkv_fused: FrozenLinear | None = None
         self.o_frozen: FrozenLinear | None = None
 
-    def prepare_inference(self, packed: bool, int8: bool) -> None:
+    def prepare_inference(self, packed: bool) -> None:
         self.qkv_fused = FrozenLinear(torch.cat([self.q_proj.weight, self.k_proj.weight, self.v_proj.weight]),
-                                      packed, int8)
-        self.o_frozen = FrozenLinear(self.o_proj.weight, packed, int8)
+                                      packed)
+        self.o_frozen = FrozenLinear(self.o_proj.weight, packed)
 
     def _out(self, attended: torch.Tensor) -> torch.Tensor:
         if self.o_frozen is not None:
@@ -271,9 +271,9 @@ class MLP(nn.Module):
         self.gate_up_fused: FrozenLinear | None = None
         self.down_frozen: FrozenLinear | None = None
 
-    def prepare_inference(self, packed: bool, int8: bool) -> None:
-        self.gate_up_fused = FrozenLinear(torch.cat([self.gate_proj.weight, self.up_proj.weight]), packed, int8)
-        self.down_frozen = FrozenLinear(self.down_proj.weight, packed, int8)
+    def prepare_inference(self, packed: bool) -> None:
+        self.gate_up_fused = FrozenLinear(torch.cat([self.gate_proj.weight, self.up_proj.weight]), packed)
+        self.down_frozen = FrozenLinear(self.down_proj.weight, packed)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.gate_up_fused is not None and self.down_frozen is not None:
@@ -356,7 +356,7 @@ class LlamaForCausalLM(nn.Module):
 
     @classmethod
     def from_pretrained(cls, directory: Path | str, dtype: torch.dtype = torch.float32,
-                        packed: bool = True, int8: bool = False) -> LlamaForCausalLM:
+                        packed: bool = True) -> LlamaForCausalLM:
         directory = Path(directory)
         cfg = ModelConfig.from_json(directory / "config.json")
         model = cls(cfg)
@@ -368,15 +368,16 @@ class LlamaForCausalLM(nn.Module):
         if missing or unexpected:
             raise ValueError(f"{directory}: checkpoint mismatch, missing={missing} unexpected={unexpected}")
         model.to(dtype)
-        return model.prepare_inference(packed, int8)
+        return model.prepare_inference(packed)
 
     @classmethod
     def load_draft(cls, directory: Path | str, dtype: torch.dtype = torch.float32) -> LlamaForCausalLM:
         """A draft as the engine serves it: in float32 on workers/rowgemm.py's kernels (where they
-        build) with int8 projections. Its numerics never reach the output, and on the demo pair
-        its argmax agreed with the target's as often as the bfloat16 weights' did (docs/engine.md
-        section 3); half the bytes of bfloat16 to stream cut its forward by 8-15% on the AVX2 CPU."""
-        return cls.from_pretrained(directory, dtype, packed=True, int8=True)
+        build), from its checkpoint's own bfloat16 weights. int8 projections served it while the
+        bfloat16 kernel widened 8 weights at a time; with the paired layout bfloat16 measured as
+        fast at one token and 20-25% faster at four (AVX2 CPU, taking turns with the target's
+        forward), and it is the draft the demo pair was trained as."""
+        return cls.from_pretrained(directory, dtype, packed=True)
 
     @property
     def prepacked(self) -> bool:
@@ -385,19 +386,17 @@ class LlamaForCausalLM(nn.Module):
         head = self.head_frozen
         return head is not None and (head.packed is not None or head.panels is not None)
 
-    def prepare_inference(self, packed: bool = True, int8: bool = False) -> LlamaForCausalLM:
+    def prepare_inference(self, packed: bool = True) -> LlamaForCausalLM:
         """Freeze for serving: eval, no grad, fused projections, prepacked where this CPU can
         (``packed``; False: plain ``F.linear``, the reference the packed kernels are measured against).
-        ``int8``: float32 projections on the kernels stored in 8 bits with a scale per output
-        column, for a draft (its numerics never reach the output; a target's must be its own).
 
         The frozen projections snapshot the weights: call this after the last weight change.
         """
         self.eval().requires_grad_(False)
         for layer in self.model.blocks():
-            layer.self_attn.prepare_inference(packed, int8)
-            layer.mlp.prepare_inference(packed, int8)
-        self.head_frozen = FrozenLinear(self.lm_head.weight, packed, int8)
+            layer.self_attn.prepare_inference(packed)
+            layer.mlp.prepare_inference(packed)
+        self.head_frozen = FrozenLinear(self.lm_head.weight, packed)
         kernel = self.head_frozen._rowgemm if self.head_frozen.panels is not None else None
         self.native = kernel if kernel is not None and kernel.supports(self.cfg.hidden_size,
                                                                        self.cfg.head_dim) else None

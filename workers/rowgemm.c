@@ -1,0 +1,317 @@
+/* The float32 kernels of workers/rowgemm.py (which compiles this file at first use). */
+#include <immintrin.h>
+#include <math.h>
+#include <stdint.h>
+
+/* y (M, N) = x (M, K) . W^T; W in panels (N/8, K + pad, 8): float32 below, or bfloat16 in pairs of
+   k (PAIR_TILE). Every output accumulates over k = 0, 1, 2, ... in one FMA chain whatever the
+   tile, so a row's result does not depend on the rows beside it. */
+#define UNROLL _Pragma("GCC unroll 16")
+#define TILE(MR, NB) \
+static void tile_##MR##_##NB(const float* x, int64_t K, int64_t KS, const float* p, float* y, int64_t N) { \
+  __m256 acc[MR][NB]; \
+  UNROLL for (int m = 0; m < MR; ++m) UNROLL for (int b = 0; b < NB; ++b) acc[m][b] = _mm256_setzero_ps(); \
+  _Pragma("GCC unroll 4") for (int64_t k = 0; k < K; ++k) { \
+    __m256 w[NB]; \
+    UNROLL for (int b = 0; b < NB; ++b) w[b] = _mm256_loadu_ps(p + (b * KS + k) * 8); \
+    UNROLL for (int m = 0; m < MR; ++m) { \
+      __m256 xv = _mm256_broadcast_ss(x + m * K + k); \
+      UNROLL for (int b = 0; b < NB; ++b) acc[m][b] = _mm256_fmadd_ps(xv, w[b], acc[m][b]); \
+    } \
+  } \
+  UNROLL for (int m = 0; m < MR; ++m) UNROLL for (int b = 0; b < NB; ++b) \
+    _mm256_storeu_ps(y + m * N + b * 8, acc[m][b]); \
+}
+
+#define RUN(MR, NB) do { \
+  int64_t b = b0; \
+  for (; b + NB <= b1; b += NB) tile_##MR##_##NB(xm, K, KS, p + b * KS * 8, ym + b * 8, N); \
+  for (; b < b1; ++b) tile_##MR##_1(xm, K, KS, p + b * KS * 8, ym + b * 8, N); } while (0)
+
+TILE(4, 3) TILE(3, 4) TILE(2, 6) TILE(1, 8) TILE(4, 1) TILE(3, 1) TILE(2, 1) TILE(1, 1)
+
+/* Rows in tiles of 4, the last 1-3 together. The weight is streamed once: every row tile
+   works through a chunk of 24 panels (under 300 KB, in L2) before the next chunk is read. */
+void rowgemm_f32(const float* x, const float* p, float* y, int64_t M, int64_t K, int64_t KS, int64_t N) {
+  int64_t blocks = N / 8;
+  int64_t chunk = M <= 4 ? blocks : 24; /* a multiple of every tile's NB */
+  for (int64_t b0 = 0; b0 < blocks; b0 += chunk) {
+    int64_t b1 = b0 + chunk < blocks ? b0 + chunk : blocks, m = 0;
+    for (; m + 4 <= M; m += 4) { const float* xm = x + m * K; float* ym = y + m * N; RUN(4, 3); }
+    const float* xm = x + m * K; float* ym = y + m * N;
+    switch (M - m) {
+      case 3: RUN(3, 4); break;
+      case 2: RUN(2, 6); break;
+      case 1: RUN(1, 8); break;
+      default: break;
+    }
+  }
+}
+
+/* bfloat16 panels in pairs of k: the 32-bit word (pair q, column c) holds w[2q][c] in its low half
+   and w[2q+1][c] in its high half, so one load gives 16 weights and two integer ops (a shift, an
+   and) widen them to float32: half the work of widening 8 at a time, which bounded a row's speed
+   (2x for one row). The FMAs run in the same order, k = 0, 1, 2, ..., as everywhere here. */
+/* A weight larger than the caches streams from memory; the hardware prefetcher alone kept a
+   tile of 2-5 rows waiting on it (4 rows cost 1.85x one row on Zen 3 over 28 MB of weights).
+   Asking for the data 12 KB ahead, into L2, overlaps the stream with the FMAs: 1.3x. */
+#define PREFETCH_BYTES 12288
+#define PAIR_TILE(MR, NB) \
+static void ptile_##MR##_##NB(const float* x, int64_t K, int64_t KS, const uint16_t* p, float* y, int64_t N) { \
+  __m256 acc[MR][NB]; \
+  const __m256i high = _mm256_set1_epi32((int)0xFFFF0000u); \
+  UNROLL for (int m = 0; m < MR; ++m) UNROLL for (int b = 0; b < NB; ++b) acc[m][b] = _mm256_setzero_ps(); \
+  int64_t k = 0; \
+  for (; k + 2 <= K; k += 2) { \
+    __m256 lo[NB], hi[NB]; \
+    UNROLL for (int b = 0; b < NB; ++b) { \
+      const uint16_t* at = p + (b * KS + k) * 8; \
+      _mm_prefetch((const char*)at + PREFETCH_BYTES, _MM_HINT_T1); \
+      __m256i v = _mm256_loadu_si256((const __m256i*)at); \
+      lo[b] = _mm256_castsi256_ps(_mm256_slli_epi32(v, 16)); \
+      hi[b] = _mm256_castsi256_ps(_mm256_and_si256(v, high)); \
+    } \
+    UNROLL for (int m = 0; m < MR; ++m) { \
+      __m256 xv = _mm256_broadcast_ss(x + m * K + k); \
+      UNROLL for (int b = 0; b < NB; ++b) acc[m][b] = _mm256_fmadd_ps(xv, lo[b], acc[m][b]); \
+      xv = _mm256_broadcast_ss(x + m * K + k + 1); \
+      UNROLL for (int b = 0; b < NB; ++b) acc[m][b] = _mm256_fmadd_ps(xv, hi[b], acc[m][b]); \
+    } \
+  } \
+  if (k < K) { /* odd K: the last pair's low halves */ \
+    UNROLL for (int b = 0; b < NB; ++b) { \
+      __m256 w = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_loadu_si256((const __m256i*)(p + (b * KS + k) * 8)), 16)); \
+      UNROLL for (int m = 0; m < MR; ++m) acc[m][b] = _mm256_fmadd_ps(_mm256_broadcast_ss(x + m * K + k), w, acc[m][b]); \
+    } \
+  } \
+  UNROLL for (int m = 0; m < MR; ++m) UNROLL for (int b = 0; b < NB; ++b) \
+    _mm256_storeu_ps(y + m * N + b * 8, acc[m][b]); \
+}
+
+PAIR_TILE(4, 2) PAIR_TILE(5, 2) PAIR_TILE(3, 2) PAIR_TILE(2, 3) PAIR_TILE(1, 6)
+PAIR_TILE(4, 1) PAIR_TILE(5, 1) PAIR_TILE(3, 1) PAIR_TILE(2, 1) PAIR_TILE(1, 1)
+
+#define PRUN(MR, NB) do { \
+  int64_t b = b0; \
+  for (; b + NB <= b1; b += NB) ptile_##MR##_##NB(xm, K, KS, p + b * KS * 8, ym + b * 8, N); \
+  for (; b < b1; ++b) ptile_##MR##_1(xm, K, KS, p + b * KS * 8, ym + b * 8, N); } while (0)
+
+/* Rows in tiles of 4, the last 1-5 together (tile shapes measured fastest on Zen 3). Where
+   there are several row tiles, each works through a chunk of 24 panels (in L2) before the next
+   chunk is read, so the weight is streamed once. */
+void rowgemm_b16(const float* x, const uint16_t* p, float* y, int64_t M, int64_t K, int64_t KS, int64_t N) {
+  int64_t blocks = N / 8;
+  int64_t chunk = M <= 5 ? blocks : 24; /* a multiple of every tile's NB */
+  for (int64_t b0 = 0; b0 < blocks; b0 += chunk) {
+    int64_t b1 = b0 + chunk < blocks ? b0 + chunk : blocks, m = 0;
+    for (; M - m > 5; m += 4) { const float* xm = x + m * K; float* ym = y + m * N; PRUN(4, 2); }
+    const float* xm = x + m * K; float* ym = y + m * N;
+    switch (M - m) {
+      case 5: PRUN(5, 2); break;
+      case 4: PRUN(4, 2); break;
+      case 3: PRUN(3, 2); break;
+      case 2: PRUN(2, 3); break;
+      case 1: PRUN(1, 6); break;
+      default: break;
+    }
+  }
+}
+
+static inline float hsum(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+/* y = x / sqrt(mean(x^2) + eps) * w, row by row (K a multiple of 8). */
+void rmsnorm(const float* x, const float* w, float* y, int64_t M, int64_t K, float eps) {
+  for (int64_t m = 0; m < M; ++m) {
+    const float* xm = x + m * K;
+    __m256 ss = _mm256_setzero_ps();
+    for (int64_t k = 0; k < K; k += 8) { __m256 v = _mm256_loadu_ps(xm + k); ss = _mm256_fmadd_ps(v, v, ss); }
+    __m256 r = _mm256_set1_ps(1.0f / sqrtf(hsum(ss) / (float)K + eps));
+    for (int64_t k = 0; k < K; k += 8)
+      _mm256_storeu_ps(y + m * K + k, _mm256_mul_ps(_mm256_mul_ps(_mm256_loadu_ps(xm + k), r), _mm256_loadu_ps(w + k)));
+  }
+}
+
+/* exp(x) for 8 floats: Cephes' range reduction and degree-5 polynomial (under 2 ulp), the same
+   instructions for every lane and call, so a value's result does not depend on its neighbours.
+   libm's scalar expf cost a step more than the FMAs around it (softmax, SwiGLU). */
+static inline __m256 exp8(__m256 x) {
+  x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.3f)), _mm256_set1_ps(88.3f));
+  __m256 n = _mm256_floor_ps(_mm256_fmadd_ps(x, _mm256_set1_ps(1.44269504088896341f), _mm256_set1_ps(0.5f)));
+  x = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+  x = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), x);
+  __m256 y = _mm256_set1_ps(1.9875691500e-4f);
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.3981999507e-3f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(8.3334519073e-3f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(4.1665795894e-2f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.6666665459e-1f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(5.0000001201e-1f));
+  y = _mm256_fmadd_ps(y, _mm256_mul_ps(x, x), _mm256_add_ps(x, _mm256_set1_ps(1.0f)));
+  __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(y, _mm256_castsi256_ps(e));
+}
+
+/* h = silu(g) * u for gu = [g | u] rows of 2I. */
+void swiglu(const float* gu, float* h, int64_t M, int64_t I) {
+  const __m256 one = _mm256_set1_ps(1.0f), zero = _mm256_setzero_ps();
+  for (int64_t m = 0; m < M; ++m) {
+    int64_t i = 0;
+    for (; i + 8 <= I; i += 8) {
+      __m256 g = _mm256_loadu_ps(gu + m * 2 * I + i);
+      __m256 silu = _mm256_div_ps(g, _mm256_add_ps(one, exp8(_mm256_sub_ps(zero, g))));
+      _mm256_storeu_ps(h + m * I + i, _mm256_mul_ps(silu, _mm256_loadu_ps(gu + m * 2 * I + I + i)));
+    }
+    for (; i < I; ++i) {
+      float g = gu[m * 2 * I + i];
+      h[m * I + i] = g / (1.0f + expf(-g)) * gu[m * 2 * I + I + i];
+    }
+  }
+}
+
+/* The 8 sums of a[0..7]'s lanes, in order: one reduction tree for 8 dot products. */
+static inline __m256 hsum8(const __m256* a) {
+  __m256 h01 = _mm256_hadd_ps(a[0], a[1]), h23 = _mm256_hadd_ps(a[2], a[3]);
+  __m256 h45 = _mm256_hadd_ps(a[4], a[5]), h67 = _mm256_hadd_ps(a[6], a[7]);
+  __m256 lo = _mm256_hadd_ps(h01, h23), hi = _mm256_hadd_ps(h45, h67);
+  return _mm256_add_ps(_mm256_permute2f128_ps(lo, hi, 0x20), _mm256_permute2f128_ps(lo, hi, 0x31));
+}
+
+static inline float hmax(__m256 v) {
+  __m128 s = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_max_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_max_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+/* One cached attention layer for B sequences of up to L new tokens (row b has lengths[b]):
+   rotary on q and k (rotate-half layout, tables (P, D)), k and v written to the cache at
+   slot slots[b], positions starts[b] + l, then every query attends to its own prefix of keys
+   (causal). qkv (B, L, (H + 2 Hkv) D); caches (slots, Hkv, P, D); out (B, L, H D), padding
+   rows 0. Each query's arithmetic depends on its own row and the cache only. */
+void rope_attend(const float* qkv, const float* cos_t, const float* sin_t, float* kc, float* vc,
+                 const int64_t* slots, const int64_t* starts, const int64_t* lengths, int64_t B, int64_t L,
+                 int64_t H, int64_t Hkv, int64_t D, int64_t P, float scale, float* out, float* scratch) {
+  int64_t W = (H + 2 * Hkv) * D, half = D / 2, group = H / Hkv;
+  for (int64_t b = 0; b < B; ++b)
+    for (int64_t l = 0; l < lengths[b]; ++l) {
+      int64_t pos = starts[b] + l;
+      const float* row = qkv + (b * L + l) * W;
+      const float* c = cos_t + pos * D; const float* s = sin_t + pos * D;
+      for (int64_t h = 0; h < Hkv; ++h) {
+        const float* k = row + (H + h) * D; const float* v = row + (H + Hkv + h) * D;
+        float* kd = kc + ((slots[b] * Hkv + h) * P + pos) * D;
+        float* vd = vc + ((slots[b] * Hkv + h) * P + pos) * D;
+        for (int64_t i = 0; i < half; ++i) {
+          kd[i] = k[i] * c[i] - k[i + half] * s[i];
+          kd[i + half] = k[i + half] * c[i + half] + k[i] * s[i + half];
+        }
+        for (int64_t i = 0; i < D; ++i) vd[i] = v[i];
+      }
+    }
+  for (int64_t b = 0; b < B; ++b)
+    for (int64_t l = 0; l < L; ++l) {
+      float* o = out + (b * L + l) * H * D;
+      if (l >= lengths[b]) { for (int64_t i = 0; i < H * D; ++i) o[i] = 0.0f; continue; }
+      int64_t pos = starts[b] + l;
+      const float* row = qkv + (b * L + l) * W;
+      const float* c = cos_t + pos * D; const float* s = sin_t + pos * D;
+      for (int64_t h = 0; h < H; ++h) {
+        float q[256]; /* D <= 256 (RowGemm.supports) */
+        const float* qs = row + h * D;
+        for (int64_t i = 0; i < half; ++i) {
+          q[i] = (qs[i] * c[i] - qs[i + half] * s[i]) * scale;
+          q[i + half] = (qs[i + half] * c[i + half] + qs[i] * s[i + half]) * scale;
+        }
+        const float* kb = kc + (slots[b] * Hkv + h / group) * P * D;
+        const float* vb = vc + (slots[b] * Hkv + h / group) * P * D;
+        /* Scores 8 keys at a time (the last block's keys past pos are read, P being a multiple
+           of 8, and masked); which keys share a block depends on pos alone. */
+        int64_t keys = pos + 1, padded = (keys + 7) & ~(int64_t)7;
+        __m256 vmax = _mm256_set1_ps(-INFINITY);
+        for (int64_t j0 = 0; j0 < padded; j0 += 8) {
+          __m256 dots[8];
+          for (int64_t t = 0; t < 8; ++t) {
+            __m256 acc = _mm256_setzero_ps();
+            for (int64_t i = 0; i < D; i += 8)
+              acc = _mm256_fmadd_ps(_mm256_loadu_ps(q + i), _mm256_loadu_ps(kb + (j0 + t) * D + i), acc);
+            dots[t] = acc;
+          }
+          __m256 sc8 = hsum8(dots);
+          if (j0 + 8 > keys) {
+            __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+            __m256 valid = _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32((int)(keys - j0)), lane));
+            sc8 = _mm256_blendv_ps(_mm256_set1_ps(-INFINITY), sc8, valid);
+          }
+          _mm256_storeu_ps(scratch + j0, sc8);
+          vmax = _mm256_max_ps(vmax, sc8);
+        }
+        __m256 mx8 = _mm256_set1_ps(hmax(vmax)), tot8 = _mm256_setzero_ps();
+        for (int64_t j0 = 0; j0 < padded; j0 += 8) {
+          __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(scratch + j0), mx8));
+          if (j0 + 8 > keys) {
+            __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+            __m256 valid = _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32((int)(keys - j0)), lane));
+            e = _mm256_and_ps(e, valid);
+          }
+          _mm256_storeu_ps(scratch + j0, e);
+          tot8 = _mm256_add_ps(tot8, e);
+        }
+        float total = hsum(tot8);
+        __m256 acc[32];
+        for (int64_t i = 0; i < D / 8; ++i) acc[i] = _mm256_setzero_ps();
+        for (int64_t j = 0; j <= pos; ++j) {
+          __m256 p = _mm256_set1_ps(scratch[j]);
+          for (int64_t i = 0; i < D / 8; ++i) acc[i] = _mm256_fmadd_ps(p, _mm256_loadu_ps(vb + j * D + i * 8), acc[i]);
+        }
+        __m256 inv = _mm256_set1_ps(1.0f / total);
+        for (int64_t i = 0; i < D / 8; ++i) _mm256_storeu_ps(o + h * D + i * 8, _mm256_mul_ps(acc[i], inv));
+      }
+    }
+}
+
+/* A projection's panels: weights, panel stride in k-rows, element kind (0 float32, 1 bfloat16). */
+typedef struct { const void* w; int64_t ks; int64_t kind; } lin_t;
+
+static void gemm(const float* x, const lin_t* l, float* y, int64_t M, int64_t K, int64_t N) {
+  if (l->kind == 1) rowgemm_b16(x, (const uint16_t*)l->w, y, M, K, l->ks, N);
+  else rowgemm_f32(x, (const float*)l->w, y, M, K, l->ks, N);
+}
+
+static void add_into(float* x, const float* t, int64_t n) { for (int64_t i = 0; i < n; ++i) x[i] += t[i]; }
+
+/* A whole cached forward of B rows x L new tokens, as LlamaForCausalLM._forward_native runs it
+   op by op: embedding, per layer RMSNorm, QKV, rotary + cache write + attention, O, residual,
+   RMSNorm, gate/up, SwiGLU, down, residual; then the final norm and the LM head for the rows
+   logit_idx (indices into B*L). norms: 2 per layer + the final one; lins: QKV, O, gate/up,
+   down per layer + the head. The same kernels in the same order, so the same bits. */
+void forward(const int64_t* tokens, int64_t B, int64_t L, const float* embed, int64_t hid, int64_t inter,
+             int64_t layers, const float* const* norms, const lin_t* lins, float* const* kc, float* const* vc,
+             int64_t P, const float* cos_t, const float* sin_t, const int64_t* slots, const int64_t* starts,
+             const int64_t* lengths, int64_t H, int64_t Hkv, int64_t D, float eps, float scale,
+             const int64_t* logit_idx, int64_t n_logits, int64_t vocab, float* logits, float* scratch) {
+  int64_t M = B * L, W = (H + 2 * Hkv) * D;
+  float *x = scratch, *h = x + M * hid, *qkv = h + M * hid, *att = qkv + M * W, *tmp = att + M * H * D;
+  float *gu = tmp + M * hid, *act = gu + M * 2 * inter, *sc = act + M * inter;
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t i = 0; i < hid; ++i) x[m * hid + i] = embed[tokens[m] * hid + i];
+  for (int64_t l = 0; l < layers; ++l) {
+    rmsnorm(x, norms[2 * l], h, M, hid, eps);
+    gemm(h, &lins[4 * l], qkv, M, hid, W);
+    rope_attend(qkv, cos_t, sin_t, kc[l], vc[l], slots, starts, lengths, B, L, H, Hkv, D, P, scale, att, sc);
+    gemm(att, &lins[4 * l + 1], tmp, M, H * D, hid);
+    add_into(x, tmp, M * hid);
+    rmsnorm(x, norms[2 * l + 1], h, M, hid, eps);
+    gemm(h, &lins[4 * l + 2], gu, M, hid, 2 * inter);
+    swiglu(gu, act, M, inter);
+    gemm(act, &lins[4 * l + 3], tmp, M, inter, hid);
+    add_into(x, tmp, M * hid);
+  }
+  for (int64_t r = 0; r < n_logits; ++r)
+    for (int64_t i = 0; i < hid; ++i) tmp[r * hid + i] = x[logit_idx[r] * hid + i];
+  rmsnorm(tmp, norms[2 * layers], h, n_logits, hid, eps);
+  gemm(h, &lins[4 * layers], logits, n_logits, hid, vocab);
+}
