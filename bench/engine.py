@@ -32,7 +32,7 @@ from policies import CostModel, choose_k, gain, tested_drafts
 from workers.cost_model import OnlineCosts
 from workers.costs_measure import MeasureSettings, measure
 from workers.demo_corpus import heldout_prompts
-from workers.engine import GenerationRequest, SpeculativeEngine, StepEvent
+from workers.engine import GenerationRequest, SpeculativeEngine, StepEvent, native_forward
 from workers.kv_cache import CacheBatch, KVCache
 from workers.model import TORCH_DTYPES, LlamaForCausalLM, resolve_dtype
 from workers.sampling import SamplingParams
@@ -181,9 +181,14 @@ def forward_times(models: dict[str, tuple[LlamaForCausalLM, int]], drafts: tuple
         for i in range(reps + 5):
             for name, (model, cache, new, tokens) in setups.items():
                 started = time.perf_counter()
-                batch = CacheBatch.build([0], [context], [tokens], tokens, model.cfg.max_position_embeddings,
-                                         row_invariant=all(model is not d for d in drafts))
-                model.forward_cached(new, cache, batch, torch.zeros(tokens, dtype=torch.long), torch.arange(tokens))
+                row_invariant = all(model is not d for d in drafts)
+                # As the engine runs a forward: from lists into the one-call kernel where it can.
+                if native_forward(model, cache, [[0] * tokens], [0], [context], list(range(tokens)),
+                                  row_invariant) is None:
+                    batch = CacheBatch.build([0], [context], [tokens], tokens, model.cfg.max_position_embeddings,
+                                             row_invariant=row_invariant)
+                    model.forward_cached(new, cache, batch, torch.zeros(tokens, dtype=torch.long),
+                                         torch.arange(tokens))
                 if i >= 5:  # after warm-up
                     totals[name] += time.perf_counter() - started
     return {name: total / reps for name, total in totals.items()}

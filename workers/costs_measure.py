@@ -42,7 +42,7 @@ from workers.cost_model import (
     depth_grid,
     report_from_forward_times,
 )
-from workers.engine import GenerationRequest, SpeculativeEngine
+from workers.engine import GenerationRequest, SpeculativeEngine, native_forward
 from workers.engine_api import SamplingParams
 from workers.kv_cache import CacheBatch, KVCache
 from workers.model import TORCH_DTYPES, LlamaForCausalLM, bf16_prepacking_available
@@ -98,8 +98,11 @@ def _forward(model: LlamaForCausalLM, cache: KVCache, depth: int, n: int, positi
     tokens = torch.full((depth, n), 7, dtype=torch.long)
     rows = torch.arange(depth).repeat_interleave(n)
     cols = torch.arange(n).repeat(depth)
+    lists, slots, starts = [[7] * n for _ in range(depth)], list(range(depth)), [CONTEXT] * depth
 
     def run() -> None:
+        if native_forward(model, cache, lists, slots, starts, list(range(depth * n)), row_invariant) is not None:
+            return
         batch = CacheBatch.build(list(range(depth)), [CONTEXT] * depth, [n] * depth, n, positions,
                                  row_invariant=row_invariant)
         if depth == 1:

@@ -101,6 +101,19 @@ class _Row:
     fused: int = 0
 
 
+def native_forward(model: LlamaForCausalLM, cache: KVCache, tokens: list[list[int]], slots: list[int],
+                   starts: list[int], logit_idx: list[int], row_invariant: bool) -> torch.Tensor | None:
+    """Rows straight into the model's one-call kernel (workers/rowgemm.py), where it serves them
+    as ``forward_cached`` would (row-invariant or short rows), from Python lists: no CacheBatch,
+    no torch op per index check (at batch 1 a draft forward's bookkeeping through
+    ``forward_cached`` cost about as much as its arithmetic). Logits (N, V) for ``logit_idx``
+    (into the rows padded to the longest); None where the model must take ``forward_cached``."""
+    fused = model.fused
+    if fused is None or not (row_invariant or max(map(len, tokens)) <= NATIVE_ATTENTION_MAX_TOKENS):
+        return None
+    return fused.run_rows(tokens, cache.k, cache.v, slots, starts, logit_idx)
+
+
 class SpeculativeEngine:
     def __init__(self, target: LlamaForCausalLM, draft: LlamaForCausalLM | None, *, max_slots: int = 8,
                  max_k: int = 8, step_depth_rule: StepDepthRule | None = None,
@@ -444,21 +457,14 @@ class SpeculativeEngine:
 
     def _forward_native(self, model: LlamaForCausalLM, cache: KVCache, rows: list[_Row],
                         row_invariant: bool) -> torch.Tensor | None:
-        """Rows straight into the model's one-call kernel (workers/rowgemm.py), where it serves
-        them as ``forward_cached`` would (row-invariant or short rows), from Python lists: no
-        CacheBatch, no torch op per index check. At batch 1 a draft forward's bookkeeping
-        through ``forward_cached`` cost about as much as its arithmetic. None: take that path."""
-        fused = model.fused
-        width = max(len(r.new_tokens) for r in rows)
-        if fused is None or not (row_invariant or width <= NATIVE_ATTENTION_MAX_TOKENS):
-            return None
         needed = max(r.start + len(r.new_tokens) for r in rows)
         if needed > self.max_positions:
             raise ValueError(f"sequence needs {needed} positions, cache holds {self.max_positions}")
+        width = max(len(r.new_tokens) for r in rows)
         logit_idx = [b * width + col for b, r in enumerate(rows)
                      for col in range(len(r.new_tokens) - r.n_logits, len(r.new_tokens))]
-        return fused.run_rows([r.new_tokens for r in rows], cache.k, cache.v, [r.slot for r in rows],
-                              [r.start for r in rows], logit_idx)
+        return native_forward(model, cache, [r.new_tokens for r in rows], [r.slot for r in rows],
+                              [r.start for r in rows], logit_idx, row_invariant)
 
     # -- convenience ---------------------------------------------------------------------------
     def generate(self, request: GenerationRequest) -> list[StepEvent]:
