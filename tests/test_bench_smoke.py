@@ -8,7 +8,10 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 from tests.harness import REPO
+from workers import rowgemm
 from workers.model import bf16_prepacking_available
 
 REQUIRED = {"alpha_t0", "best_k", "speedup_b1", "bound_b1", "c", "tok_s_plain_b1", "tok_s_spec_b1",
@@ -79,6 +82,17 @@ def test_bench_draft_vocab_quick_json() -> None:
     coverage = result["coverage_by_vocab"]
     assert 0 < coverage["512"] <= coverage["1024"] <= coverage["2048"] <= 1
     assert "held-out code tokens inside" in stdout
+
+
+@pytest.mark.skipif(rowgemm.load() is None, reason="workers/rowgemm.py does not build here (no C compiler or AVX2)")
+def test_bench_kernels_quick_json() -> None:
+    result, stdout = _json_run("-m", "bench.kernels", "--quick", "--json")
+    assert set(result["projections_ms"]) == {"prefetch", "no_prefetch"}
+    for name, times in result["projections_ms"].items():
+        assert set(times) == {"1", "2", "3", "4"} and all(ms > 0 for ms in times.values()), name
+        assert result["rows_over_one"][name]["1"] == 1.0
+    assert result["draft_forward_ms"]["after_target"] > 0 and result["draft_forward_ms"]["cached"] > 0
+    assert result["cpu"] and "draft forward at batch 1" in stdout
 
 
 def test_bench_kauto_mix_json() -> None:

@@ -48,6 +48,8 @@ def test_projection_matches_f_linear_and_rows_are_invariant(weight_dtype: torch.
     for m in range(1, 11):  # every row as computed in a call of any size: bit for bit
         assert torch.equal(KERNEL.linear(x[:, :m], packed), y[:, :m]), m
         assert torch.equal(KERNEL.linear(x[:, m:m + 1], packed), y[:, m:m + 1]), m
+    with pytest.raises(ValueError, match=f"takes {k} inputs"):  # never read past a row
+        KERNEL.linear(x[..., :k - 1], packed)
 
 
 @needs_kernel

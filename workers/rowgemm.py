@@ -45,9 +45,10 @@ _ARGTYPES = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 4
 
 
 class Panels(NamedTuple):
-    """A weight laid out for the kernel: (N/8, K + pad, 8)."""
+    """A weight laid out for the kernel: (N/8, K + pad, 8), and K, the inputs it takes."""
 
     weights: torch.Tensor
+    k: int
 
 
 class RowGemm:
@@ -101,16 +102,18 @@ class RowGemm:
             pairs[:, :k] = panels
             out = torch.zeros((n // 8, even + pad, 8), dtype=dtype)
             out[:, :even] = pairs.view(n // 8, even // 2, 2, 8).transpose(2, 3).reshape(n // 8, even, 8)
-            return Panels(out)
+            return Panels(out, k)
         out = torch.zeros((n // 8, k + pad, 8), dtype=dtype)
         out[:, :k] = panels
-        return Panels(out)
+        return Panels(out, k)
 
     def linear(self, x: torch.Tensor, packed: Panels) -> torch.Tensor:
         """x (..., K) float32 -> (..., N) float32."""
         weights = packed.weights
         blocks, stride, _ = weights.shape
         k, n = x.shape[-1], blocks * 8
+        if k != packed.k:  # the C side would read past each row of x, or short of the weight
+            raise ValueError(f"projection takes {packed.k} inputs, got {k}")
         x = x.contiguous()
         y = torch.empty((*x.shape[:-1], n), dtype=torch.float32)
         fn = self._b16 if weights.dtype == torch.bfloat16 else self._f32
@@ -270,12 +273,13 @@ def _cpu_supported() -> bool:
     return torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512")
 
 
-def _compile(directory: Path) -> Path | None:
+def _compile(directory: Path, defines: tuple[str, ...] = ()) -> Path | None:
     compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if compiler is None:
         log.info("rowgemm: no C compiler; float32 projections run F.linear")
         return None
-    digest = hashlib.sha256("\0".join((_SOURCE, compiler, *_FLAGS)).encode()).hexdigest()[:16]
+    flags = (*_FLAGS, *(f"-D{d}" for d in defines))
+    digest = hashlib.sha256("\0".join((_SOURCE, compiler, *flags)).encode()).hexdigest()[:16]
     target = directory / f"rowgemm-{digest}.so"
     if target.exists():
         return target
@@ -284,7 +288,7 @@ def _compile(directory: Path) -> Path | None:
         source = Path(tmp) / "rowgemm.c"
         source.write_text(_SOURCE)
         built = Path(tmp) / "rowgemm.so"
-        result = subprocess.run([compiler, *_FLAGS, "-o", str(built), str(source), "-lm"], capture_output=True,
+        result = subprocess.run([compiler, *flags, "-o", str(built), str(source), "-lm"], capture_output=True,
                                 text=True, timeout=120, check=False)
         if result.returncode != 0:
             log.warning("rowgemm: compiling failed (%s); float32 projections run F.linear: %s", compiler,
@@ -297,11 +301,17 @@ def _compile(directory: Path) -> Path | None:
 @functools.cache
 def load() -> RowGemm | None:
     """The kernel, compiled (or found compiled) on this machine; None where it cannot run."""
+    return load_variant(())
+
+
+def load_variant(defines: tuple[str, ...]) -> RowGemm | None:
+    """The kernel built with extra preprocessor ``defines`` (``NAME=VALUE``): benchmarks of what
+    one of its choices buys (bench.kernels). Its panels are laid out as ``load()``'s."""
     if os.environ.get("SPECGATE_ROWGEMM", "1") == "0" or not _cpu_supported():
         return None
     directory = Path(os.environ.get("SPECGATE_ROWGEMM_DIR") or Path.home() / ".cache/specgate/rowgemm")
     try:
-        path = _compile(directory)
+        path = _compile(directory, defines)
         return None if path is None else RowGemm(ctypes.CDLL(str(path)), path.stem)
     except (OSError, subprocess.SubprocessError) as exc:
         log.warning("rowgemm: unavailable (%s); float32 projections run F.linear", exc)

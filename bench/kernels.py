@@ -1,0 +1,133 @@
+"""What the float32 kernels' choices buy on this CPU (workers/rowgemm.py, docs/engine.md section 1).
+
+    python -m bench.kernels [--json] [--quick]
+
+- ``projections_ms``: one pass of the target's projections (all of its bfloat16 panels, 28 MB
+  for the demo target: more than stays cached beside everything else) for 1 to 9 rows, as the
+  kernels are served (software prefetching 12 KB ahead) and as built with
+  ``-DPREFETCH_BYTES=0`` (the hardware prefetcher alone). The two take turns, a pass each, and
+  every figure is a median. ``rows_over_one`` divides each row count's time by one row's:
+  the shape of the verification curve's projections.
+- ``draft_forward_ms``: a draft forward of 1 token at batch 1 right after a target forward (as
+  the first draft forward of every speculative step runs: the target's weights have just
+  streamed past the draft's) and right after another draft forward (its weights cached).
+
+Python's call overhead (about 10 µs a projection) is inside ``projections_ms`` alike for both
+builds; the forwards go through ``workers.engine.native_forward``, as the engine runs them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from workers import rowgemm
+from workers.cost_cache import cpu_label
+from workers.engine import native_forward
+from workers.kv_cache import KVCache
+from workers.model import FrozenLinear, LlamaForCausalLM
+
+REPO = Path(__file__).resolve().parent.parent
+CONTEXT = 128  # cached tokens before each timed forward, as the cost measurement uses
+
+
+def frozen_projections(model: LlamaForCausalLM) -> list[FrozenLinear]:
+    frozen = [f for layer in model.model.blocks() for f in (layer.self_attn.qkv_fused, layer.self_attn.o_frozen,
+                                                             layer.mlp.gate_up_fused, layer.mlp.down_frozen)]
+    return [f for f in [*frozen, model.head_frozen] if f is not None]
+
+
+def projection_pass(kernel: rowgemm.RowGemm, panels: list[rowgemm.Panels], inputs: list[torch.Tensor]) -> Callable[
+        [], None]:
+    def run() -> None:
+        for packed, x in zip(panels, inputs, strict=True):
+            kernel.linear(x, packed)
+    return run
+
+
+def projections_ms(target: LlamaForCausalLM, builds: dict[str, rowgemm.RowGemm], max_rows: int,
+                   reps: int) -> dict[str, dict[str, float]]:
+    panels = [f.panels for f in frozen_projections(target) if f.panels is not None]
+    gen = torch.Generator().manual_seed(0)
+    out: dict[str, dict[str, float]] = {name: {} for name in builds}
+    for rows in range(1, max_rows + 1):
+        inputs = [torch.randn(rows, p.k, generator=gen) for p in panels]
+        runs = {name: projection_pass(kernel, panels, inputs) for name, kernel in builds.items()}
+        samples: dict[str, list[float]] = {name: [] for name in runs}
+        for i in range(reps + 2):
+            for name, run in runs.items():
+                started = time.perf_counter()
+                run()
+                if i >= 2:  # after warm-up
+                    samples[name].append(time.perf_counter() - started)
+        for name, values in samples.items():
+            out[name][str(rows)] = round(1000 * statistics.median(values), 3)
+    return out
+
+
+def draft_forward_ms(target: LlamaForCausalLM, draft: LlamaForCausalLM, reps: int) -> dict[str, float]:
+    target_cache = KVCache.allocate(target.cfg, 1, torch.float32)
+    draft_cache = KVCache.allocate(draft.cfg, 1, torch.float32)
+
+    def forward(model: LlamaForCausalLM, cache: KVCache) -> float:
+        started = time.perf_counter()
+        if native_forward(model, cache, [[7]], [0], [CONTEXT], [0], row_invariant=model is target) is None:
+            raise SystemExit("bench.kernels: the models do not run on the kernels here")
+        return time.perf_counter() - started
+
+    after_target, cached = [], []
+    for i in range(reps + 2):
+        forward(target, target_cache)
+        cold = forward(draft, draft_cache)
+        warm = forward(draft, draft_cache)
+        if i >= 2:
+            after_target.append(cold)
+            cached.append(warm)
+    return {"after_target": round(1000 * statistics.median(after_target), 3),
+            "cached": round(1000 * statistics.median(cached), 3)}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--target", type=Path, default=REPO / "models/demo-target")
+    parser.add_argument("--draft", type=Path, default=REPO / "models/demo-draft")
+    parser.add_argument("--max-rows", type=int, default=9)
+    parser.add_argument("--reps", type=int, default=60)
+    parser.add_argument("--quick", action="store_true", help="fewer rows and repetitions (smoke run)")
+    parser.add_argument("--json", action="store_true", help="print one JSON object as the last line")
+    args = parser.parse_args()
+    if args.quick:
+        args.max_rows, args.reps = 4, 5
+    torch.set_num_threads(1)  # as a worker runs
+    served = rowgemm.load()
+    unprefetched = rowgemm.load_variant(("PREFETCH_BYTES=0",))
+    if served is None or unprefetched is None:
+        raise SystemExit("bench.kernels: workers/rowgemm.py does not build here (no C compiler or no AVX2)")
+    target = LlamaForCausalLM.from_pretrained(args.target, torch.float32)
+    draft = LlamaForCausalLM.load_draft(args.draft)
+    cpu = cpu_label()
+    print(f"CPU: {cpu}", flush=True)
+    with torch.inference_mode():
+        projections = projections_ms(target, {"prefetch": served, "no_prefetch": unprefetched}, args.max_rows,
+                                     args.reps)
+        draft_ms = draft_forward_ms(target, draft, args.reps * 4)
+    over_one = {name: {rows: round(ms / times["1"], 3) for rows, ms in times.items()}
+                for name, times in projections.items()}
+    for name, times in projections.items():
+        print(f"target projections, one pass, {name}: " + ", ".join(
+            f"{rows} rows {ms:.2f} ms ({over_one[name][rows]:.2f}x)" for rows, ms in times.items()), flush=True)
+    print(f"draft forward at batch 1: right after a target forward {draft_ms['after_target']:.3f} ms, "
+          f"with its weights cached {draft_ms['cached']:.3f} ms")
+    if args.json:
+        print(json.dumps({"bench": "kernels", "cpu": cpu, "projections_ms": projections,
+                          "rows_over_one": over_one, "draft_forward_ms": draft_ms}))
+
+
+if __name__ == "__main__":
+    main()
