@@ -54,7 +54,11 @@ def _alive(pid: int) -> bool:
 
 
 async def test_sigterm_drains_then_ends_what_runs_on_with_a_shutdown_error(tmp_path: Path) -> None:
-    config = write_config(tmp_path / "config.yaml", workers={"count": 1}, server={"drain_timeout_s": DRAIN_S})
+    # A sim worker at twice its modelled 70B step times: 900 tokens take well over DRAIN_S on any
+    # CPU (the embedded engine finished them inside the drain on a fast enough one), 3 take
+    # a fraction of a second. Drain is the gateway's; the engine behind it does not matter.
+    config = write_config(tmp_path / "config.yaml", workers={"count": 1, "engine": "sim", "sim": {"time_scale": 2.0}},
+                          server={"drain_timeout_s": DRAIN_S})
     gw = await asyncio.to_thread(start_gateway, config, tmp_path)
     try:
         worker_pids = [w["pid"] for w in (await asyncio.to_thread(gw.get_json, "/admin/workers"))["workers"]]

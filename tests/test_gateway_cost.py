@@ -74,8 +74,14 @@ def test_a_code_session_speculates_with_the_cost_model_k(injected: tuple[Gateway
     session = gateway.get_json("/admin/sessions/code-auto")
     assert (session["mode"], session["k"], session["reason"]) == ("speculative", expected, "default")
     assert session["mode_changes"][0]["k"] == expected
-    # The worker's curves now follow its step timings (this CPU is not the injected one).
-    (worker,) = gateway.get_json("/admin/workers")["workers"]
+    # The worker's curves now follow its step timings (this CPU is not the injected one), as
+    # the gateway sees them from its next poll of the worker.
+    deadline = time.monotonic() + 10
+    while True:
+        (worker,) = gateway.get_json("/admin/workers")["workers"]
+        if worker["cost_model"]["source"] == "online" or time.monotonic() > deadline:
+            break
+        time.sleep(0.1)
     assert worker["cost_model"]["source"] == "online" and worker["cost_model"]["online_steps"] > 0
     assert worker["acceptance"] is not None  # the gateway's estimate over the worker's sessions
 
