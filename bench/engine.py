@@ -50,11 +50,15 @@ class RunResult:
     accepted: int
     tested: int
     draft_seconds: float = 0.0  # of ``seconds``, spent proposing drafts
+    target_seconds: float = 0.0  # of ``seconds``, in the target's forwards of decode steps
+    prefill_seconds: float = 0.0  # of ``seconds``, in steps that prefilled a prompt (alike in every mode)
+    steps: int = 0  # decode steps (steps without a prefill)
 
     def __add__(self, other: RunResult) -> RunResult:
         return RunResult(self.tokens + other.tokens, self.seconds + other.seconds, self.proposed + other.proposed,
                          self.accepted + other.accepted, self.tested + other.tested,
-                         self.draft_seconds + other.draft_seconds)
+                         self.draft_seconds + other.draft_seconds, self.target_seconds + other.target_seconds,
+                         self.prefill_seconds + other.prefill_seconds, self.steps + other.steps)
 
     @property
     def tok_s(self) -> float:
@@ -67,6 +71,16 @@ class RunResult:
     @property
     def draft_share(self) -> float:
         return self.draft_seconds / self.seconds
+
+    def per_step_ms(self) -> dict[str, float]:
+        """Where a decode step's time went, in ms a step: the target's forward, the drafts'
+        (with their bookkeeping), the rest; and the prefills' share of all the time."""
+        steps = max(1, self.steps)
+        decode = self.seconds - self.prefill_seconds
+        return {"step": round(1000 * decode / steps, 3), "target": round(1000 * self.target_seconds / steps, 3),
+                "drafts": round(1000 * self.draft_seconds / steps, 3),
+                "rest": round(1000 * (decode - self.target_seconds - self.draft_seconds) / steps, 3),
+                "prefill_share": round(self.prefill_seconds / self.seconds, 3)}
 
 
 def add_group(engine: SpeculativeEngine, prompts: list[list[int]], max_tokens: int, k: int, temperature: float,
@@ -119,7 +133,10 @@ def run_interleaved(engines: dict[int, SpeculativeEngine], groups: list[list[lis
                     produced[k][event.request_id].extend(event.tokens)
                     totals[k] += RunResult(len(event.tokens), 0.0, event.proposed, event.accepted,
                                            tested_drafts(event.proposed, event.accepted))
-                totals[k] += RunResult(0, elapsed, 0, 0, 0, engine.last_draft_s)
+                if engine.last_shape.prefill:
+                    totals[k] += RunResult(0, elapsed, 0, 0, 0, prefill_seconds=elapsed)
+                else:
+                    totals[k] += RunResult(0, elapsed, 0, 0, 0, engine.last_draft_s, engine.last_target_s, steps=1)
         for k in engines:
             outputs[k].extend(produced[k][f"r{i}"] for i in range(len(group)))
     return totals, outputs
@@ -282,6 +299,14 @@ def main() -> None:
             f"accepted/proposed {r.accepted / r.proposed:.3f}, speed-up {r.tok_s / plain.tok_s:.2f}x")
     best_k = max(by_k, key=lambda k: by_k[k].tok_s)
     best = by_k[best_k]
+    # Where the time goes: a speculative step against a plain one (the drafts include the
+    # draft's catch-up on the prompt in its first step).
+    breakdown = {"plain": plain.per_step_ms(), f"k{best_k}": best.per_step_ms()}
+    shares = [100 * b["prefill_share"] for b in breakdown.values()]
+    log("batch 1 per decode step (ms): " + "; ".join(
+        f"{name}: step {b['step']:.2f}, target forward {b['target']:.2f}, drafts {b['drafts']:.2f}, rest "
+        f"{b['rest']:.2f}" for name, b in breakdown.items())
+        + f"; prefills {shares[0]:.0f}% of plain's time, {shares[1]:.0f}% of K={best_k}'s")
     reps = 50 if args.quick else 200
     # The same two models in the other dtype each: what the dtype defaults rest on (docs/engine.md).
     other = {"float32": "bfloat16", "bfloat16": "float32"}
@@ -374,6 +399,7 @@ def main() -> None:
         "tok_s_b1_by_k": {str(k): round(r.tok_s, 1) for k, r in by_k.items()},
         "alpha_b1_by_k": {str(k): round(r.alpha, 4) for k, r in by_k.items()},
         "draft_share_b1_spec": round(best.draft_share, 3),
+        "step_breakdown_b1_ms": breakdown,
         "greedy_identical_runs": identical, "greedy_compared_runs": compared,
         "verify_cost_by_tokens": verify_cost,
         "other_dtypes": {"target": other[args.dtype], "target_forward_ms": round(1000 * timed["target_alt"], 3),
