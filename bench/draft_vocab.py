@@ -17,14 +17,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
-import time
 from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
+from bench.turns import median_in_turns
 from workers.demo_corpus import stdlib_sources
 from workers.kv_cache import CacheBatch, KVCache
 from workers.model import TORCH_DTYPES, FrozenLinear, LlamaForCausalLM
@@ -66,15 +65,8 @@ def c_by_vocab(target: LlamaForCausalLM, draft: LlamaForCausalLM, order: list[in
     heads = {n: FrozenLinear(weight[torch.tensor(order[:n])].contiguous()) for n in sizes if n < weight.shape[0]}
     runs = {"target": forward(target, depth, None, True), str(weight.shape[0]): forward(draft, depth, full, False)}
     runs |= {str(n): forward(draft, depth, head, False) for n, head in heads.items()}
-    samples: dict[str, list[float]] = {name: [] for name in runs}
-    for i in range(reps + 5):
-        for name, run in runs.items():
-            started = time.perf_counter()
-            run()
-            if i >= 5:  # after warm-up
-                samples[name].append(time.perf_counter() - started)
+    median = median_in_turns(runs, reps, warmup=5)
     draft.head_frozen = full
-    median = {name: statistics.median(s) for name, s in samples.items()}
     return {name: round(median[name] / median["target"], 4) for name in runs if name != "target"}
 
 

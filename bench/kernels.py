@@ -27,6 +27,7 @@ from pathlib import Path
 
 import torch
 
+from bench.turns import median_in_turns
 from workers import rowgemm
 from workers.cost_cache import cpu_label
 from workers.engine import native_forward
@@ -59,15 +60,8 @@ def projections_ms(target: LlamaForCausalLM, builds: dict[str, rowgemm.RowGemm],
     for rows in range(1, max_rows + 1):
         inputs = [torch.randn(rows, p.k, generator=gen) for p in panels]
         runs = {name: projection_pass(kernel, panels, inputs) for name, kernel in builds.items()}
-        samples: dict[str, list[float]] = {name: [] for name in runs}
-        for i in range(reps + 2):
-            for name, run in runs.items():
-                started = time.perf_counter()
-                run()
-                if i >= 2:  # after warm-up
-                    samples[name].append(time.perf_counter() - started)
-        for name, values in samples.items():
-            out[name][str(rows)] = round(1000 * statistics.median(values), 3)
+        for name, seconds in median_in_turns(runs, reps, warmup=2).items():
+            out[name][str(rows)] = round(1000 * seconds, 3)
     return out
 
 
