@@ -246,7 +246,7 @@ def measure_with_model(settings: MeasureSettings) -> tuple[CostReport, LlamaForC
         runs[(d, full, 1)] = _forward(model, caches[d], full, 1, positions, True)
     if draft is not None and draft_cache is not None:
         runs[("draft", 1, 1)] = _forward(draft, draft_cache, 1, 1, positions, False)
-    times = _time_rounds(runs, started + 0.55 * settings.budget_s)
+    times = _time_rounds(runs, started + 0.55 * settings.budget_s, runs.get(("draft", 1, 1)))
     candidates = []
     for d, model in targets.items():
         curve = _fill({n: times[(d, 1, n)] for n in n_plan}, width)
@@ -288,7 +288,10 @@ def measure_with_model(settings: MeasureSettings) -> tuple[CostReport, LlamaForC
                 group[("draft", depth, 1)] = _forward(draft, draft_cache, depth, 1, positions, False)
             else:
                 group[("target", depth, n)] = _forward(target, cache, depth, n, positions, True)
-        timed = _time_rounds(group, deadline)
+        before_verify = None
+        if draft is not None and draft_cache is not None:
+            before_verify = group.get(("draft", depth, 1)) or _forward(draft, draft_cache, depth, 1, positions, False)
+        timed = _time_rounds(group, deadline, before_verify)
         row = measured.setdefault(depth, {})
         scale = row[1] / timed[("target", depth, 1)] if 1 in row else 1.0
         row.setdefault(1, timed[("target", depth, 1)])
@@ -366,16 +369,18 @@ def measure_overheads(target: LlamaForCausalLM, draft: LlamaForCausalLM | None, 
 
 
 @torch.inference_mode()
-def _time_rounds(runs: dict[tuple[str, int, int], Callable[[], None]],
-                 until: float) -> dict[tuple[str, int, int], float]:
+def _time_rounds(runs: dict[tuple[str, int, int], Callable[[], None]], until: float,
+                 before_verify: Callable[[], None] | None = None) -> dict[tuple[str, int, int], float]:
     """Median seconds of each run, the runs taking turns (REPS rounds, fewer past ``until``).
 
     A plain step (a target forward of 1 token a row) is timed right after an untimed one, as
     plain decoding runs them: back to back, the part of the weights the last-level cache kept
     is read from there. Timed in turns, after other forwards had pushed it out, a plain step
     came out 16-27% dearer than in a plain engine on the AVX2 CPU (bench.engine's step
-    breakdown against its forward times), and the predicted speed-up up to 13% too high. The
-    other points keep their turn: a verifying forward follows the draft's, not itself.
+    breakdown against its forward times), and the predicted speed-up up to 13% too high.
+    A verifying forward (target, more than 1 token a row) is timed right after an untimed
+    ``before_verify`` (a draft forward at its depth), as a speculative step runs it: after the
+    draft's forwards have had their turn at the cache.
     """
     for run in runs.values():
         run()  # warm-up: first-call allocations
@@ -384,8 +389,11 @@ def _time_rounds(runs: dict[tuple[str, int, int], Callable[[], None]],
         if rep > 0 and time.perf_counter() > until:
             break
         for key, run in runs.items():
-            if key[2] == 1 and key[0] != "draft":
-                run()
+            if key[0] != "draft":
+                if key[2] == 1:
+                    run()
+                elif before_verify is not None:
+                    before_verify()
             samples[key].append(_timed(run))
     return {key: statistics.median(s) for key, s in samples.items()}
 
