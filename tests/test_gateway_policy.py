@@ -118,8 +118,10 @@ async def test_batch_depth_fallback_without_flapping(tmp_path: Path) -> None:
         async with aiohttp.ClientSession() as http:
             url = gw.base_url + "/completions"
             tasks = []
+            # Streams long enough to overlap on any CPU: 48 tokens each stopped overlapping once
+            # the embedded engine ran them in under the 50 ms between arrivals.
             for i in range(8):
-                tasks.append(asyncio.create_task(_stream(http, url, i, max_tokens=48 - 2 * i)))
+                tasks.append(asyncio.create_task(_stream(http, url, i, max_tokens=400 - 8 * i)))
                 await asyncio.sleep(0.05)
             results = await asyncio.gather(*tasks)
             admitted = [r["mode"] for r in results]

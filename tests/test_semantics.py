@@ -178,12 +178,14 @@ async def _together(gateway: Gateway, bodies: list[dict[str, Any]]) -> list[Answ
 
 def test_usage_counts_the_steps_that_ran(gateway: Gateway, client: openai.OpenAI, policy: None) -> None:
     """The gateway decides speculative; the worker's batch latch (max_batch 1) runs steps plain."""
-    alone = complete(client, False, prompt=SHORT, max_tokens=40, temperature=0)
+    # 120 tokens: long enough that the first request is still running when the last arrives
+    # on a fast CPU (the engine emits tens of tokens in the 20 ms between arrivals).
+    alone = complete(client, False, prompt=SHORT, max_tokens=120, temperature=0)
     assert alone.mode.startswith("speculative")
     # At most the final single-token step drafts nothing when alone.
     assert alone.speculative["speculative_steps"] >= 3 and alone.speculative["plain_steps"] <= 1
     put_policy(gateway, max_batch=1, batch_resume=1)
-    answers = asyncio.run(_together(gateway, [{"prompt": SHORT, "max_tokens": 40, "temperature": 0}] * 4))
+    answers = asyncio.run(_together(gateway, [{"prompt": SHORT, "max_tokens": 120, "temperature": 0}] * 4))
     decided = [a for a in answers if a.mode.startswith("speculative")]
     assert decided and any(a.mode == "plain; reason=batch_full" for a in answers), [a.mode for a in answers]
     for answer in decided:  # decided speculative, ran mostly plain: the usage says so
