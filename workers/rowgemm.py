@@ -31,6 +31,7 @@ import os
 import shutil
 import subprocess
 import tempfile
+from collections.abc import Sequence
 from pathlib import Path
 from typing import NamedTuple
 
@@ -158,13 +159,26 @@ def check_bounds(tokens: torch.Tensor, vocab: int, rows: tuple[tuple[int, ...], 
     lies inside the cache. The C side indexes with these unchecked: the engine's own limits
     (admission, K capped at the context's end) keep them in range, and this keeps a bug there
     an exception instead of a write past the cache."""
+    token_range = (int(tokens.min()), int(tokens.max())) if tokens.numel() else None
+    check_rows(token_range, vocab, rows, tokens.shape[0], tokens.shape[1], slots, positions)
+
+
+def check_rows(token_range: tuple[int, int] | None, vocab: int, rows: tuple[Sequence[int], ...], batch: int,
+               width: int, slots: int, positions: int) -> None:
+    """``check_bounds`` from the tokens' lowest and highest id (None: no tokens) and the batch's
+    shape, for callers that hold Python lists rather than a tensor."""
     slot_ids, starts, lengths = rows
-    if tokens.numel() and (int(tokens.min()) < 0 or int(tokens.max()) >= vocab):
+    if token_range is not None and (token_range[0] < 0 or token_range[1] >= vocab):
         raise ValueError(f"token id outside the vocabulary of {vocab}")
-    if len(slot_ids) != tokens.shape[0] or any(
-            not (0 <= slot < slots and start >= 0 and 0 <= n <= tokens.shape[1] and start + n <= positions)
+    if not len(slot_ids) == len(starts) == len(lengths) == batch or any(
+            not (0 <= slot < slots and start >= 0 and 0 <= n <= width and start + n <= positions)
             for slot, start, n in zip(slot_ids, starts, lengths, strict=True)):
-        raise ValueError(f"cache rows out of range: {rows} for {slots} slots x {positions} positions")
+        raise ValueError(f"cache rows out of range: {tuple(rows)} for {slots} slots x {positions} positions")
+
+
+def _check_logit_rows(lowest: int, highest: int, tokens: int) -> None:
+    if lowest < 0 or highest >= tokens:
+        raise ValueError(f"logit rows out of range for {tokens} tokens")
 
 
 class _Lin(ctypes.Structure):
@@ -217,8 +231,8 @@ class FusedForward:
         """tokens (B, L); rows (3, B) slots/starts/lengths; logit_idx (N,) into B*L -> logits (N, V)."""
         b, length = tokens.shape
         m, n = b * length, logit_idx.shape[0]
-        if n and (int(logit_idx.min()) < 0 or int(logit_idx.max()) >= m):
-            raise ValueError(f"logit rows out of range for {m} tokens")
+        if n:
+            _check_logit_rows(int(logit_idx.min()), int(logit_idx.max()), m)
         return self._run(tokens.contiguous(), b, length, k_cache, v_cache, rows, logit_idx.contiguous(), n)
 
     def run_rows(self, tokens: list[list[int]], k_cache: list[torch.Tensor], v_cache: list[torch.Tensor],
@@ -231,18 +245,12 @@ class FusedForward:
         b = len(tokens)
         lengths = [len(row) for row in tokens]
         length = max(lengths, default=0)
-        positions, cache_slots = k_cache[0].shape[2], k_cache[0].shape[0]
         flat = [t for row in tokens for t in (*row, *([0] * (length - len(row))))]
-        if flat and (min(flat) < 0 or max(flat) >= self.vocab_rows):
-            raise ValueError(f"token id outside the vocabulary of {self.vocab_rows}")
-        if len(slots) != b or len(starts) != b or any(
-                not (0 <= slot < cache_slots and start >= 0 and start + n <= positions)
-                for slot, start, n in zip(slots, starts, lengths, strict=True)):
-            raise ValueError(f"cache rows out of range: {(slots, starts, lengths)} for {cache_slots} slots x "
-                             f"{positions} positions")
+        check_rows((min(flat), max(flat)) if flat else None, self.vocab_rows, (slots, starts, lengths), b, length,
+                   k_cache[0].shape[0], k_cache[0].shape[2])
         m = b * length
-        if logit_idx and (min(logit_idx) < 0 or max(logit_idx) >= m):
-            raise ValueError(f"logit rows out of range for {m} tokens")
+        if logit_idx:
+            _check_logit_rows(min(logit_idx), max(logit_idx), m)
         tensor = torch.tensor(flat, dtype=torch.long).view(b, length)
         rows = torch.tensor([slots, starts, lengths], dtype=torch.long)
         return self._run(tensor, b, length, k_cache, v_cache, rows, torch.tensor(logit_idx, dtype=torch.long),
