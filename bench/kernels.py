@@ -32,16 +32,10 @@ from workers import rowgemm
 from workers.cost_cache import cpu_label
 from workers.engine import native_forward
 from workers.kv_cache import KVCache
-from workers.model import FrozenLinear, LlamaForCausalLM
+from workers.model import LlamaForCausalLM
 
 REPO = Path(__file__).resolve().parent.parent
 CONTEXT = 128  # cached tokens before each timed forward, as the cost measurement uses
-
-
-def frozen_projections(model: LlamaForCausalLM) -> list[FrozenLinear]:
-    frozen = [f for layer in model.model.blocks() for f in (layer.self_attn.qkv_fused, layer.self_attn.o_frozen,
-                                                             layer.mlp.gate_up_fused, layer.mlp.down_frozen)]
-    return [f for f in [*frozen, model.head_frozen] if f is not None]
 
 
 def projection_pass(kernel: rowgemm.RowGemm, panels: list[rowgemm.Panels], inputs: list[torch.Tensor]) -> Callable[
@@ -54,7 +48,7 @@ def projection_pass(kernel: rowgemm.RowGemm, panels: list[rowgemm.Panels], input
 
 def projections_ms(target: LlamaForCausalLM, builds: dict[str, rowgemm.RowGemm], max_rows: int,
                    reps: int) -> dict[str, dict[str, float]]:
-    panels = [f.panels for f in frozen_projections(target) if f.panels is not None]
+    panels = [f.panels for f in target.frozen_projections() if f is not None and f.panels is not None]
     gen = torch.Generator().manual_seed(0)
     out: dict[str, dict[str, float]] = {name: {} for name in builds}
     for rows in range(1, max_rows + 1):

@@ -403,12 +403,11 @@ class LlamaForCausalLM(nn.Module):
         self.fused = None
         if self.native is not None:
             cfg, blocks = self.cfg, self.model.blocks()
-            frozen = [f for layer in blocks for f in (layer.self_attn.qkv_fused, layer.self_attn.o_frozen,
-                                                      layer.mlp.gate_up_fused, layer.mlp.down_frozen)]
-            panels = [f.panels for f in [*frozen, self.head_frozen] if f is not None and f.panels is not None]
+            frozen = self.frozen_projections()
+            panels = [f.panels for f in frozen if f is not None and f.panels is not None]
             norms = [w for layer in blocks
                      for w in (layer.input_layernorm.weight, layer.post_attention_layernorm.weight)]
-            assert len(panels) == len(frozen) + 1
+            assert len(panels) == len(frozen)
             self.fused = rowgemm.FusedForward(
                 self.native, embed=self.model.embed_tokens.weight.detach().contiguous(),
                 norms=[*norms, self.model.norm.weight], panels=panels,
@@ -416,6 +415,12 @@ class LlamaForCausalLM(nn.Module):
                 kv_heads=cfg.num_key_value_heads, head_dim=cfg.head_dim, eps=cfg.rms_norm_eps,
                 cos=self.rope_cos, sin=self.rope_sin)
         return self
+
+    def frozen_projections(self) -> list[FrozenLinear | None]:
+        """The frozen projections in forward order: QKV, O, gate/up, down per layer, then the LM head."""
+        return [*(f for layer in self.model.blocks() for f in (layer.self_attn.qkv_fused, layer.self_attn.o_frozen,
+                                                               layer.mlp.gate_up_fused, layer.mlp.down_frozen)),
+                self.head_frozen]
 
     def save_pretrained(self, directory: Path | str, dtype: torch.dtype = torch.bfloat16) -> None:
         directory = Path(directory)
