@@ -233,6 +233,8 @@ void rope_attend(const float* qkv, const float* cos_t, const float* sin_t, float
         /* Scores 8 keys at a time (the last block's keys past pos are read, P being a multiple
            of 8, and masked); which keys share a block depends on pos alone. */
         int64_t keys = pos + 1, padded = (keys + 7) & ~(int64_t)7;
+        __m256 tail = _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32((int)(keys - (padded - 8))),
+                                                             _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7)));
         __m256 vmax = _mm256_set1_ps(-INFINITY);
         for (int64_t j0 = 0; j0 < padded; j0 += 8) {
           __m256 dots[8];
@@ -243,22 +245,14 @@ void rope_attend(const float* qkv, const float* cos_t, const float* sin_t, float
             dots[t] = acc;
           }
           __m256 sc8 = hsum8(dots);
-          if (j0 + 8 > keys) {
-            __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
-            __m256 valid = _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32((int)(keys - j0)), lane));
-            sc8 = _mm256_blendv_ps(_mm256_set1_ps(-INFINITY), sc8, valid);
-          }
+          if (j0 + 8 > keys) sc8 = _mm256_blendv_ps(_mm256_set1_ps(-INFINITY), sc8, tail);
           _mm256_storeu_ps(scratch + j0, sc8);
           vmax = _mm256_max_ps(vmax, sc8);
         }
         __m256 mx8 = _mm256_set1_ps(hmax(vmax)), tot8 = _mm256_setzero_ps();
         for (int64_t j0 = 0; j0 < padded; j0 += 8) {
           __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(scratch + j0), mx8));
-          if (j0 + 8 > keys) {
-            __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
-            __m256 valid = _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32((int)(keys - j0)), lane));
-            e = _mm256_and_ps(e, valid);
-          }
+          if (j0 + 8 > keys) e = _mm256_and_ps(e, tail);
           _mm256_storeu_ps(scratch + j0, e);
           tot8 = _mm256_add_ps(tot8, e);
         }
