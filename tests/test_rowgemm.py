@@ -215,3 +215,84 @@ def test_rows_from_lists_refuse_what_would_read_or_write_out_of_range(
     with pytest.raises(ValueError, match="logit rows"):
         fused.run_rows([[5, 6]], cache.k, cache.v, [0], [0], [2])
     assert fused.run_rows([[5, 6]], cache.k, cache.v, [1], [positions - 2], [0, 1]).shape == (2, vocab)
+
+
+@needs_kernel
+def test_greedy_drafting_in_one_call_is_the_per_step_forwards_bit_for_bit(
+        demo_models: dict[str, LlamaForCausalLM]) -> None:
+    """``draft_greedy`` (the engine's greedy drafting, one kernel call for all K drafts) runs the
+    forwards the per-position path runs, row by row: the same drafts and the same cache."""
+    model = demo_models["draft-packed"]
+    fused = model.fused
+    assert fused is not None
+    rows = [[11, 12, 13], [21, 22], [31]]
+    slots, starts, steps = [2, 0, 1], [40, 7, 19], 5
+    one_call = KVCache.allocate(model.cfg, 3, torch.float32)
+    drafts = fused.draft_greedy(rows, one_call.k, one_call.v, slots, starts, steps)
+    per_step = KVCache.allocate(model.cfg, 3, torch.float32)
+    expected: list[list[int]] = [[] for _ in rows]
+    feed, at = rows, list(starts)
+    for _ in range(steps):
+        width = max(map(len, feed))
+        logits = fused.run_rows(feed, per_step.k, per_step.v, slots, at,
+                                [b * width + len(row) - 1 for b, row in enumerate(feed)])
+        for b, token in enumerate(logits.argmax(dim=-1).tolist()):
+            expected[b].append(token)
+        at = [s + len(row) for s, row in zip(at, feed, strict=True)]
+        feed = [[row[-1]] for row in expected]
+    assert drafts == expected
+    assert all(len(row) == steps for row in drafts)
+    assert all(torch.equal(a, b) for a, b in zip([*one_call.k, *one_call.v], [*per_step.k, *per_step.v], strict=True))
+
+
+@needs_kernel
+def test_greedy_drafting_refuses_what_its_later_steps_would_write_out_of_range(
+        demo_models: dict[str, LlamaForCausalLM]) -> None:
+    model = demo_models["draft-packed"]
+    fused = model.fused
+    assert fused is not None
+    cache = KVCache.allocate(model.cfg, 2, torch.float32)
+    positions = cache.k[0].shape[2]
+    with pytest.raises(ValueError, match="cache rows"):  # the third step's token lands one past the end
+        fused.draft_greedy([[5, 6]], cache.k, cache.v, [0], [positions - 3], 3)
+    with pytest.raises(ValueError, match="vocabulary"):
+        fused.draft_greedy([[5, model.cfg.vocab_size]], cache.k, cache.v, [0], [0], 2)
+    with pytest.raises(ValueError, match="one token per row"):
+        fused.draft_greedy([[5], []], cache.k, cache.v, [0, 1], [0, 0], 2)
+    with pytest.raises(ValueError, match="at least one step"):
+        fused.draft_greedy([[5]], cache.k, cache.v, [0], [0], 0)
+    assert len(fused.draft_greedy([[5, 6]], cache.k, cache.v, [1], [positions - 4], 3)[0]) == 3
+
+
+@needs_kernel
+def test_engine_greedy_drafting_in_one_call_matches_the_per_position_path(
+        demo_models: dict[str, LlamaForCausalLM], monkeypatch: pytest.MonkeyPatch) -> None:
+    """The engine's one-call greedy drafting proposes, step by step, what its per-position
+    path proposes: the same drafts accepted, the same tokens, at batch 3 and alone."""
+    target, draft = demo_models["target-packed"], demo_models["draft-packed"]
+    codec = TextCodec.from_model_dir(REPO / "models/demo-target")
+    prompts = [codec.encode(t)[:12] for t in heldout_prompts(3, seed=4)]  # short: drafting catches up in one call
+    greedy = SamplingParams(temperature=0.0)
+    calls = 0
+    one_call = rowgemm.FusedForward.draft_greedy
+
+    def counted(*args: object, **kwargs: object) -> list[list[int]]:
+        nonlocal calls
+        calls += 1
+        return one_call(*args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(rowgemm.FusedForward, "draft_greedy", counted)
+    runs = []
+    for per_position in (False, True):
+        if per_position:
+            monkeypatch.setattr(SpeculativeEngine, "_propose_greedy", lambda self, seqs: False)
+        engine = SpeculativeEngine(target, draft, max_slots=3, max_k=6)
+        for i, ids in enumerate(prompts):
+            engine.add(GenerationRequest(f"r{i}", ids, 40, greedy, k=4))
+        steps = []
+        while engine.has_work:
+            steps.append(sorted((e.request_id, e.tokens, e.proposed, e.accepted) for e in engine.step()))
+        runs.append(steps)
+        if not per_position:
+            assert calls > 5  # the one-call path served the drafting steps
+    assert runs[0] == runs[1]

@@ -325,6 +325,8 @@ class SpeculativeEngine:
         if not seqs:
             return
         assert self.draft is not None and self.draft_cache is not None
+        if self._propose_greedy(seqs):
+            return
         for j in range(max(s.step_k for s in seqs)):
             active = [s for s in seqs if s.step_k > j and s.request.request_id not in failed]
             # First position: catch the draft cache up (1-2 tokens, more after a plain spell).
@@ -339,6 +341,31 @@ class SpeculativeEngine:
                     self._draft_token(seq, row_logits[0], j)
                 except Exception as exc:
                     failed[seq.request.request_id] = exc
+
+    def _propose_greedy(self, seqs: list[_Sequence]) -> bool:
+        """All K drafts of greedy sequences drafting the same K in one kernel call
+        (``FusedForward.draft_greedy``); False where that does not apply (the per-position
+        path then drafts). The same forwards and argmaxes as that path, so the same drafts;
+        a batch that raises is drafted again per position, which rewrites the same cache
+        positions and isolates the failing sequence."""
+        assert self.draft is not None and self.draft_cache is not None
+        fused, k = self.draft.fused, seqs[0].step_k
+        if fused is None or any(s.step_k != k or s.request.params.temperature > 0.0 for s in seqs):
+            return False
+        # The first forward catches the draft cache up: 1-2 tokens, more after a plain spell,
+        # where the kernel's attention serves only short rows (native_forward).
+        rows = [s.tokens[s.draft_len:] for s in seqs]
+        if max(map(len, rows)) > NATIVE_ATTENTION_MAX_TOKENS:
+            return False
+        try:
+            drafts = fused.draft_greedy(rows, self.draft_cache.k, self.draft_cache.v, [s.slot for s in seqs],
+                                        [s.draft_len for s in seqs], k)
+        except Exception:
+            return False
+        for seq, row, row_drafts in zip(seqs, rows, drafts, strict=True):
+            seq.draft_len += len(row) + k - 1
+            seq.drafts = row_drafts
+        return True
 
     def _draft_token(self, seq: _Sequence, logits: torch.Tensor, position: int) -> None:
         """logits (V,): the draft's proposal at draft position ``position`` of this step."""

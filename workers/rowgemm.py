@@ -203,6 +203,9 @@ class FusedForward:
         i64, ptr, f32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
         self._fn.argtypes = [ptr, i64, i64, ptr, i64, i64, i64, ptr, ptr, ptr, ptr, i64, ptr, ptr, ptr, ptr, ptr,
                              i64, i64, i64, f32, f32, ptr, i64, i64, ptr, ptr]
+        self._draft = kernel._lib.draft_greedy
+        self._draft.restype = None
+        self._draft.argtypes = [*self._fn.argtypes[:22], ptr, i64, ptr, ptr, i64, ptr]
         self._keep = (embed, norms, panels, cos, sin)
         self.embed, self.cos, self.sin = embed, cos, sin
         self.norms = (ctypes.c_void_p * len(norms))(*[n.data_ptr() for n in norms])
@@ -242,19 +245,59 @@ class FusedForward:
         ``logit_idx`` (into the padded B x L). Checks every index the C side would use unchecked
         (what ``check_bounds`` and ``__call__`` check), without a torch op per check: at batch 1
         they cost more than a draft model's forward."""
+        tensor, lengths = self._checked_rows(tokens, k_cache, slots, starts, 0)
+        b, length = tensor.shape
+        if logit_idx:
+            _check_logit_rows(min(logit_idx), max(logit_idx), b * length)
+        rows = torch.tensor([slots, starts, lengths], dtype=torch.long)
+        return self._run(tensor, b, length, k_cache, v_cache, rows, torch.tensor(logit_idx, dtype=torch.long),
+                         len(logit_idx))
+
+    def draft_greedy(self, tokens: list[list[int]], k_cache: list[torch.Tensor], v_cache: list[torch.Tensor],
+                     slots: list[int], starts: list[int], steps: int) -> list[list[int]]:
+        """Greedy drafting, ``steps`` forwards in one call (``draft_greedy`` in the C source):
+        the first is ``run_rows``'s with each row's last token's logits, each later one feeds
+        every row its previous argmax. Row b's drafts, ``steps`` of them; its cache then holds
+        ``tokens[b]`` and all but the last draft. The same forwards, so the same drafts, as
+        ``run_rows`` and an argmax per step."""
+        if steps < 1 or not tokens or not all(tokens):
+            raise ValueError("greedy drafting needs at least one step and one token per row")
+        # Every later forward writes one more position per row: check the rows as that long.
+        tensor, lengths = self._checked_rows(tokens, k_cache, slots, starts, steps - 1)
+        b, length = tensor.shape
+        idx0 = torch.tensor([row * length + n - 1 for row, n in enumerate(lengths)], dtype=torch.long)
+        starts_t, lengths_t = torch.tensor(starts, dtype=torch.long), torch.tensor(lengths, dtype=torch.long)
+        slots_t = torch.tensor(slots, dtype=torch.long)
+        out = torch.empty(steps * b, dtype=torch.long)
+        scratch, logits = self._buffers(b * length, b, k_cache)
+        kc, vc = self._pointers(k_cache, v_cache)
+        self._draft(tensor.data_ptr(), b, length, self.embed.data_ptr(), self.hidden, self.inter, self.layers,
+                    self.norms, self.lins, kc, vc, k_cache[0].shape[2], self.cos.data_ptr(), self.sin.data_ptr(),
+                    slots_t.data_ptr(), starts_t.data_ptr(), lengths_t.data_ptr(), self.heads, self.kv_heads,
+                    self.head_dim, self.eps, self.scale, idx0.data_ptr(), self.vocab, logits.data_ptr(),
+                    scratch.data_ptr(), steps, out.data_ptr())
+        drafts: list[list[int]] = out.view(steps, b).t().tolist()
+        return drafts
+
+    def _checked_rows(self, tokens: list[list[int]], k_cache: list[torch.Tensor], slots: list[int],
+                      starts: list[int], extra: int) -> tuple[torch.Tensor, list[int]]:
+        """Rows padded into a (B, L) tensor, every index checked, room for ``extra`` more
+        positions per row; and the rows' lengths."""
         b = len(tokens)
         lengths = [len(row) for row in tokens]
         length = max(lengths, default=0)
         flat = [t for row in tokens for t in (*row, *([0] * (length - len(row))))]
-        check_rows((min(flat), max(flat)) if flat else None, self.vocab_rows, (slots, starts, lengths), b, length,
+        check_rows((min(flat), max(flat)) if flat else None, self.vocab_rows,
+                   (slots, starts, [n + extra for n in lengths]), b, length + extra,
                    k_cache[0].shape[0], k_cache[0].shape[2])
-        m = b * length
-        if logit_idx:
-            _check_logit_rows(min(logit_idx), max(logit_idx), m)
-        tensor = torch.tensor(flat, dtype=torch.long).view(b, length)
-        rows = torch.tensor([slots, starts, lengths], dtype=torch.long)
-        return self._run(tensor, b, length, k_cache, v_cache, rows, torch.tensor(logit_idx, dtype=torch.long),
-                         len(logit_idx))
+        return torch.tensor(flat, dtype=torch.long).view(b, length), lengths
+
+    def _buffers(self, m: int, n: int, k_cache: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        """The forward's scratch for m tokens, and logits for n of them."""
+        width = (self.heads + 2 * self.kv_heads) * self.head_dim
+        size = m * (3 * self.hidden + width + self.heads * self.head_dim + 3 * self.inter) + k_cache[0].shape[2]
+        scratch = torch.empty(max(size, n * self.hidden + 1), dtype=torch.float32)
+        return scratch, torch.empty((n, self.vocab), dtype=torch.float32)
 
     @property
     def vocab_rows(self) -> int:
@@ -263,11 +306,7 @@ class FusedForward:
 
     def _run(self, tokens: torch.Tensor, b: int, length: int, k_cache: list[torch.Tensor],
              v_cache: list[torch.Tensor], rows: torch.Tensor, logit_idx: torch.Tensor, n: int) -> torch.Tensor:
-        m = b * length
-        width = (self.heads + 2 * self.kv_heads) * self.head_dim
-        size = m * (3 * self.hidden + width + self.heads * self.head_dim + 3 * self.inter) + k_cache[0].shape[2]
-        scratch = torch.empty(max(size, n * self.hidden + 1), dtype=torch.float32)
-        logits = torch.empty((n, self.vocab), dtype=torch.float32)
+        scratch, logits = self._buffers(b * length, n, k_cache)
         kc, vc = self._pointers(k_cache, v_cache)
         self._fn(tokens.data_ptr(), b, length, self.embed.data_ptr(), self.hidden, self.inter, self.layers,
                  self.norms, self.lins, kc, vc, k_cache[0].shape[2], self.cos.data_ptr(), self.sin.data_ptr(),
