@@ -12,8 +12,10 @@ with every figure.
 
 The cost model (``workers/costs_measure.py``): the one a worker with these settings would build
 (``cost_model``, with ``max_slots`` the largest batch measured here), the precision it chose
-(``--dtype auto`` serves that), ``predicted_speedup_b1`` (its prediction at the measured α) next
-to the measured ``speedup_b1``, and ``tok_s_b{8,32,64}_auto``: batched throughput with K chosen
+(``--dtype auto`` serves that), ``predicted_speedup_b1`` (its prediction at the measured α, for
+the same requests: prefills and the draft's catch-up on each prompt included, as in the measured
+``speedup_b1``; ``predicted_decode_speedup_b1``: decode steps alone) next to the measured
+``speedup_b1``, and ``tok_s_b{8,32,64}_auto``: batched throughput with K chosen
 per step from the cost model at the step's depth, next to plain and a fixed K.
 """
 
@@ -341,17 +343,25 @@ def main() -> None:
     # at start-up, and after the online refinement from the steps above.
     cost_model = live_model(online)
     auto_k_b1 = choose_k(cost_model, best.alpha, 1, args.kmax, 0.0, 0.0)
-    predicted = gain(cost_model, best.alpha, auto_k_b1, 1)
+    predicted_decode = gain(cost_model, best.alpha, auto_k_b1, 1)
     startup_k_b1 = choose_k(startup_model, best.alpha, 1, args.kmax, 0.0, 0.0)
-    predicted_startup = gain(startup_model, best.alpha, startup_k_b1, 1)
+    # speedup_b1 times whole requests: each prompt's prefill (both modes) and the draft's
+    # catch-up on it (speculative) are in it, so the prediction prices them too, from the
+    # prefill costs the worker measured at start-up, for these prompts and outputs.
+    requests_b1 = [(len(ids), len(out)) for ids, out in zip(b1, outputs[0], strict=True)]
+    refined_report = online.report()
+    predicted = refined_report.request_speedup(best.alpha, auto_k_b1, requests_b1) or predicted_decode
+    predicted_startup = (costs.request_speedup(best.alpha, startup_k_b1, requests_b1)
+                         or gain(startup_model, best.alpha, startup_k_b1, 1))
     measured_at = by_k[auto_k_b1].tok_s / plain.tok_s if auto_k_b1 else 1.0
-    # The cost model prices decode steps; the prefills, alike in both modes, dilute speedup_b1.
     decode_at = by_k[auto_k_b1].decode_tok_s / plain.decode_tok_s if auto_k_b1 else 1.0
-    log(f"decode steps alone (no prefills) at K={auto_k_b1}: {decode_at:.2f}x measured, {predicted:.2f}x predicted")
-    log(f"cost model at alpha {best.alpha:.3f}: K={auto_k_b1}, predicted speed-up {predicted:.2f}x (measured at "
-        f"that K {measured_at:.2f}x); from the start-up measurement alone K={startup_k_b1}, {predicted_startup:.2f}x")
+    log(f"decode steps alone (no prefills) at K={auto_k_b1}: {decode_at:.2f}x measured, {predicted_decode:.2f}x "
+        f"predicted")
+    log(f"cost model at alpha {best.alpha:.3f}: K={auto_k_b1}, predicted speed-up of these requests {predicted:.2f}x "
+        f"(measured at that K {measured_at:.2f}x); from the start-up measurement alone K={startup_k_b1}, "
+        f"{predicted_startup:.2f}x")
     # The step's work outside its forwards, as the model holds it now (start-up, then refined).
-    refined = online.report()
+    refined = refined_report
     outside_ms = (refined.step_overhead_ms or (0.0,))[0]
     overhead_b1 = {"startup_ms": (costs.step_overhead_ms or (0.0,))[0], "refined_ms": outside_ms,
                    "per_draft_refined_ms": (refined.draft_overhead_ms or (0.0,))[0],
@@ -418,6 +428,7 @@ def main() -> None:
         "cpu": costs.cpu, "precision_choice": {"target": costs.precision.target, "exact": costs.precision.exact,
                                                "why": costs.precision.why},
         "predicted_speedup_b1": round(predicted, 3), "predicted_k_b1": auto_k_b1,
+        "predicted_decode_speedup_b1": round(predicted_decode, 3),
         "measured_speedup_at_predicted_k_b1": round(measured_at, 3),
         "decode_speedup_at_predicted_k_b1": round(decode_at, 3),
         "predicted_speedup_b1_startup": round(predicted_startup, 3), "predicted_k_b1_startup": startup_k_b1,

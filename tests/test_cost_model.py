@@ -98,6 +98,12 @@ def test_measurement_on_the_demo_models(one_thread: None) -> None:
         parts = whole_step_costs([plain * v for v in report.verify_cost[i]], plain * report.draft_cost[i],
                                  report.step_overhead_ms[i], report.draft_overhead_ms[i])
         assert report.step_cost[i] == pytest.approx(parts, abs=2e-3)
+    # Prefills at two prompt lengths, the target's and the draft's catch-up: a longer prompt
+    # costs more, and the draft's is the cheaper.
+    assert report.prefill_tokens == costs_measure.PREFILL_TOKENS
+    assert report.prefill_ms is not None and report.draft_prefill_ms is not None
+    assert report.prefill_ms[1] > report.prefill_ms[0] > 0 and report.draft_prefill_ms[1] > 0
+    assert report.draft_prefill_ms[1] < report.prefill_ms[1]
     # The published JSON is what the gateway builds its policy model from.
     model = CostModel.from_json(report.to_json())
     assert model.depths == report.depths and model.max_k == 4
@@ -179,6 +185,27 @@ def test_overhead_outside_the_forwards_enters_every_step_cost() -> None:
     assert report_from_forward_times((1,), target_s, draft_s, overhead_s=[-0.001]).step_cost == bare.step_cost
     # The schema survives the JSON round trip.
     assert CostReport.from_json(per_draft.to_json()) == per_draft
+
+
+def test_request_speedup_adds_the_prompts_to_the_decode_steps() -> None:
+    """A whole request's predicted speed-up: its prefill (both modes), the draft's catch-up on
+    the prompt (speculative), the first token from the prefill and the rest at the decode gain."""
+    # A plain step 10 ms; K=2 verifies for 15 ms and drafts 2 x 2 ms: step cost 1.9.
+    report = report_from_forward_times((1,), [[0.010, 0.012, 0.015]], [0.002], prefill_tokens=(32, 128),
+                                       prefill_ms=(40.0, 100.0), draft_prefill_ms=(8.0, 20.0))
+    assert report.prefill_s(32) == pytest.approx(0.040) and report.prefill_s(80) == pytest.approx(0.070)
+    assert report.prefill_s(224) == pytest.approx(0.160)  # beyond: on the same line
+    assert report.prefill_s(33, draft=True) == pytest.approx(0.008125)
+    alpha = 0.8
+    decode_gain = (1 + alpha + alpha ** 2) / 1.9
+    plain = 0.040 + 0.070 + 20 * 0.010 + 60 * 0.010
+    spec = 0.040 + 0.070 + report.prefill_s(33, True) + report.prefill_s(81, True) + 80 * 0.010 / decode_gain
+    assert report.request_speedup(alpha, 2, [(32, 21), (80, 61)]) == pytest.approx(plain / spec, rel=1e-3)
+    assert report.request_speedup(alpha, 0, [(32, 21)]) == pytest.approx(1.0)
+    # Long outputs tend to the decode gain; no prefill costs, no prediction.
+    assert report.request_speedup(alpha, 2, [(32, 100_000)]) == pytest.approx(decode_gain, rel=1e-3)
+    assert report_from_forward_times((1,), [[0.010, 0.012, 0.015]], [0.002]).request_speedup(alpha, 2, [(8, 9)]) is None
+    assert CostReport.from_json(report.to_json()) == report
 
 
 def test_online_refinement_moves_the_overhead_toward_step_timings() -> None:

@@ -31,7 +31,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Literal
 
-from policies.cost import CostModel, batch_step_k, whole_step_costs
+from policies.cost import CostModel, batch_step_k, gain, whole_step_costs
 
 CostSource = Literal["measured", "cache", "derived", "online", "estimated"]
 # Folded per observation: about the last 50 steps that touched a curve point carry it, so the
@@ -99,11 +99,44 @@ class CostReport:
     cpu: str = ""
     step_overhead_ms: tuple[float, ...] | None = None  # a plain step's work outside its forwards, per depth
     draft_overhead_ms: tuple[float, ...] | None = None  # what each draft per sequence adds to it, per depth
+    # A prompt's prefill at batch 1, at these prompt lengths: the target's, and the draft's
+    # catch-up on it in a request's first drafting step (None: not measured; the sim and vLLM).
+    prefill_tokens: tuple[int, ...] | None = None
+    prefill_ms: tuple[float, ...] | None = None
+    draft_prefill_ms: tuple[float, ...] | None = None
 
     def to_json(self) -> dict[str, Any]:
         out = asdict(self)
         out["max_k"] = len(self.step_cost[0]) - 1
         return out
+
+    def prefill_s(self, tokens: int, draft: bool = False) -> float | None:
+        """Seconds to prefill a prompt of ``tokens`` at batch 1 (``draft``: the draft's catch-up
+        on it), on the line through the measured lengths; None where they were not measured."""
+        times = self.draft_prefill_ms if draft else self.prefill_ms
+        if not self.prefill_tokens or not times:
+            return None
+        if len(self.prefill_tokens) == 1:
+            return times[0] * tokens / self.prefill_tokens[0] / 1000
+        (n0, n1), (t0, t1) = self.prefill_tokens[:2], times[:2]
+        return max(0.0, t0 + (t1 - t0) * (tokens - n0) / (n1 - n0)) / 1000
+
+    def request_speedup(self, alpha: float, k: int, requests: Sequence[tuple[int, int]]) -> float | None:
+        """Predicted speed-up of these requests run one at a time at depth K over plain, from
+        (prompt tokens, output tokens) each: the prompt prefilled in both modes, and caught up
+        on by the draft in speculative; the first output token from the prefill; the rest in
+        decode steps at ``policies.cost.gain``. None without prefill costs."""
+        plain_s, spec_s = 0.0, 0.0
+        step_s = self.plain_step_ms[0] / 1000
+        speed = gain(self.policy_model(), alpha, k, 1) if k > 0 else 1.0
+        for prompt, output in requests:
+            prefill, catch_up = self.prefill_s(prompt), self.prefill_s(prompt + 1, draft=True) if k > 0 else 0.0
+            if prefill is None or catch_up is None:
+                return None
+            decode = max(0, output - 1) * (step_s + (self.step_overhead_ms or (0.0,))[0] / 1000)
+            plain_s += prefill + decode
+            spec_s += prefill + catch_up + decode / speed
+        return plain_s / spec_s if spec_s > 0 else None
 
     def policy_model(self) -> CostModel:
         """The policy's view of it, parts included, as the gateway parses the JSON."""
@@ -132,7 +165,9 @@ class CostReport:
             acceptance=raw.get("acceptance"), measured_points=int(raw.get("measured_points", 0)),
             total_points=int(raw.get("total_points", 0)), measure_s=float(raw.get("measure_s", 0.0)),
             cpu=str(raw.get("cpu", "")), step_overhead_ms=floats(raw.get("step_overhead_ms")),
-            draft_overhead_ms=floats(raw.get("draft_overhead_ms")))
+            draft_overhead_ms=floats(raw.get("draft_overhead_ms")),
+            prefill_tokens=None if raw.get("prefill_tokens") is None else tuple(int(n) for n in raw["prefill_tokens"]),
+            prefill_ms=floats(raw.get("prefill_ms")), draft_prefill_ms=floats(raw.get("draft_prefill_ms")))
 
 
 def report_from_forward_times(depths: Sequence[int], target_s: Sequence[Sequence[float]], draft_s: Sequence[float],

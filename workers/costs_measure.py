@@ -17,6 +17,9 @@ Before a worker reports ready it spends at most ``budget_s`` here (or nothing, o
 3. **Depth.** The chosen target and the draft are timed at the deeper batch depths (1, 2, 4, ...,
    max_slots) for a subset of n, interpolated in n; points the budget did not reach are
    extrapolated from the deepest measured depth, and the report counts both.
+4. **Prefill.** A prompt's prefill at batch 1 at two lengths, the target's and the draft's
+   catch-up on it (``measure_prefill``): what a whole request's predicted speed-up adds to its
+   decode steps' (``CostReport.request_speedup``).
 """
 
 from __future__ import annotations
@@ -58,6 +61,8 @@ REPS = 3  # timings per point; the median is kept
 # The deeper batch the step overhead is timed at (or max_slots, if smaller): deep enough that
 # its per-sequence part stands out of timing noise, shallow enough to be cheap.
 OVERHEAD_DEPTH = 16
+# Prompt lengths a prefill is timed at; the cost of other lengths is on the line through them.
+PREFILL_TOKENS = (32, 128)
 
 
 @dataclass(frozen=True)
@@ -110,6 +115,47 @@ def _forward(model: LlamaForCausalLM, cache: KVCache, depth: int, n: int, positi
         else:
             model.forward_cached(tokens, cache, batch, rows, cols)
     return run
+
+
+def _prefill(model: LlamaForCausalLM, n: int) -> Callable[[], None]:
+    """A prompt of ``n`` tokens into an empty cache slot, the last token's logits out, as the
+    engine runs a prefill (fused attention, a forward of its own) and the draft's catch-up on a
+    prompt (its first drafting step)."""
+    cache = KVCache.allocate(model.cfg, 1, model.lm_head.weight.dtype)
+    lists = [[7 + i % 64 for i in range(n)]]
+    tokens = torch.tensor(lists)
+
+    def run() -> None:
+        if native_forward(model, cache, lists, [0], [0], [n - 1], False) is not None:
+            return
+        batch = CacheBatch.build([0], [0], [n], n, model.cfg.max_position_embeddings, row_invariant=False)
+        model.forward_cached(tokens, cache, batch, torch.zeros(1, dtype=torch.long), torch.tensor([n - 1]))
+    return run
+
+
+@torch.inference_mode()
+def measure_prefill(target: LlamaForCausalLM,
+                    draft: LlamaForCausalLM | None) -> tuple[tuple[float, ...], tuple[float, ...] | None]:
+    """Milliseconds to prefill PREFILL_TOKENS-long prompts at batch 1: the target's, and the
+    draft's catch-up on the prompt (one token more: the first output), the two taking turns.
+
+    Decode steps are what K is chosen for; a request's speed-up also pays its prompt, once in
+    plain decoding and once more by the draft in speculative, so a whole request's predicted
+    speed-up (``CostReport.request_speedup``) needs both."""
+    runs: dict[tuple[str, int, int], Callable[[], None]] = {}
+    for n in PREFILL_TOKENS:
+        runs[("target", 1, n)] = _prefill(target, n)
+        if draft is not None:
+            runs[("draft", 1, n)] = _prefill(draft, n + 1)
+    for run in runs.values():
+        run()  # first-call allocations
+    samples: dict[tuple[str, int, int], list[float]] = {key: [] for key in runs}
+    for _ in range(REPS):
+        for key, run in runs.items():
+            samples[key].append(_timed(run))
+    ms = {key: round(1000 * statistics.median(v), 4) for key, v in samples.items()}
+    drafts = tuple(ms[("draft", 1, n)] for n in PREFILL_TOKENS) if draft is not None else None
+    return tuple(ms[("target", 1, n)] for n in PREFILL_TOKENS), drafts
 
 
 def _timed(run: Callable[[], None]) -> float:
@@ -260,6 +306,7 @@ def measure_with_model(settings: MeasureSettings) -> tuple[CostReport, LlamaForC
     target, cache = targets[chosen_config], caches[chosen_config]
     depths = depth_grid(full)
     overhead_s, draft_overhead_s = measure_overheads(target, draft, max_k, depths, started + 0.7 * settings.budget_s)
+    prefill_ms, draft_prefill_ms = measure_prefill(target, draft)
     # Phase 2, the chosen target: every n at batch 1, then the full batch and the depths between
     # (a sparse n each), until the budget ends. A depth's points are timed together, taking
     # turns with its plain step, and joined to what that depth already has through the plain
@@ -309,7 +356,9 @@ def measure_with_model(settings: MeasureSettings) -> tuple[CostReport, LlamaForC
     report = report_from_forward_times(depths, target_s, draft_s, source="measured", precision=choice,
                                        overhead_s=overhead_s, draft_overhead_s=draft_overhead_s,
                                        measured_points=sum(len(r) for r in measured.values()),
-                                       total_points=width * len(depths), measure_s=round(elapsed, 3), cpu=cpu_label())
+                                       total_points=width * len(depths), measure_s=round(elapsed, 3), cpu=cpu_label(),
+                                       prefill_tokens=PREFILL_TOKENS, prefill_ms=prefill_ms,
+                                       draft_prefill_ms=draft_prefill_ms)
     return report, target
 
 
