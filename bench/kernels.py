@@ -11,6 +11,9 @@
 - ``draft_forward_ms``: a draft forward of 1 token at batch 1 right after a target forward (as
   the first draft forward of every speculative step runs: the target's weights have just
   streamed past the draft's) and right after another draft forward (its weights cached).
+- ``greedy_drafting_k3``: greedy decoding at K=3, batch 1, on held-out prompts, by two engines
+  taking turns a step each: drafting all K in one kernel call (as served) and per position
+  from Python; the median drafting phase and step, and tokens/s, of each.
 
 Python's call overhead (about 10 µs a projection) is inside ``projections_ms`` alike for both
 builds; the forwards go through ``workers.engine.native_forward``, as the engine runs them.
@@ -30,9 +33,12 @@ import torch
 from bench.turns import median_in_turns
 from workers import rowgemm
 from workers.cost_cache import cpu_label
-from workers.engine import native_forward
+from workers.demo_corpus import heldout_prompts
+from workers.engine import GenerationRequest, SpeculativeEngine, native_forward
+from workers.engine_api import SamplingParams
 from workers.kv_cache import KVCache
 from workers.model import LlamaForCausalLM
+from workers.text import TextCodec
 
 REPO = Path(__file__).resolve().parent.parent
 CONTEXT = 128  # cached tokens before each timed forward, as the cost measurement uses
@@ -81,6 +87,38 @@ def draft_forward_ms(target: LlamaForCausalLM, draft: LlamaForCausalLM, reps: in
             "cached": round(1000 * statistics.median(cached), 3)}
 
 
+def greedy_drafting(target: LlamaForCausalLM, draft: LlamaForCausalLM, prompts: list[list[int]], k: int,
+                    max_tokens: int) -> dict[str, dict[str, float]]:
+    """Greedy decoding at batch 1 and depth ``k`` on two engines that differ only in how they
+    draft: all K drafts in one kernel call (as served) or a forward and an argmax per draft
+    position from Python. The engines take turns, a step each, over the same prompts; per
+    engine: the median drafting phase of a decode step, the median step, and tokens/s."""
+    engines = {name: SpeculativeEngine(target, draft, max_slots=1, max_k=k, drafting_in_one_call=one_call)
+               for name, one_call in (("one_call", True), ("per_position", False))}
+    drafts: dict[str, list[float]] = {name: [] for name in engines}
+    steps: dict[str, list[float]] = {name: [] for name in engines}
+    tokens, seconds = dict.fromkeys(engines, 0), dict.fromkeys(engines, 0.0)
+    greedy = SamplingParams(temperature=0.0)
+    for i, ids in enumerate(prompts):
+        for engine in engines.values():
+            engine.add(GenerationRequest(f"p{i}", ids, max_tokens, greedy, k=k))
+        while any(engine.has_work for engine in engines.values()):
+            for name, engine in engines.items():
+                if not engine.has_work:
+                    continue
+                started = time.perf_counter()
+                events = engine.step()
+                seconds[name] += time.perf_counter() - started
+                tokens[name] += sum(len(e.tokens) for e in events)
+                shape = engine.last_shape
+                if not shape.prefill and shape.drafts == k and shape.target_width == k + 1:
+                    drafts[name].append(engine.last_draft_s)
+                    steps[name].append(engine.last_step_s)
+    return {name: {"drafting_ms": round(1000 * statistics.median(drafts[name]), 3),
+                   "step_ms": round(1000 * statistics.median(steps[name]), 3),
+                   "tok_s": round(tokens[name] / seconds[name], 1)} for name in engines}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--target", type=Path, default=REPO / "models/demo-target")
@@ -105,6 +143,9 @@ def main() -> None:
         projections = projections_ms(target, {"prefetch": served, "no_prefetch": unprefetched}, args.max_rows,
                                      args.reps)
         draft_ms = draft_forward_ms(target, draft, args.reps * 4)
+        codec = TextCodec.from_model_dir(args.target)
+        prompts = [codec.encode(text) for text in heldout_prompts(2 if args.quick else 8, seed=1)]
+        drafting = greedy_drafting(target, draft, prompts, 3, 16 if args.quick else 96)
     over_one = {name: {rows: round(ms / times["1"], 3) for rows, ms in times.items()}
                 for name, times in projections.items()}
     for name, times in projections.items():
@@ -112,9 +153,12 @@ def main() -> None:
             f"{rows} rows {ms:.2f} ms ({over_one[name][rows]:.2f}x)" for rows, ms in times.items()), flush=True)
     print(f"draft forward at batch 1: right after a target forward {draft_ms['after_target']:.3f} ms, "
           f"with its weights cached {draft_ms['cached']:.3f} ms")
+    for name, figures in drafting.items():
+        print(f"greedy decoding at batch 1, K=3, drafting {name.replace('_', ' ')}: drafting "
+              f"{figures['drafting_ms']:.3f} ms of a {figures['step_ms']:.3f} ms step, {figures['tok_s']:.1f} tok/s")
     if args.json:
         print(json.dumps({"bench": "kernels", "cpu": cpu, "projections_ms": projections,
-                          "rows_over_one": over_one, "draft_forward_ms": draft_ms}))
+                          "rows_over_one": over_one, "draft_forward_ms": draft_ms, "greedy_drafting_k3": drafting}))
 
 
 if __name__ == "__main__":

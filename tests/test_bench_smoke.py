@@ -93,6 +93,9 @@ def test_bench_kernels_quick_json() -> None:
         assert result["rows_over_one"][name]["1"] == 1.0
     assert result["draft_forward_ms"]["after_target"] > 0 and result["draft_forward_ms"]["cached"] > 0
     assert result["cpu"] and "draft forward at batch 1" in stdout
+    drafting = result["greedy_drafting_k3"]
+    assert set(drafting) == {"one_call", "per_position"}
+    assert all(f["drafting_ms"] > 0 and f["step_ms"] > f["drafting_ms"] and f["tok_s"] > 0 for f in drafting.values())
 
 
 def test_bench_kauto_mix_json() -> None:

@@ -193,13 +193,18 @@ def test_rows_from_lists_are_the_tensor_call_bit_for_bit(demo_models: dict[str, 
     assert all(torch.equal(a, b) for a, b in zip(outs[0], outs[1], strict=True))
 
 
+def draft_kernel_and_cache(
+        demo_models: dict[str, LlamaForCausalLM]) -> tuple[LlamaForCausalLM, rowgemm.FusedForward, KVCache]:
+    """The draft on the kernels, its one-call forward, and an empty two-slot cache for it."""
+    model = demo_models["draft-packed"]
+    assert model.fused is not None
+    return model, model.fused, KVCache.allocate(model.cfg, 2, torch.float32)
+
+
 @needs_kernel
 def test_rows_from_lists_refuse_what_would_read_or_write_out_of_range(
         demo_models: dict[str, LlamaForCausalLM]) -> None:
-    model = demo_models["draft-packed"]
-    fused = model.fused
-    assert fused is not None
-    cache = KVCache.allocate(model.cfg, 2, torch.float32)
+    model, fused, cache = draft_kernel_and_cache(demo_models)
     positions = cache.k[0].shape[2]
     vocab = model.cfg.vocab_size
     with pytest.raises(ValueError, match="vocabulary"):
@@ -248,10 +253,7 @@ def test_greedy_drafting_in_one_call_is_the_per_step_forwards_bit_for_bit(
 @needs_kernel
 def test_greedy_drafting_refuses_what_its_later_steps_would_write_out_of_range(
         demo_models: dict[str, LlamaForCausalLM]) -> None:
-    model = demo_models["draft-packed"]
-    fused = model.fused
-    assert fused is not None
-    cache = KVCache.allocate(model.cfg, 2, torch.float32)
+    model, fused, cache = draft_kernel_and_cache(demo_models)
     positions = cache.k[0].shape[2]
     with pytest.raises(ValueError, match="cache rows"):  # the third step's token lands one past the end
         fused.draft_greedy([[5, 6]], cache.k, cache.v, [0], [positions - 3], 3)
@@ -284,9 +286,7 @@ def test_engine_greedy_drafting_in_one_call_matches_the_per_position_path(
     monkeypatch.setattr(rowgemm.FusedForward, "draft_greedy", counted)
     runs = []
     for per_position in (False, True):
-        if per_position:
-            monkeypatch.setattr(SpeculativeEngine, "_propose_greedy", lambda self, seqs: False)
-        engine = SpeculativeEngine(target, draft, max_slots=3, max_k=6)
+        engine = SpeculativeEngine(target, draft, max_slots=3, max_k=6, drafting_in_one_call=not per_position)
         for i, ids in enumerate(prompts):
             engine.add(GenerationRequest(f"r{i}", ids, 40, greedy, k=4))
         steps = []
@@ -295,4 +295,6 @@ def test_engine_greedy_drafting_in_one_call_matches_the_per_position_path(
         runs.append(steps)
         if not per_position:
             assert calls > 5  # the one-call path served the drafting steps
+            calls = 0
+    assert calls == 0  # and the per-position path never called it
     assert runs[0] == runs[1]

@@ -117,7 +117,7 @@ def native_forward(model: LlamaForCausalLM, cache: KVCache, tokens: list[list[in
 class SpeculativeEngine:
     def __init__(self, target: LlamaForCausalLM, draft: LlamaForCausalLM | None, *, max_slots: int = 8,
                  max_k: int = 8, step_depth_rule: StepDepthRule | None = None,
-                 rng: random.Random | None = None) -> None:
+                 rng: random.Random | None = None, drafting_in_one_call: bool = True) -> None:
         if draft is not None and draft.cfg.vocab_size != target.cfg.vocab_size:
             raise ValueError("draft and target must share a vocabulary")
         self.target = target
@@ -134,6 +134,9 @@ class SpeculativeEngine:
             self.draft_cache = KVCache.allocate(draft.cfg, max_slots, draft.lm_head.weight.dtype)
         self.eos_ids = frozenset(target.cfg.eos_token_ids)
         self.step_depth_rule = step_depth_rule
+        # Greedy drafting in one kernel call (_propose_greedy); False drafts per position, as
+        # every other sequence does (bench.kernels measures what the one call buys).
+        self.drafting_in_one_call = drafting_in_one_call
         self.step_cost_rule: StepCostRule | None = None
         # Seeds for unseeded requests' streams (a fixed rng makes tests and benchmarks repeatable).
         self._rng = rng if rng is not None else random.Random()
@@ -350,7 +353,8 @@ class SpeculativeEngine:
         positions and isolates the failing sequence."""
         assert self.draft is not None and self.draft_cache is not None
         fused, k = self.draft.fused, seqs[0].step_k
-        if fused is None or any(s.step_k != k or s.request.params.temperature > 0.0 for s in seqs):
+        if fused is None or not self.drafting_in_one_call or any(
+                s.step_k != k or s.request.params.temperature > 0.0 for s in seqs):
             return False
         # The first forward catches the draft cache up: 1-2 tokens, more after a plain spell,
         # where the kernel's attention serves only short rows (native_forward).
