@@ -82,6 +82,8 @@ def test_bench_draft_vocab_quick_json() -> None:
     coverage = result["coverage_by_vocab"]
     assert 0 < coverage["512"] <= coverage["1024"] <= coverage["2048"] <= 1
     assert "held-out code tokens inside" in stdout
+    agreement = result["greedy_agreement_by_vocab"]
+    assert set(agreement) == {"4096", "2048", "1024", "512"} and all(0 < a <= 1 for a in agreement.values())
 
 
 @pytest.mark.skipif(rowgemm.load() is None, reason="workers/rowgemm.py does not build here (no C compiler or AVX2)")
