@@ -218,23 +218,29 @@ def forward_times(models: dict[str, tuple[LlamaForCausalLM, int]], drafts: tuple
     return {name: total / reps for name, total in totals.items()}
 
 
-def prefill_times(target: LlamaForCausalLM, prompt_tokens: int, reps: int) -> dict[str, float]:
-    """Seconds to prefill a prompt with the fused attention kernel (what the engine uses for a
-    prefill) and with row-invariant attention (what decode rows need), taking turns."""
+def prefill_times(target: LlamaForCausalLM, prompt_tokens: list[int], reps: int) -> dict[str, dict[str, float]]:
+    """Seconds to prefill a prompt of each length at batch 1 as the engine does (fused, not
+    row-invariant: the one-call kernel up to ``native_attention_max_tokens``, SDPA beyond) and
+    with SDPA attention in the per-op path (what served prefills longer than 16 tokens before),
+    taking turns."""
     cache = KVCache.allocate(target.cfg, 1, target.lm_head.weight.dtype)
-    prompt = torch.randint(5, target.cfg.vocab_size, (1, prompt_tokens), generator=torch.Generator().manual_seed(0))
-    totals = {"fused": 0.0, "row_invariant": 0.0}
+    served = target.native_attention_max_tokens
+    out: dict[str, dict[str, float]] = {}
     with torch.inference_mode():
-        for i in range(reps + 1):
-            for name in totals:
-                started = time.perf_counter()
-                batch = CacheBatch.build([0], [0], [prompt_tokens], prompt_tokens, target.cfg.max_position_embeddings,
-                                         row_invariant=name == "row_invariant")
-                target.forward_cached(prompt, cache, batch, torch.zeros(1, dtype=torch.long),
-                                      torch.tensor([prompt_tokens - 1]))
-                if i >= 1:
-                    totals[name] += time.perf_counter() - started
-    return {name: total / reps for name, total in totals.items()}
+        for n in prompt_tokens:
+            prompt = torch.randint(5, target.cfg.vocab_size, (1, n), generator=torch.Generator().manual_seed(0))
+            totals = {"served": 0.0, "sdpa": 0.0}
+            for i in range(reps + 1):
+                for name in totals:
+                    target.native_attention_max_tokens = served if name == "served" else 0
+                    started = time.perf_counter()
+                    batch = CacheBatch.build([0], [0], [n], n, target.cfg.max_position_embeddings, row_invariant=False)
+                    target.forward_cached(prompt, cache, batch, torch.zeros(1, dtype=torch.long), torch.tensor([n - 1]))
+                    if i >= 1:
+                        totals[name] += time.perf_counter() - started
+            target.native_attention_max_tokens = served
+            out[str(n)] = {name: total / reps for name, total in totals.items()}
+    return out
 
 
 def speedup_bound(alpha: float, c: float, k: int) -> float:
@@ -335,9 +341,9 @@ def main() -> None:
     alt_verify_cost = timed[f"verify{last}_alt"] / timed["target_alt"]
     log(f"other dtypes: target in {other[args.dtype]} {1000 * timed['target_alt']:.2f} ms, n={last} / 1 token "
         f"{alt_verify_cost:.2f}; draft in {other[args.draft_dtype]} {1000 * timed['draft_alt']:.2f} ms")
-    prefill = prefill_times(target, 512, 3 if args.quick else 10)
-    log(f"prefill of 512 tokens: fused attention {1000 * prefill['fused']:.1f} ms, row-invariant "
-        f"{1000 * prefill['row_invariant']:.1f} ms")
+    prefill = prefill_times(target, [32, 512] if args.quick else [32, 64, 128, 256, 512], 3 if args.quick else 10)
+    log("prefill at batch 1, as served / per-op with SDPA attention (ms): " + ", ".join(
+        f"{n} tokens {1000 * p['served']:.1f} / {1000 * p['sdpa']:.1f}" for n, p in prefill.items()))
     log(f"best K={best_k}: speed-up {speedup:.2f}x, bound S={bound:.2f}, measured/bound {speedup / bound:.2f}")
     # The cost model's prediction at the measured alpha, for the K it would choose: as measured
     # at start-up, and after the online refinement from the steps above.
@@ -423,7 +429,7 @@ def main() -> None:
         "other_dtypes": {"target": other[args.dtype], "target_forward_ms": round(1000 * timed["target_alt"], 3),
                          f"verify_cost_{last}_tokens": round(alt_verify_cost, 3), "draft": other[args.draft_dtype],
                          "draft_forward_ms": round(1000 * timed["draft_alt"], 3)},
-        "prefill_512_ms": {name: round(1000 * s, 1) for name, s in prefill.items()},
+        "prefill_by_tokens_ms": {n: {name: round(1000 * s, 1) for name, s in p.items()} for n, p in prefill.items()},
         "alpha_by_temperature": alpha_by_t, "alpha_seeded_coupled_by_temperature": coupled_by_t, **batched,
         "cpu": costs.cpu, "precision_choice": {"target": costs.precision.target, "exact": costs.precision.exact,
                                                "why": costs.precision.why},

@@ -29,7 +29,7 @@ import torch
 from workers.engine_api import FinishReason, GenerationRequest, StepEvent
 from workers.kv_cache import CacheBatch, KVCache
 from workers.limits import check_sampling
-from workers.model import NATIVE_ATTENTION_MAX_TOKENS, LlamaForCausalLM
+from workers.model import LlamaForCausalLM
 from workers.sampling import Verdict, gumbel_max, probabilities, sample, seeded_noise, verify, verify_greedy
 
 __all__ = ["GenerationRequest", "SpeculativeEngine", "StepCostRule", "StepDepthRule", "StepEvent"]
@@ -109,7 +109,7 @@ def native_forward(model: LlamaForCausalLM, cache: KVCache, tokens: list[list[in
     ``forward_cached`` cost about as much as its arithmetic). Logits (N, V) for ``logit_idx``
     (into the rows padded to the longest); None where the model must take ``forward_cached``."""
     fused = model.fused
-    if fused is None or not (row_invariant or max(map(len, tokens)) <= NATIVE_ATTENTION_MAX_TOKENS):
+    if fused is None or not (row_invariant or max(map(len, tokens)) <= model.native_attention_max_tokens):
         return None
     return fused.run_rows(tokens, cache.k, cache.v, slots, starts, logit_idx)
 
@@ -356,10 +356,10 @@ class SpeculativeEngine:
         if fused is None or not self.drafting_in_one_call or any(
                 s.step_k != k or s.request.params.temperature > 0.0 for s in seqs):
             return False
-        # The first forward catches the draft cache up: 1-2 tokens, more after a plain spell,
-        # where the kernel's attention serves only short rows (native_forward).
+        # The first forward catches the draft cache up: 1-2 tokens, more after a plain spell or
+        # on a prompt; the kernel's attention serves rows up to a length (native_forward).
         rows = [s.tokens[s.draft_len:] for s in seqs]
-        if max(map(len, rows)) > NATIVE_ATTENTION_MAX_TOKENS:
+        if max(map(len, rows)) > self.draft.native_attention_max_tokens:
             return False
         try:
             drafts = fused.draft_greedy(rows, self.draft_cache.k, self.draft_cache.v, [s.slot for s in seqs],

@@ -316,13 +316,18 @@ class Backbone(nn.Module):
         return [layer for layer in self.layers if isinstance(layer, DecoderLayer)]
 
 
-# The native float32 path (LlamaForCausalLM._forward_native) attends with its own kernel in
-# forwards up to this many tokens, and in every row-invariant one; longer ones (prefills) with SDPA.
-NATIVE_ATTENTION_MAX_TOKENS = 16
+# The native float32 path (LlamaForCausalLM._forward_native) attends with its own kernel, in
+# the one-call forward, in forwards up to this many tokens and in every row-invariant one;
+# longer ones (long prefills) with SDPA. On the AVX2 CPU (bench.engine's prefill_by_tokens_ms,
+# one run) the one call prefilled 32 / 64 / 128 tokens in 13.5 / 23.1 / 55.3 ms against SDPA's
+# 18.0 / 26.7 / 60.0, and 256 / 512 tokens in 111.3 / 267.7 against 110.1 / 259.1; it was 16
+# while the per-op path was the native one. Per model, so the bench can time SDPA beside it.
+NATIVE_ATTENTION_MAX_TOKENS = 128
 
 class LlamaForCausalLM(nn.Module):
     rope_cos: torch.Tensor
     rope_sin: torch.Tensor
+    native_attention_max_tokens: int = NATIVE_ATTENTION_MAX_TOKENS
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
@@ -485,7 +490,7 @@ class LlamaForCausalLM(nn.Module):
         """
         cfg = self.cfg
         length = tokens.shape[1]
-        native_attention = batch.row_invariant or length <= NATIVE_ATTENTION_MAX_TOKENS
+        native_attention = batch.row_invariant or length <= self.native_attention_max_tokens
         if native_attention:
             cache_shape = cache.k[0].shape
             rowgemm.check_bounds(tokens, cfg.vocab_size, batch.rows, cache_shape[0], cache_shape[2])
