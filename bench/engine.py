@@ -31,7 +31,7 @@ from pathlib import Path
 import torch
 
 from policies import CostModel, choose_k, gain, tested_drafts
-from workers.cost_model import OnlineCosts
+from workers.cost_model import OnlineCosts, catch_up_pays
 from workers.costs_measure import MeasureSettings, measure
 from workers.demo_corpus import heldout_prompts
 from workers.engine import GenerationRequest, SpeculativeEngine, StepEvent, native_forward
@@ -173,14 +173,18 @@ class AutoK:
 
     def __init__(self, costs: OnlineCosts, alpha: float, max_k: int) -> None:
         self.costs, self.alpha, self.max_k = costs, alpha, max_k
-        self.calls, self.model = 0, live_model(costs)
+        self.calls, self.model, self.report = 0, live_model(costs), costs.report()
         self.by_depth: dict[int, int] = {}
         self.chosen: dict[int, int] = {}  # K -> sequence-steps it was chosen for (why auto wins or loses)
+
+    def catch_up(self, lag: int, remaining: int, k: int, depth: int) -> bool:
+        """The worker's catch-up rule (``SpeculativeEngine.catch_up_rule``) on the same model."""
+        return catch_up_pays(self.model, self.report, self.alpha, k, depth, lag, remaining)
 
     def __call__(self, requested_k: int, depth: int) -> int:
         self.calls += 1
         if self.calls % 256 == 0:
-            self.model, self.by_depth = live_model(self.costs), {}
+            self.model, self.report, self.by_depth = live_model(self.costs), self.costs.report(), {}
         best = self.by_depth.get(depth)
         if best is None:
             best = self.by_depth[depth] = choose_k(self.model, self.alpha, depth, self.max_k, 0.05, 0.0)
@@ -399,6 +403,7 @@ def main() -> None:
         # kmax + 1 (requests ask for the deepest K; the rule cuts it).
         rule = AutoK(online, best.alpha, args.kmax)
         auto = SpeculativeEngine(target, draft, max_slots=size, max_k=args.kmax, step_depth_rule=rule)
+        auto.catch_up_rule = rule.catch_up
         trio = {0: SpeculativeEngine(target, draft, max_slots=size, max_k=args.kmax),
                 best_k: SpeculativeEngine(target, draft, max_slots=size, max_k=args.kmax), args.kmax + 1: auto}
         both, _ = run_interleaved(trio, [group], args.batch_max_tokens, 0.0, costs=online)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Iterator
 from pathlib import Path
@@ -20,6 +21,7 @@ from workers.cost_model import (
     OnlineCosts,
     PrecisionCandidate,
     StepTimeCosts,
+    catch_up_pays,
     depth_grid,
     report_from_forward_times,
 )
@@ -207,6 +209,27 @@ def test_request_speedup_adds_the_prompts_to_the_decode_steps() -> None:
     assert report.request_speedup(alpha, 2, [(32, 100_000)]) == pytest.approx(decode_gain, rel=1e-3)
     assert report_from_forward_times((1,), [[0.010, 0.012, 0.015]], [0.002]).request_speedup(alpha, 2, [(8, 9)]) is None
     assert CostReport.from_json(report.to_json()) == report
+
+
+def test_catch_up_pays_when_the_remaining_tokens_gain_back_the_drafts_catch_up() -> None:
+    """A sequence that decoded ``lag`` tokens plain drafts again only if speculation saves, over
+    its remaining tokens, more than the draft's catch-up forward on the lag costs."""
+    report = report_from_forward_times((1, 8), [[0.010, 0.012, 0.015], [0.020, 0.040, 0.060]], [0.002, 0.004],
+                                       prefill_tokens=(32, 128), prefill_ms=(40.0, 100.0),
+                                       draft_prefill_ms=(8.0, 20.0))
+    model = report.policy_model()
+    alpha = 0.8
+    # Depth 1, K=2: gain (1 + .8 + .64) / 1.9; each remaining token saves 10 ms x (1 - 1/gain).
+    saving = 0.010 * (1 - 1.9 / 2.44)
+    catch_up = (8 + 12 * 48 / 96) / 1000  # the draft's prefill of 80 tokens
+    needed = catch_up / saving
+    assert catch_up_pays(model, report, alpha, 2, 1, 80, math.ceil(needed))
+    assert not catch_up_pays(model, report, alpha, 2, 1, 80, math.floor(needed))
+    # Where speculation loses (depth 8: verifying 3 tokens costs 3x), nothing pays.
+    assert not catch_up_pays(model, report, alpha, 2, 8, 80, 10_000)
+    # Without prefill costs (the sim, vLLM) the rule does not hold anything back.
+    bare = report_from_forward_times((1,), [[0.010, 0.012, 0.015]], [0.002])
+    assert catch_up_pays(bare.policy_model(), bare, alpha, 2, 1, 500, 1)
 
 
 def test_online_refinement_moves_the_overhead_toward_step_timings() -> None:

@@ -297,6 +297,48 @@ def test_a_step_cost_rule_without_an_answer_leaves_each_sequence_its_own_k(
 
 
 
+def test_a_catch_up_rule_keeps_a_lagging_sequence_plain_until_it_pays(target_model: LlamaForCausalLM,
+                                                                       draft_model: LlamaForCausalLM) -> None:
+    """K auto prices the draft's catch-up on tokens decoded plain (workers.cost_model.catch_up_pays):
+    the engine asks its rule before a sequence whose draft lags drafts, with the lag, the tokens
+    left and the step's K and depth, and decodes the step plain on a no. Output is unchanged."""
+    asked: list[tuple[int, int, int, int]] = []
+
+    def rule(lag: int, remaining: int, k: int, depth: int) -> bool:
+        asked.append((lag, remaining, k, depth))
+        return remaining > 20
+
+    engine = SpeculativeEngine(target_model, draft_model, max_slots=1, max_k=MAX_K)
+    engine.catch_up_rule = rule
+    engine.add(GenerationRequest("r", PROMPTS[0], 40, GREEDY, k=0))
+    events: list[StepEvent] = []
+    while engine.has_work and sum(len(e.tokens) for e in events) < 12:
+        events += engine.step()
+    assert asked == []  # plain: nothing to price
+    engine.set_k("r", 3)
+    events += engine.step()
+    # The draft has seen nothing of the prompt or the 12 tokens: it lags all of them, 28 left.
+    assert asked == [(len(PROMPTS[0]) + 12, 28, 3, 1)] and events[-1].proposed == 3
+    asked.clear()
+    events += [e for e in run_until_idle(engine)["r"]]
+    assert asked == []  # caught up: each step's lag is ordinary
+    assert output_tokens(events) == output_tokens(generate(
+        SpeculativeEngine(target_model, draft_model, max_slots=1, max_k=MAX_K),
+        GenerationRequest("alone", PROMPTS[0], 40, GREEDY, k=0)))
+    # A short remainder: the rule says no at every step, and the sequence ends plain.
+    late = SpeculativeEngine(target_model, draft_model, max_slots=1, max_k=MAX_K)
+    late.catch_up_rule = rule
+    late.add(GenerationRequest("r", PROMPTS[0], 30, GREEDY, k=0))
+    done: list[StepEvent] = []
+    while late.has_work and sum(len(e.tokens) for e in done) < 12:
+        done += late.step()
+    late.set_k("r", 3)
+    asked.clear()
+    done += run_until_idle(late)["r"]
+    assert asked and all(remaining <= 20 for _, remaining, _, _ in asked)
+    assert all(e.proposed == 0 for e in done)
+
+
 def test_step_times_and_shape_cover_the_whole_step(target_model: LlamaForCausalLM,
                                                    draft_model: LlamaForCausalLM) -> None:
     """What the cost model's overhead term is read from: the whole step's time holds its draft and

@@ -240,6 +240,24 @@ class AcceptanceEstimate:
         return self.value if self.tested >= RULE_EVIDENCE else None
 
 
+def catch_up_pays(model: CostModel, report: CostReport, alpha: float, k: int, depth: int, lag: int,
+                  remaining: int) -> bool:
+    """Whether a sequence that decoded ``lag`` tokens plain gains back, over its ``remaining``
+    tokens drafting K at this depth, the draft's catch-up on them: one draft forward over the
+    lag, priced as the draft's prefill (``CostReport.prefill_s``). The gain is the sequence's
+    share of a step's time (a plain step over the depth) times what speculation saves of it.
+    True where no prefill cost was measured (the sim and vLLM engines catch up otherwise)."""
+    catch_up_s = report.prefill_s(lag, draft=True)
+    if catch_up_s is None:
+        return True
+    speed = gain(model, alpha, k, depth)
+    if speed <= 1.0:
+        return False
+    i = _nearest(report.depths, depth)
+    plain_s = (report.plain_step_ms[i] + (report.step_overhead_ms or [0.0] * len(report.depths))[i]) / 1000
+    return remaining * plain_s / report.depths[i] * (1.0 - 1.0 / speed) >= catch_up_s
+
+
 @dataclass
 class StepCostRule:
     """The worker's per-step K rule under K auto (``policies.cost.batch_step_k``) at the

@@ -32,13 +32,19 @@ from workers.limits import check_sampling
 from workers.model import LlamaForCausalLM
 from workers.sampling import Verdict, gumbel_max, probabilities, sample, seeded_noise, verify, verify_greedy
 
-__all__ = ["GenerationRequest", "SpeculativeEngine", "StepCostRule", "StepDepthRule", "StepEvent"]
+__all__ = ["CatchUpRule", "GenerationRequest", "SpeculativeEngine", "StepCostRule", "StepDepthRule", "StepEvent"]
 # (requested K, batch depth) -> K for this step. The worker plugs in the policy's batch rule.
 StepDepthRule = Callable[[int, int], int]
 # The step's Ks after that rule (0: plain or a prefill) -> the one K every drafting sequence
 # drafts this step, each within its own limits (K auto: policies.cost.batch_step_k); None leaves
 # each sequence its own K (the rule is off, or has no evidence yet).
 StepCostRule = Callable[[list[int]], int | None]
+# (tokens the draft lags, tokens the sequence has left, the step's K, batch depth) -> whether
+# catching the draft up on those tokens (they were decoded plain) pays before the sequence ends
+# (K auto: workers.cost_model.catch_up_pays); False: the sequence decodes this step plain.
+CatchUpRule = Callable[[int, int, int, int], bool]
+# The draft's lag after an ordinary speculative or plain step (1-2 tokens): no catch-up to price.
+ORDINARY_LAG = 2
 
 
 @dataclass
@@ -138,6 +144,7 @@ class SpeculativeEngine:
         # every other sequence does (bench.kernels measures what the one call buys).
         self.drafting_in_one_call = drafting_in_one_call
         self.step_cost_rule: StepCostRule | None = None
+        self.catch_up_rule: CatchUpRule | None = None
         # Seeds for unseeded requests' streams (a fixed rng makes tests and benchmarks repeatable).
         self._rng = rng if rng is not None else random.Random()
         self._waiting: deque[GenerationRequest] = deque()
@@ -250,6 +257,10 @@ class SpeculativeEngine:
             remaining = seq.request.max_tokens - seq.emitted
             # More than remaining-1 drafts could never be emitted; the cache must hold them too.
             seq.step_k = max(0, min(k, self.max_k, remaining - 1, self.max_positions - len(seq.tokens) - 1))
+            lag = len(seq.tokens) - seq.draft_len
+            if (seq.step_k > 0 and self.catch_up_rule is not None and lag > ORDINARY_LAG
+                    and not self.catch_up_rule(lag, remaining, seq.step_k, depth)):
+                seq.step_k = 0
         failed: dict[str, Exception] = {}  # one sequence's failure must not end the others
         started = time.perf_counter()
         self._propose([s for s in seqs if s.step_k > 0], failed)

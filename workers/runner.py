@@ -17,7 +17,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from policies.speculation import step_depth
-from workers.cost_model import OnlineCosts, StepCostRule
+from workers.cost_model import CostReport, OnlineCosts, StepCostRule, catch_up_pays
 from workers.engine import SpeculativeEngine
 from workers.engine_api import EngineTotals, GenerationRequest, StepEvent, StepObserver, StepStats
 
@@ -62,6 +62,7 @@ class EngineRunner:
         self.costs = costs
         self._cost_rule = False
         self._step_costs: StepCostRule | None = None
+        self._step_report: CostReport | None = None
         self._cost_table_age = COST_TABLE_STEPS
         # This loop's own per-step work after the engine's step (accounting, handing events to
         # the event loop): part of a step's cost outside the forwards, so it is added to the
@@ -69,6 +70,7 @@ class EngineRunner:
         self._tail_s = 0.0
         engine.step_depth_rule = self._step_depth
         engine.step_cost_rule = self._step_cost
+        engine.catch_up_rule = self._catch_up
 
     @property
     def batch_depth(self) -> int:
@@ -117,9 +119,27 @@ class EngineRunner:
         alpha = self.costs.acceptance.evidenced
         if alpha is None:
             return None
+        return self._cost_rule_now().k(requested, alpha)
+
+    def _catch_up(self, lag: int, remaining: int, k: int, depth: int) -> bool:
+        """Under the cost rule, whether a sequence that decoded ``lag`` tokens plain should catch
+        its draft up and draft now (workers.cost_model.catch_up_pays); True without the rule."""
+        if not self._cost_rule or self.costs is None:
+            return True
+        alpha = self.costs.acceptance.evidenced
+        if alpha is None:
+            return True
+        rule = self._cost_rule_now()
+        assert self._step_report is not None
+        return catch_up_pays(rule.model, self._step_report, alpha, k, depth, lag, remaining)
+
+    def _cost_rule_now(self) -> StepCostRule:
+        """The step rule and the report it was built from, rebuilt every COST_TABLE_STEPS steps."""
+        assert self.costs is not None
         if self._step_costs is None:
-            self._step_costs = StepCostRule(self.costs.report().policy_model())
-        return self._step_costs.k(requested, alpha)
+            self._step_report = self.costs.report()
+            self._step_costs = StepCostRule(self._step_report.policy_model())
+        return self._step_costs
 
     # -- compute thread ---------------------------------------------------------------------------
     def _deliver(self, request_id: str, item: StepEvent | BaseException) -> None:
