@@ -297,6 +297,16 @@ def test_a_step_cost_rule_without_an_answer_leaves_each_sequence_its_own_k(
 
 
 
+def plain_for(engine: SpeculativeEngine, max_tokens: int, tokens: int) -> list[StepEvent]:
+    """Greedy request "r" on PROMPTS[0], decoded plain for ``tokens`` tokens, then set to K=3."""
+    engine.add(GenerationRequest("r", PROMPTS[0], max_tokens, GREEDY, k=0))
+    events: list[StepEvent] = []
+    while engine.has_work and sum(len(e.tokens) for e in events) < tokens:
+        events += engine.step()
+    engine.set_k("r", 3)
+    return events
+
+
 def test_a_catch_up_rule_keeps_a_lagging_sequence_plain_until_it_pays(target_model: LlamaForCausalLM,
                                                                        draft_model: LlamaForCausalLM) -> None:
     """K auto prices the draft's catch-up on tokens decoded plain (workers.cost_model.catch_up_pays):
@@ -310,17 +320,13 @@ def test_a_catch_up_rule_keeps_a_lagging_sequence_plain_until_it_pays(target_mod
 
     engine = SpeculativeEngine(target_model, draft_model, max_slots=1, max_k=MAX_K)
     engine.catch_up_rule = rule
-    engine.add(GenerationRequest("r", PROMPTS[0], 40, GREEDY, k=0))
-    events: list[StepEvent] = []
-    while engine.has_work and sum(len(e.tokens) for e in events) < 12:
-        events += engine.step()
+    events = plain_for(engine, 40, 12)
     assert asked == []  # plain: nothing to price
-    engine.set_k("r", 3)
     events += engine.step()
     # The draft has seen nothing of the prompt or the 12 tokens: it lags all of them, 28 left.
     assert asked == [(len(PROMPTS[0]) + 12, 28, 3, 1)] and events[-1].proposed == 3
     asked.clear()
-    events += [e for e in run_until_idle(engine)["r"]]
+    events += run_until_idle(engine)["r"]
     assert asked == []  # caught up: each step's lag is ordinary
     assert output_tokens(events) == output_tokens(generate(
         SpeculativeEngine(target_model, draft_model, max_slots=1, max_k=MAX_K),
@@ -328,11 +334,7 @@ def test_a_catch_up_rule_keeps_a_lagging_sequence_plain_until_it_pays(target_mod
     # A short remainder: the rule says no at every step, and the sequence ends plain.
     late = SpeculativeEngine(target_model, draft_model, max_slots=1, max_k=MAX_K)
     late.catch_up_rule = rule
-    late.add(GenerationRequest("r", PROMPTS[0], 30, GREEDY, k=0))
-    done: list[StepEvent] = []
-    while late.has_work and sum(len(e.tokens) for e in done) < 12:
-        done += late.step()
-    late.set_k("r", 3)
+    done = plain_for(late, 30, 12)
     asked.clear()
     done += run_until_idle(late)["r"]
     assert asked and all(remaining <= 20 for _, remaining, _, _ in asked)
