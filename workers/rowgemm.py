@@ -205,6 +205,7 @@ class FusedForward:
                              i64, i64, i64, f32, f32, ptr, i64, i64, ptr, ptr]
         self._draft = kernel._lib.draft_greedy
         self._draft.restype = None
+        # The 22 arguments both C functions begin with (_forward_args), then draft_greedy's own.
         self._draft.argtypes = [*self._fn.argtypes[:22], ptr, i64, ptr, ptr, i64, ptr]
         self._keep = (embed, norms, panels, cos, sin)
         self.embed, self.cos, self.sin = embed, cos, sin
@@ -232,11 +233,9 @@ class FusedForward:
     def __call__(self, tokens: torch.Tensor, k_cache: list[torch.Tensor], v_cache: list[torch.Tensor],
                  rows: torch.Tensor, logit_idx: torch.Tensor) -> torch.Tensor:
         """tokens (B, L); rows (3, B) slots/starts/lengths; logit_idx (N,) into B*L -> logits (N, V)."""
-        b, length = tokens.shape
-        m, n = b * length, logit_idx.shape[0]
-        if n:
-            _check_logit_rows(int(logit_idx.min()), int(logit_idx.max()), m)
-        return self._run(tokens.contiguous(), b, length, k_cache, v_cache, rows, logit_idx.contiguous(), n)
+        if logit_idx.numel():
+            _check_logit_rows(int(logit_idx.min()), int(logit_idx.max()), tokens.numel())
+        return self._run(tokens.contiguous(), k_cache, v_cache, rows, logit_idx.contiguous())
 
     def run_rows(self, tokens: list[list[int]], k_cache: list[torch.Tensor], v_cache: list[torch.Tensor],
                  slots: list[int], starts: list[int], logit_idx: list[int]) -> torch.Tensor:
@@ -245,13 +244,11 @@ class FusedForward:
         ``logit_idx`` (into the padded B x L). Checks every index the C side would use unchecked
         (what ``check_bounds`` and ``__call__`` check), without a torch op per check: at batch 1
         they cost more than a draft model's forward."""
-        tensor, lengths = self._checked_rows(tokens, k_cache, slots, starts, 0)
+        tensor, rows, _ = self._checked_rows(tokens, k_cache, slots, starts, 0)
         b, length = tensor.shape
         if logit_idx:
             _check_logit_rows(min(logit_idx), max(logit_idx), b * length)
-        rows = torch.tensor([slots, starts, lengths], dtype=torch.long)
-        return self._run(tensor, b, length, k_cache, v_cache, rows, torch.tensor(logit_idx, dtype=torch.long),
-                         len(logit_idx))
+        return self._run(tensor, k_cache, v_cache, rows, torch.tensor(logit_idx, dtype=torch.long))
 
     def draft_greedy(self, tokens: list[list[int]], k_cache: list[torch.Tensor], v_cache: list[torch.Tensor],
                      slots: list[int], starts: list[int], steps: int) -> list[list[int]]:
@@ -263,26 +260,21 @@ class FusedForward:
         if steps < 1 or not tokens or not all(tokens):
             raise ValueError("greedy drafting needs at least one step and one token per row")
         # Every later forward writes one more position per row: check the rows as that long.
-        tensor, lengths = self._checked_rows(tokens, k_cache, slots, starts, steps - 1)
+        # (The C side advances the rows' starts and lengths in place: ``rows`` is this call's own.)
+        tensor, rows, lengths = self._checked_rows(tokens, k_cache, slots, starts, steps - 1)
         b, length = tensor.shape
         idx0 = torch.tensor([row * length + n - 1 for row, n in enumerate(lengths)], dtype=torch.long)
-        starts_t, lengths_t = torch.tensor(starts, dtype=torch.long), torch.tensor(lengths, dtype=torch.long)
-        slots_t = torch.tensor(slots, dtype=torch.long)
         out = torch.empty(steps * b, dtype=torch.long)
         scratch, logits = self._buffers(b * length, b, k_cache)
-        kc, vc = self._pointers(k_cache, v_cache)
-        self._draft(tensor.data_ptr(), b, length, self.embed.data_ptr(), self.hidden, self.inter, self.layers,
-                    self.norms, self.lins, kc, vc, k_cache[0].shape[2], self.cos.data_ptr(), self.sin.data_ptr(),
-                    slots_t.data_ptr(), starts_t.data_ptr(), lengths_t.data_ptr(), self.heads, self.kv_heads,
-                    self.head_dim, self.eps, self.scale, idx0.data_ptr(), self.vocab, logits.data_ptr(),
-                    scratch.data_ptr(), steps, out.data_ptr())
+        self._draft(*self._forward_args(tensor, k_cache, v_cache, rows), idx0.data_ptr(), self.vocab,
+                    logits.data_ptr(), scratch.data_ptr(), steps, out.data_ptr())
         drafts: list[list[int]] = out.view(steps, b).t().tolist()
         return drafts
 
     def _checked_rows(self, tokens: list[list[int]], k_cache: list[torch.Tensor], slots: list[int],
-                      starts: list[int], extra: int) -> tuple[torch.Tensor, list[int]]:
+                      starts: list[int], extra: int) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
         """Rows padded into a (B, L) tensor, every index checked, room for ``extra`` more
-        positions per row; and the rows' lengths."""
+        positions per row; the (3, B) slots/starts/lengths the C side reads; the lengths."""
         b = len(tokens)
         lengths = [len(row) for row in tokens]
         length = max(lengths, default=0)
@@ -290,7 +282,8 @@ class FusedForward:
         check_rows((min(flat), max(flat)) if flat else None, self.vocab_rows,
                    (slots, starts, [n + extra for n in lengths]), b, length + extra,
                    k_cache[0].shape[0], k_cache[0].shape[2])
-        return torch.tensor(flat, dtype=torch.long).view(b, length), lengths
+        rows = torch.tensor([slots, starts, lengths], dtype=torch.long)
+        return torch.tensor(flat, dtype=torch.long).view(b, length), rows, lengths
 
     def _buffers(self, m: int, n: int, k_cache: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         """The forward's scratch for m tokens, and logits for n of them."""
@@ -304,16 +297,24 @@ class FusedForward:
         """Rows of the embedding: the token ids the forward can read."""
         return self.embed.shape[0]
 
-    def _run(self, tokens: torch.Tensor, b: int, length: int, k_cache: list[torch.Tensor],
-             v_cache: list[torch.Tensor], rows: torch.Tensor, logit_idx: torch.Tensor, n: int) -> torch.Tensor:
-        scratch, logits = self._buffers(b * length, n, k_cache)
-        kc, vc = self._pointers(k_cache, v_cache)
-        self._fn(tokens.data_ptr(), b, length, self.embed.data_ptr(), self.hidden, self.inter, self.layers,
-                 self.norms, self.lins, kc, vc, k_cache[0].shape[2], self.cos.data_ptr(), self.sin.data_ptr(),
-                 rows[0].data_ptr(), rows[1].data_ptr(), rows[2].data_ptr(), self.heads, self.kv_heads,
-                 self.head_dim, self.eps, self.scale, logit_idx.data_ptr(), n, self.vocab, logits.data_ptr(),
-                 scratch.data_ptr())
+    def _run(self, tokens: torch.Tensor, k_cache: list[torch.Tensor], v_cache: list[torch.Tensor],
+             rows: torch.Tensor, logit_idx: torch.Tensor) -> torch.Tensor:
+        n = logit_idx.shape[0]
+        scratch, logits = self._buffers(tokens.numel(), n, k_cache)
+        self._fn(*self._forward_args(tokens, k_cache, v_cache, rows), logit_idx.data_ptr(), n, self.vocab,
+                 logits.data_ptr(), scratch.data_ptr())
         return logits
+
+    def _forward_args(self, tokens: torch.Tensor, k_cache: list[torch.Tensor], v_cache: list[torch.Tensor],
+                      rows: torch.Tensor) -> tuple[object, ...]:
+        """The arguments ``forward`` and ``draft_greedy`` in the C source both begin with: the
+        (B, L) tokens, the model, the caches, the rows' slots/starts/lengths, the attention shape."""
+        b, length = tokens.shape
+        kc, vc = self._pointers(k_cache, v_cache)
+        return (tokens.data_ptr(), b, length, self.embed.data_ptr(), self.hidden, self.inter, self.layers,
+                self.norms, self.lins, kc, vc, k_cache[0].shape[2], self.cos.data_ptr(), self.sin.data_ptr(),
+                rows[0].data_ptr(), rows[1].data_ptr(), rows[2].data_ptr(), self.heads, self.kv_heads,
+                self.head_dim, self.eps, self.scale)
 
 
 def _cpu_supported() -> bool:
