@@ -31,7 +31,7 @@ from pathlib import Path
 import torch
 
 from policies import CostModel, choose_k, gain, tested_drafts
-from workers.cost_model import OnlineCosts, catch_up_pays
+from workers.cost_model import CostReport, OnlineCosts, catch_up_pays
 from workers.costs_measure import MeasureSettings, measure
 from workers.demo_corpus import heldout_prompts
 from workers.engine import GenerationRequest, SpeculativeEngine, StepEvent, native_forward
@@ -161,7 +161,11 @@ def observe_step(costs: OnlineCosts, engine: SpeculativeEngine, events: list[Ste
 
 
 def live_model(costs: OnlineCosts) -> CostModel:
-    report = costs.report()
+    return uniform_model(costs.report())
+
+
+def uniform_model(report: CostReport) -> CostModel:
+    """The policy's model of whole-step costs, every sequence priced drafting the same K."""
     return CostModel(report.depths, report.step_cost)
 
 
@@ -173,7 +177,8 @@ class AutoK:
 
     def __init__(self, costs: OnlineCosts, alpha: float, max_k: int) -> None:
         self.costs, self.alpha, self.max_k = costs, alpha, max_k
-        self.calls, self.model, self.report = 0, live_model(costs), costs.report()
+        self.calls, self.report = 0, costs.report()
+        self.model = uniform_model(self.report)
         self.by_depth: dict[int, int] = {}
         self.chosen: dict[int, int] = {}  # K -> sequence-steps it was chosen for (why auto wins or loses)
 
@@ -184,7 +189,8 @@ class AutoK:
     def __call__(self, requested_k: int, depth: int) -> int:
         self.calls += 1
         if self.calls % 256 == 0:
-            self.model, self.report, self.by_depth = live_model(self.costs), self.costs.report(), {}
+            self.report, self.by_depth = self.costs.report(), {}
+            self.model = uniform_model(self.report)
         best = self.by_depth.get(depth)
         if best is None:
             best = self.by_depth[depth] = choose_k(self.model, self.alpha, depth, self.max_k, 0.05, 0.0)

@@ -127,16 +127,21 @@ class CostReport:
         on by the draft in speculative; the first output token from the prefill; the rest in
         decode steps at ``policies.cost.gain``. None without prefill costs."""
         plain_s, spec_s = 0.0, 0.0
-        step_s = self.plain_step_ms[0] / 1000
+        step_s = self.plain_step_s(0)
         speed = gain(self.policy_model(), alpha, k, 1) if k > 0 else 1.0
         for prompt, output in requests:
             prefill, catch_up = self.prefill_s(prompt), self.prefill_s(prompt + 1, draft=True) if k > 0 else 0.0
             if prefill is None or catch_up is None:
                 return None
-            decode = max(0, output - 1) * (step_s + (self.step_overhead_ms or (0.0,))[0] / 1000)
+            decode = max(0, output - 1) * step_s
             plain_s += prefill + decode
             spec_s += prefill + catch_up + decode / speed
         return plain_s / spec_s if spec_s > 0 else None
+
+    def plain_step_s(self, i: int) -> float:
+        """Seconds of a whole plain step at ``depths[i]``: the target's forward and the work
+        outside it."""
+        return (self.plain_step_ms[i] + (self.step_overhead_ms[i] if self.step_overhead_ms else 0.0)) / 1000
 
     def policy_model(self) -> CostModel:
         """The policy's view of it, parts included, as the gateway parses the JSON."""
@@ -254,8 +259,7 @@ def catch_up_pays(model: CostModel, report: CostReport, alpha: float, k: int, de
     if speed <= 1.0:
         return False
     i = _nearest(report.depths, depth)
-    plain_s = (report.plain_step_ms[i] + (report.step_overhead_ms or [0.0] * len(report.depths))[i]) / 1000
-    return remaining * plain_s / report.depths[i] * (1.0 - 1.0 / speed) >= catch_up_s
+    return remaining * report.plain_step_s(i) / report.depths[i] * (1.0 - 1.0 / speed) >= catch_up_s
 
 
 @dataclass

@@ -114,24 +114,24 @@ class EngineRunner:
         """One K for the step's drafting sequences under the cost rule; None (each keeps its own
         K, as a fixed num_speculative_tokens asks) while the rule is off or the worker's
         acceptance has too little evidence behind it, as the sim engine's batch does."""
-        if not self._cost_rule or self.costs is None:
-            return None
-        alpha = self.costs.acceptance.evidenced
-        if alpha is None:
-            return None
-        return self._cost_rule_now().k(requested, alpha)
+        alpha = self._rule_alpha()
+        return None if alpha is None else self._cost_rule_now().k(requested, alpha)
 
     def _catch_up(self, lag: int, remaining: int, k: int, depth: int) -> bool:
         """Under the cost rule, whether a sequence that decoded ``lag`` tokens plain should catch
         its draft up and draft now (workers.cost_model.catch_up_pays); True without the rule."""
-        if not self._cost_rule or self.costs is None:
-            return True
-        alpha = self.costs.acceptance.evidenced
+        alpha = self._rule_alpha()
         if alpha is None:
             return True
         rule = self._cost_rule_now()
         assert self._step_report is not None
         return catch_up_pays(rule.model, self._step_report, alpha, k, depth, lag, remaining)
+
+    def _rule_alpha(self) -> float | None:
+        """The worker's acceptance estimate, while the cost rule is on and has the evidence."""
+        if not self._cost_rule or self.costs is None:
+            return None
+        return self.costs.acceptance.evidenced
 
     def _cost_rule_now(self) -> StepCostRule:
         """The step rule and the report it was built from, rebuilt every COST_TABLE_STEPS steps."""
