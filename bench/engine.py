@@ -357,7 +357,8 @@ def main() -> None:
     log(f"best K={best_k}: speed-up {speedup:.2f}x, bound S={bound:.2f}, measured/bound {speedup / bound:.2f}")
     # The cost model's prediction at the measured alpha, for the K it would choose: as measured
     # at start-up, and after the online refinement from the steps above.
-    cost_model = live_model(online)
+    refined_report = online.report()
+    cost_model = uniform_model(refined_report)
     auto_k_b1 = choose_k(cost_model, best.alpha, 1, args.kmax, 0.0, 0.0)
     predicted_decode = gain(cost_model, best.alpha, auto_k_b1, 1)
     startup_k_b1 = choose_k(startup_model, best.alpha, 1, args.kmax, 0.0, 0.0)
@@ -365,7 +366,6 @@ def main() -> None:
     # catch-up on it (speculative) are in it, so the prediction prices them too, from the
     # prefill costs the worker measured at start-up, for these prompts and outputs.
     requests_b1 = [(len(ids), len(out)) for ids, out in zip(b1, outputs[0], strict=True)]
-    refined_report = online.report()
     predicted = refined_report.request_speedup(best.alpha, auto_k_b1, requests_b1) or predicted_decode
     predicted_startup = (costs.request_speedup(best.alpha, startup_k_b1, requests_b1)
                          or gain(startup_model, best.alpha, startup_k_b1, 1))
@@ -377,11 +377,10 @@ def main() -> None:
         f"(measured at that K {measured_at:.2f}x); from the start-up measurement alone K={startup_k_b1}, "
         f"{predicted_startup:.2f}x")
     # The step's work outside its forwards, as the model holds it now (start-up, then refined).
-    refined = refined_report
-    outside_ms = (refined.step_overhead_ms or (0.0,))[0]
+    outside_ms = (refined_report.step_overhead_ms or (0.0,))[0]
     overhead_b1 = {"startup_ms": (costs.step_overhead_ms or (0.0,))[0], "refined_ms": outside_ms,
-                   "per_draft_refined_ms": (refined.draft_overhead_ms or (0.0,))[0],
-                   "share_of_plain_step": round(outside_ms / (refined.plain_step_ms[0] + outside_ms), 4)}
+                   "per_draft_refined_ms": (refined_report.draft_overhead_ms or (0.0,))[0],
+                   "share_of_plain_step": round(outside_ms / (refined_report.plain_step_ms[0] + outside_ms), 4)}
     log(f"step work outside the forwards at batch 1: {outside_ms:.2f} ms "
         f"({100 * overhead_b1['share_of_plain_step']:.1f}% of a plain step; start-up {overhead_b1['startup_ms']:.2f} "
         f"ms), {overhead_b1['per_draft_refined_ms']:.3f} ms more per draft")
