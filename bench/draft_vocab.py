@@ -131,7 +131,7 @@ def main() -> None:
     for n in sizes:
         top = set(order[:n])
         coverage[str(n)] = round(sum(t in top for t in held) / len(held), 4)
-    windows = [held[i:i + WINDOW] for i in range(0, len(held) - WINDOW + 1, WINDOW)][:args.windows]
+    windows = [held[i:i + WINDOW] for i in range(0, min(len(held) - WINDOW + 1, args.windows * WINDOW), WINDOW)]
     agreement = agreement_by_vocab(target, draft, windows, order, sizes)
     by_depth = {str(depth): c_by_vocab(target, draft, order, sizes, depth, args.reps) for depth in (1, 8)}
     for depth, costs in by_depth.items():
