@@ -77,7 +77,7 @@ class WorkersConfig:
     max_slots: int = 16  # sequences one worker batches together
     max_queue: int = 64  # waiting sequences per worker before 429
     max_k: int = 8  # deepest speculation a worker supports
-    threads: int = 1  # torch threads per worker process
+    threads: int = 1  # compute threads per worker process: torch's and the float32 kernels'
     dtype: Literal["auto", "float32", "bfloat16"] = "auto"  # the target's (auto: see workers/server.py)
     draft_dtype: Literal["float32", "bfloat16"] = "float32"
     # dtype auto: choose only among configurations whose verification is bit-identical to plain

@@ -3,6 +3,8 @@ invariance (what makes float32 verification bit-identical), and the fallback wit
 
 from __future__ import annotations
 
+import threading
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -298,3 +300,79 @@ def test_engine_greedy_drafting_in_one_call_matches_the_per_position_path(
             calls = 0
     assert calls == 0  # and the per-position path never called it
     assert runs[0] == runs[1]
+
+
+@pytest.fixture
+def kernel_threads() -> Iterator[Callable[[int], None]]:
+    """Sets torch's intra-op thread count, which the kernels' projections follow; restores it."""
+    before = torch.get_num_threads()
+    yield torch.set_num_threads
+    torch.set_num_threads(before)
+
+
+@needs_kernel
+@pytest.mark.parametrize("weight_dtype", [torch.bfloat16, torch.float32])
+def test_projections_split_across_threads_are_one_threads_bits(
+        weight_dtype: torch.dtype, kernel_threads: Callable[[int], None]) -> None:
+    """Each output column is one thread's FMA chain whatever the split, so every thread count
+    gives the same bits, for every row count and for widths that do not split evenly."""
+    assert KERNEL is not None
+    gen = torch.Generator().manual_seed(3)
+    for n, k in ((8, 64), (200, 72), (640, 384), (4096, 256)):
+        packed = KERNEL.pack(torch.randn(n, k, generator=gen).to(weight_dtype).float())
+        x = torch.randn(9, k, generator=gen)
+        kernel_threads(1)
+        alone = [KERNEL.linear(x[:m], packed) for m in range(1, 10)]
+        assert KERNEL.threads == 1
+        for threads in (2, 3):
+            kernel_threads(threads)
+            split = [KERNEL.linear(x[:m], packed) for m in range(1, 10)]
+            assert KERNEL.threads == threads
+            assert all(torch.equal(a, b) for a, b in zip(alone, split, strict=True)), (n, k, threads)
+
+
+@needs_kernel
+def test_forwards_and_greedy_drafting_on_two_threads_are_one_threads_bits(
+        demo_models: dict[str, LlamaForCausalLM], kernel_threads: Callable[[int], None]) -> None:
+    """A verification forward of the target and a draft's greedy drafting, on one thread and on
+    two: the same logits, drafts and caches, bit for bit."""
+    target, draft = demo_models["target-packed"], demo_models["draft-packed"]
+    assert target.fused is not None and draft.fused is not None
+    results = []
+    for threads in (1, 2):
+        kernel_threads(threads)
+        t_cache = KVCache.allocate(target.cfg, 2, torch.float32)
+        d_cache = KVCache.allocate(draft.cfg, 2, torch.float32)
+        prompt = target.fused.run_rows([[5, 6, 7, 8, 9], [10, 11]], t_cache.k, t_cache.v, [1, 0], [0, 30],
+                                       list(range(10)))
+        verify = target.fused.run_rows([[9, 1, 2, 3, 4]], t_cache.k, t_cache.v, [1], [5], [0, 1, 2, 3, 4])
+        drafts = draft.fused.draft_greedy([[5, 6, 7], [8]], d_cache.k, d_cache.v, [0, 1], [0, 12], 4)
+        results.append((prompt, verify, drafts, [*t_cache.k, *t_cache.v, *d_cache.k, *d_cache.v]))
+    (p1, v1, d1, c1), (p2, v2, d2, c2) = results
+    assert torch.equal(p1, p2) and torch.equal(v1, v2) and d1 == d2
+    assert all(torch.equal(a, b) for a, b in zip(c1, c2, strict=True))
+
+
+@needs_kernel
+def test_projections_called_from_two_threads_at_once_are_each_correct(kernel_threads: Callable[[int], None]) -> None:
+    """The kernels post one split projection at a time; a second caller meanwhile (a benchmark
+    or a test beside the engine) runs its projection alone, and both get their own results."""
+    assert KERNEL is not None
+    kernel_threads(2)
+    gen = torch.Generator().manual_seed(5)
+    packed = KERNEL.pack(torch.randn(2048, 384, generator=gen).bfloat16().float())
+    inputs = [torch.randn(4, 384, generator=gen) for _ in range(2)]
+    expected = [KERNEL.linear(x, packed) for x in inputs]
+    mismatches: list[int] = []
+
+    def hammer(i: int) -> None:
+        for _ in range(200):
+            if not torch.equal(KERNEL.linear(inputs[i], packed), expected[i]):
+                mismatches.append(i)
+
+    workers = [threading.Thread(target=hammer, args=(i,)) for i in range(2)]
+    for t in workers:
+        t.start()
+    for t in workers:
+        t.join()
+    assert mismatches == []

@@ -1,7 +1,14 @@
 /* The float32 kernels of workers/rowgemm.py (which compiles this file at first use). */
 #include <immintrin.h>
+#include <linux/futex.h>
 #include <math.h>
+#include <pthread.h>
+#include <sched.h>
+#include <stdatomic.h>
 #include <stdint.h>
+#include <sys/syscall.h>
+#include <time.h>
+#include <unistd.h>
 
 /* y (M, N) = x (M, K) . W^T; W in panels (N/8, K + pad, 8): float32 below, or bfloat16 in pairs of
    k (PAIR_TILE). Every output accumulates over k = 0, 1, 2, ... in one FMA chain whatever the
@@ -30,12 +37,12 @@ static void tile_##MR##_##NB(const float* x, int64_t K, int64_t KS, const float*
 
 TILE(4, 3) TILE(3, 4) TILE(2, 6) TILE(1, 8) TILE(4, 1) TILE(3, 1) TILE(2, 1) TILE(1, 1)
 
-/* Rows in tiles of 4, the last 1-3 together. The weight is streamed once: every row tile
-   works through a chunk of 24 panels (under 300 KB, in L2) before the next chunk is read. */
-void rowgemm_f32(const float* x, const float* p, float* y, int64_t M, int64_t K, int64_t KS, int64_t N) {
-  int64_t blocks = N / 8;
-  int64_t chunk = M <= 4 ? blocks : 24; /* a multiple of every tile's NB */
-  for (int64_t b0 = 0; b0 < blocks; b0 += chunk) {
+/* Output blocks [lo, blocks): rows in tiles of 4, the last 1-3 together. The weight is streamed
+   once: every row tile works through a chunk of 24 panels (under 300 KB, in L2) before the next chunk is read. */
+static void f32_range(const float* x, const float* p, float* y, int64_t M, int64_t K, int64_t KS, int64_t N,
+                      int64_t lo, int64_t blocks) {
+  int64_t chunk = M <= 4 ? blocks - lo : 24; /* a multiple of every tile's NB */
+  for (int64_t b0 = lo; b0 < blocks; b0 += chunk) {
     int64_t b1 = b0 + chunk < blocks ? b0 + chunk : blocks, m = 0;
     for (; m + 4 <= M; m += 4) { const float* xm = x + m * K; float* ym = y + m * N; RUN(4, 3); }
     const float* xm = x + m * K; float* ym = y + m * N;
@@ -98,13 +105,14 @@ PAIR_TILE(4, 1) PAIR_TILE(5, 1) PAIR_TILE(3, 1) PAIR_TILE(2, 1) PAIR_TILE(1, 1)
   for (; b + NB <= b1; b += NB) ptile_##MR##_##NB(xm, K, KS, p + b * KS * 8, ym + b * 8, N); \
   for (; b < b1; ++b) ptile_##MR##_1(xm, K, KS, p + b * KS * 8, ym + b * 8, N); } while (0)
 
-/* Rows in tiles of 4, the last 1-5 together (tile shapes measured fastest on Zen 3). Where
+/* Output blocks [lo, blocks): rows in tiles of 4, the last 1-5 together (tile shapes measured
+   fastest on Zen 3). Where
    there are several row tiles, each works through a chunk of 24 panels (in L2) before the next
    chunk is read, so the weight is streamed once. */
-void rowgemm_b16(const float* x, const uint16_t* p, float* y, int64_t M, int64_t K, int64_t KS, int64_t N) {
-  int64_t blocks = N / 8;
-  int64_t chunk = M <= 5 ? blocks : 24; /* a multiple of every tile's NB */
-  for (int64_t b0 = 0; b0 < blocks; b0 += chunk) {
+static void b16_range(const float* x, const uint16_t* p, float* y, int64_t M, int64_t K, int64_t KS, int64_t N,
+                      int64_t lo, int64_t blocks) {
+  int64_t chunk = M <= 5 ? blocks - lo : 24; /* a multiple of every tile's NB */
+  for (int64_t b0 = lo; b0 < blocks; b0 += chunk) {
     int64_t b1 = b0 + chunk < blocks ? b0 + chunk : blocks, m = 0;
     for (; M - m > 5; m += 4) { const float* xm = x + m * K; float* ym = y + m * N; PRUN(4, 2); }
     const float* xm = x + m * K; float* ym = y + m * N;
@@ -117,6 +125,130 @@ void rowgemm_b16(const float* x, const uint16_t* p, float* y, int64_t M, int64_t
       default: break;
     }
   }
+}
+
+/* Projections split across threads. Each output column is computed by one thread, with the
+   same FMA chain as on one thread, so the split changes no bit of any result. The caller
+   posts a job of `parts` column ranges and claims parts itself, as do the helper threads:
+   a helper that is slow to wake (asleep, or its core busy elsewhere) costs the job nothing
+   but its help. Helpers spin a while between jobs (a forward posts ~30 of them, microseconds
+   apart), then sleep on a futex, so an idle worker's helpers use no CPU. */
+#define MAX_THREADS 16
+#ifndef SPIN_NS /* how long a helper spins for the next job before sleeping */
+#define SPIN_NS 200000
+#endif
+typedef struct {
+  const float* x; const void* w; float* y;
+  int64_t kind, M, K, KS, N, parts, blocks, align;
+} job_t;
+static job_t job;
+static _Atomic uint64_t claim;     /* (job number << 32) | parts not yet claimed */
+static _Atomic uint32_t job_seq;   /* the job number: helpers sleep on it */
+static _Atomic int64_t parts_done;
+static _Atomic int sleepers;
+static atomic_flag posting = ATOMIC_FLAG_INIT;
+static int pool_threads = 1;       /* threads a projection uses, the caller's included */
+static int helpers_started = 0;
+static pthread_mutex_t pool_lock = PTHREAD_MUTEX_INITIALIZER;
+
+static int64_t now_ns(void) {
+  struct timespec t;
+  clock_gettime(CLOCK_MONOTONIC, &t);
+  return (int64_t)t.tv_sec * 1000000000 + t.tv_nsec;
+}
+
+static void run_part(const job_t* j, int64_t part) {
+  /* Part boundaries on multiples of `align` blocks, so tiles stay whole. */
+  int64_t units = (j->blocks + j->align - 1) / j->align;
+  int64_t lo = units * part / j->parts * j->align, hi = units * (part + 1) / j->parts * j->align;
+  if (hi > j->blocks) hi = j->blocks;
+  if (lo >= hi) return;
+  if (j->kind == 1) b16_range(j->x, (const uint16_t*)j->w, j->y, j->M, j->K, j->KS, j->N, lo, hi);
+  else f32_range(j->x, (const float*)j->w, j->y, j->M, j->K, j->KS, j->N, lo, hi);
+}
+
+/* Claims and runs parts of the current job until none is left unclaimed. */
+static void help(void) {
+  for (;;) {
+    uint64_t c = atomic_load_explicit(&claim, memory_order_acquire);
+    if ((uint32_t)c == 0) return;
+    if (!atomic_compare_exchange_weak_explicit(&claim, &c, c - 1, memory_order_acquire, memory_order_relaxed))
+      continue;
+    /* Claimed: the caller does not post the next job before this part is done, so job is this one's. */
+    run_part(&job, (int64_t)(uint32_t)c - 1);
+    atomic_fetch_add_explicit(&parts_done, 1, memory_order_release);
+  }
+}
+
+static void* helper_main(void* arg) {
+  (void)arg;
+  uint32_t seen = atomic_load(&job_seq);
+  for (;;) {
+    uint32_t s = atomic_load_explicit(&job_seq, memory_order_acquire);
+    if (s != seen) { seen = s; help(); continue; }
+    int64_t until = now_ns() + SPIN_NS;
+    int spins = 0;
+    while (atomic_load_explicit(&job_seq, memory_order_acquire) == s) {
+      _mm_pause();
+      if (++spins % 64 == 0 && now_ns() > until) {
+        atomic_fetch_add(&sleepers, 1);
+        syscall(SYS_futex, &job_seq, FUTEX_WAIT_PRIVATE, s, NULL, NULL, 0);
+        atomic_fetch_sub(&sleepers, 1);
+      }
+    }
+  }
+  return NULL;
+}
+
+/* Projections use n threads from now on (1: the caller alone). Returns the number in use. */
+int rowgemm_set_threads(int n) {
+  if (n < 1) n = 1;
+  if (n > MAX_THREADS) n = MAX_THREADS;
+  pthread_mutex_lock(&pool_lock);
+  while (helpers_started < n - 1) {
+    pthread_t t;
+    if (pthread_create(&t, NULL, helper_main, NULL) != 0) break;
+    pthread_detach(t);
+    ++helpers_started;
+  }
+  pool_threads = helpers_started + 1 < n ? helpers_started + 1 : n;
+  pthread_mutex_unlock(&pool_lock);
+  return pool_threads;
+}
+
+static void gemm_any(const float* x, const void* w, int64_t kind, float* y, int64_t M, int64_t K, int64_t KS,
+                     int64_t N) {
+  int64_t blocks = N / 8, align = kind == 1 ? 6 : 24, units = (blocks + align - 1) / align;
+  int64_t parts = 2 * (int64_t)pool_threads; /* finer than the threads: a late helper leaves less behind */
+  if (parts > units) parts = units;
+  /* One job at a time: a second thread calling meanwhile runs its projection alone. */
+  if (pool_threads == 1 || parts < 2 || atomic_flag_test_and_set_explicit(&posting, memory_order_acquire)) {
+    if (kind == 1) b16_range(x, (const uint16_t*)w, y, M, K, KS, N, 0, blocks);
+    else f32_range(x, (const float*)w, y, M, K, KS, N, 0, blocks);
+    return;
+  }
+  job = (job_t){x, w, y, kind, M, K, KS, N, parts, blocks, align};
+  atomic_store_explicit(&parts_done, 0, memory_order_relaxed);
+  /* The claims before the job number: a helper woken by the number finds the parts there. */
+  uint32_t s = atomic_load_explicit(&job_seq, memory_order_relaxed) + 1;
+  atomic_store_explicit(&claim, ((uint64_t)s << 32) | (uint64_t)parts, memory_order_release);
+  atomic_store(&job_seq, s);
+  if (atomic_load(&sleepers) > 0) syscall(SYS_futex, &job_seq, FUTEX_WAKE_PRIVATE, MAX_THREADS, NULL, NULL, 0);
+  help();
+  /* Parts a helper claimed are running on it: wait for them, yielding if it takes long
+     (its core may be running something else). */
+  int spins = 0;
+  while (atomic_load_explicit(&parts_done, memory_order_acquire) < parts)
+    if (++spins < 4096) _mm_pause(); else sched_yield();
+  atomic_flag_clear_explicit(&posting, memory_order_release);
+}
+
+void rowgemm_f32(const float* x, const float* p, float* y, int64_t M, int64_t K, int64_t KS, int64_t N) {
+  gemm_any(x, p, 0, y, M, K, KS, N);
+}
+
+void rowgemm_b16(const float* x, const uint16_t* p, float* y, int64_t M, int64_t K, int64_t KS, int64_t N) {
+  gemm_any(x, p, 1, y, M, K, KS, N);
 }
 
 static inline float hsum(__m256 v) {
@@ -273,8 +405,7 @@ void rope_attend(const float* qkv, const float* cos_t, const float* sin_t, float
 typedef struct { const void* w; int64_t ks; int64_t kind; } lin_t;
 
 static void gemm(const float* x, const lin_t* l, float* y, int64_t M, int64_t K, int64_t N) {
-  if (l->kind == 1) rowgemm_b16(x, (const uint16_t*)l->w, y, M, K, l->ks, N);
-  else rowgemm_f32(x, (const float*)l->w, y, M, K, l->ks, N);
+  gemm_any(x, l->w, l->kind, y, M, K, l->ks, N);
 }
 
 static void add_into(float* x, const float* t, int64_t n) { for (int64_t i = 0; i < n; ++i) x[i] += t[i]; }

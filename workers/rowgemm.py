@@ -41,7 +41,7 @@ log = logging.getLogger(__name__)
 
 # The C source, next to this module; its text is part of the build key (_compile).
 _SOURCE = (Path(__file__).parent / "rowgemm.c").read_text()
-_FLAGS = ("-O3", "-mavx2", "-mfma", "-shared", "-fPIC")
+_FLAGS = ("-O3", "-mavx2", "-mfma", "-shared", "-fPIC", "-pthread")
 _ARGTYPES = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 4
 
 
@@ -73,6 +73,17 @@ class RowGemm:
         self._attend.argtypes = ([ctypes.c_void_p] * 8 + [ctypes.c_int64] * 6 + [ctypes.c_float]
                                  + [ctypes.c_void_p] * 2)
         self._attend.restype = None
+        self._set_threads = lib.rowgemm_set_threads
+        self._set_threads.argtypes, self._set_threads.restype = [ctypes.c_int], ctypes.c_int
+        self.threads = 1
+
+    def sync_threads(self) -> None:
+        """Projections split their output columns across torch's intra-op thread count
+        (``workers.threads``), so one knob sets both. Each column is still one thread's FMA
+        chain: the split changes no bit (tests/test_rowgemm.py)."""
+        wanted = torch.get_num_threads()
+        if wanted != self.threads:
+            self.threads = self._set_threads(wanted)
 
     @staticmethod
     def supports(hidden: int, head_dim: int) -> bool:
@@ -118,6 +129,7 @@ class RowGemm:
         x = x.contiguous()
         y = torch.empty((*x.shape[:-1], n), dtype=torch.float32)
         fn = self._b16 if weights.dtype == torch.bfloat16 else self._f32
+        self.sync_threads()
         fn(x.data_ptr(), weights.data_ptr(), y.data_ptr(), x.numel() // k, k, stride, n)
         return y
 
@@ -197,6 +209,7 @@ class FusedForward:
     def __init__(self, kernel: RowGemm, *, embed: torch.Tensor, norms: list[torch.Tensor], panels: list[Panels],
                  hidden: int, inter: int, heads: int, kv_heads: int, head_dim: int, eps: float,
                  cos: torch.Tensor, sin: torch.Tensor) -> None:
+        self._kernel = kernel
         self._fn = kernel._lib.forward
         self._fn.restype = None
         # Typed arguments: ctypes converts plain ints and floats itself, cheaper than wrapping each.
@@ -266,6 +279,7 @@ class FusedForward:
         idx0 = torch.tensor([row * length + n - 1 for row, n in enumerate(lengths)], dtype=torch.long)
         out = torch.empty(steps * b, dtype=torch.long)
         scratch, logits = self._buffers(b * length, b, k_cache)
+        self._kernel.sync_threads()
         self._draft(*self._forward_args(tensor, k_cache, v_cache, rows), idx0.data_ptr(), self.vocab,
                     logits.data_ptr(), scratch.data_ptr(), steps, out.data_ptr())
         drafts: list[list[int]] = out.view(steps, b).t().tolist()
@@ -301,6 +315,7 @@ class FusedForward:
              rows: torch.Tensor, logit_idx: torch.Tensor) -> torch.Tensor:
         n = logit_idx.shape[0]
         scratch, logits = self._buffers(tokens.numel(), n, k_cache)
+        self._kernel.sync_threads()
         self._fn(*self._forward_args(tokens, k_cache, v_cache, rows), logit_idx.data_ptr(), n, self.vocab,
                  logits.data_ptr(), scratch.data_ptr())
         return logits
