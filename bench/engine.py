@@ -266,7 +266,8 @@ def main() -> None:
     parser.add_argument("--dtype", choices=["auto", "float32", "bfloat16"], default="auto",
                         help="the target's dtype (auto: as a worker resolves it)")
     parser.add_argument("--draft-dtype", choices=["float32", "bfloat16"], default="float32")
-    parser.add_argument("--threads", type=int, default=1, help="compute threads, torch's and the kernels' (a worker uses 1 by default)")
+    parser.add_argument("--threads", type=int, default=1,
+                        help="compute threads, torch's and the kernels' (a worker uses 1 by default)")
     parser.add_argument("--kmax", type=int, default=8)
     parser.add_argument("--prompts", type=int, default=8, help="held-out prompts at batch 1")
     parser.add_argument("--max-tokens", type=int, default=96)

@@ -50,7 +50,8 @@ def parse_args(argv: list[str] | None = None, prog: str = "python -m workers") -
                         help="embedded: where start-up cost measurements are cached (default ~/.cache/specgate/costs)")
     parser.add_argument("--cost-budget-s", type=float, default=4.0,
                         help="embedded: time budget of the start-up cost measurement (a cache hit skips it)")
-    parser.add_argument("--threads", type=int, default=1, help="compute threads: torch's intra-op threads and the float32 kernels'")
+    parser.add_argument("--threads", type=int, default=1,
+                        help="compute threads: torch's intra-op threads and the float32 kernels'")
     parser.add_argument("--max-model-len", type=int, default=None, help="vllm: context window (default: the model's)")
     parser.add_argument("--vllm-args", type=json.loads, default={},
                         help="vllm: further AsyncEngineArgs as a JSON object, e.g. '{\"enforce_eager\": true}'")

@@ -137,10 +137,9 @@ static void b16_range(const float* x, const uint16_t* p, float* y, int64_t M, in
 #ifndef SPIN_NS /* how long a helper spins for the next job before sleeping */
 #define SPIN_NS 200000
 #endif
-typedef struct {
-  const float* x; const void* w; float* y;
-  int64_t kind, M, K, KS, N, parts, blocks, align;
-} job_t;
+#define MAX_PARTS (2 * MAX_THREADS) /* a job's parts: attention's scratch holds a row of scores per part */
+typedef void (*part_fn)(const void* ctx, int64_t part, int64_t parts);
+typedef struct { part_fn fn; const void* ctx; int64_t parts; } job_t;
 static job_t job;
 static _Atomic uint64_t claim;     /* (job number << 32) | parts not yet claimed */
 static _Atomic uint32_t job_seq;   /* the job number: helpers sleep on it */
@@ -157,14 +156,12 @@ static int64_t now_ns(void) {
   return (int64_t)t.tv_sec * 1000000000 + t.tv_nsec;
 }
 
-static void run_part(const job_t* j, int64_t part) {
-  /* Part boundaries on multiples of `align` blocks, so tiles stay whole. */
-  int64_t units = (j->blocks + j->align - 1) / j->align;
-  int64_t lo = units * part / j->parts * j->align, hi = units * (part + 1) / j->parts * j->align;
-  if (hi > j->blocks) hi = j->blocks;
-  if (lo >= hi) return;
-  if (j->kind == 1) b16_range(j->x, (const uint16_t*)j->w, j->y, j->M, j->K, j->KS, j->N, lo, hi);
-  else f32_range(j->x, (const float*)j->w, j->y, j->M, j->K, j->KS, j->N, lo, hi);
+/* Part `part` of `parts` of `units` work units, cut on multiples of `align`: [*lo, *hi). */
+static void part_range(int64_t units, int64_t align, int64_t part, int64_t parts, int64_t* lo, int64_t* hi) {
+  int64_t chunks = (units + align - 1) / align;
+  *lo = chunks * part / parts * align;
+  *hi = chunks * (part + 1) / parts * align;
+  if (*hi > units) *hi = units;
 }
 
 /* Claims and runs parts of the current job until none is left unclaimed. */
@@ -175,7 +172,7 @@ static void help(void) {
     if (!atomic_compare_exchange_weak_explicit(&claim, &c, c - 1, memory_order_acquire, memory_order_relaxed))
       continue;
     /* Claimed: the caller does not post the next job before this part is done, so job is this one's. */
-    run_part(&job, (int64_t)(uint32_t)c - 1);
+    job.fn(job.ctx, (int64_t)(uint32_t)c - 1, job.parts);
     atomic_fetch_add_explicit(&parts_done, 1, memory_order_release);
   }
 }
@@ -216,18 +213,15 @@ int rowgemm_set_threads(int n) {
   return pool_threads;
 }
 
-static void gemm_any(const float* x, const void* w, int64_t kind, float* y, int64_t M, int64_t K, int64_t KS,
-                     int64_t N) {
-  int64_t blocks = N / 8, align = kind == 1 ? 6 : 24, units = (blocks + align - 1) / align;
-  int64_t parts = 2 * (int64_t)pool_threads; /* finer than the threads: a late helper leaves less behind */
-  if (parts > units) parts = units;
-  /* One job at a time: a second thread calling meanwhile runs its projection alone. */
+/* fn(ctx, part, parts) for every part, on the pool's threads. */
+static void parallel_for(part_fn fn, const void* ctx, int64_t parts) {
+  if (parts > MAX_PARTS) parts = MAX_PARTS;
+  /* One job at a time: a second thread calling meanwhile runs its parts alone. */
   if (pool_threads == 1 || parts < 2 || atomic_flag_test_and_set_explicit(&posting, memory_order_acquire)) {
-    if (kind == 1) b16_range(x, (const uint16_t*)w, y, M, K, KS, N, 0, blocks);
-    else f32_range(x, (const float*)w, y, M, K, KS, N, 0, blocks);
+    for (int64_t part = 0; part < parts; ++part) fn(ctx, part, parts);
     return;
   }
-  job = (job_t){x, w, y, kind, M, K, KS, N, parts, blocks, align};
+  job = (job_t){fn, ctx, parts};
   atomic_store_explicit(&parts_done, 0, memory_order_relaxed);
   /* The claims before the job number: a helper woken by the number finds the parts there. */
   uint32_t s = atomic_load_explicit(&job_seq, memory_order_relaxed) + 1;
@@ -241,6 +235,29 @@ static void gemm_any(const float* x, const void* w, int64_t kind, float* y, int6
   while (atomic_load_explicit(&parts_done, memory_order_acquire) < parts)
     if (++spins < 4096) _mm_pause(); else sched_yield();
   atomic_flag_clear_explicit(&posting, memory_order_release);
+}
+
+/* Parts finer than the threads: a helper that starts late leaves less behind. */
+static int64_t parts_for(int64_t units) {
+  int64_t parts = 2 * (int64_t)pool_threads;
+  return parts < units ? parts : units;
+}
+
+typedef struct { const float* x; const void* w; int64_t kind; float* y; int64_t M, K, KS, N; } gemm_t;
+
+static void gemm_part(const void* ctx, int64_t part, int64_t parts) {
+  const gemm_t* g = ctx;
+  int64_t lo, hi; /* whole tiles: 6 blocks for bfloat16, 24 for float32 */
+  part_range(g->N / 8, g->kind == 1 ? 6 : 24, part, parts, &lo, &hi);
+  if (lo >= hi) return;
+  if (g->kind == 1) b16_range(g->x, (const uint16_t*)g->w, g->y, g->M, g->K, g->KS, g->N, lo, hi);
+  else f32_range(g->x, (const float*)g->w, g->y, g->M, g->K, g->KS, g->N, lo, hi);
+}
+
+static void gemm_any(const float* x, const void* w, int64_t kind, float* y, int64_t M, int64_t K, int64_t KS,
+                     int64_t N) {
+  gemm_t g = {x, w, kind, y, M, K, KS, N};
+  parallel_for(gemm_part, &g, parts_for((N / 8 + 5) / 6));
 }
 
 void rowgemm_f32(const float* x, const float* p, float* y, int64_t M, int64_t K, int64_t KS, int64_t N) {
@@ -326,10 +343,22 @@ static inline float hmax(__m256 v) {
    slot slots[b], positions starts[b] + l, then every query attends to its own prefix of keys
    (causal). qkv (B, L, (H + 2 Hkv) D); caches (slots, Hkv, P, D); out (B, L, H D), padding
    rows 0. Each query's arithmetic depends on its own row and the cache only. */
+typedef struct {
+  const float *qkv, *cos_t, *sin_t, *kc, *vc;
+  const int64_t *slots, *starts, *lengths;
+  int64_t B, L, H, Hkv, D, P;
+  float scale;
+  float *out, *scratch;
+} attend_t;
+
+static void attend_part(const void* ctx, int64_t part, int64_t parts);
+
+/* (Queries in parts across the pool's threads, each (row, head) one thread's: the same
+   arithmetic whatever the split. scratch holds rowgemm_score_rows() rows of P scores.) */
 void rope_attend(const float* qkv, const float* cos_t, const float* sin_t, float* kc, float* vc,
                  const int64_t* slots, const int64_t* starts, const int64_t* lengths, int64_t B, int64_t L,
                  int64_t H, int64_t Hkv, int64_t D, int64_t P, float scale, float* out, float* scratch) {
-  int64_t W = (H + 2 * Hkv) * D, half = D / 2, group = H / Hkv;
+  int64_t W = (H + 2 * Hkv) * D, half = D / 2;
   for (int64_t b = 0; b < B; ++b)
     for (int64_t l = 0; l < lengths[b]; ++l) {
       int64_t pos = starts[b] + l;
@@ -346,59 +375,72 @@ void rope_attend(const float* qkv, const float* cos_t, const float* sin_t, float
         for (int64_t i = 0; i < D; ++i) vd[i] = v[i];
       }
     }
-  for (int64_t b = 0; b < B; ++b)
-    for (int64_t l = 0; l < L; ++l) {
-      float* o = out + (b * L + l) * H * D;
-      if (l >= lengths[b]) { for (int64_t i = 0; i < H * D; ++i) o[i] = 0.0f; continue; }
-      int64_t pos = starts[b] + l;
-      const float* row = qkv + (b * L + l) * W;
-      const float* c = cos_t + pos * D; const float* s = sin_t + pos * D;
-      for (int64_t h = 0; h < H; ++h) {
-        float q[256]; /* D <= 256 (RowGemm.supports) */
-        const float* qs = row + h * D;
-        for (int64_t i = 0; i < half; ++i) {
-          q[i] = (qs[i] * c[i] - qs[i + half] * s[i]) * scale;
-          q[i + half] = (qs[i + half] * c[i + half] + qs[i] * s[i + half]) * scale;
-        }
-        const float* kb = kc + (slots[b] * Hkv + h / group) * P * D;
-        const float* vb = vc + (slots[b] * Hkv + h / group) * P * D;
-        /* Scores 8 keys at a time (the last block's keys past pos are read, P being a multiple
-           of 8, and masked); which keys share a block depends on pos alone. */
-        int64_t keys = pos + 1, padded = (keys + 7) & ~(int64_t)7;
-        __m256 tail = _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32((int)(keys - (padded - 8))),
-                                                             _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7)));
-        __m256 vmax = _mm256_set1_ps(-INFINITY);
-        for (int64_t j0 = 0; j0 < padded; j0 += 8) {
-          __m256 dots[8];
-          for (int64_t t = 0; t < 8; ++t) {
-            __m256 acc = _mm256_setzero_ps();
-            for (int64_t i = 0; i < D; i += 8)
-              acc = _mm256_fmadd_ps(_mm256_loadu_ps(q + i), _mm256_loadu_ps(kb + (j0 + t) * D + i), acc);
-            dots[t] = acc;
-          }
-          __m256 sc8 = hsum8(dots);
-          if (j0 + 8 > keys) sc8 = _mm256_blendv_ps(_mm256_set1_ps(-INFINITY), sc8, tail);
-          _mm256_storeu_ps(scratch + j0, sc8);
-          vmax = _mm256_max_ps(vmax, sc8);
-        }
-        __m256 mx8 = _mm256_set1_ps(hmax(vmax)), tot8 = _mm256_setzero_ps();
-        for (int64_t j0 = 0; j0 < padded; j0 += 8) {
-          __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(scratch + j0), mx8));
-          if (j0 + 8 > keys) e = _mm256_and_ps(e, tail);
-          _mm256_storeu_ps(scratch + j0, e);
-          tot8 = _mm256_add_ps(tot8, e);
-        }
-        float total = hsum(tot8);
-        __m256 acc[32];
-        for (int64_t i = 0; i < D / 8; ++i) acc[i] = _mm256_setzero_ps();
-        for (int64_t j = 0; j <= pos; ++j) {
-          __m256 p = _mm256_set1_ps(scratch[j]);
-          for (int64_t i = 0; i < D / 8; ++i) acc[i] = _mm256_fmadd_ps(p, _mm256_loadu_ps(vb + j * D + i * 8), acc[i]);
-        }
-        __m256 inv = _mm256_set1_ps(1.0f / total);
-        for (int64_t i = 0; i < D / 8; ++i) _mm256_storeu_ps(o + h * D + i * 8, _mm256_mul_ps(acc[i], inv));
-      }
+  attend_t a = {qkv, cos_t, sin_t, kc, vc, slots, starts, lengths, B, L, H, Hkv, D, P, scale, out, scratch};
+  parallel_for(attend_part, &a, parts_for(B * L * H));
+}
+
+/* Rows of P scores rope_attend's scratch must hold: one per part. */
+int64_t rowgemm_score_rows(void) { return parts_for(MAX_PARTS); }
+
+static void attend_part(const void* ctx, int64_t part, int64_t parts) {
+  const attend_t* a = ctx;
+  const float *qkv = a->qkv, *cos_t = a->cos_t, *sin_t = a->sin_t, *kc = a->kc, *vc = a->vc;
+  const int64_t *slots = a->slots, *starts = a->starts, *lengths = a->lengths;
+  int64_t L = a->L, H = a->H, Hkv = a->Hkv, D = a->D, P = a->P;
+  float scale = a->scale, *out = a->out, *scratch = a->scratch + part * P;
+  int64_t W = (H + 2 * Hkv) * D, half = D / 2, group = H / Hkv, lo, hi;
+  part_range(a->B * L * H, 1, part, parts, &lo, &hi);
+  for (int64_t unit = lo; unit < hi; ++unit) {
+    int64_t b = unit / (L * H), l = unit / H % L, h = unit % H;
+    float* o = out + (b * L + l) * H * D;
+    if (l >= lengths[b]) { for (int64_t i = 0; i < D; ++i) o[h * D + i] = 0.0f; continue; }
+    int64_t pos = starts[b] + l;
+    const float* row = qkv + (b * L + l) * W;
+    const float* c = cos_t + pos * D; const float* s = sin_t + pos * D;
+    float q[256]; /* D <= 256 (RowGemm.supports) */
+    const float* qs = row + h * D;
+    for (int64_t i = 0; i < half; ++i) {
+      q[i] = (qs[i] * c[i] - qs[i + half] * s[i]) * scale;
+      q[i + half] = (qs[i + half] * c[i + half] + qs[i] * s[i + half]) * scale;
     }
+    const float* kb = kc + (slots[b] * Hkv + h / group) * P * D;
+    const float* vb = vc + (slots[b] * Hkv + h / group) * P * D;
+    /* Scores 8 keys at a time (the last block's keys past pos are read, P being a multiple
+       of 8, and masked); which keys share a block depends on pos alone. */
+    int64_t keys = pos + 1, padded = (keys + 7) & ~(int64_t)7;
+    __m256 tail = _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32((int)(keys - (padded - 8))),
+                                                         _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7)));
+    __m256 vmax = _mm256_set1_ps(-INFINITY);
+    for (int64_t j0 = 0; j0 < padded; j0 += 8) {
+      __m256 dots[8];
+      for (int64_t t = 0; t < 8; ++t) {
+        __m256 acc = _mm256_setzero_ps();
+        for (int64_t i = 0; i < D; i += 8)
+          acc = _mm256_fmadd_ps(_mm256_loadu_ps(q + i), _mm256_loadu_ps(kb + (j0 + t) * D + i), acc);
+        dots[t] = acc;
+      }
+      __m256 sc8 = hsum8(dots);
+      if (j0 + 8 > keys) sc8 = _mm256_blendv_ps(_mm256_set1_ps(-INFINITY), sc8, tail);
+      _mm256_storeu_ps(scratch + j0, sc8);
+      vmax = _mm256_max_ps(vmax, sc8);
+    }
+    __m256 mx8 = _mm256_set1_ps(hmax(vmax)), tot8 = _mm256_setzero_ps();
+    for (int64_t j0 = 0; j0 < padded; j0 += 8) {
+      __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(scratch + j0), mx8));
+      if (j0 + 8 > keys) e = _mm256_and_ps(e, tail);
+      _mm256_storeu_ps(scratch + j0, e);
+      tot8 = _mm256_add_ps(tot8, e);
+    }
+    float total = hsum(tot8);
+    __m256 acc[32];
+    for (int64_t i = 0; i < D / 8; ++i) acc[i] = _mm256_setzero_ps();
+    for (int64_t j = 0; j <= pos; ++j) {
+      __m256 p = _mm256_set1_ps(scratch[j]);
+      for (int64_t i = 0; i < D / 8; ++i) acc[i] = _mm256_fmadd_ps(p, _mm256_loadu_ps(vb + j * D + i * 8), acc[i]);
+    }
+    __m256 inv = _mm256_set1_ps(1.0f / total);
+    for (int64_t i = 0; i < D / 8; ++i) _mm256_storeu_ps(o + h * D + i * 8, _mm256_mul_ps(acc[i], inv));
+  }
 }
 
 /* A projection's panels: weights, panel stride in k-rows, element kind (0 float32, 1 bfloat16). */

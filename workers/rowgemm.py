@@ -76,6 +76,9 @@ class RowGemm:
         self._set_threads = lib.rowgemm_set_threads
         self._set_threads.argtypes, self._set_threads.restype = [ctypes.c_int], ctypes.c_int
         self.threads = 1
+        self._score_rows = lib.rowgemm_score_rows
+        self._score_rows.argtypes, self._score_rows.restype = [], ctypes.c_int64
+        self.score_rows = self._score_rows()  # attention's scratch: rows of scores, one per part
 
     def sync_threads(self) -> None:
         """Projections split their output columns across torch's intra-op thread count
@@ -84,6 +87,7 @@ class RowGemm:
         wanted = torch.get_num_threads()
         if wanted != self.threads:
             self.threads = self._set_threads(wanted)
+            self.score_rows = self._score_rows()
 
     @staticmethod
     def supports(hidden: int, head_dim: int) -> bool:
@@ -158,7 +162,8 @@ class RowGemm:
         head_dim = width // (heads + 2 * kv_heads)
         positions = k_cache.shape[2]
         out = torch.empty((b, length, heads * head_dim), dtype=torch.float32)
-        scratch = torch.empty(positions, dtype=torch.float32)
+        self.sync_threads()
+        scratch = torch.empty(self.score_rows * positions, dtype=torch.float32)
         self._attend(qkv.data_ptr(), cos.data_ptr(), sin.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
                      rows[0].data_ptr(), rows[1].data_ptr(), rows[2].data_ptr(), b, length, heads, kv_heads,
                      head_dim, positions, 1.0 / head_dim ** 0.5, out.data_ptr(), scratch.data_ptr())
@@ -279,7 +284,6 @@ class FusedForward:
         idx0 = torch.tensor([row * length + n - 1 for row, n in enumerate(lengths)], dtype=torch.long)
         out = torch.empty(steps * b, dtype=torch.long)
         scratch, logits = self._buffers(b * length, b, k_cache)
-        self._kernel.sync_threads()
         self._draft(*self._forward_args(tensor, k_cache, v_cache, rows), idx0.data_ptr(), self.vocab,
                     logits.data_ptr(), scratch.data_ptr(), steps, out.data_ptr())
         drafts: list[list[int]] = out.view(steps, b).t().tolist()
@@ -300,9 +304,12 @@ class FusedForward:
         return torch.tensor(flat, dtype=torch.long).view(b, length), rows, lengths
 
     def _buffers(self, m: int, n: int, k_cache: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-        """The forward's scratch for m tokens, and logits for n of them."""
+        """The forward's scratch for m tokens, and logits for n of them. (Sizes depend on the
+        kernels' threads: synced first.)"""
+        self._kernel.sync_threads()
         width = (self.heads + 2 * self.kv_heads) * self.head_dim
-        size = m * (3 * self.hidden + width + self.heads * self.head_dim + 3 * self.inter) + k_cache[0].shape[2]
+        size = (m * (3 * self.hidden + width + self.heads * self.head_dim + 3 * self.inter)
+                + self._kernel.score_rows * k_cache[0].shape[2])
         scratch = torch.empty(max(size, n * self.hidden + 1), dtype=torch.float32)
         return scratch, torch.empty((n, self.vocab), dtype=torch.float32)
 
@@ -315,7 +322,6 @@ class FusedForward:
              rows: torch.Tensor, logit_idx: torch.Tensor) -> torch.Tensor:
         n = logit_idx.shape[0]
         scratch, logits = self._buffers(tokens.numel(), n, k_cache)
-        self._kernel.sync_threads()
         self._fn(*self._forward_args(tokens, k_cache, v_cache, rows), logit_idx.data_ptr(), n, self.vocab,
                  logits.data_ptr(), scratch.data_ptr())
         return logits
