@@ -134,8 +134,9 @@ static void b16_range(const float* x, const uint16_t* p, float* y, int64_t M, in
    but its help. Helpers spin a while between jobs (a forward posts ~30 of them, microseconds
    apart), then sleep on a futex, so an idle worker's helpers use no CPU. */
 #define MAX_THREADS 16
-#ifndef SPIN_NS /* how long a helper spins for the next job before sleeping */
-#define SPIN_NS 200000
+#ifndef SPIN_NS /* how long a helper spins for the next job before sleeping: longer than the
+                   engine's Python work between two forwards (0.15-0.3 ms a step, bench.engine) */
+#define SPIN_NS 1000000
 #endif
 #define MAX_PARTS (2 * MAX_THREADS) /* a job's parts: attention's scratch holds a row of scores per part */
 typedef void (*part_fn)(const void* ctx, int64_t part, int64_t parts);
