@@ -376,3 +376,34 @@ def test_projections_called_from_two_threads_at_once_are_each_correct(kernel_thr
     for t in workers:
         t.join()
     assert mismatches == []
+
+
+@needs_kernel
+@pytest.mark.parametrize("threads", [1, 2])
+def test_attention_of_a_query_does_not_depend_on_the_queries_beside_it(
+        threads: int, kernel_threads: Callable[[int], None]) -> None:
+    """Attention reads each key once for a tile of queries that share a KV head (a row's group
+    of heads, several rows): a query's output must be what it is alone, bit for bit, whatever
+    its tile (9 rows x 3 heads: tiles of 7 and 6), and padding rows are zeros."""
+    assert KERNEL is not None
+    kernel_threads(threads)
+    heads, kv_heads, dim, positions = 6, 2, 64, 64
+    gen = torch.Generator().manual_seed(9)
+    qkv = torch.randn(2, 9, (heads + 2 * kv_heads) * dim, generator=gen)
+    cos, sin = torch.randn(positions, dim, generator=gen), torch.randn(positions, dim, generator=gen)
+    rows = torch.tensor([[1, 0], [20, 3], [9, 4]])  # slots, starts, lengths (row 1: 5 padding rows)
+
+    def caches() -> tuple[torch.Tensor, torch.Tensor]:
+        g = torch.Generator().manual_seed(10)
+        return (torch.randn(2, kv_heads, positions, dim, generator=g),
+                torch.randn(2, kv_heads, positions, dim, generator=g))
+
+    together = KERNEL.rope_attend(qkv, cos, sin, *caches(), rows, heads, kv_heads)
+    assert torch.equal(together[1, 4:], torch.zeros_like(together[1, 4:]))
+    for b in range(2):
+        k_cache, v_cache = caches()
+        for i in range(int(rows[2, b])):  # each row alone, in order: its keys written as before
+            one = torch.tensor([[rows[0, b]], [rows[1, b] + i], [1]])
+            alone = KERNEL.rope_attend(qkv[b:b + 1, i:i + 1].contiguous(), cos, sin, k_cache, v_cache, one, heads,
+                                       kv_heads)
+            assert torch.equal(alone[0, 0], together[b, i]), (b, i)

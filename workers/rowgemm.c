@@ -1,14 +1,7 @@
 /* The float32 kernels of workers/rowgemm.py (which compiles this file at first use). */
 #include <immintrin.h>
-#include <linux/futex.h>
 #include <math.h>
-#include <pthread.h>
-#include <sched.h>
-#include <stdatomic.h>
 #include <stdint.h>
-#include <sys/syscall.h>
-#include <time.h>
-#include <unistd.h>
 
 /* y (M, N) = x (M, K) . W^T; W in panels (N/8, K + pad, 8): float32 below, or bfloat16 in pairs of
    k (PAIR_TILE). Every output accumulates over k = 0, 1, 2, ... in one FMA chain whatever the
@@ -127,122 +120,7 @@ static void b16_range(const float* x, const uint16_t* p, float* y, int64_t M, in
   }
 }
 
-/* Projections split across threads. Each output column is computed by one thread, with the
-   same FMA chain as on one thread, so the split changes no bit of any result. The caller
-   posts a job of `parts` column ranges and claims parts itself, as do the helper threads:
-   a helper that is slow to wake (asleep, or its core busy elsewhere) costs the job nothing
-   but its help. Helpers spin a while between jobs (a forward posts ~30 of them, microseconds
-   apart), then sleep on a futex, so an idle worker's helpers use no CPU. */
-#define MAX_THREADS 16
-#ifndef SPIN_NS /* how long a helper spins for the next job before sleeping: longer than the
-                   engine's Python work between two forwards (0.15-0.3 ms a step, bench.engine) */
-#define SPIN_NS 1000000
-#endif
-#define MAX_PARTS (2 * MAX_THREADS) /* a job's parts: attention's scratch holds a row of scores per part */
-typedef void (*part_fn)(const void* ctx, int64_t part, int64_t parts);
-typedef struct { part_fn fn; const void* ctx; int64_t parts; } job_t;
-static job_t job;
-static _Atomic uint64_t claim;     /* (job number << 32) | parts not yet claimed */
-static _Atomic uint32_t job_seq;   /* the job number: helpers sleep on it */
-static _Atomic int64_t parts_done;
-static _Atomic int sleepers;
-static atomic_flag posting = ATOMIC_FLAG_INIT;
-static int pool_threads = 1;       /* threads a projection uses, the caller's included */
-static int helpers_started = 0;
-static pthread_mutex_t pool_lock = PTHREAD_MUTEX_INITIALIZER;
-
-static int64_t now_ns(void) {
-  struct timespec t;
-  clock_gettime(CLOCK_MONOTONIC, &t);
-  return (int64_t)t.tv_sec * 1000000000 + t.tv_nsec;
-}
-
-/* Part `part` of `parts` of `units` work units, cut on multiples of `align`: [*lo, *hi). */
-static void part_range(int64_t units, int64_t align, int64_t part, int64_t parts, int64_t* lo, int64_t* hi) {
-  int64_t chunks = (units + align - 1) / align;
-  *lo = chunks * part / parts * align;
-  *hi = chunks * (part + 1) / parts * align;
-  if (*hi > units) *hi = units;
-}
-
-/* Claims and runs parts of the current job until none is left unclaimed. */
-static void help(void) {
-  for (;;) {
-    uint64_t c = atomic_load_explicit(&claim, memory_order_acquire);
-    if ((uint32_t)c == 0) return;
-    if (!atomic_compare_exchange_weak_explicit(&claim, &c, c - 1, memory_order_acquire, memory_order_relaxed))
-      continue;
-    /* Claimed: the caller does not post the next job before this part is done, so job is this one's. */
-    job.fn(job.ctx, (int64_t)(uint32_t)c - 1, job.parts);
-    atomic_fetch_add_explicit(&parts_done, 1, memory_order_release);
-  }
-}
-
-static void* helper_main(void* arg) {
-  (void)arg;
-  uint32_t seen = atomic_load(&job_seq);
-  for (;;) {
-    uint32_t s = atomic_load_explicit(&job_seq, memory_order_acquire);
-    if (s != seen) { seen = s; help(); continue; }
-    int64_t until = now_ns() + SPIN_NS;
-    int spins = 0;
-    while (atomic_load_explicit(&job_seq, memory_order_acquire) == s) {
-      _mm_pause();
-      if (++spins % 64 == 0 && now_ns() > until) {
-        atomic_fetch_add(&sleepers, 1);
-        syscall(SYS_futex, &job_seq, FUTEX_WAIT_PRIVATE, s, NULL, NULL, 0);
-        atomic_fetch_sub(&sleepers, 1);
-      }
-    }
-  }
-  return NULL;
-}
-
-/* Projections use n threads from now on (1: the caller alone). Returns the number in use. */
-int rowgemm_set_threads(int n) {
-  if (n < 1) n = 1;
-  if (n > MAX_THREADS) n = MAX_THREADS;
-  pthread_mutex_lock(&pool_lock);
-  while (helpers_started < n - 1) {
-    pthread_t t;
-    if (pthread_create(&t, NULL, helper_main, NULL) != 0) break;
-    pthread_detach(t);
-    ++helpers_started;
-  }
-  pool_threads = helpers_started + 1 < n ? helpers_started + 1 : n;
-  pthread_mutex_unlock(&pool_lock);
-  return pool_threads;
-}
-
-/* fn(ctx, part, parts) for every part, on the pool's threads. */
-static void parallel_for(part_fn fn, const void* ctx, int64_t parts) {
-  if (parts > MAX_PARTS) parts = MAX_PARTS;
-  /* One job at a time: a second thread calling meanwhile runs its parts alone. */
-  if (pool_threads == 1 || parts < 2 || atomic_flag_test_and_set_explicit(&posting, memory_order_acquire)) {
-    for (int64_t part = 0; part < parts; ++part) fn(ctx, part, parts);
-    return;
-  }
-  job = (job_t){fn, ctx, parts};
-  atomic_store_explicit(&parts_done, 0, memory_order_relaxed);
-  /* The claims before the job number: a helper woken by the number finds the parts there. */
-  uint32_t s = atomic_load_explicit(&job_seq, memory_order_relaxed) + 1;
-  atomic_store_explicit(&claim, ((uint64_t)s << 32) | (uint64_t)parts, memory_order_release);
-  atomic_store(&job_seq, s);
-  if (atomic_load(&sleepers) > 0) syscall(SYS_futex, &job_seq, FUTEX_WAKE_PRIVATE, MAX_THREADS, NULL, NULL, 0);
-  help();
-  /* Parts a helper claimed are running on it: wait for them, yielding if it takes long
-     (its core may be running something else). */
-  int spins = 0;
-  while (atomic_load_explicit(&parts_done, memory_order_acquire) < parts)
-    if (++spins < 4096) _mm_pause(); else sched_yield();
-  atomic_flag_clear_explicit(&posting, memory_order_release);
-}
-
-/* Parts finer than the threads: a helper that starts late leaves less behind. */
-static int64_t parts_for(int64_t units) {
-  int64_t parts = 2 * (int64_t)pool_threads;
-  return parts < units ? parts : units;
-}
+#include "rowgemm_pool.h"
 
 typedef struct { const float* x; const void* w; int64_t kind; float* y; int64_t M, K, KS, N; } gemm_t;
 
@@ -353,9 +231,13 @@ typedef struct {
 } attend_t;
 
 static void attend_part(const void* ctx, int64_t part, int64_t parts);
+#define QT 8  /* queries attended together: each key and value row is read once for all of them */
+#define VT 32 /* value rows per pass over a tile's queries (8 KB at D = 64: in L1) */
 
-/* (Queries in parts across the pool's threads, each (row, head) one thread's: the same
-   arithmetic whatever the split. scratch holds rowgemm_score_rows() rows of P scores.) */
+/* (Queries in tiles of up to QT that share a KV head: a sequence's rows and the heads of one
+   group, so each key and value row is read once per tile instead of once per query; tiles in
+   parts across the pool's threads. Each query's arithmetic is the same whatever its tile, its
+   part and the thread count. scratch holds rowgemm_score_rows() rows of P scores.) */
 void rope_attend(const float* qkv, const float* cos_t, const float* sin_t, float* kc, float* vc,
                  const int64_t* slots, const int64_t* starts, const int64_t* lengths, int64_t B, int64_t L,
                  int64_t H, int64_t Hkv, int64_t D, int64_t P, float scale, float* out, float* scratch) {
@@ -377,70 +259,96 @@ void rope_attend(const float* qkv, const float* cos_t, const float* sin_t, float
       }
     }
   attend_t a = {qkv, cos_t, sin_t, kc, vc, slots, starts, lengths, B, L, H, Hkv, D, P, scale, out, scratch};
-  parallel_for(attend_part, &a, parts_for(B * L * H));
+  parallel_for(attend_part, &a, parts_for(B * Hkv * ((L * (H / Hkv) + QT - 1) / QT)));
 }
 
 /* Rows of P scores rope_attend's scratch must hold: one per part. */
-int64_t rowgemm_score_rows(void) { return parts_for(MAX_PARTS); }
+int64_t rowgemm_score_rows(void) { return parts_for(MAX_PARTS) * QT; }
 
 static void attend_part(const void* ctx, int64_t part, int64_t parts) {
   const attend_t* a = ctx;
-  const float *qkv = a->qkv, *cos_t = a->cos_t, *sin_t = a->sin_t, *kc = a->kc, *vc = a->vc;
-  const int64_t *slots = a->slots, *starts = a->starts, *lengths = a->lengths;
-  int64_t L = a->L, H = a->H, Hkv = a->Hkv, D = a->D, P = a->P;
-  float scale = a->scale, *out = a->out, *scratch = a->scratch + part * P;
-  int64_t W = (H + 2 * Hkv) * D, half = D / 2, group = H / Hkv, lo, hi;
-  part_range(a->B * L * H, 1, part, parts, &lo, &hi);
+  int64_t L = a->L, H = a->H, Hkv = a->Hkv, D = a->D, P = a->P, group = H / Hkv;
+  int64_t W = (H + 2 * Hkv) * D, half = D / 2, queries = L * group, per_head = (queries + QT - 1) / QT, lo, hi;
+  float* scores = a->scratch + part * QT * P;
+  part_range(a->B * Hkv * per_head, 1, part, parts, &lo, &hi);
   for (int64_t unit = lo; unit < hi; ++unit) {
-    int64_t b = unit / (L * H), l = unit / H % L, h = unit % H;
-    float* o = out + (b * L + l) * H * D;
-    if (l >= lengths[b]) { for (int64_t i = 0; i < D; ++i) o[h * D + i] = 0.0f; continue; }
-    int64_t pos = starts[b] + l;
-    const float* row = qkv + (b * L + l) * W;
-    const float* c = cos_t + pos * D; const float* s = sin_t + pos * D;
-    float q[256]; /* D <= 256 (RowGemm.supports) */
-    const float* qs = row + h * D;
-    for (int64_t i = 0; i < half; ++i) {
-      q[i] = (qs[i] * c[i] - qs[i + half] * s[i]) * scale;
-      q[i + half] = (qs[i + half] * c[i + half] + qs[i] * s[i + half]) * scale;
-    }
-    const float* kb = kc + (slots[b] * Hkv + h / group) * P * D;
-    const float* vb = vc + (slots[b] * Hkv + h / group) * P * D;
-    /* Scores 8 keys at a time (the last block's keys past pos are read, P being a multiple
-       of 8, and masked); which keys share a block depends on pos alone. */
-    int64_t keys = pos + 1, padded = (keys + 7) & ~(int64_t)7;
-    __m256 tail = _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32((int)(keys - (padded - 8))),
-                                                         _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7)));
-    __m256 vmax = _mm256_set1_ps(-INFINITY);
-    for (int64_t j0 = 0; j0 < padded; j0 += 8) {
-      __m256 dots[8];
-      for (int64_t t = 0; t < 8; ++t) {
-        __m256 acc = _mm256_setzero_ps();
-        for (int64_t i = 0; i < D; i += 8)
-          acc = _mm256_fmadd_ps(_mm256_loadu_ps(q + i), _mm256_loadu_ps(kb + (j0 + t) * D + i), acc);
-        dots[t] = acc;
+    /* A KV head's queries in per_head tiles of near-equal size (12 as 6 + 6, not 8 + 4). */
+    int64_t b = unit / (Hkv * per_head), g = unit / per_head % Hkv, tile = unit % per_head;
+    int64_t first = queries * tile / per_head, last = queries * (tile + 1) / per_head;
+    const float* kb = a->kc + (a->slots[b] * Hkv + g) * P * D;
+    const float* vb = a->vc + (a->slots[b] * Hkv + g) * P * D;
+    /* The tile's queries: (row l, head h) for query index l * group + (h - g * group). */
+    float q[QT][256]; /* D <= 256 (RowGemm.supports) */
+    float* o[QT];
+    int64_t keys[QT], padded[QT], n = 0, most = 0;
+    __m256 vmax[QT], tail[QT];
+    for (int64_t i = first; i < last; ++i) {
+      int64_t l = i / group, h = g * group + i % group;
+      float* out = a->out + (b * L + l) * H * D + h * D;
+      if (l >= a->lengths[b]) { for (int64_t d = 0; d < D; ++d) out[d] = 0.0f; continue; }
+      int64_t pos = a->starts[b] + l;
+      const float* qs = a->qkv + (b * L + l) * W + h * D;
+      const float* c = a->cos_t + pos * D; const float* s = a->sin_t + pos * D;
+      for (int64_t d = 0; d < half; ++d) {
+        q[n][d] = (qs[d] * c[d] - qs[d + half] * s[d]) * a->scale;
+        q[n][d + half] = (qs[d + half] * c[d + half] + qs[d] * s[d + half]) * a->scale;
       }
-      __m256 sc8 = hsum8(dots);
-      if (j0 + 8 > keys) sc8 = _mm256_blendv_ps(_mm256_set1_ps(-INFINITY), sc8, tail);
-      _mm256_storeu_ps(scratch + j0, sc8);
-      vmax = _mm256_max_ps(vmax, sc8);
+      o[n] = out;
+      keys[n] = pos + 1;
+      padded[n] = (keys[n] + 7) & ~(int64_t)7;
+      tail[n] = _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32((int)(keys[n] - (padded[n] - 8))),
+                                                       _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7)));
+      vmax[n] = _mm256_set1_ps(-INFINITY);
+      if (padded[n] > most) most = padded[n];
+      ++n;
     }
-    __m256 mx8 = _mm256_set1_ps(hmax(vmax)), tot8 = _mm256_setzero_ps();
-    for (int64_t j0 = 0; j0 < padded; j0 += 8) {
-      __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(scratch + j0), mx8));
-      if (j0 + 8 > keys) e = _mm256_and_ps(e, tail);
-      _mm256_storeu_ps(scratch + j0, e);
-      tot8 = _mm256_add_ps(tot8, e);
+    /* Scores 8 keys at a time (the last block's keys past pos are read, P being a multiple of
+       8, and masked); which keys share a block depends on pos alone. */
+    for (int64_t j0 = 0; j0 < most; j0 += 8)
+      for (int64_t t = 0; t < n; ++t) {
+        if (j0 >= padded[t]) continue;
+        /* Eight independent chains, each a key's dot product over d in order. */
+        __m256 dots[8];
+        for (int64_t k = 0; k < 8; ++k) dots[k] = _mm256_setzero_ps();
+        for (int64_t d = 0; d < D; d += 8) {
+          __m256 qd = _mm256_loadu_ps(q[t] + d);
+          for (int64_t k = 0; k < 8; ++k) dots[k] = _mm256_fmadd_ps(qd, _mm256_loadu_ps(kb + (j0 + k) * D + d), dots[k]);
+        }
+        __m256 sc8 = hsum8(dots);
+        if (j0 + 8 > keys[t]) sc8 = _mm256_blendv_ps(_mm256_set1_ps(-INFINITY), sc8, tail[t]);
+        _mm256_storeu_ps(scores + t * P + j0, sc8);
+        vmax[t] = _mm256_max_ps(vmax[t], sc8);
+      }
+    float inv[QT];
+    for (int64_t t = 0; t < n; ++t) {
+      float* sc = scores + t * P;
+      __m256 mx8 = _mm256_set1_ps(hmax(vmax[t])), tot8 = _mm256_setzero_ps();
+      for (int64_t j0 = 0; j0 < padded[t]; j0 += 8) {
+        __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(sc + j0), mx8));
+        if (j0 + 8 > keys[t]) e = _mm256_and_ps(e, tail[t]);
+        _mm256_storeu_ps(sc + j0, e);
+        tot8 = _mm256_add_ps(tot8, e);
+      }
+      inv[t] = 1.0f / hsum(tot8);
+      for (int64_t d = 0; d < D; ++d) o[t][d] = 0.0f; /* the output row holds the sums until the end */
     }
-    float total = hsum(tot8);
-    __m256 acc[32];
-    for (int64_t i = 0; i < D / 8; ++i) acc[i] = _mm256_setzero_ps();
-    for (int64_t j = 0; j <= pos; ++j) {
-      __m256 p = _mm256_set1_ps(scratch[j]);
-      for (int64_t i = 0; i < D / 8; ++i) acc[i] = _mm256_fmadd_ps(p, _mm256_loadu_ps(vb + j * D + i * 8), acc[i]);
+    /* Values VT rows at a time for every query of the tile, each query's sums over j in order. */
+    for (int64_t j1 = 0; j1 < most; j1 += VT)
+      for (int64_t t = 0; t < n; ++t) {
+        int64_t end = j1 + VT < keys[t] ? j1 + VT : keys[t];
+        if (j1 >= end) continue;
+        __m256 acc[32];
+        for (int64_t d = 0; d < D / 8; ++d) acc[d] = _mm256_loadu_ps(o[t] + d * 8);
+        for (int64_t j = j1; j < end; ++j) {
+          __m256 p = _mm256_set1_ps(scores[t * P + j]);
+          for (int64_t d = 0; d < D / 8; ++d) acc[d] = _mm256_fmadd_ps(p, _mm256_loadu_ps(vb + j * D + d * 8), acc[d]);
+        }
+        for (int64_t d = 0; d < D / 8; ++d) _mm256_storeu_ps(o[t] + d * 8, acc[d]);
+      }
+    for (int64_t t = 0; t < n; ++t) {
+      __m256 iv = _mm256_set1_ps(inv[t]);
+      for (int64_t d = 0; d < D / 8; ++d) _mm256_storeu_ps(o[t] + d * 8, _mm256_mul_ps(_mm256_loadu_ps(o[t] + d * 8), iv));
     }
-    __m256 inv = _mm256_set1_ps(1.0f / total);
-    for (int64_t i = 0; i < D / 8; ++i) _mm256_storeu_ps(o + h * D + i * 8, _mm256_mul_ps(acc[i], inv));
   }
 }
 

@@ -39,8 +39,9 @@ import torch
 
 log = logging.getLogger(__name__)
 
-# The C source, next to this module; its text is part of the build key (_compile).
-_SOURCE = (Path(__file__).parent / "rowgemm.c").read_text()
+# The C sources, next to this module (rowgemm.c includes the pool's header); their text is part
+# of the build key (_compile).
+_SOURCES = {name: (Path(__file__).parent / name).read_text() for name in ("rowgemm.c", "rowgemm_pool.h")}
 _FLAGS = ("-O3", "-mavx2", "-mfma", "-shared", "-fPIC", "-pthread")
 _ARGTYPES = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 4
 
@@ -348,14 +349,15 @@ def _compile(directory: Path, defines: tuple[str, ...] = ()) -> Path | None:
         log.info("rowgemm: no C compiler; float32 projections run F.linear")
         return None
     flags = (*_FLAGS, *(f"-D{d}" for d in defines))
-    digest = hashlib.sha256("\0".join((_SOURCE, compiler, *flags)).encode()).hexdigest()[:16]
+    digest = hashlib.sha256("\0".join((*_SOURCES.values(), compiler, *flags)).encode()).hexdigest()[:16]
     target = directory / f"rowgemm-{digest}.so"
     if target.exists():
         return target
     directory.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=directory) as tmp:
+        for name, text in _SOURCES.items():
+            (Path(tmp) / name).write_text(text)
         source = Path(tmp) / "rowgemm.c"
-        source.write_text(_SOURCE)
         built = Path(tmp) / "rowgemm.so"
         result = subprocess.run([compiler, *flags, "-o", str(built), str(source), "-lm"], capture_output=True,
                                 text=True, timeout=120, check=False)
