@@ -360,3 +360,32 @@ def test_step_time_estimate_for_engines_that_time_whole_steps() -> None:
         costs.observe(8, 4, 0.060)
     deep = costs.report()
     assert deep is not None and deep.step_cost[-1][4] == pytest.approx(3.0, rel=0.01)
+
+
+def test_measurement_times_every_depths_plain_step_and_k1_step_before_the_rest(
+        one_thread: None, monkeypatch: pytest.MonkeyPatch) -> None:
+    """What a short budget reaches first: the plain step at every depth (what every decision
+    there is weighed against; not linear in depth), then every n at batch 1, then each depth's
+    draft forward and 2-token verification (K=1: does speculation pay there at all), and only
+    then the deeper shapes in n. Timings are faked: this checks the plan, not the machine."""
+    timed: list[list[tuple[str, int, int]]] = []
+
+    def fake_rounds(runs: dict[tuple[str, int, int], object], until: float,
+                    before_verify: object = None) -> dict[tuple[str, int, int], float]:
+        timed.append(list(runs))
+        return {key: 1e-3 * key[1] * (1 + 0.5 * (key[2] - 1)) for key in runs}
+
+    monkeypatch.setattr(costs_measure, "_time_rounds", fake_rounds)
+    monkeypatch.setattr(costs_measure, "measure_overheads", lambda *args: (None, None))
+    report = measure(settings(budget_s=60, threads=1, max_slots=16, max_k=4))
+    assert report.depths == (1, 2, 4, 8, 16)
+    # Phase 1 (the precision candidates), then the prefills, then phase 2 of the chosen target.
+    phase2 = timed[2:]
+    assert sorted(phase2[0]) == [("target", d, 1) for d in (2, 4, 8)]  # 1 and 16 were timed in phase 1
+    assert sorted(phase2[1]) == [("target", 1, 1), ("target", 1, 3)]  # n = 2, 4, 5 in phase 1
+    k1 = phase2[2:6]
+    assert [{(kind, n) for kind, _, n in group} for group in k1] == [{("target", 1), ("draft", 1), ("target", 2)}] * 4
+    assert [group[0][1] for group in k1] == [2, 4, 8, 16]
+    assert all(n != 2 for group in phase2[6:] for _, _, n in group)  # never timed twice
+    # Every depth's K=1 cost comes from its own timing: 2 tokens at 1.5x the plain step, here.
+    assert all(row[1] == pytest.approx(1.5, abs=0.02) for row in report.verify_cost or ())

@@ -313,12 +313,29 @@ def measure_with_model(settings: MeasureSettings) -> tuple[CostReport, LlamaForC
     measured.setdefault(full, {})[1] = times[(chosen_config, full, 1)]  # (full may be 1: the same point)
     draft_measured = {1: times[("draft", 1, 1)]} if draft is not None else {}
     drafting = [0] if draft is not None else []
-    # The full batch's slope in n first (phase 1 timed it plain only), then every n at batch 1.
-    groups: list[tuple[int, list[int]]] = [(full, [2])] if full > 1 and width > 1 else []
-    groups.append((1, [n for n in range(1, width + 1) if n not in n_plan]))
-    groups += [(d, [n for n in drafting + n_plan if (d, n) not in ((full, 1), (full, 2))])
-               for d in (full, *depths[1:-1])]
-    for depth, ns in groups:
+    # The plain step at every depth first: it is what every decision at a depth is measured
+    # against, and between depths it is not linear. On the AVX2 CPU a plain step at depth 8 cost
+    # 4.5 ms, as much as at depth 4, where the line from depth 4 to 16 said 6.9 ms; K auto then
+    # decoded batch 8 at K=1 and lost 14% to plain (bench.engine). A depth timed plain only
+    # takes its shape in n from the nearest depth timed at several (_curves).
+    plain_steps = {("target", d, 1): _forward(target, cache, d, 1, positions, True)
+                   for d in depths[1:-1] if d not in measured}
+    if plain_steps and time.perf_counter() < deadline:
+        for (_, depth, _), seconds in _time_rounds(plain_steps, deadline).items():
+            measured.setdefault(depth, {})[1] = seconds
+    # Then every n at batch 1; then each deeper depth's draft forward and 2-token verification
+    # (K=1: whether speculation pays there at all; the slope in n, from the plain step), the
+    # full batch's last; then the rest of n_plan at each depth, until the budget ends. The
+    # shape in n at batch 1 said nothing about depth 8, where a 2-token step cost 2.4x a plain
+    # one against 1.4x at batch 1 (bench.engine's refined costs, AVX2 CPU).
+    groups: list[tuple[int, list[int]]] = [(1, list(range(1, width + 1)))]
+    if width > 1:
+        groups += [(d, [*drafting, 2]) for d in (*depths[1:-1], full) if d > 1]
+    groups += [(d, drafting + n_plan) for d in (full, *depths[1:-1])]
+    for depth, planned in groups:
+        # What this depth has not been timed at: its draft forward (n = 0), verifications (n > 1).
+        done = measured.get(depth, {})
+        ns = [n for n in planned if (n == 0 and depth not in draft_measured) or (n > 1 and n not in done)]
         if not ns:
             continue
         if time.perf_counter() > deadline:
