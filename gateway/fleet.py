@@ -29,6 +29,7 @@ from gateway.config import GatewayConfig, RemoteProtocol, RemoteWorker
 from gateway.draft_mix import DraftMix
 from gateway.metrics import GatewayMetrics
 from gateway.routing import Candidate
+from gateway.worker_http import Endpoint, WorkerHttp
 from gateway.worker_output import MAX_LINE_BYTES, StreamName, relay_output
 from policies import CostModel, Mode, SessionState
 
@@ -40,7 +41,8 @@ WorkerStatus = Literal["starting", "ready", "unhealthy", "restarting", "stopped"
 class WorkerHandle:
     worker_id: str
     base_url: str  # http://worker for a Unix socket, the server's URL for remote workers
-    client: aiohttp.ClientSession
+    client: aiohttp.ClientSession  # health polls and metrics scrapes
+    http: WorkerHttp  # the relay's requests (gateway/worker_http.py)
     modes: frozenset[Mode]
     max_k: int
     socket_path: Path | None = None  # local workers only
@@ -123,7 +125,8 @@ class Fleet:
         for i in range(wc.count):
             path = socket_dir / f"w{i}.sock"
             client = aiohttp.ClientSession(connector=aiohttp.UnixConnector(path=str(path)))
-            handle = WorkerHandle(f"worker-{i}", "http://worker", client,
+            http = WorkerHttp(Endpoint.from_url("http://worker", unix_path=str(path)))
+            handle = WorkerHandle(f"worker-{i}", "http://worker", client, http,
                                   frozenset({"speculative", "plain"} if can_speculate else {"plain"}),
                                   wc.max_k if can_speculate else 0, socket_path=path)
             self.workers[handle.worker_id] = handle
@@ -146,8 +149,10 @@ class Fleet:
         # Not routable until its first health check passes.
         # A specgate worker on TCP serves its gateway only: it wants the shared token (auth.worker_token).
         token = self.config.auth.worker_token if remote.protocol == "specgate" else None
-        client = aiohttp.ClientSession(headers={"Authorization": f"Bearer {token}"} if token else None)
-        return WorkerHandle(remote.name, remote.url, client, modes, max_k, remote=True,
+        auth = {"Authorization": f"Bearer {token}"} if token else None
+        client = aiohttp.ClientSession(headers=auth)
+        http = WorkerHttp(Endpoint.from_url(remote.url), auth)
+        return WorkerHandle(remote.name, remote.url, client, http, modes, max_k, remote=True,
                             protocol=remote.protocol, status="unhealthy", last_error="not checked yet")
 
     async def stop(self) -> None:
@@ -161,6 +166,7 @@ class Fleet:
         await asyncio.gather(*(_finish_output(h) for h in self.workers.values()))
         for handle in self.workers.values():
             await handle.client.close()
+            handle.http.close()
             handle.status = "stopped"
         if self._tmpdir is not None:
             self._tmpdir.cleanup()

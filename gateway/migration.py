@@ -29,13 +29,12 @@ from collections.abc import AsyncGenerator, Awaitable, Callable
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
-import aiohttp
-
 from gateway.drain import Drain, ShuttingDown
 from gateway.ops_metrics import OpsMetrics
 from gateway.proxy import NoWorker, RawChunk, WorkerLost, iter_chunk_batches
 from gateway.sessions import Session
 from gateway.state import GatewayState
+from gateway.worker_http import WorkerResponse
 from workers.engine_api import StepCounts
 from workers.protocol import (
     DIRECTIVE_FIELD,
@@ -54,7 +53,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 # (state, session, request, exclude, resume) -> the admission and the worker's open stream
 AdmitFn = Callable[[GatewayState, Session, CompletionRequest, frozenset[str], ResumePoint | None],
-                   Awaitable[tuple["Admission", aiohttp.ClientResponse]]]
+                   Awaitable[tuple["Admission", WorkerResponse]]]
 RETRY_PAUSE_S = 0.1
 
 
@@ -72,7 +71,7 @@ class MigratingStream:
     """The chunks of one generation, resumed on another worker when its worker dies."""
 
     def __init__(self, state: GatewayState, session: Session, req: CompletionRequest, admission: Admission,
-                 response: aiohttp.ClientResponse, admit: AdmitFn, drain: Drain, ops: OpsMetrics) -> None:
+                 response: WorkerResponse, admit: AdmitFn, drain: Drain, ops: OpsMetrics) -> None:
         self.state, self.session, self.req = state, session, req
         self.admission = admission
         self.admit, self.drain, self.ops = admit, drain, ops
@@ -121,8 +120,7 @@ class MigratingStream:
     def abort_for_shutdown(self) -> None:
         """The drain's deadline passed: end the worker stream; the client gets ``ShuttingDown``."""
         self._shutdown = True
-        if not self._response.closed:
-            self._response.content.set_exception(ShuttingDown())
+        self._response.abort(ShuttingDown())
 
     async def aclose(self) -> None:
         await self._chunks.aclose()  # closes the worker stream; a worker aborts sequences whose reader left

@@ -14,11 +14,11 @@ from collections.abc import AsyncGenerator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-import aiohttp
 import orjson
 
 from gateway.config import RemoteProtocol
 from gateway.fleet import WorkerHandle
+from gateway.worker_http import WorkerConnectError, WorkerResponse, WorkerStreamError
 from workers.protocol import (
     DIRECTIVE_FIELD,
     IDS_COMMENT,
@@ -93,31 +93,30 @@ def worker_body(request: CompletionRequest, directive: Directive, protocol: Remo
 
 
 async def open_stream(handle: WorkerHandle, path: str, body: Mapping[str, Any],
-                      worker_timeout_s: float, headers: Mapping[str, str] | None = None) -> aiohttp.ClientResponse:
+                      worker_timeout_s: float, headers: Mapping[str, str] | None = None) -> WorkerResponse:
     """POSTs to the worker; returns the streaming response or raises the worker's error.
 
     The worker starts its response with the first chunk, so the read timeout bounds the time
     to first token as well as every later silence.
     """
     try:
-        response = await handle.client.post(
-            handle.base_url + path, json=body, headers=headers,  # trace context, request id, session (gateway/relay.py)
-            timeout=aiohttp.ClientTimeout(total=None, sock_connect=5, sock_read=worker_timeout_s))
-    except TimeoutError as exc:  # before ClientConnectionError: aiohttp's timeout is both
+        response = await handle.http.post(path, orjson.dumps(body), headers,  # trace context, request id, session
+                                          connect_timeout=5, read_timeout=worker_timeout_s)
+    except TimeoutError as exc:
         raise WorkerTimeout(f"worker {handle.worker_id} sent nothing for {worker_timeout_s}s") from exc
-    except (aiohttp.ClientConnectionError, OSError) as exc:
+    except (WorkerConnectError, WorkerStreamError) as exc:
         raise WorkerUnreachable(f"{exc.__class__.__name__}: {exc}") from exc
     if response.status == 200:
         return response
     try:
-        payload = await response.json(content_type=None)
+        payload = orjson.loads(await response.read())
         error = payload["error"]
         message, param, code = str(error.get("message")), error.get("param"), error.get("code")
-    except (ValueError, KeyError, TypeError, AttributeError, aiohttp.ClientError):
+    except (ValueError, KeyError, TypeError, AttributeError, TimeoutError, WorkerStreamError):
         message, param, code = f"worker answered HTTP {response.status}", None, None
     finally:
         response.release()
-    retry_after = response.headers.get("Retry-After")
+    retry_after = response.headers.get("retry-after")
     cls = _STATUS_ERRORS.get(response.status, WorkerFailed)
     raise cls(message, param=param, code=code,
               retry_after_s=float(retry_after) if retry_after and retry_after.isdigit() else None)
@@ -144,7 +143,7 @@ class RawChunk:
         return sse_event(self.chunk) if self.payload is None else b"data: %b\n\n" % self.payload
 
 
-async def iter_chunk_batches(response: aiohttp.ClientResponse) -> AsyncGenerator[list[RawChunk], None]:
+async def iter_chunk_batches(response: WorkerResponse) -> AsyncGenerator[list[RawChunk], None]:
     """The worker's SSE stream a network read at a time: every complete event that one read
     delivered. Raises WorkerFailed on an error event, WorkerLost on a cut stream.
 
@@ -157,7 +156,7 @@ async def iter_chunk_batches(response: aiohttp.ClientResponse) -> AsyncGenerator
     try:
         while not done:
             try:
-                data = await response.content.readany()
+                data = await response.readany()
             except TimeoutError as exc:
                 raise WorkerTimeout("worker went silent mid-stream") from exc
             if not data:
@@ -192,9 +191,9 @@ async def iter_chunk_batches(response: aiohttp.ClientResponse) -> AsyncGenerator
             # Read to the end of the response (the chunked terminator follows [DONE]) so that
             # release() returns the connection to the pool: released half-read, it is closed,
             # and a new connection per request cost as much CPU as relaying it (bench.overhead).
-            while await response.content.readany():
+            while await response.readany():
                 pass
-    except (aiohttp.ClientPayloadError, aiohttp.ClientConnectionError) as exc:
+    except WorkerStreamError as exc:
         raise WorkerLost(f"worker stream broke: {exc}") from exc
     finally:
         # Closing an unfinished stream drops the connection, which makes the worker abort it.

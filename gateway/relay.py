@@ -10,7 +10,6 @@ import uuid
 from dataclasses import dataclass, replace
 from typing import Any
 
-import aiohttp
 import orjson
 from aiohttp import web
 
@@ -32,6 +31,7 @@ from gateway.routing import Candidate, choose_worker
 from gateway.sessions import ModeChange, Session
 from gateway.state import GatewayState
 from gateway.tracing import TRACING_KEY, AttemptTrace, RequestTrace
+from gateway.worker_http import WorkerResponse
 from policies import (
     FIXED_MODE_REASONS,
     Decision,
@@ -165,7 +165,7 @@ def _record(state: GatewayState, session: Session, decision: Decision, policy: P
 
 async def _admit(state: GatewayState, session: Session, req: CompletionRequest, exclude: frozenset[str] = frozenset(),
                  resume: ResumePoint | None = None, *,
-                 trace: RequestTrace | None = None) -> tuple[Admission, aiohttp.ClientResponse]:
+                 trace: RequestTrace | None = None) -> tuple[Admission, WorkerResponse]:
     """Routes, decides and opens the worker stream, retrying on other workers before the first chunk.
 
     ``resume`` continues a generation another worker began (gateway/migration.py): only
