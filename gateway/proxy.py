@@ -10,6 +10,7 @@ nothing is lost silently.
 
 from __future__ import annotations
 
+import json
 from collections.abc import AsyncGenerator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -100,7 +101,13 @@ async def open_stream(handle: WorkerHandle, path: str, body: Mapping[str, Any],
     to first token as well as every later silence.
     """
     try:
-        response = await handle.http.post(path, orjson.dumps(body), headers,  # trace context, request id, session
+        data = orjson.dumps(body)
+    except orjson.JSONEncodeError:
+        # A lone surrogate ("user": "x\ud800y" is valid JSON) is not UTF-8: json's ASCII escapes
+        # carry it to the worker as the client sent it.
+        data = json.dumps(body).encode()
+    try:
+        response = await handle.http.post(path, data, headers,  # trace context, request id, session
                                           connect_timeout=5, read_timeout=worker_timeout_s)
     except TimeoutError as exc:
         raise WorkerTimeout(f"worker {handle.worker_id} sent nothing for {worker_timeout_s}s") from exc
