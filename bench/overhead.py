@@ -1,7 +1,7 @@
 """What the gateway costs: the same closed-loop load straight to an upstream, through specgate,
 and through vllm-router (when installed), in one run.
 
-    python -m bench.overhead [--quick] [--json] [--vllm-router PATH]
+    python -m bench.overhead [--quick] [--json] [--vllm-router PATH] [--ref-repo PATH]
 
 Upstreams are sim workers (``python -m workers --engine sim``, an OpenAI-compatible server):
 ``instant`` answers at once (time scale 0), ``paced`` emits one chunk per modelled GPU step
@@ -12,6 +12,9 @@ non-streaming requests (latency), 32 concurrent non-streaming, 32 concurrent str
 ratios, and each proxy's CPU µs per relayed chunk (/proc utime + stime). vllm-router is found
 on PATH or given with --vllm-router; it runs as
 ``vllm-router --host 127.0.0.1 --port P --worker-urls http://127.0.0.1:U --policy consistent_hash``.
+``--ref-repo`` adds a gateway run from another checkout (``git worktree add /tmp/ref <rev>``) as
+the path ``specgate_ref``, on the same upstreams in the same run: a change's effect, measured
+where the machine's hour-to-hour speed cannot mix into it.
 """
 
 from __future__ import annotations
@@ -156,6 +159,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             paths: dict[str, tuple[str, int | None]] = {
                 "direct": (f"http://127.0.0.1:{up_port}", None),
                 "specgate": (f"http://127.0.0.1:{gw_port}", gateway.pid)}
+            if args.ref_repo:
+                ref, ref_port = procs.start_gateway(log_dir, [up_port], GATEWAY_POLICY, Path(args.ref_repo))
+                started.append(ref)
+                paths["specgate_ref"] = (f"http://127.0.0.1:{ref_port}", ref.pid)
             if router_bin:
                 router, r_port = start_vllm_router(router_bin, up_port, log_dir)
                 started.append(router)
@@ -208,6 +215,21 @@ def summarize(results: dict[str, dict[str, dict[str, LoadResult]]], router_bin: 
             out["vllm_router_cpu_us_per_chunk"][kind] = round(
                 1e6 * s256["vllm_router"].cpu_s / max(1, s256["vllm_router"].chunks), 1)
         out[f"{kind}_stream256_chunks_per_s"] = {p: round(r.chunks_per_s, 1) for p, r in s256.items()}
+    if "specgate_ref" in seq:
+        ref = seq["specgate_ref"]
+        out["ref_added_p50_ms"] = round(1000 * (ref.pct(0.5) - direct.pct(0.5)), 3)
+        out["ref_rps_ratio_c32"] = round(results["instant"]["c32"]["specgate_ref"].rps
+                                         / results["instant"]["c32"]["direct"].rps, 3)
+        out["ref_gateway_cpu_us_per_request"] = round(1e6 * ref.cpu_s / max(1, ref.requests), 1)
+        out["gateway_cpu_us_per_request"] = round(1e6 * gw.cpu_s / max(1, gw.requests), 1)
+        out["ref_gateway_cpu_us_per_chunk"] = {
+            kind: round(1e6 * results[kind]["c32_stream256"]["specgate_ref"].cpu_s
+                        / max(1, results[kind]["c32_stream256"]["specgate_ref"].chunks), 1)
+            for kind in ("instant", "paced")}
+        print(f"reference gateway (--ref-repo): added p50 {out['ref_added_p50_ms']} ms, c32 req/s ratio "
+              f"{out['ref_rps_ratio_c32']}, CPU per sequential request {out['ref_gateway_cpu_us_per_request']} µs "
+              f"(this checkout: {out['gateway_cpu_us_per_request']} µs), per relayed chunk "
+              f"{out['ref_gateway_cpu_us_per_chunk']} µs")
     out["latency_ms"] = {p: {"p50": round(1000 * r.pct(0.5), 3), "p99": round(1000 * r.pct(0.99), 3),
                              "mean": round(1000 * statistics.fmean(r.latencies), 3)} for p, r in seq.items()}
     out["targets"] = {"added_p50_le_0.5ms": out["added_p50_ms"] <= 0.5,
@@ -233,6 +255,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--json", action="store_true", help="last line: one JSON object")
     parser.add_argument("--quick", action="store_true", help="1.5 s per load instead of 10")
     parser.add_argument("--vllm-router", default=None, help="path to the vllm-router executable")
+    parser.add_argument("--ref-repo", default=None, help="another checkout whose gateway runs beside this one's")
     args = parser.parse_args(argv)
     result = run(args)
     if args.json:

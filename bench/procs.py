@@ -62,9 +62,9 @@ def get_json(url: str) -> Any:
         return json.loads(response.read())
 
 
-def _env() -> dict[str, str]:
+def _env(repo: Path = REPO) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if k != "PROMETHEUS_MULTIPROC_DIR"}
-    env["PYTHONPATH"] = str(REPO) + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    env["PYTHONPATH"] = str(repo) + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
     return env
 
 
@@ -82,9 +82,10 @@ def start_sim_worker(log_dir: Path, sim: dict[str, Any], *, default_k: int = 0, 
     return process, port
 
 
-def start_gateway(log_dir: Path, remote_ports: Sequence[int], policy: dict[str, Any]) -> tuple[
+def start_gateway(log_dir: Path, remote_ports: Sequence[int], policy: dict[str, Any], repo: Path = REPO) -> tuple[
         subprocess.Popen[bytes], int]:
-    """A gateway with no local workers, routing to the given specgate workers on loopback."""
+    """A gateway with no local workers, routing to the given specgate workers on loopback; its
+    code from ``repo`` (another checkout: bench.overhead's --ref-repo)."""
     port = free_port()
     config = {
         "server": {"host": "127.0.0.1", "port": port},
@@ -98,7 +99,7 @@ def start_gateway(log_dir: Path, remote_ports: Sequence[int], policy: dict[str, 
     path.write_text(yaml.safe_dump(config))
     with (log_dir / f"gateway-{port}.log").open("wb") as log:
         process = subprocess.Popen([sys.executable, "-m", "gateway", "--config", str(path), "--port", str(port)],
-                                   cwd=REPO, stdout=log, stderr=subprocess.STDOUT, env=_env())
+                                   cwd=repo, stdout=log, stderr=subprocess.STDOUT, env=_env(repo))
     wait_ok(process, f"http://127.0.0.1:{port}/ready")
     return process, port
 
