@@ -1,13 +1,14 @@
 """The relay's HTTP/1.1 client to a worker: keep-alive connections, a POST, a streamed body.
 
-The hot path of every request is one POST to a worker and the read of its SSE stream. Through
-aiohttp's client that cost about 600 µs of CPU per request on the 2-core AVX2 machine, against
-330 µs for the same exchange over bare asyncio streams (/tmp measurement, README "Relay
-overhead"): request and response objects, multidicts, URL parsing, timers and tracing hooks
-that the relay never uses. This client does what the relay needs and nothing else: a pool of
+The hot path of every request is one POST to a worker and the read of its SSE stream.
+Through aiohttp's client that was about a third of the gateway's busy time under sequential
+load (py-spy): request and response objects, multidicts, URL parsing, timers and tracing
+hooks the relay never uses. This client does what the relay needs and nothing else: a pool of
 keep-alive connections per worker (Unix socket, TCP or TLS), a request written in one piece,
-the response head parsed once, and the body (content-length, chunked, or to the connection's
-end) handed over a network read at a time. Health polls and metrics scrapes stay on aiohttp.
+and the response parsed by httptools (llhttp, in C) into its head and its body (content-length,
+chunked, or to the connection's end), handed over a network read at a time. Health polls and
+metrics scrapes stay on aiohttp. (bench.overhead --ref-repo measures it against the gateway
+before it: README "Relay overhead".)
 
 Errors say which side of the first response byte they happened on, because the relay's
 answer differs: ``WorkerConnectError`` (nothing came back: the request may go to another
