@@ -31,8 +31,9 @@ from pathlib import Path
 import torch
 
 from policies import CostModel, choose_k, gain, tested_drafts
+from workers import rowgemm
 from workers.cost_model import CostReport, OnlineCosts, catch_up_pays
-from workers.costs_measure import MeasureSettings, measure
+from workers.costs_measure import MeasureSettings, measure, torch_threads_serving
 from workers.demo_corpus import heldout_prompts
 from workers.engine import GenerationRequest, SpeculativeEngine, StepEvent, native_forward
 from workers.kv_cache import CacheBatch, KVCache
@@ -284,13 +285,15 @@ def main() -> None:
     if args.quick:
         args.prompts, args.max_tokens, args.kmax, args.batches, args.batch_max_tokens = 3, 32, 4, "8", 16
         args.alpha_prompts, args.cost_budget_s = 8, 2.0
-    torch.set_num_threads(args.threads)
+    torch.set_num_threads(args.threads)  # as a worker sets them: torch's while measuring, and the kernels'
+    rowgemm.set_threads(args.threads)
     torch.manual_seed(0)
     batch_sizes = [int(b) for b in args.batches.split(",") if b]
     # The cost model a worker with these settings builds; "auto" serves the precision it chose.
     costs = measure(MeasureSettings(args.target, args.draft, max([*batch_sizes, 16]), args.kmax, args.dtype,
                                     args.draft_dtype, not args.inexact, args.cost_budget_s, args.threads))
     assert costs.precision is not None
+    torch.set_num_threads(torch_threads_serving(costs.precision, args.threads))  # as the worker serves
     print(f"cost model ({costs.cpu}): {costs.precision.why}; chose {costs.precision.target}, measured "
           f"{costs.measured_points}/{costs.total_points} points in {costs.measure_s:.1f}s", flush=True)
     startup_model = CostModel(costs.depths, costs.step_cost)

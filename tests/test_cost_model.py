@@ -13,6 +13,7 @@ import torch
 import workers.cost_cache as cost_cache
 import workers.costs_measure as costs_measure
 from policies import CostModel, whole_step_costs
+from workers import rowgemm
 from workers.cost_cache import CostCache, cpu_label
 from workers.cost_model import (
     ONLINE_WEIGHT,
@@ -20,6 +21,7 @@ from workers.cost_model import (
     CostReport,
     OnlineCosts,
     PrecisionCandidate,
+    PrecisionChoice,
     StepTimeCosts,
     catch_up_pays,
     depth_grid,
@@ -389,3 +391,16 @@ def test_measurement_times_every_depths_plain_step_and_k1_step_before_the_rest(
     assert all(n != 2 for group in phase2[6:] for _, _, n in group)  # never timed twice
     # Every depth's K=1 cost comes from its own timing: 2 tokens at 1.5x the plain step, here.
     assert all(row[1] == pytest.approx(1.5, abs=0.02) for row in report.verify_cost or ())
+
+
+def test_torch_runs_on_one_thread_where_the_kernels_serve() -> None:
+    """With the kernels serving (float32, prepacked), torch only glues between their calls: its
+    OpenMP workers would spin on the cores the kernels' threads use. Elsewhere torch does the
+    work and keeps ``workers.threads``."""
+    def choice(target: str, prepacked: bool) -> PrecisionChoice:
+        return PrecisionChoice(target, prepacked, True, "test", 0.8)
+
+    kernels_build = rowgemm.load() is not None
+    assert costs_measure.torch_threads_serving(choice("float32", True), 2) == (1 if kernels_build else 2)
+    assert costs_measure.torch_threads_serving(choice("float32", False), 2) == 2
+    assert costs_measure.torch_threads_serving(choice("bfloat16", True), 2) == 2

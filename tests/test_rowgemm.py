@@ -304,10 +304,10 @@ def test_engine_greedy_drafting_in_one_call_matches_the_per_position_path(
 
 @pytest.fixture
 def kernel_threads() -> Iterator[Callable[[int], None]]:
-    """Sets torch's intra-op thread count, which the kernels' projections follow; restores it."""
-    before = torch.get_num_threads()
-    yield torch.set_num_threads
-    torch.set_num_threads(before)
+    """Sets the kernels' thread count (``workers.threads``); back to 1 after the test."""
+    assert KERNEL is not None
+    yield KERNEL.set_threads
+    KERNEL.set_threads(1)
 
 
 @needs_kernel

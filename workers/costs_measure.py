@@ -258,6 +258,17 @@ def target_configs(dtype: Literal["auto", "float32", "bfloat16"]) -> dict[str, t
     return configs
 
 
+def torch_threads_serving(precision: PrecisionChoice, threads: int) -> int:
+    """torch's intra-op threads once ``precision`` serves: ``threads``, except 1 where the
+    kernels (workers/rowgemm.py, their own ``threads``) run the forwards. torch then only glues
+    between kernel calls, and its OpenMP workers, spinning after each parallel region, took the
+    second core from the kernels' helper: on the 2-core AVX2 machine, ``bench.engine --threads 2``
+    decoded 603 -> 900 tok/s (plain -> speculative) with them and 770 -> 1135 without
+    (OMP_WAIT_POLICY=PASSIVE), its start-up verification curve erratic with them."""
+    on_kernels = precision.target == "float32" and precision.prepacked and rowgemm.load() is not None
+    return 1 if on_kernels else threads
+
+
 def measure(settings: MeasureSettings) -> CostReport:
     return measure_with_model(settings)[0]
 

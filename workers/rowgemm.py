@@ -81,14 +81,12 @@ class RowGemm:
         self._score_rows.argtypes, self._score_rows.restype = [], ctypes.c_int64
         self.score_rows = self._score_rows()  # attention's scratch: rows of scores, one per part
 
-    def sync_threads(self) -> None:
-        """Projections split their output columns across torch's intra-op thread count
-        (``workers.threads``), so one knob sets both. Each column is still one thread's FMA
+    def set_threads(self, threads: int) -> None:
+        """Projections split their output columns, and attention its query tiles, across
+        ``threads`` (``workers.threads``; 1 at load). Each output is still one thread's FMA
         chain: the split changes no bit (tests/test_rowgemm.py)."""
-        wanted = torch.get_num_threads()
-        if wanted != self.threads:
-            self.threads = self._set_threads(wanted)
-            self.score_rows = self._score_rows()
+        self.threads = self._set_threads(threads)
+        self.score_rows = self._score_rows()
 
     @staticmethod
     def supports(hidden: int, head_dim: int) -> bool:
@@ -134,7 +132,6 @@ class RowGemm:
         x = x.contiguous()
         y = torch.empty((*x.shape[:-1], n), dtype=torch.float32)
         fn = self._b16 if weights.dtype == torch.bfloat16 else self._f32
-        self.sync_threads()
         fn(x.data_ptr(), weights.data_ptr(), y.data_ptr(), x.numel() // k, k, stride, n)
         return y
 
@@ -163,7 +160,6 @@ class RowGemm:
         head_dim = width // (heads + 2 * kv_heads)
         positions = k_cache.shape[2]
         out = torch.empty((b, length, heads * head_dim), dtype=torch.float32)
-        self.sync_threads()
         scratch = torch.empty(self.score_rows * positions, dtype=torch.float32)
         self._attend(qkv.data_ptr(), cos.data_ptr(), sin.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
                      rows[0].data_ptr(), rows[1].data_ptr(), rows[2].data_ptr(), b, length, heads, kv_heads,
@@ -305,9 +301,8 @@ class FusedForward:
         return torch.tensor(flat, dtype=torch.long).view(b, length), rows, lengths
 
     def _buffers(self, m: int, n: int, k_cache: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-        """The forward's scratch for m tokens, and logits for n of them. (Sizes depend on the
-        kernels' threads: synced first.)"""
-        self._kernel.sync_threads()
+        """The forward's scratch for m tokens, and logits for n of them (attention's part of it
+        grows with the kernels' threads)."""
         width = (self.heads + 2 * self.kv_heads) * self.head_dim
         size = (m * (3 * self.hidden + width + self.heads * self.head_dim + 3 * self.inter)
                 + self._kernel.score_rows * k_cache[0].shape[2])
@@ -367,6 +362,13 @@ def _compile(directory: Path, defines: tuple[str, ...] = ()) -> Path | None:
             return None
         os.replace(built, target)  # atomic: a concurrent worker sees the whole file or none
     return target
+
+
+def set_threads(threads: int) -> None:
+    """The kernels' threads, where they run (``RowGemm.set_threads``)."""
+    kernel = load()
+    if kernel is not None:
+        kernel.set_threads(threads)
 
 
 @functools.cache

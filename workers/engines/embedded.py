@@ -16,8 +16,9 @@ from typing import Literal
 
 import torch
 
+from workers import rowgemm
 from workers.cost_model import CostReport, OnlineCosts
-from workers.costs_measure import MeasureSettings, measure_or_load
+from workers.costs_measure import MeasureSettings, measure_or_load, torch_threads_serving
 from workers.engine import SpeculativeEngine
 from workers.engine_api import (
     EngineInfo,
@@ -111,10 +112,13 @@ class EmbeddedEngine:
     async def start(self, observer: StepObserver) -> None:
         s = self.settings
         # Measured (or read from the cache) before the worker answers its first health check.
+        threads = torch.get_num_threads()  # workers.threads: the kernels' threads, and torch's while measuring
+        rowgemm.set_threads(threads)
         measuring = MeasureSettings(s.target, s.draft, s.max_slots, s.max_k, s.dtype, s.draft_dtype, s.exact,
-                                    s.cost_budget_s, torch.get_num_threads())
+                                    s.cost_budget_s, threads)
         report, target = measure_or_load(measuring, s.cost_cache_dir)
         assert report.precision is not None
+        torch.set_num_threads(torch_threads_serving(report.precision, threads))
         dtype: Literal["float32", "bfloat16"] = "bfloat16" if report.precision.target == "bfloat16" else "float32"
         engine = load_speculative_engine(dataclasses.replace(s, dtype=dtype), target, report.precision.prepacked)
         self._costs = OnlineCosts(report)
