@@ -31,7 +31,8 @@ static void tile_##MR##_##NB(const float* x, int64_t K, int64_t KS, const float*
 TILE(4, 3) TILE(3, 4) TILE(2, 6) TILE(1, 8) TILE(4, 1) TILE(3, 1) TILE(2, 1) TILE(1, 1)
 
 /* Output blocks [lo, blocks): rows in tiles of 4, the last 1-3 together. The weight is streamed
-   once: every row tile works through a chunk of 24 panels (under 300 KB, in L2) before the next chunk is read. */
+   once: every row tile works through a chunk of 24 panels (under 300 KB, in L2) before the
+   next chunk is read. */
 static void f32_range(const float* x, const float* p, float* y, int64_t M, int64_t K, int64_t KS, int64_t N,
                       int64_t lo, int64_t blocks) {
   int64_t chunk = M <= 4 ? blocks - lo : 24; /* a multiple of every tile's NB */
@@ -99,9 +100,8 @@ PAIR_TILE(4, 1) PAIR_TILE(5, 1) PAIR_TILE(3, 1) PAIR_TILE(2, 1) PAIR_TILE(1, 1)
   for (; b < b1; ++b) ptile_##MR##_1(xm, K, KS, p + b * KS * 8, ym + b * 8, N); } while (0)
 
 /* Output blocks [lo, blocks): rows in tiles of 4, the last 1-5 together (tile shapes measured
-   fastest on Zen 3). Where
-   there are several row tiles, each works through a chunk of 24 panels (in L2) before the next
-   chunk is read, so the weight is streamed once. */
+   fastest on Zen 3). Where there are several row tiles, each works through a chunk of 24
+   panels (in L2) before the next chunk is read, so the weight is streamed once. */
 static void b16_range(const float* x, const uint16_t* p, float* y, int64_t M, int64_t K, int64_t KS, int64_t N,
                       int64_t lo, int64_t blocks) {
   int64_t chunk = M <= 5 ? blocks - lo : 24; /* a multiple of every tile's NB */
@@ -122,12 +122,13 @@ static void b16_range(const float* x, const uint16_t* p, float* y, int64_t M, in
 
 #include "rowgemm_pool.h"
 
-typedef struct { const float* x; const void* w; int64_t kind; float* y; int64_t M, K, KS, N; } gemm_t;
+/* align: output blocks a part's range is cut on, whole tiles (6 for bfloat16, 24 for float32) */
+typedef struct { const float* x; const void* w; int64_t kind; float* y; int64_t M, K, KS, N, align; } gemm_t;
 
 static void gemm_part(const void* ctx, int64_t part, int64_t parts) {
   const gemm_t* g = ctx;
-  int64_t lo, hi; /* whole tiles: 6 blocks for bfloat16, 24 for float32 */
-  part_range(g->N / 8, g->kind == 1 ? 6 : 24, part, parts, &lo, &hi);
+  int64_t lo, hi;
+  part_range(g->N / 8, g->align, part, parts, &lo, &hi);
   if (lo >= hi) return;
   if (g->kind == 1) b16_range(g->x, (const uint16_t*)g->w, g->y, g->M, g->K, g->KS, g->N, lo, hi);
   else f32_range(g->x, (const float*)g->w, g->y, g->M, g->K, g->KS, g->N, lo, hi);
@@ -135,8 +136,8 @@ static void gemm_part(const void* ctx, int64_t part, int64_t parts) {
 
 static void gemm_any(const float* x, const void* w, int64_t kind, float* y, int64_t M, int64_t K, int64_t KS,
                      int64_t N) {
-  gemm_t g = {x, w, kind, y, M, K, KS, N};
-  parallel_for(gemm_part, &g, parts_for((N / 8 + 5) / 6));
+  gemm_t g = {x, w, kind, y, M, K, KS, N, kind == 1 ? 6 : 24};
+  parallel_for(gemm_part, &g, parts_for((N / 8 + g.align - 1) / g.align));
 }
 
 void rowgemm_f32(const float* x, const float* p, float* y, int64_t M, int64_t K, int64_t KS, int64_t N) {
@@ -217,11 +218,6 @@ static inline float hmax(__m256 v) {
   return _mm_cvtss_f32(s);
 }
 
-/* One cached attention layer for B sequences of up to L new tokens (row b has lengths[b]):
-   rotary on q and k (rotate-half layout, tables (P, D)), k and v written to the cache at
-   slot slots[b], positions starts[b] + l, then every query attends to its own prefix of keys
-   (causal). qkv (B, L, (H + 2 Hkv) D); caches (slots, Hkv, P, D); out (B, L, H D), padding
-   rows 0. Each query's arithmetic depends on its own row and the cache only. */
 typedef struct {
   const float *qkv, *cos_t, *sin_t, *kc, *vc;
   const int64_t *slots, *starts, *lengths;
@@ -234,10 +230,15 @@ static void attend_part(const void* ctx, int64_t part, int64_t parts);
 #define QT 8  /* queries attended together: each key and value row is read once for all of them */
 #define VT 32 /* value rows per pass over a tile's queries (8 KB at D = 64: in L1) */
 
-/* (Queries in tiles of up to QT that share a KV head: a sequence's rows and the heads of one
-   group, so each key and value row is read once per tile instead of once per query; tiles in
+/* One cached attention layer for B sequences of up to L new tokens (row b has lengths[b]):
+   rotary on q and k (rotate-half layout, tables (P, D)), k and v written to the cache at
+   slot slots[b], positions starts[b] + l, then every query attends to its own prefix of keys
+   (causal). qkv (B, L, (H + 2 Hkv) D); caches (slots, Hkv, P, D); out (B, L, H D), padding
+   rows 0. Each query's arithmetic depends on its own row and the cache only.
+   Queries in tiles of up to QT that share a KV head (a sequence's rows and the heads of one
+   group), so each key and value row is read once per tile instead of once per query; tiles in
    parts across the pool's threads. Each query's arithmetic is the same whatever its tile, its
-   part and the thread count. scratch holds rowgemm_score_rows() rows of P scores.) */
+   part and the thread count. scratch holds rowgemm_score_rows() rows of P scores. */
 void rope_attend(const float* qkv, const float* cos_t, const float* sin_t, float* kc, float* vc,
                  const int64_t* slots, const int64_t* starts, const int64_t* lengths, int64_t B, int64_t L,
                  int64_t H, int64_t Hkv, int64_t D, int64_t P, float scale, float* out, float* scratch) {
@@ -262,7 +263,7 @@ void rope_attend(const float* qkv, const float* cos_t, const float* sin_t, float
   parallel_for(attend_part, &a, parts_for(B * Hkv * ((L * (H / Hkv) + QT - 1) / QT)));
 }
 
-/* Rows of P scores rope_attend's scratch must hold: one per part. */
+/* Rows of P scores rope_attend's scratch must hold: QT per part (each part's tile). */
 int64_t rowgemm_score_rows(void) { return parts_for(MAX_PARTS) * QT; }
 
 static void attend_part(const void* ctx, int64_t part, int64_t parts) {

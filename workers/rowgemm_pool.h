@@ -15,14 +15,14 @@
    callers in workers/rowgemm.c keep each result one thread's arithmetic, so the split changes
    no bit of any result). The caller posts a job of `parts` ranges and claims parts itself, as
    do the helper threads: a helper that is slow to wake (asleep, or its core busy elsewhere)
-   costs the job nothing but its help. Helpers spin a while between jobs (a forward posts ~30 of them, microseconds
-   apart), then sleep on a futex, so an idle worker's helpers use no CPU. */
+   costs the job nothing but its help. Helpers spin a while between jobs (a forward posts ~30
+   of them, microseconds apart), then sleep on a futex, so an idle worker's helpers use no CPU. */
 #define MAX_THREADS 16
 #ifndef SPIN_NS /* how long a helper spins for the next job before sleeping: longer than the
                    engine's Python work between two forwards (0.15-0.3 ms a step, bench.engine) */
 #define SPIN_NS 1000000
 #endif
-#define MAX_PARTS (2 * MAX_THREADS) /* a job's parts: attention's scratch holds a row of scores per part */
+#define MAX_PARTS (2 * MAX_THREADS) /* a job's parts at most (parts_for: 2 per thread) */
 typedef void (*part_fn)(const void* ctx, int64_t part, int64_t parts);
 typedef struct { part_fn fn; const void* ctx; int64_t parts; } job_t;
 static job_t job;
@@ -31,7 +31,7 @@ static _Atomic uint32_t job_seq;   /* the job number: helpers sleep on it */
 static _Atomic int64_t parts_done;
 static _Atomic int sleepers;
 static atomic_flag posting = ATOMIC_FLAG_INIT;
-static int pool_threads = 1;       /* threads a projection uses, the caller's included */
+static int pool_threads = 1;       /* threads a job uses, the caller's included */
 static int helpers_started = 0;
 static pthread_mutex_t pool_lock = PTHREAD_MUTEX_INITIALIZER;
 
@@ -82,7 +82,8 @@ static void* helper_main(void* arg) {
   return NULL;
 }
 
-/* Projections use n threads from now on (1: the caller alone). Returns the number in use. */
+/* Jobs (projections, attention) use n threads from now on (1: the caller alone). Returns the
+   number in use. */
 int rowgemm_set_threads(int n) {
   if (n < 1) n = 1;
   if (n > MAX_THREADS) n = MAX_THREADS;
