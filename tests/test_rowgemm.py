@@ -407,3 +407,26 @@ def test_attention_of_a_query_does_not_depend_on_the_queries_beside_it(
             alone = KERNEL.rope_attend(qkv[b:b + 1, i:i + 1].contiguous(), cos, sin, k_cache, v_cache, one, heads,
                                        kv_heads)
             assert torch.equal(alone[0, 0], together[b, i]), (b, i)
+
+
+@needs_kernel
+def test_sixteen_wide_tiles_are_the_eight_wide_tiles_bits(kernel_threads: Callable[[int], None]) -> None:
+    """On a CPU with AVX-512 the bfloat16 projections run two panels per 512-bit register
+    (``WIDE_TILES``); per column the FMA chain is the 8-wide tiles', so the bits are too: for
+    every row count and tile shape, an odd last panel (200 columns: 25 panels), an odd K, and
+    a split across threads. (Without AVX-512 both builds are the 8-wide one.)"""
+    assert KERNEL is not None
+    narrow = rowgemm.load_variant(("WIDE_TILES=0",))
+    assert narrow is not None
+    gen = torch.Generator().manual_seed(5)
+    for n, k in ((8, 64), (16, 64), (200, 73), (640, 384), (1024, 256), (4096, 256)):
+        weight = torch.randn(n, k, generator=gen).to(torch.bfloat16).float()
+        packed = KERNEL.pack(weight)
+        assert packed.weights.dtype == torch.bfloat16
+        x = torch.randn(12, k, generator=gen)
+        for threads in (1, 2):
+            kernel_threads(threads)
+            narrow.set_threads(threads)
+            for m in range(1, 13):
+                assert torch.equal(KERNEL.linear(x[:m], packed), narrow.linear(x[:m], packed)), (n, k, m, threads)
+    narrow.set_threads(1)

@@ -23,6 +23,7 @@ serves with it is a measured choice (``workers/costs_measure.py``), not this mod
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import functools
 import hashlib
@@ -338,12 +339,28 @@ def _cpu_supported() -> bool:
     return torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512")
 
 
+def _cpu_flags() -> set[str]:
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            key, _, value = line.partition(":")
+            if key.strip() == "flags":
+                return set(value.split())
+    return set()
+
+
+def _wide_flags() -> tuple[str, ...]:
+    """-mavx512f where this CPU has AVX-512: the bfloat16 tiles then run 16 columns wide, the
+    same FMA chains (the same bits) in half the instructions (a build with ``WIDE_TILES=0``
+    keeps the 8-wide ones: bench.kernels compares the two)."""
+    return ("-mavx512f",) if "avx512f" in _cpu_flags() else ()
+
+
 def _compile(directory: Path, defines: tuple[str, ...] = ()) -> Path | None:
     compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if compiler is None:
         log.info("rowgemm: no C compiler; float32 projections run F.linear")
         return None
-    flags = (*_FLAGS, *(f"-D{d}" for d in defines))
+    flags = (*_FLAGS, *_wide_flags(), *(f"-D{d}" for d in defines))
     digest = hashlib.sha256("\0".join((*_SOURCES.values(), compiler, *flags)).encode()).hexdigest()[:16]
     target = directory / f"rowgemm-{digest}.so"
     if target.exists():
