@@ -427,7 +427,7 @@ def main() -> None:
             f"{a.tok_s:.1f} tok/s ({a.tok_s / p.tok_s:.2f}x); sequence-steps by K {dict(sorted(rule.chosen.items()))}")
     summary = {
         "bench": "engine", "dtype": args.dtype, "target_prepacked": target.prepacked,
-        "draft_dtype": args.draft_dtype, "threads": args.threads,
+        "draft_dtype": args.draft_dtype, "threads": args.threads, "kernels": rowgemm.chosen_build(),
         "prompts": len(b1),
         "max_tokens": args.max_tokens, "alpha_t0": round(best.alpha, 4), "best_k": best_k,
         "acceptance_rate_t0": round(best.accepted / best.proposed, 4),

@@ -14,6 +14,7 @@ import pytest
 
 from gateway.relay import user_session_id
 from tests.harness import Gateway, sdk_client, start_gateway, target_prepacked_expected, write_config
+from workers import rowgemm
 
 CODE_PROMPT = "def read_lines(path):\n    with open(path) as f:\n        return f."
 
@@ -206,6 +207,9 @@ def test_health_ready_and_workers(gateway: Gateway) -> None:
     assert precisions[0] == precisions[1]
     chosen = workers[0]["cost_model"]["precision"]
     assert precisions[0]["target"] == chosen["target"] and precisions[0]["draft"] == "float32"
+    kernels = precisions[0]["kernels"]  # the kernels' build as measured fastest on this machine
+    assert kernels is None or (kernels["build"].startswith("rowgemm-")
+                               and tuple(kernels["defines"]) in rowgemm.PREFETCH_CHOICES)
     assert precisions[0]["target_prepacked"] == target_prepacked_expected(chosen["target"]) == chosen["prepacked"]
     # float32 may be measured twice, on the kernels and on F.linear: a candidate is its target and layout.
     candidates = {(c["target"], c["prepacked"]): c for c in chosen["candidates"]}

@@ -25,13 +25,17 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import fcntl
 import functools
 import hashlib
+import json
 import logging
 import os
 import shutil
+import statistics
 import subprocess
 import tempfile
+import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import NamedTuple
@@ -339,20 +343,25 @@ def _cpu_supported() -> bool:
     return torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512")
 
 
-def _cpu_flags() -> set[str]:
+@functools.cache
+def _cpuinfo() -> tuple[str, frozenset[str]]:
+    """This CPU's model name and flags (/proc/cpuinfo's first processor)."""
+    name, flags = "", frozenset[str]()
     with contextlib.suppress(OSError):
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             key, _, value = line.partition(":")
-            if key.strip() == "flags":
-                return set(value.split())
-    return set()
+            if key.strip() == "model name":
+                name = value.strip()
+            elif key.strip() == "flags":
+                return name, frozenset(value.split())
+    return name, flags
 
 
 def _wide_flags() -> tuple[str, ...]:
     """-mavx512f where this CPU has AVX-512: the bfloat16 tiles then run 16 columns wide, the
     same FMA chains (the same bits) in half the instructions (a build with ``WIDE_TILES=0``
     keeps the 8-wide ones: bench.kernels compares the two)."""
-    return ("-mavx512f",) if "avx512f" in _cpu_flags() else ()
+    return ("-mavx512f",) if "avx512f" in _cpuinfo()[1] else ()
 
 
 def _compile(directory: Path, defines: tuple[str, ...] = ()) -> Path | None:
@@ -388,18 +397,108 @@ def set_threads(threads: int) -> None:
         kernel.set_threads(threads)
 
 
+# The builds load() chooses between by measurement: software prefetching of the weight stream
+# 12 KB ahead (1.3x on Zen 3, whose prefetcher alone left a tile waiting), or none (15-30%
+# faster on a Xeon with AMX, where the prefetch instructions only take load slots). Both give
+# the same bits: prefetching moves data, not arithmetic.
+PREFETCH_CHOICES = (("PREFETCH_BYTES=12288",), ("PREFETCH_BYTES=0",))
+
+
 @functools.cache
 def load() -> RowGemm | None:
-    """The kernel, compiled (or found compiled) on this machine; None where it cannot run."""
-    return load_variant(())
+    """The kernel, compiled (or found compiled) on this machine, in the build that measured
+    fastest here (``PREFETCH_CHOICES``); None where it cannot run."""
+    if not _enabled():
+        return None
+    directory = _build_dir()
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        choice = directory / f"choice-{_choice_key()}.json"
+        with (directory / "choice.lock").open("a") as lock:
+            # Sibling workers starting together: one measures, the others read its answer.
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            try:
+                defines = _read_choice(choice)
+                if defines is None:
+                    defines = _measure_choice(choice)
+            finally:
+                fcntl.flock(lock, fcntl.LOCK_UN)
+    except OSError as exc:
+        log.warning("rowgemm: could not record the build choice (%s); serving the first build", exc)
+        defines = PREFETCH_CHOICES[0]
+    return load_variant(defines)
+
+
+def _choice_key() -> str:
+    name, flags = _cpuinfo()
+    material = "\0".join((*_SOURCES.values(), *_FLAGS, *_wide_flags(), name, *sorted(flags)))
+    return hashlib.sha256(material.encode()).hexdigest()[:16]
+
+
+def _read_choice(path: Path) -> tuple[str, ...] | None:
+    try:
+        defines = tuple(json.loads(path.read_text())["defines"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    return defines if defines in PREFETCH_CHOICES else None
+
+
+def _measure_choice(path: Path) -> tuple[str, ...]:
+    """Times each build of ``PREFETCH_CHOICES`` on 1 and 4 rows through 28 MB of bfloat16
+    weights (the demo target's projections' shapes, more than a core's L2), taking turns, and
+    records the fastest (median of 21 passes each: a noisy neighbour's second lands on both;
+    about a second with the packing, once per machine)."""
+    kernels = [k for k in (load_variant(d) for d in PREFETCH_CHOICES) if k is not None]
+    if len(kernels) < len(PREFETCH_CHOICES):
+        return PREFETCH_CHOICES[0]
+    gen = torch.Generator().manual_seed(0)
+    shapes = [(1280, 384), (384, 384), (2048, 384), (384, 1024)] * 8 + [(4096, 384)]
+    weights = [torch.randn(n, k, generator=gen).to(torch.bfloat16).float() for n, k in shapes]
+    panels = [kernels[0].pack(w) for w in weights]  # one layout for every build
+    inputs = {(m, k): torch.randn(m, k, generator=gen) for m in (1, 4) for k in (384, 1024)}
+    passes: list[list[float]] = [[] for _ in kernels]
+    for _ in range(21):
+        for i, kernel in enumerate(kernels):
+            started = time.perf_counter()
+            for m in (1, 4):
+                for p, (_, k) in zip(panels, shapes, strict=True):
+                    kernel.linear(inputs[(m, k)], p)
+            passes[i].append(time.perf_counter() - started)
+    best = [statistics.median(t) for t in passes]
+    chosen = PREFETCH_CHOICES[best.index(min(best))]
+    ms = {" ".join(d): round(1000 * t, 3) for d, t in zip(PREFETCH_CHOICES, best, strict=True)}
+    log.info("rowgemm: %s measured fastest here (ms per pass: %s)", " ".join(chosen), ms)
+    tmp = path.with_suffix(f".{os.getpid()}.tmp")
+    tmp.write_text(json.dumps({"defines": list(chosen), "pass_ms": ms}))
+    os.replace(tmp, path)
+    return chosen
+
+
+def chosen_build() -> dict[str, object] | None:
+    """What ``load()`` chose and the passes it timed (published with the cost model)."""
+    kernel = load()
+    if kernel is None:
+        return None
+    with contextlib.suppress(OSError, ValueError):
+        return {"build": kernel.build, **json.loads((_build_dir() / f"choice-{_choice_key()}.json").read_text())}
+    return {"build": kernel.build}
+
+
+def _enabled() -> bool:
+    return os.environ.get("SPECGATE_ROWGEMM", "1") != "0" and _cpu_supported()
+
+
+def _build_dir() -> Path:
+    return Path(os.environ.get("SPECGATE_ROWGEMM_DIR") or Path.home() / ".cache/specgate/rowgemm")
 
 
 def load_variant(defines: tuple[str, ...]) -> RowGemm | None:
-    """The kernel built with extra preprocessor ``defines`` (``NAME=VALUE``): benchmarks of what
-    one of its choices buys (bench.kernels). Its panels are laid out as ``load()``'s."""
-    if os.environ.get("SPECGATE_ROWGEMM", "1") == "0" or not _cpu_supported():
+    """The kernel built with extra preprocessor ``defines`` (``NAME=VALUE``): ``load()``'s
+    candidates, and benchmarks of what one of its choices buys (bench.kernels). Its panels are
+    laid out as ``load()``'s."""
+    if not _enabled():
         return None
-    directory = Path(os.environ.get("SPECGATE_ROWGEMM_DIR") or Path.home() / ".cache/specgate/rowgemm")
+    directory = _build_dir()
     try:
         path = _compile(directory, defines)
         return None if path is None else RowGemm(ctypes.CDLL(str(path)), path.stem)

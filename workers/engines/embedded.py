@@ -130,7 +130,9 @@ class EmbeddedEngine:
             eos_token_ids=engine.eos_ids,
             details={"precision": {"target": dtype, "draft": s.draft_dtype if engine.draft else None,
                                    "target_prepacked": engine.target.prepacked,
-                                   "exact": report.precision.exact, "why": report.precision.why}})
+                                   "exact": report.precision.exact, "why": report.precision.why,
+                                   # the kernels' build, chosen by measurement on this machine
+                                   "kernels": rowgemm.chosen_build()}})
 
     async def stop(self) -> None:
         if self._runner is not None:
