@@ -3,11 +3,13 @@
     python -m bench.kernels [--json] [--quick]
 
 - ``projections_ms``: one pass of the target's projections (all of its bfloat16 panels, 28 MB
-  for the demo target: more than stays cached beside everything else) for 1 to 9 rows, as the
-  kernels are served (software prefetching 12 KB ahead) and as built with
-  ``-DPREFETCH_BYTES=0`` (the hardware prefetcher alone). The two take turns, a pass each, and
-  every figure is a median. ``rows_over_one`` divides each row count's time by one row's:
-  the shape of the verification curve's projections.
+  for the demo target: more than stays cached beside everything else) for 1 to 9 rows, in
+  each build ``workers.rowgemm.load()`` chooses between (``prefetch``: software prefetching 12
+  KB ahead; ``no_prefetch``: the hardware prefetcher alone) and, on a CPU with AVX-512,
+  ``eight_wide``: the served build with the 8-column tiles of an AVX2 CPU (``WIDE_TILES=0``)
+  instead of 16-column ones. The builds take turns, a pass each, and every figure is a median.
+  ``rows_over_one`` divides each row count's time by one row's: the shape of the verification
+  curve's projections. ``served``: the build ``load()`` chose here, and its start-up timings.
 - ``draft_forward_ms``: a draft forward of 1 token at batch 1 right after a target forward (as
   the first draft forward of every speculative step runs: the target's weights have just
   streamed past the draft's) and right after another draft forward (its weights cached).
@@ -132,15 +134,19 @@ def main() -> None:
         args.max_rows, args.reps = 4, 5
     torch.set_num_threads(1)  # as a worker runs
     served = rowgemm.load()
-    unprefetched = rowgemm.load_variant(("PREFETCH_BYTES=0",))
-    if served is None or unprefetched is None:
+    builds = {name: rowgemm.load_variant(defines)
+              for name, defines in zip(("prefetch", "no_prefetch"), rowgemm.PREFETCH_CHOICES, strict=True)}
+    chosen = rowgemm.chosen_build()
+    if served is None or chosen is None or None in builds.values():
         raise SystemExit("bench.kernels: workers/rowgemm.py does not build here (no C compiler or no AVX2)")
+    if rowgemm.wide_tiles():
+        builds["eight_wide"] = rowgemm.load_variant((*chosen["defines"], "WIDE_TILES=0"))  # type: ignore[misc]
     target = LlamaForCausalLM.from_pretrained(args.target, torch.float32)
     draft = LlamaForCausalLM.load_draft(args.draft)
     cpu = cpu_label()
-    print(f"CPU: {cpu}", flush=True)
+    print(f"CPU: {cpu}; served build {chosen}", flush=True)
     with torch.inference_mode():
-        projections = projections_ms(target, {"prefetch": served, "no_prefetch": unprefetched}, args.max_rows,
+        projections = projections_ms(target, {n: b for n, b in builds.items() if b is not None}, args.max_rows,
                                      args.reps)
         draft_ms = draft_forward_ms(target, draft, args.reps * 4)
         codec = TextCodec.from_model_dir(args.target)
@@ -157,7 +163,7 @@ def main() -> None:
         print(f"greedy decoding at batch 1, K=3, drafting {name.replace('_', ' ')}: drafting "
               f"{figures['drafting_ms']:.3f} ms of a {figures['step_ms']:.3f} ms step, {figures['tok_s']:.1f} tok/s")
     if args.json:
-        print(json.dumps({"bench": "kernels", "cpu": cpu, "projections_ms": projections,
+        print(json.dumps({"bench": "kernels", "cpu": cpu, "served": chosen, "projections_ms": projections,
                           "rows_over_one": over_one, "draft_forward_ms": draft_ms, "greedy_drafting_k3": drafting}))
 
 

@@ -89,7 +89,9 @@ def test_bench_draft_vocab_quick_json() -> None:
 @pytest.mark.skipif(rowgemm.load() is None, reason="workers/rowgemm.py does not build here (no C compiler or AVX2)")
 def test_bench_kernels_quick_json() -> None:
     result, stdout = _json_run("-m", "bench.kernels", "--quick", "--json")
-    assert set(result["projections_ms"]) == {"prefetch", "no_prefetch"}
+    wide = {"eight_wide"} if rowgemm.wide_tiles() else set()
+    assert set(result["projections_ms"]) == {"prefetch", "no_prefetch"} | wide
+    assert tuple(result["served"]["defines"]) in rowgemm.PREFETCH_CHOICES
     for name, times in result["projections_ms"].items():
         assert set(times) == {"1", "2", "3", "4"} and all(ms > 0 for ms in times.values()), name
         assert result["rows_over_one"][name]["1"] == 1.0

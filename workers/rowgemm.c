@@ -147,36 +147,57 @@ static void wtile_##MR##_##NB(const float* x, int64_t K, int64_t KS, const uint1
   } \
 }
 
-WIDE_TILE(4, 3) WIDE_TILE(5, 2) WIDE_TILE(3, 3) WIDE_TILE(2, 4) WIDE_TILE(1, 6)
-WIDE_TILE(4, 1) WIDE_TILE(5, 1) WIDE_TILE(3, 1) WIDE_TILE(2, 1) WIDE_TILE(1, 1)
+/* Tile widths in pairs of panels per row count, from one-pass timings of the demo target's
+   projections on a 2-core Xeon with AMX (builds taking turns, medians of 40): 5 rows 2.05 ms
+   as 5 x 3 pairs against 2.26 as 5 x 2; 6-7 rows 3 pairs against 2 (2.26 / 2.43, 2.52 / 2.63);
+   8-9 rows 2 pairs against 1 (2.80 / 3.68, 3.14 / 4.16). The 4-row tile of taller matrices
+   (above 9 rows, in L2-sized chunks) stays 4 x 3. With 32 registers a tile of up to 9 rows
+   fits, so a verification of up to 8 drafts streams the weight once, as one token does: with
+   4-row tiles 6 rows had cost 1.63x one row, and 9 rows 2.09x. */
+WIDE_TILE(1, 6) WIDE_TILE(2, 4) WIDE_TILE(3, 4) WIDE_TILE(4, 4) WIDE_TILE(4, 3) WIDE_TILE(5, 3)
+WIDE_TILE(6, 3) WIDE_TILE(7, 3) WIDE_TILE(8, 2) WIDE_TILE(9, 2)
+WIDE_TILE(1, 1) WIDE_TILE(2, 1) WIDE_TILE(3, 1) WIDE_TILE(4, 1) WIDE_TILE(5, 1)
+WIDE_TILE(6, 1) WIDE_TILE(7, 1) WIDE_TILE(8, 1) WIDE_TILE(9, 1)
+PAIR_TILE(6, 1) PAIR_TILE(7, 1) PAIR_TILE(8, 1) PAIR_TILE(9, 1)
+#define ONE_PASS_ROWS 9
 
-/* NB pairs of panels at a time, then single pairs, then an odd last panel 8 wide. */
-#define PRUN(MR, NB, WB) do { \
+/* NB pairs of panels at a time, then single pairs, then an odd last panel 8 wide. (PRUN
+   expands its arguments before PRUN_ pastes them into names.) */
+#define PRUN(MR, NB, WB) PRUN_(MR, NB, WB)
+#define PRUN_(MR, NB, WB) do { \
   int64_t b = b0; \
   for (; b + 2 * WB <= b1; b += 2 * WB) wtile_##MR##_##WB(xm, K, KS, p + b * KS * 8, ym + b * 8, N); \
   for (; b + 2 <= b1; b += 2) wtile_##MR##_1(xm, K, KS, p + b * KS * 8, ym + b * 8, N); \
   for (; b < b1; ++b) ptile_##MR##_1(xm, K, KS, p + b * KS * 8, ym + b * 8, N); } while (0)
 #else
+#define ONE_PASS_ROWS 5
 #define PRUN(MR, NB, WB) do { \
   int64_t b = b0; \
   for (; b + NB <= b1; b += NB) ptile_##MR##_##NB(xm, K, KS, p + b * KS * 8, ym + b * 8, N); \
   for (; b < b1; ++b) ptile_##MR##_1(xm, K, KS, p + b * KS * 8, ym + b * 8, N); } while (0)
 #endif
 
-/* Output blocks [lo, blocks): rows in tiles of 4, the last 1-5 together (tile shapes measured
-   fastest on Zen 3). Where there are several row tiles, each works through a chunk of 24
-   panels (in L2) before the next chunk is read, so the weight is streamed once. */
+/* Output blocks [lo, blocks): up to ONE_PASS_ROWS rows in one tile; more in tiles of 4, the
+   last 1-5 together (tile shapes measured fastest on Zen 3), each row tile working through a
+   chunk of 24 panels (in L2) before the next chunk is read, so the weight is streamed once. */
 static void b16_range(const float* x, const uint16_t* p, float* y, int64_t M, int64_t K, int64_t KS, int64_t N,
                       int64_t lo, int64_t blocks) {
-  int64_t chunk = M <= 5 ? blocks - lo : 24; /* a multiple of every tile's NB */
+  int64_t chunk = M <= ONE_PASS_ROWS ? blocks - lo : 24; /* a multiple of every tile's NB */
   for (int64_t b0 = lo; b0 < blocks; b0 += chunk) {
     int64_t b1 = b0 + chunk < blocks ? b0 + chunk : blocks, m = 0;
-    for (; M - m > 5; m += 4) { const float* xm = x + m * K; float* ym = y + m * N; PRUN(4, 2, 3); }
+    if (M > ONE_PASS_ROWS)
+      for (; M - m > 5; m += 4) { const float* xm = x + m * K; float* ym = y + m * N; PRUN(4, 2, 3); }
     const float* xm = x + m * K; float* ym = y + m * N;
     switch (M - m) {
-      case 5: PRUN(5, 2, 2); break;
-      case 4: PRUN(4, 2, 3); break;
-      case 3: PRUN(3, 2, 3); break;
+#if WIDE_TILES
+      case 9: PRUN(9, 1, 2); break;
+      case 8: PRUN(8, 1, 2); break;
+      case 7: PRUN(7, 1, 3); break;
+      case 6: PRUN(6, 1, 3); break;
+#endif
+      case 5: PRUN(5, 2, 3); break;
+      case 4: PRUN(4, 2, 4); break;
+      case 3: PRUN(3, 2, 4); break;
       case 2: PRUN(2, 3, 4); break;
       case 1: PRUN(1, 6, 6); break;
       default: break;

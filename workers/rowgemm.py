@@ -357,6 +357,11 @@ def _cpuinfo() -> tuple[str, frozenset[str]]:
     return name, flags
 
 
+def wide_tiles() -> bool:
+    """Whether the bfloat16 tiles are built 16 columns wide here (AVX-512)."""
+    return bool(_wide_flags())
+
+
 def _wide_flags() -> tuple[str, ...]:
     """-mavx512f where this CPU has AVX-512: the bfloat16 tiles then run 16 columns wide, the
     same FMA chains (the same bits) in half the instructions (a build with ``WIDE_TILES=0``
