@@ -5,6 +5,13 @@ the last checkpoint in ``--work``):
 
     python -m workers.train_demo --out models
 
+The shipped draft alone, distilled further from the shipped target (no tokenizer or target
+training; the teacher is the target exactly as it is served, bfloat16 weights), starting from
+the draft already there:
+
+    python -m workers.train_demo --out models --draft-only --draft-init models/demo-draft \
+        --draft-steps 600 --draft-lr 1e-3 --precision float32
+
 Stages: (1) a byte-level BPE tokenizer, (2) the target on next-token cross-entropy, (3) the
 draft distilled from the target's logits (forward KL at temperature 1), so its proposals are
 accepted often. Each stage is skipped when its output already exists.
@@ -66,6 +73,9 @@ class Stage:
     batch: int
     lr: float
     warmup: int = 50
+    # bfloat16 autocast is fast only where the CPU computes bfloat16 (avx512_bf16, AMX); on an
+    # AVX2-only CPU oneDNN's bfloat16 path is many times slower than float32.
+    autocast: bool = True
 
 
 def train_tokenizer(texts: list[str], out: Path) -> Tokenizer:
@@ -130,11 +140,11 @@ def lr_at(stage: Stage, step: int) -> float:
 
 
 @torch.no_grad()
-def heldout_loss(model: LlamaForCausalLM, stream: torch.Tensor, batches: int = 8) -> float:
+def heldout_loss(model: LlamaForCausalLM, stream: torch.Tensor, autocast: bool, batches: int = 8) -> float:
     losses = []
     for i in range(batches):
         xy = batch_at(stream, i, 8, seed=12345)
-        with torch.autocast("cpu", dtype=torch.bfloat16):
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
             logits = model.forward_train(xy[:, :-1])
         losses.append(F.cross_entropy(logits.float().flatten(0, 1), xy[:, 1:].flatten()).item())
     return sum(losses) / len(losses)
@@ -158,7 +168,7 @@ def run_stage(stage: Stage, model: LlamaForCausalLM, teacher: LlamaForCausalLM |
             group["lr"] = lr_at(stage, step)
         xy = batch_at(stream, step, stage.batch, seed)
         x, y = xy[:, :-1], xy[:, 1:]
-        with torch.autocast("cpu", dtype=torch.bfloat16):
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=stage.autocast):
             logits = model.forward_train(x).float()
             if teacher is None:
                 loss = F.cross_entropy(logits.flatten(0, 1), y.flatten())
@@ -178,7 +188,7 @@ def run_stage(stage: Stage, model: LlamaForCausalLM, teacher: LlamaForCausalLM |
         if (step + 1) % 100 == 0 or step + 1 == stage.steps:
             torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "step": step + 1}, ckpt)
     model.eval()
-    return {"heldout_loss": heldout_loss(model, heldout), "steps": stage.steps,
+    return {"heldout_loss": heldout_loss(model, heldout, stage.autocast), "steps": stage.steps,
             "tokens_seen": stage.steps * stage.batch * SEQ_LEN}
 
 
@@ -189,11 +199,19 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--target-steps", type=int, default=1000)
     parser.add_argument("--draft-steps", type=int, default=800)
+    parser.add_argument("--draft-lr", type=float, default=3e-3, help="the draft's peak learning rate")
+    parser.add_argument("--draft-init", type=Path, default=None,
+                        help="start the draft from this checkpoint directory instead of random weights")
     parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    parser.add_argument("--precision", choices=["bfloat16", "float32"], default="bfloat16",
+                        help="training compute: bfloat16 autocast (the shipped target's) or float32")
+    parser.add_argument("--draft-only", action="store_true",
+                        help="distil only the draft, from the target already in --out")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
+    autocast = args.precision == "bfloat16"
     torch.manual_seed(args.seed)
     args.work.mkdir(parents=True, exist_ok=True)
     target_dir, draft_dir = args.out / "demo-target", args.out / "demo-draft"
@@ -201,7 +219,9 @@ def main() -> None:
     draft_dir.mkdir(parents=True, exist_ok=True)
 
     tok_path = args.work / "tokenizer.json"
-    if tok_path.exists():
+    if args.draft_only:
+        tok = Tokenizer.from_file(str(target_dir / "tokenizer.json"))
+    elif tok_path.exists():
         tok = Tokenizer.from_file(str(tok_path))
     else:
         sources = [s for s in stdlib_sources() if not s.heldout]
@@ -212,18 +232,35 @@ def main() -> None:
                                  "train_tokens": len(stream), "heldout_tokens": len(heldout),
                                  "seq_len": SEQ_LEN, "batch": args.batch, "seed": args.seed}
 
-    target = LlamaForCausalLM(TARGET)
-    target.init_weights(args.seed)
-    report["target"] = run_stage(Stage("target", args.target_steps, args.batch, 3e-3), target, None,
-                                 stream, heldout, args.work, args.seed)
+    if args.draft_only:
+        # The served target as the teacher: the bfloat16 weights every engine loads.
+        target = LlamaForCausalLM.from_pretrained(target_dir, packed=False)
+        previous = json.loads((args.out / "training_report.json").read_text())
+        report["target"] = previous["target"]
+    else:
+        target = LlamaForCausalLM(TARGET)
+        target.init_weights(args.seed)
+        report["target"] = run_stage(Stage("target", args.target_steps, args.batch, 3e-3, autocast=autocast), target,
+                                     None, stream, heldout, args.work, args.seed)
     target.requires_grad_(False)
     draft = LlamaForCausalLM(DRAFT)
     draft.init_weights(args.seed + 1)
-    report["draft"] = run_stage(Stage("draft", args.draft_steps, args.batch, 3e-3), draft, target,
-                                stream, heldout, args.work, args.seed + 1)
+    if args.draft_init is not None:
+        draft.load_state_dict(LlamaForCausalLM.from_pretrained(args.draft_init, packed=False).state_dict())
+        draft.requires_grad_(True)
+    draft_report: dict[str, object] = {
+        **run_stage(Stage("draft", args.draft_steps, args.batch, args.draft_lr, warmup=20 if args.draft_init else 50,
+                          autocast=autocast), draft, target, stream, heldout, args.work, args.seed + 1),
+        "precision": args.precision, "lr": args.draft_lr}
+    if args.draft_init is not None:
+        previous_draft = json.loads((args.out / "training_report.json").read_text())["draft"]
+        draft_report["continued_from"] = previous_draft
+    if args.draft_only:
+        draft_report["teacher"] = "the shipped target (bfloat16 weights)"
+    report["draft"] = draft_report
 
     declare_bos(tok)
-    for directory, model in ((target_dir, target), (draft_dir, draft)):
+    for directory, model in ((target_dir, target), (draft_dir, draft))[int(args.draft_only):]:
         model.save_pretrained(directory)
         tok.save(str(directory / "tokenizer.json"))
         write_tokenizer_metadata(directory)
