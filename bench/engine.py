@@ -157,6 +157,8 @@ def observe_step(costs: OnlineCosts, engine: SpeculativeEngine, events: list[Ste
     costs.observe_step(shape.target_rows, shape.target_width, 0.0 if shape.prefill else engine.last_target_s,
                        shape.draft_rows, shape.draft_forwards, engine.last_draft_s, step_s=step_s,
                        drafts=shape.drafts)
+    if shape.prefill and shape.target_rows == 1:
+        costs.observe_prefill(shape.target_width, engine.last_target_s)
     for event in events:
         costs.observe_drafts(event.proposed, event.accepted)
 
@@ -276,6 +278,9 @@ def main() -> None:
     parser.add_argument("--batch-max-tokens", type=int, default=64,
                         help="tokens per sequence in the batched runs (their prefills, alike in every mode, are "
                              "timed too)")
+    parser.add_argument("--batch-rounds", type=int, default=3,
+                        help="rounds of each batched comparison; three engines swap roles each round (a "
+                             "multiple of 3 gives each engine every role equally often)")
     parser.add_argument("--alpha-prompts", type=int, default=32, help="held-out prompts for alpha per temperature")
     parser.add_argument("--inexact", action="store_true", help="as workers.exact: false (auto may pick float32)")
     parser.add_argument("--cost-budget-s", type=float, default=8.0, help="the cost measurement's time budget")
@@ -284,7 +289,7 @@ def main() -> None:
     args = parser.parse_args()
     if args.quick:
         args.prompts, args.max_tokens, args.kmax, args.batches, args.batch_max_tokens = 3, 32, 4, "8", 16
-        args.alpha_prompts, args.cost_budget_s = 8, 2.0
+        args.alpha_prompts, args.cost_budget_s, args.batch_rounds = 8, 2.0, 1
     torch.set_num_threads(args.threads)  # as a worker sets them: torch's while measuring, and the kernels'
     rowgemm.set_threads(args.threads)
     torch.manual_seed(0)
@@ -406,7 +411,7 @@ def main() -> None:
             coupled_by_t[str(temperature)] = round(coupled.alpha, 4)
             line += f", seeded (coupled) {coupled.alpha:.3f} over {coupled.tested} tested drafts"
         log(f"{line}; standard over {result.tested} tested drafts")
-    batched: dict[str, float | dict[str, int]] = {}
+    batched: dict[str, float | list[float] | dict[str, int]] = {}
     del engine  # its caches; the batched runs get a plain and a speculative engine of their own
     for size in batch_sizes:
         group = (prompts * (size // len(prompts) + 1))[:size]
@@ -414,20 +419,37 @@ def main() -> None:
         # choice and the worker's per-step rule give together), at the measured alpha. Keyed
         # kmax + 1 (requests ask for the deepest K; the rule cuts it).
         rule = AutoK(online, best.alpha, args.kmax)
-        auto = SpeculativeEngine(target, draft, max_slots=size, max_k=args.kmax, step_depth_rule=rule)
-        auto.catch_up_rule = rule.catch_up
-        trio = {0: SpeculativeEngine(target, draft, max_slots=size, max_k=args.kmax),
-                best_k: SpeculativeEngine(target, draft, max_slots=size, max_k=args.kmax), args.kmax + 1: auto}
-        both, _ = run_interleaved(trio, [group], args.batch_max_tokens, 0.0, costs=online)
-        p, s, a = both[0], both[best_k], both[args.kmax + 1]
+        # Three engines (each with its own caches) play plain, fixed K and K auto, one role per
+        # round and every role once per three rounds: two engines doing the same plain work
+        # differed by up to 15% in one round here, each keeping its speed for the round (where
+        # its caches landed in memory, not when it ran: they take turns a step each), so a role
+        # tied to one engine carried that engine's luck into the ratio.
+        engines = [SpeculativeEngine(target, draft, max_slots=size, max_k=args.kmax) for _ in range(3)]
+        roles = [0, best_k, args.kmax + 1]
+        totals: dict[int, RunResult] = {}
+        auto_ratios = []
+        for round_index in range(args.batch_rounds):
+            cast = {k: engines[(i + round_index) % 3] for i, k in enumerate(roles)}
+            for k, engine in cast.items():
+                engine.step_depth_rule = rule if k == args.kmax + 1 else None
+                engine.catch_up_rule = rule.catch_up if k == args.kmax + 1 else None
+            round_results, _ = run_interleaved(cast, [group], args.batch_max_tokens, 0.0, costs=online)
+            auto_ratios.append(round(round_results[args.kmax + 1].tok_s / round_results[0].tok_s, 3))
+            for key, result in round_results.items():
+                totals[key] = totals[key] + result if key in totals else result
+        del engines
+        p, s, a = totals[0], totals[best_k], totals[args.kmax + 1]
         batched[f"tok_s_b{size}_plain"], batched[f"tok_s_b{size}_spec"] = round(p.tok_s, 1), round(s.tok_s, 1)
         batched[f"tok_s_b{size}_auto"] = round(a.tok_s, 1)
+        batched[f"auto_ratio_by_round_b{size}"] = auto_ratios
         batched[f"auto_k_sequence_steps_b{size}"] = {str(k): n for k, n in sorted(rule.chosen.items())}
         batched[f"draft_share_b{size}_spec"] = round(s.draft_share, 3)
-        log(f"batch {size}, T=0: plain {p.tok_s:.1f} tok/s, speculative K={best_k} {s.tok_s:.1f} tok/s "
-            f"({s.tok_s / p.tok_s:.2f}x), alpha {s.alpha:.3f}, drafting {100 * s.draft_share:.0f}% of its time; "
-            f"K auto (K={choose_k(live_model(online), best.alpha, size, args.kmax, 0.05, 0.0)} at depth {size}) "
-            f"{a.tok_s:.1f} tok/s ({a.tok_s / p.tok_s:.2f}x); sequence-steps by K {dict(sorted(rule.chosen.items()))}")
+        log(f"batch {size}, T=0, {args.batch_rounds} rounds: plain {p.tok_s:.1f} tok/s, speculative K={best_k} "
+            f"{s.tok_s:.1f} tok/s ({s.tok_s / p.tok_s:.2f}x), alpha {s.alpha:.3f}, drafting "
+            f"{100 * s.draft_share:.0f}% of its time; K auto "
+            f"(K={choose_k(live_model(online), best.alpha, size, args.kmax, 0.05, 0.0)} at depth {size}) "
+            f"{a.tok_s:.1f} tok/s ({a.tok_s / p.tok_s:.2f}x; by round {auto_ratios}); sequence-steps by K "
+            f"{dict(sorted(rule.chosen.items()))}")
     summary = {
         "bench": "engine", "dtype": args.dtype, "target_prepacked": target.prepacked,
         "draft_dtype": args.draft_dtype, "threads": args.threads, "kernels": rowgemm.chosen_build(),

@@ -24,6 +24,7 @@ def test_bench_engine_quick_json() -> None:
     result = json.loads(run.stdout.strip().splitlines()[-1])
     assert set(result) >= REQUIRED
     assert {"tok_s_b8_plain", "tok_s_b8_spec", "tok_s_b8_auto", "predicted_speedup_b1", "cpu"} <= set(result)
+    assert len(result["auto_ratio_by_round_b8"]) == 1 and result["auto_ratio_by_round_b8"][0] > 0  # --quick: 1 round
     # The cost model a worker would build, and the precision it chose (served by --dtype auto).
     assert result["dtype"] == result["precision_choice"]["target"] == result["cost_model"]["precision"]["target"]
     assert result["cost_model"]["depths"][-1] == 16 and result["predicted_speedup_b1"] > 0
@@ -72,6 +73,9 @@ def test_bench_overhead_quick_json() -> None:
     assert set(result["gateway_cpu_us_per_chunk"]) == {"instant", "paced"}
     assert (result["stream256_ratio_vs_vllm_router"] is None) == (result["vllm_router"] is None)
     assert "added latency through specgate" in stdout
+    # The floor path (bench/relay_floor.py) answered every request: its latency and CPU are figures.
+    assert result["aiohttp_floor_cpu_us_per_request"] > 0 and "aiohttp_floor" in result["latency_ms"]
+    assert result["gateway_cpu_us_per_request"] > 0
 
 
 def test_bench_draft_vocab_quick_json() -> None:
