@@ -9,7 +9,10 @@ Upstreams are sim workers (``python -m workers --engine sim``, an OpenAI-compati
 it decides plain, so all paths ask the upstream for the same work. Loads: sequential
 non-streaming requests (latency), 32 concurrent non-streaming, 32 concurrent streaming
 4-token and 256-token completions. Reported: added p50/p99 latency, requests/s and chunks/s
-ratios, and each proxy's CPU µs per relayed chunk (/proc utime + stime). vllm-router is found
+ratios, and each proxy's CPU µs per relayed chunk (/proc utime + stime). The path
+``aiohttp_floor`` (bench/relay_floor.py) passes requests through aiohttp on uvloop and the
+gateway's worker client and does nothing else: what the gateway's architecture adds on this
+machine before any of specgate's work. vllm-router is found
 on PATH or given with --vllm-router; it runs as
 ``vllm-router --host 127.0.0.1 --port P --worker-urls http://127.0.0.1:U --policy consistent_hash``.
 ``--ref-repo`` adds a gateway run from another checkout (``git worktree add /tmp/ref <rev>``) as
@@ -124,6 +127,16 @@ def start_vllm_router(binary: str, upstream_port: int, log_dir: Path) -> tuple[s
     return process, port
 
 
+def start_relay_floor(upstream_port: int, log_dir: Path) -> tuple[subprocess.Popen[bytes], int]:
+    port = procs.free_port()
+    with (log_dir / f"relay-floor-{port}.log").open("wb") as log:
+        process = subprocess.Popen([sys.executable, "-m", "bench.relay_floor", "--port", str(port), "--upstream",
+                                    f"http://127.0.0.1:{upstream_port}"], cwd=procs.REPO, stdout=log,
+                                   stderr=subprocess.STDOUT, env=procs.bench_env())
+    procs.wait_ok(process, f"http://127.0.0.1:{port}/health", timeout_s=60)
+    return process, port
+
+
 def _proxy_pid(process: subprocess.Popen[bytes]) -> int:
     """The process doing the relaying: vllm-router's Python entry point may exec or spawn its
     Rust server; take the deepest child if there is one."""
@@ -156,9 +169,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             gateway, gw_port = procs.start_gateway(log_dir, [up_port], GATEWAY_POLICY)
             started.append(gateway)
             time.sleep(0.5)
+            floor, floor_port = start_relay_floor(up_port, log_dir)
+            started.append(floor)
             paths: dict[str, tuple[str, int | None]] = {
                 "direct": (f"http://127.0.0.1:{up_port}", None),
-                "specgate": (f"http://127.0.0.1:{gw_port}", gateway.pid)}
+                "specgate": (f"http://127.0.0.1:{gw_port}", gateway.pid),
+                "aiohttp_floor": (f"http://127.0.0.1:{floor_port}", floor.pid)}
             if args.ref_repo:
                 ref, ref_port = procs.start_gateway(log_dir, [up_port], GATEWAY_POLICY, Path(args.ref_repo))
                 started.append(ref)
@@ -199,8 +215,14 @@ def summarize(results: dict[str, dict[str, dict[str, LoadResult]]], router_bin: 
         "stream256_ratio_vs_vllm_router": None, "vllm_router": router_bin,
         "gateway_cpu_us_per_chunk": {}, "vllm_router_cpu_us_per_chunk": {},
     }
+    floor = seq["aiohttp_floor"]
+    out["aiohttp_floor_added_p50_ms"] = round(1000 * (floor.pct(0.5) - direct.pct(0.5)), 3)
+    out["aiohttp_floor_added_p99_ms"] = round(1000 * (floor.pct(0.99) - direct.pct(0.99)), 3)
+    out["aiohttp_floor_cpu_us_per_request"] = round(1e6 * floor.cpu_s / max(1, floor.requests), 1)
+    out["gateway_cpu_us_per_request"] = round(1e6 * gw.cpu_s / max(1, gw.requests), 1)
     if "vllm_router" in seq:
         vr = seq["vllm_router"]
+        out["vllm_router_cpu_us_per_request"] = round(1e6 * vr.cpu_s / max(1, vr.requests), 1)
         out["vllm_router_added_p50_ms"] = round(1000 * (vr.pct(0.5) - direct.pct(0.5)), 3)
         out["vllm_router_added_p99_ms"] = round(1000 * (vr.pct(0.99) - direct.pct(0.99)), 3)
         s256 = results["instant"]["c32_stream256"]
@@ -221,7 +243,6 @@ def summarize(results: dict[str, dict[str, dict[str, LoadResult]]], router_bin: 
         out["ref_rps_ratio_c32"] = round(results["instant"]["c32"]["specgate_ref"].rps
                                          / results["instant"]["c32"]["direct"].rps, 3)
         out["ref_gateway_cpu_us_per_request"] = round(1e6 * ref.cpu_s / max(1, ref.requests), 1)
-        out["gateway_cpu_us_per_request"] = round(1e6 * gw.cpu_s / max(1, gw.requests), 1)
         out["ref_gateway_cpu_us_per_chunk"] = {
             kind: round(1e6 * results[kind]["c32_stream256"]["specgate_ref"].cpu_s
                         / max(1, results[kind]["c32_stream256"]["specgate_ref"].chunks), 1)
@@ -237,6 +258,9 @@ def summarize(results: dict[str, dict[str, dict[str, LoadResult]]], router_bin: 
                       else out["stream256_ratio_vs_vllm_router"] >= 0.8}
     print(f"\nadded latency through specgate (sequential, instant upstream): p50 {out['added_p50_ms']} ms, "
           f"p99 {out['added_p99_ms']} ms")
+    print(f"added latency through aiohttp on uvloop passing requests through (the floor): p50 "
+          f"{out['aiohttp_floor_added_p50_ms']} ms, p99 {out['aiohttp_floor_added_p99_ms']} ms; CPU per sequential "
+          f"request {out['aiohttp_floor_cpu_us_per_request']} µs (specgate: {out['gateway_cpu_us_per_request']} µs)")
     if "vllm_router_added_p50_ms" in out:
         print(f"added latency through vllm-router: p50 {out['vllm_router_added_p50_ms']} ms, "
               f"p99 {out['vllm_router_added_p99_ms']} ms")

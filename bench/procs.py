@@ -62,7 +62,7 @@ def get_json(url: str) -> Any:
         return json.loads(response.read())
 
 
-def _env(repo: Path = REPO) -> dict[str, str]:
+def bench_env(repo: Path = REPO) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if k != "PROMETHEUS_MULTIPROC_DIR"}
     env["PYTHONPATH"] = str(repo) + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
     return env
@@ -77,7 +77,7 @@ def start_sim_worker(log_dir: Path, sim: dict[str, Any], *, default_k: int = 0, 
             [sys.executable, "-m", "workers", "--engine", "sim", "--port", str(port), "--worker-id", f"sim-{port}",
              "--target", str(TOKENIZER_DIR), "--draft", str(TOKENIZER_DIR), "--max-slots", str(max_slots),
              "--max-queue", str(max_queue), "--default-k", str(default_k), "--sim-config", json.dumps(sim)],
-            cwd=REPO, stdout=log, stderr=subprocess.STDOUT, env=_env())
+            cwd=REPO, stdout=log, stderr=subprocess.STDOUT, env=bench_env())
     wait_ok(process, f"http://127.0.0.1:{port}/health")
     return process, port
 
@@ -99,7 +99,7 @@ def start_gateway(log_dir: Path, remote_ports: Sequence[int], policy: dict[str, 
     path.write_text(yaml.safe_dump(config))
     with (log_dir / f"gateway-{port}.log").open("wb") as log:
         process = subprocess.Popen([sys.executable, "-m", "gateway", "--config", str(path), "--port", str(port)],
-                                   cwd=repo, stdout=log, stderr=subprocess.STDOUT, env=_env(repo))
+                                   cwd=repo, stdout=log, stderr=subprocess.STDOUT, env=bench_env(repo))
     wait_ok(process, f"http://127.0.0.1:{port}/ready")
     return process, port
 
