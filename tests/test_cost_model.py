@@ -312,6 +312,28 @@ def test_online_refinement_moves_costs_toward_step_timings() -> None:
     assert fresh.target_s == before_curves
 
 
+def test_online_refinement_moves_the_prefill_line_toward_served_prefills() -> None:
+    """Start-up timed its prefills cold; prompts served alone in their steps move the line (the
+    draft's catch-up by the same factor), and the request prediction prices what they cost."""
+    report = report_from_forward_times((1,), [[0.010, 0.012, 0.015]], [0.002], prefill_tokens=(32, 128),
+                                       prefill_ms=(40.0, 100.0), draft_prefill_ms=(8.0, 20.0))
+    costs = OnlineCosts(report)
+    assert costs.report().prefill_ms == (40.0, 100.0)
+    # Served prompts of 30 and 120 tokens prefill in 75% of the line's time there.
+    for _ in range(200):
+        costs.observe_prefill(30, 0.75 * report.prefill_s(30))  # type: ignore[operator]
+        costs.observe_prefill(120, 0.75 * report.prefill_s(120))  # type: ignore[operator]
+    refined = costs.report()
+    assert refined.prefill_ms == pytest.approx((30.0, 75.0), rel=0.01)
+    assert refined.draft_prefill_ms == pytest.approx((6.0, 15.0), rel=0.01)
+    # Cheaper prompts: a larger share of each request is decode steps, where speculation gains.
+    assert refined.request_speedup(0.8, 2, [(32, 21)]) > report.request_speedup(0.8, 2, [(32, 21)])  # type: ignore[operator]
+    # Without measured prefill costs (the sim, vLLM) there is nothing to refine.
+    bare = OnlineCosts(base_report())
+    bare.observe_prefill(64, 0.05)
+    assert bare.report().prefill_ms is None and bare.report().draft_prefill_ms is None
+
+
 def test_points_no_step_times_keep_their_ratio_to_the_plain_step() -> None:
     """Only plain steps run at depth 4 while the machine gets twice as slow: the speculative
     points nobody timed must slow down with them, not look twice as cheap as before."""

@@ -222,6 +222,8 @@ class EngineRunner:
                                     0.0 if shape.prefill else engine.last_target_s, shape.draft_rows,
                                     shape.draft_forwards, engine.last_draft_s,
                                     step_s=engine.last_step_s + self._tail_s, drafts=shape.drafts)
+            if shape.prefill and shape.target_rows == 1:  # a prompt alone: what a request's prediction prices
+                self.costs.observe_prefill(shape.target_width, engine.last_target_s)
             for event in events:
                 self.costs.observe_drafts(event.proposed, event.accepted)
             self._cost_table_age -= 1
