@@ -116,3 +116,22 @@ def test_bench_kauto_mix_json() -> None:
         assert row["best_k_uniform"] < row["best_k_mixed"] <= row["best_k_sim"], row
     assert result["depths"]["16"]["best_k_mixed"] == result["depths"]["16"]["best_k_sim"]
     assert "draft K (cost model)" in stdout and "draft K (sim)" in stdout
+
+
+def test_live_prompts_are_as_long_as_the_virtual_fleets() -> None:
+    """bench.policy --real sends text; the sim counts its tokens. A prompt drawn as n tokens
+    must tokenize to about n, or the live run prefills more than the virtual one it is checked
+    against."""
+    import random
+
+    from bench.fleet_sim import KINDS
+    from bench.policy_real import live_prompt
+    from workers.text import TextCodec
+
+    codec = TextCodec.from_model_dir(REPO / "models" / "demo-target")
+    for kind in KINDS:
+        for seed in range(5):
+            drawn = random.Random(seed).randint(*kind.prompt_tokens)
+            ids = codec.encode(live_prompt(kind, random.Random(seed)))
+            assert drawn <= len(ids) <= drawn + 6, (kind.name, drawn, len(ids))
+
