@@ -425,9 +425,8 @@ def main() -> None:
         rule = AutoK(online, best.alpha, args.kmax)
         # Three engines (each with its own caches) play plain, fixed K and K auto, one role per
         # round and every role once per three rounds: two engines doing the same plain work
-        # differed by up to 15% in one round here, each keeping its speed for the round (where
-        # its caches landed in memory, not when it ran: they take turns a step each), so a role
-        # tied to one engine carried that engine's luck into the ratio.
+        # differed by up to 15% over a whole round in a one-off run, so a role tied to one
+        # engine carried that engine's luck (its caches, its place in the turns) into the ratio.
         engines = [SpeculativeEngine(target, draft, max_slots=size, max_k=args.kmax) for _ in range(3)]
         roles = [0, best_k, args.kmax + 1]
         totals: dict[int, RunResult] = {}
