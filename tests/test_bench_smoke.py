@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import random
 import subprocess
 import sys
 from pathlib import Path
@@ -10,9 +11,12 @@ from typing import Any
 
 import pytest
 
+from bench.fleet_sim import KINDS
+from bench.policy_real import live_prompt
 from tests.harness import REPO
 from workers import rowgemm
 from workers.model import bf16_prepacking_available
+from workers.text import TextCodec
 
 REQUIRED = {"alpha_t0", "best_k", "speedup_b1", "bound_b1", "c", "tok_s_plain_b1", "tok_s_spec_b1",
             "alpha_by_temperature", "verify_cost_by_tokens"}
@@ -122,12 +126,6 @@ def test_live_prompts_are_as_long_as_the_virtual_fleets() -> None:
     """bench.policy --real sends text; the sim counts its tokens. A prompt drawn as n tokens
     must tokenize to about n, or the live run prefills more than the virtual one it is checked
     against."""
-    import random
-
-    from bench.fleet_sim import KINDS
-    from bench.policy_real import live_prompt
-    from workers.text import TextCodec
-
     codec = TextCodec.from_model_dir(REPO / "models" / "demo-target")
     for kind in KINDS:
         for seed in range(5):

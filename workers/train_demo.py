@@ -232,10 +232,12 @@ def main() -> None:
                                  "train_tokens": len(stream), "heldout_tokens": len(heldout),
                                  "seq_len": SEQ_LEN, "batch": args.batch, "seed": args.seed}
 
+    # What the models already in --out were trained with, where this run builds on them.
+    previous = (json.loads((args.out / "training_report.json").read_text())
+                if args.draft_only or args.draft_init is not None else {})
     if args.draft_only:
         # The served target as the teacher: the bfloat16 weights every engine loads.
         target = LlamaForCausalLM.from_pretrained(target_dir, packed=False)
-        previous = json.loads((args.out / "training_report.json").read_text())
         report["target"] = previous["target"]
     else:
         target = LlamaForCausalLM(TARGET)
@@ -244,17 +246,16 @@ def main() -> None:
                                      None, stream, heldout, args.work, args.seed)
     target.requires_grad_(False)
     draft = LlamaForCausalLM(DRAFT)
-    draft.init_weights(args.seed + 1)
-    if args.draft_init is not None:
+    if args.draft_init is None:
+        draft.init_weights(args.seed + 1)
+    else:
         draft.load_state_dict(LlamaForCausalLM.from_pretrained(args.draft_init, packed=False).state_dict())
-        draft.requires_grad_(True)
     draft_report: dict[str, object] = {
         **run_stage(Stage("draft", args.draft_steps, args.batch, args.draft_lr, warmup=20 if args.draft_init else 50,
                           autocast=autocast), draft, target, stream, heldout, args.work, args.seed + 1),
         "precision": args.precision, "lr": args.draft_lr}
     if args.draft_init is not None:
-        previous_draft = json.loads((args.out / "training_report.json").read_text())["draft"]
-        draft_report["continued_from"] = previous_draft
+        draft_report["continued_from"] = previous["draft"]
     if args.draft_only:
         draft_report["teacher"] = "the shipped target (bfloat16 weights)"
     report["draft"] = draft_report
