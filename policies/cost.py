@@ -23,11 +23,15 @@ them), and pricing every one of them at K overprices K: at depth 16 with a third
 uniform price puts the best K for α = 0.9 at 4 where the step's own cost puts it at 8
 (``python -m bench.kauto_mix``). A step of d sequences with D drafted tokens costs
 
-    target(d, n = 1 + D/d) + F · draft(m) + overhead(d) + draft_overhead(d) · D/d
+    target(d, n = 1 + D/d) + first(m) + (F − 1) · draft(m) + overhead(d) + draft_overhead(d) · D/d
 
 the target's forward interpolated on tokens per sequence n, F the draft's sequential forwards
 (the deepest K in the step) over the m drafting sequences, the work outside the forwards as
-``whole_step_costs`` has it (``mixed_step_cost``). With every sequence drafting K this is the
+``whole_step_costs`` has it (``mixed_step_cost``). The step's first draft forward is priced on
+its own (``StepParts.draft_first``): the target's forward has just streamed its weights through
+the cache, so the draft reads its own back from memory, and it catches up on the last step's
+tokens. In the engine on the AVX2 EPYC it took 0.85 ms at batch 1, each later one 0.22-0.25 ms;
+priced alike, deep K came out dear and K = auto chose one short. With every sequence drafting K this is the
 uniform price again.
 
 **The objective with a mix: the batch's goodput per drafting sequence.** The drafting sequences
@@ -67,13 +71,21 @@ class StepParts:
     """What a step's parts cost at each of the model's depths: what pricing a mixed step needs.
 
     The fields of ``workers.cost_model.CostReport`` of the same names (``plain_step_ms``,
-    ``verify_cost``, ``draft_cost``, ``step_overhead_ms``, ``draft_overhead_ms``)."""
+    ``verify_cost``, ``draft_cost``, ``step_overhead_ms``, ``draft_overhead_ms``,
+    ``draft_first_cost``)."""
 
     plain_ms: tuple[float, ...]  # the target's forward of one token per sequence, ms
     verify: tuple[tuple[float, ...], ...]  # [depth][n-1]: its forward of n tokens per sequence / n = 1
     draft: tuple[float, ...]  # one draft forward (one token per drafting sequence) / plain_ms
     overhead_ms: tuple[float, ...]  # a plain step's work outside its forwards
     draft_overhead_ms: tuple[float, ...]  # what each draft per sequence adds to it
+    # A step's first draft forward / plain_ms, where it costs more than the later ones (``draft``):
+    # it reads the draft's weights back after the target's forward evicted them from the cache,
+    # and catches the draft up on the last step's tokens. None: as the later ones.
+    draft_first: tuple[float, ...] | None = None
+
+    def first_draft(self, i: int) -> float:
+        return self.draft[i] if self.draft_first is None else self.draft_first[i]
 
 
 @dataclass(frozen=True)
@@ -117,7 +129,8 @@ class CostModel:
         parts = self.parts
         if parts is not None:
             count = len(self.depths)
-            columns = (parts.plain_ms, parts.verify, parts.draft, parts.overhead_ms, parts.draft_overhead_ms)
+            columns = (parts.plain_ms, parts.verify, parts.draft, parts.overhead_ms, parts.draft_overhead_ms,
+                       parts.draft if parts.draft_first is None else parts.draft_first)
             if any(len(column) != count for column in columns):
                 raise ValueError("cost model: one value of each part per depth")
             if any(len(row) != width for row in parts.verify):
@@ -126,7 +139,7 @@ class CostModel:
             if not all(math.isfinite(c) and c > 0 for c in flat):
                 raise ValueError("cost model: plain_step_ms and verify_cost must be positive and finite")
             if not all(math.isfinite(c) and c >= 0 for c in (*parts.draft, *parts.overhead_ms,
-                                                             *parts.draft_overhead_ms)):
+                                                             *parts.draft_overhead_ms, *(parts.draft_first or ()))):
                 raise ValueError("cost model: draft and overhead costs must be finite and >= 0")
 
     @property
@@ -136,7 +149,8 @@ class CostModel:
     @classmethod
     def from_json(cls, raw: Mapping[str, Any]) -> CostModel:
         """From the ``cost_model`` object a worker publishes (``depths``, ``step_cost``, and the
-        parts when it has them: ``plain_step_ms``, ``verify_cost``, ``draft_cost``, overheads)."""
+        parts when it has them: ``plain_step_ms``, ``verify_cost``, ``draft_cost``, overheads,
+        ``draft_first_cost``)."""
         depths = tuple(int(d) for d in raw["depths"])
         rows = tuple(tuple(float(c) for c in row) for row in raw["step_cost"])
         parts = None
@@ -148,21 +162,26 @@ class CostModel:
                 return tuple(float(x) for x in (zeros if value is None else value))
             parts = StepParts(floats("plain_step_ms"),
                               tuple(tuple(float(c) for c in row) for row in raw["verify_cost"]),
-                              floats("draft_cost"), floats("step_overhead_ms"), floats("draft_overhead_ms"))
+                              floats("draft_cost"), floats("step_overhead_ms"), floats("draft_overhead_ms"),
+                              floats("draft_first_cost") if raw.get("draft_first_cost") is not None else None)
         return cls(depths, rows, parts)
 
 
 def whole_step_costs(target_s: Sequence[float], draft_s: float, overhead_s: float = 0.0,
-                     draft_overhead_s: float = 0.0) -> tuple[float, ...]:
+                     draft_overhead_s: float = 0.0, draft_first_s: float | None = None) -> tuple[float, ...]:
     """``step_cost`` for K = 0..len(target_s)-1 at one depth, from its parts in seconds.
 
     ``target_s[n-1]``: the target's forward of n tokens per sequence; ``draft_s``: one draft
-    forward; ``overhead_s``: a plain step's work outside its forwards; ``draft_overhead_s``: what
-    each draft per sequence adds to that outside the forwards. A K-draft step costs
-    target_s[K] + K (draft_s + draft_overhead_s) + overhead_s, a plain one target_s[0] + overhead_s.
+    forward after the step's first, ``draft_first_s`` that first one (None: as the others);
+    ``overhead_s``: a plain step's work outside its forwards; ``draft_overhead_s``: what each
+    draft per sequence adds to that outside the forwards. A K-draft step costs target_s[K] +
+    draft_first_s + (K - 1) draft_s + K draft_overhead_s + overhead_s, a plain one
+    target_s[0] + overhead_s.
     """
     plain = target_s[0] + overhead_s
-    return tuple((target_s[k] + k * (draft_s + draft_overhead_s) + overhead_s) / plain for k in range(len(target_s)))
+    first = draft_s if draft_first_s is None else draft_first_s
+    return (1.0, *((target_s[k] + first + (k - 1) * draft_s + k * draft_overhead_s + overhead_s) / plain
+                   for k in range(1, len(target_s))))
 
 
 def expected_tokens(alpha: float, k: int) -> float:
@@ -207,14 +226,17 @@ def mixed_step_cost(model: CostModel, depth: int, drafting: int, drafts: int, dr
     lo, hi, w = _between(depths, depth)
     per_sequence = drafts / depth
 
-    def draft_ms(rows: float) -> float:  # one draft forward over ``rows`` drafting sequences
+    def draft_ms(rows: float) -> float:  # the step's draft forwards over ``rows`` drafting sequences
         dlo, dhi, dw = _between(depths, rows)
-        return (1 - dw) * parts.plain_ms[dlo] * parts.draft[dlo] + dw * parts.plain_ms[dhi] * parts.draft[dhi]
+
+        def at(j: int) -> float:
+            return parts.plain_ms[j] * (parts.first_draft(j) + (draft_forwards - 1) * parts.draft[j])
+        return (1 - dw) * at(dlo) + dw * at(dhi)
 
     def relative(i: int) -> float:
         target = parts.plain_ms[i] * _verify(parts.verify[i], 1.0 + per_sequence)
         outside = parts.overhead_ms[i] + parts.draft_overhead_ms[i] * per_sequence
-        draft = draft_forwards * draft_ms(drafting * depths[i] / depth) if drafting > 0 and draft_forwards > 0 else 0.0
+        draft = draft_ms(drafting * depths[i] / depth) if drafting > 0 and draft_forwards > 0 else 0.0
         return (target + outside + draft) / (parts.plain_ms[i] + parts.overhead_ms[i])
 
     return (1 - w) * relative(lo) + w * relative(hi)

@@ -98,9 +98,13 @@ def test_measurement_on_the_demo_models(one_thread: None) -> None:
     assert all(x >= 0 for x in report.step_overhead_ms + report.draft_overhead_ms)
     assert list(report.step_overhead_ms) == sorted(report.step_overhead_ms)
     assert report.verify_cost is not None and report.draft_cost is not None
+    # A step's first draft forward, timed apart on the engine: never cheaper than a later one.
+    assert report.draft_first_cost is not None and len(report.draft_first_cost) == len(report.depths)
+    assert all(f >= n > 0 for f, n in zip(report.draft_first_cost, report.draft_cost, strict=True))
     for i, plain in enumerate(report.plain_step_ms):
         parts = whole_step_costs([plain * v for v in report.verify_cost[i]], plain * report.draft_cost[i],
-                                 report.step_overhead_ms[i], report.draft_overhead_ms[i])
+                                 report.step_overhead_ms[i], report.draft_overhead_ms[i],
+                                 plain * report.draft_first_cost[i])
         assert report.step_cost[i] == pytest.approx(parts, abs=2e-3)
     # Prefills at two prompt lengths, the target's and the draft's catch-up: a longer prompt
     # costs more, and the draft's is the cheaper.
@@ -400,7 +404,8 @@ def test_measurement_times_every_depths_plain_step_and_k1_step_before_the_rest(
         return {key: 1e-3 * key[1] * (1 + 0.5 * (key[2] - 1)) for key in runs}
 
     monkeypatch.setattr(costs_measure, "_time_rounds", fake_rounds)
-    monkeypatch.setattr(costs_measure, "measure_overheads", lambda *args: (None, None))
+    monkeypatch.setattr(costs_measure, "measure_overheads",
+                        lambda *args: costs_measure.EngineTimings([0.0] * 5, [0.0] * 5, {}))
     report = measure(settings(budget_s=60, threads=1, max_slots=16, max_k=4))
     assert report.depths == (1, 2, 4, 8, 16)
     # Phase 1 (the precision candidates), then the prefills, then phase 2 of the chosen target.
@@ -426,3 +431,50 @@ def test_torch_runs_on_one_thread_where_the_kernels_serve() -> None:
     assert costs_measure.torch_threads_serving(choice("float32", True), 2) == (1 if kernels_build else 2)
     assert costs_measure.torch_threads_serving(choice("float32", False), 2) == 2
     assert costs_measure.torch_threads_serving(choice("bfloat16", True), 2) == 2
+
+
+def split_report() -> CostReport:
+    # base_report() with a step's first draft forward at 5 ms (depth 1) and 8 ms (depth 4).
+    return report_from_forward_times((1, 4), [[0.010, 0.011, 0.012], [0.020, 0.030, 0.040]], [0.002, 0.004],
+                                     source="measured", draft_first_s=[0.005, 0.008])
+
+
+def test_online_refinement_times_the_first_draft_forward_apart() -> None:
+    """A step of one draft forward times the first; a step of F > 1 the later ones, as its draft
+    time less the first's price over F - 1. A model without the split keeps pricing alike."""
+    costs = OnlineCosts(split_report())
+    assert costs.report().draft_first_cost == split_report().draft_first_cost == (0.5, 0.4)
+    for _ in range(300):
+        costs.observe_step(4, 2, 0.030, 4, 1, 0.012)  # K = 1 at depth 4: the first forward now 12 ms
+    assert costs.draft_first_s[1] == pytest.approx(0.012, rel=0.01)
+    assert costs.draft_s[1] == pytest.approx(0.004)  # untouched: no later forward was timed
+    for _ in range(300):
+        costs.observe_step(4, 4, 0.040, 4, 3, 0.012 + 2 * 0.006)  # K = 3: later forwards 6 ms
+    assert costs.draft_s[1] == pytest.approx(0.006, rel=0.01)
+    assert costs.draft_first_s[1] == pytest.approx(0.012, rel=0.01)
+    report = costs.report()
+    assert report.draft_first_cost == pytest.approx((0.5, 0.6), rel=0.01)
+    assert report.step_cost[1][2] == pytest.approx((0.040 + 0.012 + 0.006) / 0.020, rel=0.01)
+    # Without the split (the sim's report, an old cache entry): per-forward averages, as before.
+    alike = OnlineCosts(base_report())
+    for _ in range(300):
+        alike.observe_step(4, 4, 0.040, 4, 3, 0.018)
+    assert alike.draft_s[1] == pytest.approx(0.006, rel=0.01) and alike.report().draft_first_cost is None
+
+
+def test_draft_split_from_the_engines_draft_phases() -> None:
+    """First = the phase at K = 1, later = the slope to the deeper K, at the depths timed; the
+    others keep the later forward's ratio to the depth's forward timing and take the first's
+    extra on the line through the timed depths."""
+    depths = (1, 2, 4, 8, 16)
+    forward = [0.001, 0.0012, 0.0016, 0.0024, 0.004]
+    phases = {(1, 1): 0.0009, (1, 8): 0.0009 + 7 * 0.0002, (16, 1): 0.0025, (16, 4): 0.0025 + 3 * 0.001}
+    first, later = costs_measure.draft_split(depths, forward, phases)
+    assert later[0] == pytest.approx(0.0002) and first[0] == pytest.approx(0.0009)
+    assert later[-1] == pytest.approx(0.001) and first[-1] == pytest.approx(0.0025)
+    for d, f, n, fw in zip(depths, first, later, forward, strict=True):
+        ratio = 0.2 + (0.25 - 0.2) * (d - 1) / 15  # later / forward: 0.2 at depth 1, 0.25 at 16
+        assert n == pytest.approx(fw * ratio)
+        assert f - n == pytest.approx(0.0007 + (0.0015 - 0.0007) * (d - 1) / 15)
+    # max_k 1 (no deeper K timed): every forward alike.
+    assert costs_measure.draft_split(depths, forward, {(1, 1): 0.0009}) == (forward, forward)

@@ -24,6 +24,7 @@ from policies import (
     decide,
     expected_tokens,
     gain,
+    mixed_step_cost,
     objective,
     record_decision,
     step_cost,
@@ -268,3 +269,43 @@ def test_auto_policy_fields_are_validated(raw: dict[str, object], problem: str) 
     with pytest.raises(ValueError, match=problem):
         PolicyConfig.from_mapping(raw)
     assert PolicyConfig.from_mapping({"num_speculative_tokens": "auto"}).auto_k
+
+
+def test_a_steps_first_draft_forward_is_priced_apart_from_the_later_ones() -> None:
+    """The engine on the AVX2 EPYC at batch 1: the first draft forward 0.85 ms (the draft's
+    weights read back after the target's forward, and the catch-up), each later one 0.22 ms,
+    plain 4.1 ms. Priced at one average per forward, K = 2 and K = 8 cost what they do only
+    where the average was taken; priced apart, every K costs what the engine's steps cost."""
+    target = [4.1 * v for v in (1.0, 1.02, 1.05, 1.12, 1.16, 1.47, 1.62, 1.77, 1.84)]
+    split = whole_step_costs(target, 0.22, draft_first_s=0.85)
+    for k in range(1, 9):
+        assert split[k] == pytest.approx((target[k] + 0.85 + (k - 1) * 0.22) / target[0])
+    assert whole_step_costs(target, 0.22)[3] == pytest.approx((target[3] + 3 * 0.22) / target[0])  # alike
+    # An average taken at K = 4 ((0.85 + 3 x 0.22) / 4 = 0.3775 a forward) prices K = 8 dear
+    # and K = 1 cheap; the split prices both as the steps cost.
+    average = whole_step_costs(target, (0.85 + 3 * 0.22) / 4)
+    assert average[4] == pytest.approx(split[4])
+    assert average[8] > split[8] and average[1] < split[1]
+    model = CostModel((1,), (split,))
+    k = choose_k(model, 0.95, 1, 8, 0.0, 0.0)
+    assert all(gain(model, 0.95, k, 1) >= gain(model, 0.95, j, 1) for j in range(9))
+    assert choose_k(CostModel((1,), (average,)), 0.95, 1, 8, 0.0, 0.0) <= k
+
+
+def test_the_first_draft_forward_in_mixed_pricing_and_the_json() -> None:
+    """With its parts, a step of F draft forwards pays the first one once and F - 1 later ones;
+    the worker's JSON carries ``draft_first_cost`` (optional: absent, as the later ones)."""
+    raw = {"depths": [1, 4], "step_cost": [[1.0, 1.4, 1.5], [1.0, 1.7, 2.2]], "plain_step_ms": [4.0, 6.0],
+           "verify_cost": [[1.0, 1.05, 1.1], [1.0, 1.4, 1.8]], "draft_cost": [0.05, 0.1],
+           "step_overhead_ms": [0.0, 0.0], "draft_overhead_ms": [0.0, 0.0]}
+    alike = CostModel.from_json(raw)
+    split = CostModel.from_json({**raw, "draft_first_cost": [0.25, 0.3]})
+    assert alike.parts is not None and alike.parts.draft_first is None
+    assert split.parts is not None and split.parts.draft_first == (0.25, 0.3)
+    # Depth 4, all drafting K = 2: target 1.8 x 6 ms, drafts (0.3 + 0.1) x 6 ms, over a 6 ms plain step.
+    assert mixed_step_cost(split, 4, 4, 8, 2) == pytest.approx(1.8 + 0.3 + 0.1)
+    assert mixed_step_cost(alike, 4, 4, 8, 2) == pytest.approx(1.8 + 2 * 0.1)
+    with pytest.raises(ValueError, match="draft"):
+        CostModel.from_json({**raw, "draft_first_cost": [0.25, -1.0]})
+    with pytest.raises(ValueError, match="one value of each part per depth"):
+        CostModel.from_json({**raw, "draft_first_cost": [0.25]})

@@ -11,6 +11,9 @@ One schema for every engine (``CostReport``; ``/specgate/worker`` publishes it u
   plain step at the same depth; ``[d][0]`` is 1 (``policies.cost.whole_step_costs``).
 - ``verify_cost[d][n-1]`` and ``draft_cost[d]`` (optional): the forwards, the target's of n tokens
   per sequence relative to n = 1, and one draft forward relative to a plain step's target forward.
+- ``draft_first_cost[d]`` (optional; absent: as ``draft_cost``): a step's first draft forward,
+  which costs more than the later ones: the target's forward before it has pushed the draft's
+  weights out of the cache, and it catches the draft up on the last step's tokens.
 - ``step_overhead_ms[d]`` and ``draft_overhead_ms[d]``: the work outside the forwards, a plain
   step's (sampling, bookkeeping; it grows with depth) and what each draft per sequence adds to
   it. The embedded engine measures both; the simulated engine derives them from its model (0:
@@ -104,6 +107,7 @@ class CostReport:
     prefill_tokens: tuple[int, ...] | None = None
     prefill_ms: tuple[float, ...] | None = None
     draft_prefill_ms: tuple[float, ...] | None = None
+    draft_first_cost: tuple[float, ...] | None = None  # a step's first draft forward / plain_step_ms
 
     def to_json(self) -> dict[str, Any]:
         out = asdict(self)
@@ -169,30 +173,36 @@ class CostReport:
             cpu=str(raw.get("cpu", "")), step_overhead_ms=floats(raw.get("step_overhead_ms")),
             draft_overhead_ms=floats(raw.get("draft_overhead_ms")),
             prefill_tokens=None if raw.get("prefill_tokens") is None else tuple(int(n) for n in raw["prefill_tokens"]),
-            prefill_ms=floats(raw.get("prefill_ms")), draft_prefill_ms=floats(raw.get("draft_prefill_ms")))
+            prefill_ms=floats(raw.get("prefill_ms")), draft_prefill_ms=floats(raw.get("draft_prefill_ms")),
+            draft_first_cost=floats(raw.get("draft_first_cost")))
 
 
 def report_from_forward_times(depths: Sequence[int], target_s: Sequence[Sequence[float]], draft_s: Sequence[float],
                               *, source: CostSource = "derived", overhead_s: Sequence[float] | None = None,
-                              draft_overhead_s: Sequence[float] | None = None, **extra: Any) -> CostReport:
+                              draft_overhead_s: Sequence[float] | None = None,
+                              draft_first_s: Sequence[float] | None = None, **extra: Any) -> CostReport:
     """The schema from absolute times: ``target_s[d][n-1]``, seconds of the target's forward
     with n tokens per sequence (n = 1..max_k+1) at ``depths[d]``; ``draft_s[d]``, one draft
-    forward (one token per sequence) there; ``overhead_s[d]`` and ``draft_overhead_s[d]``, a plain
+    forward (one token per sequence) there, after a step's first, ``draft_first_s[d]`` (None: as
+    the others); ``overhead_s[d]`` and ``draft_overhead_s[d]``, a plain
     step's work outside the forwards and what each draft per sequence adds to it (None: 0; a
     negative estimate counts as 0). What the simulated engine calls with its model's step
     times; what the embedded engine's measurements go through."""
     fixed = [max(0.0, x) for x in overhead_s] if overhead_s is not None else [0.0] * len(depths)
     per_draft = [max(0.0, x) for x in draft_overhead_s] if draft_overhead_s is not None else [0.0] * len(depths)
-    step_cost, verify_cost, draft_cost = [], [], []
-    for times, draft, over, over_k in zip(target_s, draft_s, fixed, per_draft, strict=True):
+    firsts = draft_s if draft_first_s is None else draft_first_s
+    step_cost, verify_cost, draft_cost, first_cost = [], [], [], []
+    for times, draft, first, over, over_k in zip(target_s, draft_s, firsts, fixed, per_draft, strict=True):
         plain = times[0]
-        step_cost.append(tuple(round(c, 4) for c in whole_step_costs(times, draft, over, over_k)))
+        step_cost.append(tuple(round(c, 4) for c in whole_step_costs(times, draft, over, over_k, first)))
         verify_cost.append(tuple(round(t / plain, 4) for t in times))
         draft_cost.append(round(draft / plain, 4))
+        first_cost.append(round(first / plain, 4))
     return CostReport(depths=tuple(depths), plain_step_ms=tuple(round(1000 * t[0], 4) for t in target_s),
                       step_cost=tuple(step_cost), verify_cost=tuple(verify_cost), draft_cost=tuple(draft_cost),
                       source=source, step_overhead_ms=tuple(round(1000 * x, 4) for x in fixed),
-                      draft_overhead_ms=tuple(round(1000 * x, 4) for x in per_draft), **extra)
+                      draft_overhead_ms=tuple(round(1000 * x, 4) for x in per_draft),
+                      draft_first_cost=None if draft_first_s is None else tuple(first_cost), **extra)
 
 
 def _ratio(curve: Sequence[float], i: int, depths: Sequence[int], depth: int) -> float:
@@ -298,8 +308,10 @@ class OnlineCosts:
 
     Start-up measured them on a quiet context of 128 tokens; serving has longer contexts and
     neighbours that come and go. Each step's verification time (at its depth and widest row)
-    and per-forward draft time move the nearest grid point by ``ONLINE_WEIGHT``, after scaling
-    the observation from the step's depth to the grid depth by the curves' own ratio. So does
+    and draft time move the nearest grid point by ``ONLINE_WEIGHT``, after scaling
+    the observation from the step's depth to the grid depth by the curves' own ratio. A step
+    of one draft forward times the first forward; a step of F > 1, the later ones: (its draft
+    time less the first forward's price) / (F - 1). So does
     the step's time outside its forwards: a plain step's moves ``overhead_s``; a speculative
     step's, less the plain overhead at its depth and divided by its drafts per sequence, moves
     ``draft_overhead_s``. A prompt's prefill alone in its step moves the prefill line
@@ -319,14 +331,15 @@ class OnlineCosts:
 
     base: CostReport
     target_s: list[list[float]] = field(default_factory=list)
-    draft_s: list[float] = field(default_factory=list)
+    draft_s: list[float] = field(default_factory=list)  # a draft forward after the step's first
+    draft_first_s: list[float] = field(default_factory=list)
     overhead_s: list[float] = field(default_factory=list)
     draft_overhead_s: list[float] = field(default_factory=list)
     prefill_s: list[float] = field(default_factory=list)  # at base.prefill_tokens; empty: not measured
     draft_prefill_s: list[float] = field(default_factory=list)
     steps: int = 0
     acceptance: AcceptanceEstimate = field(default_factory=AcceptanceEstimate)
-    # Observations per (depth index, n); n = 0: draft, -1: overhead, -2: draft overhead;
+    # Observations per (depth index, n); n = 0: draft, -1: overhead, -2: draft overhead, -3: first draft;
     # (-1, i): the prefill of base.prefill_tokens[i].
     seen: dict[tuple[int, int], int] = field(default_factory=dict)
     last_seen: dict[tuple[int, int], int] = field(default_factory=dict)  # (depth index, n) -> step last timed
@@ -344,6 +357,8 @@ class OnlineCosts:
         self.target_s = [[p / 1000 * v for v in row] for p, row in zip(base.plain_step_ms, base.verify_cost,
                                                                          strict=True)]
         self.draft_s = [p / 1000 * d for p, d in zip(base.plain_step_ms, base.draft_cost, strict=True)]
+        self.draft_first_s = ([p / 1000 * d for p, d in zip(base.plain_step_ms, base.draft_first_cost, strict=True)]
+                              if base.draft_first_cost is not None else list(self.draft_s))
         zeros = (0.0,) * len(base.depths)
         self.overhead_s = [x / 1000 for x in base.step_overhead_ms or zeros]
         self.draft_overhead_s = [x / 1000 for x in base.draft_overhead_ms or zeros]
@@ -363,6 +378,8 @@ class OnlineCosts:
                 row[n] *= factor
         if self._stale((i, 0)):
             self.draft_s[i] *= factor
+        if self._stale((i, -3)):
+            self.draft_first_s[i] *= factor
 
     def observe_step(self, depth: int, width: int, verify_s: float, draft_depth: int, draft_forwards: int,
                      draft_s: float, *, step_s: float = 0.0, drafts: int = 0) -> None:
@@ -381,9 +398,18 @@ class OnlineCosts:
                     self._carry(i, self.target_s[i][n] / old)
             if draft_depth >= 1 and draft_forwards >= 1 and draft_s > 0:
                 i = _nearest(depths, draft_depth)
-                per_forward = draft_s / draft_forwards
-                scaled = per_forward * self.draft_s[i] / _interpolate(depths, self.draft_s, draft_depth)
-                self.draft_s[i] += self._weight((i, 0)) * (scaled - self.draft_s[i])
+                first = _interpolate(depths, self.draft_first_s, draft_depth)
+                if self.base.draft_first_cost is None:  # a model that prices every forward alike
+                    scaled = draft_s / draft_forwards * _ratio(self.draft_s, i, depths, draft_depth)
+                    self.draft_s[i] += self._weight((i, 0)) * (scaled - self.draft_s[i])
+                    self.draft_first_s[i] = self.draft_s[i]
+                elif draft_forwards == 1:
+                    scaled = draft_s * _ratio(self.draft_first_s, i, depths, draft_depth)
+                    self.draft_first_s[i] += self._weight((i, -3)) * (scaled - self.draft_first_s[i])
+                else:
+                    later = max(0.0, draft_s - first) / (draft_forwards - 1)
+                    scaled = later * _ratio(self.draft_s, i, depths, draft_depth)
+                    self.draft_s[i] += self._weight((i, 0)) * (scaled - self.draft_s[i])
             if step_s > 0 and verify_s > 0 and depth >= 1:
                 self._observe_overhead(depth, step_s - verify_s - max(0.0, draft_s), drafts)
             self.steps += 1
@@ -426,13 +452,16 @@ class OnlineCosts:
     def report(self) -> CostReport:
         with self._lock:
             target, draft, steps, alpha = [list(r) for r in self.target_s], list(self.draft_s), self.steps, self.alpha
+            draft_first = list(self.draft_first_s)
             overhead, draft_overhead = list(self.overhead_s), list(self.draft_overhead_s)
             prefill, draft_prefill = list(self.prefill_s), list(self.draft_prefill_s)
         source: CostSource = "online" if steps else self.base.source
         live = report_from_forward_times(self.base.depths, target, draft, source=source, overhead_s=overhead,
-                                         draft_overhead_s=draft_overhead)
+                                         draft_overhead_s=draft_overhead,
+                                         draft_first_s=None if self.base.draft_first_cost is None else draft_first)
         return replace(self.base, plain_step_ms=live.plain_step_ms, step_cost=live.step_cost,
-                       verify_cost=live.verify_cost, draft_cost=live.draft_cost, source=live.source,
+                       verify_cost=live.verify_cost, draft_cost=live.draft_cost,
+                       draft_first_cost=live.draft_first_cost, source=live.source,
                        step_overhead_ms=live.step_overhead_ms, draft_overhead_ms=live.draft_overhead_ms,
                        online_steps=steps, acceptance=None if alpha is None else round(alpha, 4),
                        prefill_ms=tuple(round(1000 * x, 4) for x in prefill) if prefill else self.base.prefill_ms,

@@ -13,7 +13,9 @@ Before a worker reports ready it spends at most ``budget_s`` here (or nothing, o
    speculative, and the time each step spends outside its forwards (sampling, bookkeeping) is
    kept: at batch 1 for a plain step and per draft, and at a deeper batch for a plain step
    (``measure_overheads``). Forward times alone price speculation too high where forwards
-   are cheap, since a plain step pays that work too.
+   are cheap, since a plain step pays that work too. The same steps time the engine's draft
+   phase at K = 1 and a deeper K, at batch 1 and the deeper batch: a step's first draft forward
+   costs more than the later ones (``draft_split``).
 3. **Depth.** The chosen target and the draft are timed at the deeper batch depths (1, 2, 4, ...,
    max_slots) for a subset of n, interpolated in n; points the budget did not reach are
    extrapolated from the deepest measured depth, and the report counts both.
@@ -62,6 +64,9 @@ REPS = 3  # timings per point; the median is kept
 # The deeper batch the step overhead is timed at (or max_slots, if smaller): deep enough that
 # its per-sequence part stands out of timing noise, shallow enough to be cheap.
 OVERHEAD_DEPTH = 16
+# The deeper K the draft phase is timed at on the deeper batch (draft_split): K = 1 and this
+# give the later forwards' cost; a deeper K would only cost start-up time.
+SPLIT_K = 4
 # Prompt lengths a prefill is timed at; the cost of other lengths is on the line through them.
 PREFILL_TOKENS = (32, 128)
 
@@ -312,7 +317,7 @@ def measure_with_model(settings: MeasureSettings) -> tuple[CostReport, LlamaForC
                          and m.prepacked == chosen.prepacked)
     target, cache = targets[chosen_config], caches[chosen_config]
     depths = depth_grid(full)
-    overhead_s, draft_overhead_s = measure_overheads(target, draft, max_k, depths, started + 0.7 * settings.budget_s)
+    engine_times = measure_overheads(target, draft, max_k, depths, started + 0.7 * settings.budget_s)
     prefill_ms, draft_prefill_ms = measure_prefill(target, draft)
     # Phase 2, the chosen target: every n at batch 1, then the full batch and the depths between
     # (a sparse n each), until the budget ends. A depth's points are timed together, taking
@@ -373,12 +378,14 @@ def measure_with_model(settings: MeasureSettings) -> tuple[CostReport, LlamaForC
                 row[n] = seconds * scale
     measured = {d: row for d, row in measured.items() if 1 in row}
     target_s, draft_s = _curves(depths, measured, draft_measured, width, draft is not None)
+    draft_first_s, draft_next_s = draft_split(depths, draft_s, engine_times.draft_phase_s) if draft is not None else (None, draft_s)
     elapsed = time.perf_counter() - started
     choice = PrecisionChoice(chosen.target, chosen.prepacked, chosen.bit_identical, why, REFERENCE_ALPHA,
                              tuple(candidates))
     log.info("cost model measured in %.2fs: %s", elapsed, why)
-    report = report_from_forward_times(depths, target_s, draft_s, source="measured", precision=choice,
-                                       overhead_s=overhead_s, draft_overhead_s=draft_overhead_s,
+    report = report_from_forward_times(depths, target_s, draft_next_s, source="measured", precision=choice,
+                                       overhead_s=engine_times.overhead_s,
+                                       draft_overhead_s=engine_times.draft_overhead_s, draft_first_s=draft_first_s,
                                        measured_points=sum(len(r) for r in measured.values()),
                                        total_points=width * len(depths), measure_s=round(elapsed, 3), cpu=cpu_label(),
                                        prefill_tokens=PREFILL_TOKENS, prefill_ms=prefill_ms,
@@ -386,11 +393,21 @@ def measure_with_model(settings: MeasureSettings) -> tuple[CostReport, LlamaForC
     return report, target
 
 
+@dataclass(frozen=True)
+class EngineTimings:
+    """What ``measure_overheads`` timed on the serving engine's own steps."""
+
+    overhead_s: list[float]  # per grid depth: a plain step's work outside its forwards
+    draft_overhead_s: list[float]  # per grid depth: what each draft per sequence adds to it
+    draft_phase_s: dict[tuple[int, int], float]  # (depth, K): the step's drafting, all K forwards
+
+
 @torch.inference_mode()
 def measure_overheads(target: LlamaForCausalLM, draft: LlamaForCausalLM | None, max_k: int,
-                      depths: tuple[int, ...], until: float) -> tuple[list[float], list[float]]:
+                      depths: tuple[int, ...], until: float) -> EngineTimings:
     """Per grid depth, seconds of a plain step outside its forwards, and what each draft per
-    sequence adds to that, timed on the engine that will serve (``SpeculativeEngine``).
+    sequence adds to that, timed on the engine that will serve (``SpeculativeEngine``); and
+    its draft phase at K = 1 and K = ``max_k`` (at most SPLIT_K at the deeper batch).
 
     Outside = the whole step less the engine's own draft and target phases, step by step, so
     context length and machine load cancel. Timed at batch 1 (plain and at ``max_k``,
@@ -400,6 +417,7 @@ def measure_overheads(target: LlamaForCausalLM, draft: LlamaForCausalLM | None, 
     """
     k = max_k if draft is not None else 0
     deep = min(depths[-1], OVERHEAD_DEPTH)
+    phases: dict[tuple[int, int], list[float]] = {}
     engine = SpeculativeEngine(target, draft, max_slots=deep, max_k=k)
     greedy = SamplingParams(temperature=0.0)
     live: list[str] = []  # sequences in the engine, oldest first
@@ -421,9 +439,15 @@ def measure_overheads(target: LlamaForCausalLM, draft: LlamaForCausalLM | None, 
         shape = engine.last_shape
         if shape.target_rows != depth or shape.prefill or shape.drafts != depth * step_k:
             return None  # a sequence ended or drafted less (end of its budget): not this shape
+        if step_k:
+            phases.setdefault((depth, step_k), []).append(engine.last_draft_s)
         return engine.last_step_s - engine.last_target_s - engine.last_draft_s
 
-    plans = [(1, 0)] + ([(1, k)] if k else []) + ([(deep, 0)] if deep > 1 else [])
+    # Speculative steps follow speculative ones where they can, as K auto serves them: after a
+    # plain step the draft catches up on one token more.
+    plans = [(1, 0)] + ([(deep, 0)] if deep > 1 else []) + ([(1, k)] if k else [])
+    if k > 1:  # the draft phase's first forward apart from the later ones (draft_split)
+        plans += [(1, 1)] + ([(deep, 1), (deep, min(k, SPLIT_K))] if deep > 1 else [])
     samples: dict[tuple[int, int], list[float]] = {plan: [] for plan in plans}
     with torch.inference_mode():
         for plan in plans:  # warm-up: first-call allocations, each shape once
@@ -438,7 +462,46 @@ def measure_overheads(target: LlamaForCausalLM, draft: LlamaForCausalLM | None, 
     plain_1 = max(0.0, med.get((1, 0), 0.0))
     per_sequence = max(0.0, (med[(deep, 0)] - plain_1) / (deep - 1)) if deep > 1 and (deep, 0) in med else 0.0
     per_draft_1 = max(0.0, (med[(1, k)] - plain_1) / k) if k and (1, k) in med else 0.0
-    return [plain_1 + per_sequence * (d - 1) for d in depths], [per_draft_1 * d for d in depths]
+    # Each shape's first draft phase is the warm-up's (first-call allocations): not kept.
+    return EngineTimings([plain_1 + per_sequence * (d - 1) for d in depths], [per_draft_1 * d for d in depths],
+                         {shape: statistics.median(v[1:] or v) for shape, v in phases.items()})
+
+
+def draft_split(depths: tuple[int, ...], forward_s: list[float],
+                phases: dict[tuple[int, int], float]) -> tuple[list[float], list[float]]:
+    """Per grid depth, seconds of a step's first draft forward and of each later one, from the
+    engine's draft phases at K = 1 and a deeper K (``measure_overheads``) and the draft forward
+    timed at each depth (``forward_s``, which gives the shape in depth).
+
+    At a depth with both phases: first = phase(K=1), later = (phase(K) - phase(1)) / (K - 1).
+    Elsewhere the later forward keeps the measured ratio to ``forward_s`` (linear in depth
+    between the measured depths, the nearest beyond them), and the first one's extra over it
+    is on the line through the measured depths' extras (its catch-up grows with the rows).
+    Without the phases (``max_k`` 1), both are ``forward_s``.
+    """
+    split: dict[int, tuple[float, float]] = {}
+    for (depth, k), phase in phases.items():
+        if k > 1 and (depth, 1) in phases:
+            one = phases[(depth, 1)]
+            split[depth] = (one, max(0.0, (phase - one) / (k - 1)))
+    measured = sorted(d for d in split if d in depths)
+    if not measured:
+        return list(forward_s), list(forward_s)
+    ratio = [split[d][1] / max(1e-9, forward_s[depths.index(d)]) for d in measured]
+    extra = [max(0.0, split[d][0] - split[d][1]) for d in measured]
+    later = [f * _on_line(measured, ratio, d, hold=True) for f, d in zip(forward_s, depths, strict=True)]
+    first = [n + max(0.0, _on_line(measured, extra, d, hold=False)) for n, d in zip(later, depths, strict=True)]
+    return first, later
+
+
+def _on_line(xs: list[int], ys: list[float], x: int, *, hold: bool) -> float:
+    """``ys`` at ``x`` on the line through the first and last point; with ``hold``, the nearest
+    of them beyond them."""
+    if len(xs) == 1:
+        return ys[0]
+    if hold and (x <= xs[0] or x >= xs[-1]):
+        return ys[0] if x <= xs[0] else ys[-1]
+    return ys[0] + (ys[-1] - ys[0]) * (x - xs[0]) / (xs[-1] - xs[0])
 
 
 @torch.inference_mode()
