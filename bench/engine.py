@@ -35,7 +35,7 @@ from workers import rowgemm
 from workers.cost_model import CostReport, OnlineCosts, catch_up_pays
 from workers.costs_measure import MeasureSettings, measure, torch_threads_serving
 from workers.demo_corpus import heldout_prompts
-from workers.engine import GenerationRequest, SpeculativeEngine, StepEvent, native_forward
+from workers.engine import ORDINARY_LAG, GenerationRequest, SpeculativeEngine, StepEvent, native_forward
 from workers.kv_cache import CacheBatch, KVCache
 from workers.model import TORCH_DTYPES, LlamaForCausalLM, resolve_dtype
 from workers.sampling import SamplingParams
@@ -160,7 +160,7 @@ def observe_step(costs: OnlineCosts, engine: SpeculativeEngine, events: list[Ste
     shape = engine.last_shape
     costs.observe_step(shape.target_rows, shape.target_width, 0.0 if shape.prefill else engine.last_target_s,
                        shape.draft_rows, shape.draft_forwards, engine.last_draft_s, step_s=step_s,
-                       drafts=shape.drafts)
+                       drafts=shape.drafts, catch_up=shape.catch_up > ORDINARY_LAG)
     if shape.prefill and shape.target_rows == 1:
         costs.observe_prefill(shape.target_width, engine.last_target_s)
     for event in events:

@@ -7,7 +7,7 @@ as an argument (the event loop's monotonic clock), which keeps the table testabl
 
 from __future__ import annotations
 
-import uuid
+import os
 from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 
@@ -61,7 +61,7 @@ class SessionTable:
         """Returns the session (created if new or expired), marked most recently used."""
         self.expire(now)
         if session_id is None:
-            session_id = "sess-" + uuid.uuid4().hex
+            session_id = "sess-" + os.urandom(16).hex()  # as uuid4().hex, without building a UUID
         key = (scope, session_id)
         session = self._sessions.get(key)
         if session is None:

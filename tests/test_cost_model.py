@@ -452,6 +452,12 @@ def test_online_refinement_times_the_first_draft_forward_apart() -> None:
         costs.observe_step(4, 4, 0.040, 4, 3, 0.012 + 2 * 0.006)  # K = 3: later forwards 6 ms
     assert costs.draft_s[1] == pytest.approx(0.006, rel=0.01)
     assert costs.draft_first_s[1] == pytest.approx(0.012, rel=0.01)
+    # A step whose first forward caught a draft up on a plain spell prices no forward: its
+    # draft time is left out (its verification still counts).
+    for _ in range(50):
+        costs.observe_step(4, 4, 0.040, 4, 3, 0.060, catch_up=True)
+    assert costs.draft_s[1] == pytest.approx(0.006, rel=0.01)
+    assert costs.draft_first_s[1] == pytest.approx(0.012, rel=0.01)
     report = costs.report()
     assert report.draft_first_cost == pytest.approx((0.5, 0.6), rel=0.01)
     assert report.step_cost[1][2] == pytest.approx((0.040 + 0.012 + 0.006) / 0.020, rel=0.01)
@@ -478,3 +484,13 @@ def test_draft_split_from_the_engines_draft_phases() -> None:
         assert f - n == pytest.approx(0.0007 + (0.0015 - 0.0007) * (d - 1) / 15)
     # max_k 1 (no deeper K timed): every forward alike.
     assert costs_measure.draft_split(depths, forward, {(1, 1): 0.0009}) == (forward, forward)
+    # Timed at every depth up to 4: those are their own; beyond, the later forward keeps depth
+    # 4's ratio and the first one's extra goes on along the line through depths 2 and 4.
+    phases = {(1, 1): 0.0009, (1, 8): 0.0023, (2, 1): 0.0011, (2, 4): 0.0020, (4, 1): 0.0015, (4, 4): 0.0027}
+    first, later = costs_measure.draft_split(depths, forward, phases)
+    assert first[:3] == pytest.approx([0.0009, 0.0011, 0.0015]) and later[:3] == pytest.approx([0.0002, 0.0003, 0.0004])
+    assert later[3:] == pytest.approx([f * 0.0004 / 0.0016 for f in forward[3:]])
+    extra = [0.0007, 0.0008, 0.0011]  # first - later at depths 1, 2, 4
+    slope = (extra[2] - extra[1]) / 2
+    assert [f - n for f, n in zip(first[3:], later[3:], strict=True)] == pytest.approx(
+        [extra[2] + slope * 4, extra[2] + slope * 12])

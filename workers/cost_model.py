@@ -382,10 +382,14 @@ class OnlineCosts:
             self.draft_first_s[i] *= factor
 
     def observe_step(self, depth: int, width: int, verify_s: float, draft_depth: int, draft_forwards: int,
-                     draft_s: float, *, step_s: float = 0.0, drafts: int = 0) -> None:
+                     draft_s: float, *, step_s: float = 0.0, drafts: int = 0, catch_up: bool = False) -> None:
         """One step: ``depth`` rows of up to ``width`` tokens verified in ``verify_s``, and
         ``draft_forwards`` draft forwards of up to ``draft_depth`` rows in ``draft_s``; the whole
-        step took ``step_s`` (0: not timed) with ``drafts`` drafts over all its sequences."""
+        step took ``step_s`` (0: not timed) with ``drafts`` drafts over all its sequences.
+        ``catch_up``: its first draft forward caught a draft up on a plain spell, which prices
+        no forward the model holds (``catch_up_pays`` prices it from the prefill line): the
+        draft time is not observed. Observed, K auto's steps after plain spells put the
+        catch-up into the later forwards, which then cost more than the first one at depth 16."""
         depths = self.base.depths
         with self._lock:
             if depth >= 1 and 1 <= width <= len(self.target_s[0]) and verify_s > 0:
@@ -396,7 +400,7 @@ class OnlineCosts:
                 self.target_s[i][n] += self._weight((i, n + 1)) * (scaled - old)
                 if n == 0 and old > 0:
                     self._carry(i, self.target_s[i][n] / old)
-            if draft_depth >= 1 and draft_forwards >= 1 and draft_s > 0:
+            if draft_depth >= 1 and draft_forwards >= 1 and draft_s > 0 and not catch_up:
                 i = _nearest(depths, draft_depth)
                 first = _interpolate(depths, self.draft_first_s, draft_depth)
                 if self.base.draft_first_cost is None:  # a model that prices every forward alike

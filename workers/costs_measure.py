@@ -14,8 +14,8 @@ Before a worker reports ready it spends at most ``budget_s`` here (or nothing, o
    kept: at batch 1 for a plain step and per draft, and at a deeper batch for a plain step
    (``measure_overheads``). Forward times alone price speculation too high where forwards
    are cheap, since a plain step pays that work too. The same steps time the engine's draft
-   phase at K = 1 and a deeper K, at batch 1 and the deeper batch: a step's first draft forward
-   costs more than the later ones (``draft_split``).
+   phase at K = 1 and a deeper K, at every depth up to the deeper batch: a step's first draft
+   forward costs more than the later ones (``draft_split``).
 3. **Depth.** The chosen target and the draft are timed at the deeper batch depths (1, 2, 4, ...,
    max_slots) for a subset of n, interpolated in n; points the budget did not reach are
    extrapolated from the deepest measured depth, and the report counts both.
@@ -378,7 +378,8 @@ def measure_with_model(settings: MeasureSettings) -> tuple[CostReport, LlamaForC
                 row[n] = seconds * scale
     measured = {d: row for d, row in measured.items() if 1 in row}
     target_s, draft_s = _curves(depths, measured, draft_measured, width, draft is not None)
-    draft_first_s, draft_next_s = draft_split(depths, draft_s, engine_times.draft_phase_s) if draft is not None else (None, draft_s)
+    draft_first_s, draft_next_s = (draft_split(depths, draft_s, engine_times.draft_phase_s) if draft is not None
+                                   else (None, draft_s))
     elapsed = time.perf_counter() - started
     choice = PrecisionChoice(chosen.target, chosen.prepacked, chosen.bit_identical, why, REFERENCE_ALPHA,
                              tuple(candidates))
@@ -407,7 +408,8 @@ def measure_overheads(target: LlamaForCausalLM, draft: LlamaForCausalLM | None, 
                       depths: tuple[int, ...], until: float) -> EngineTimings:
     """Per grid depth, seconds of a plain step outside its forwards, and what each draft per
     sequence adds to that, timed on the engine that will serve (``SpeculativeEngine``); and
-    its draft phase at K = 1 and K = ``max_k`` (at most SPLIT_K at the deeper batch).
+    its draft phase at K = 1 and a deeper K (``max_k`` at batch 1, at most SPLIT_K deeper) at
+    every grid depth up to the deeper batch.
 
     Outside = the whole step less the engine's own draft and target phases, step by step, so
     context length and machine load cancel. Timed at batch 1 (plain and at ``max_k``,
@@ -447,7 +449,7 @@ def measure_overheads(target: LlamaForCausalLM, draft: LlamaForCausalLM | None, 
     # plain step the draft catches up on one token more.
     plans = [(1, 0)] + ([(deep, 0)] if deep > 1 else []) + ([(1, k)] if k else [])
     if k > 1:  # the draft phase's first forward apart from the later ones (draft_split)
-        plans += [(1, 1)] + ([(deep, 1), (deep, min(k, SPLIT_K))] if deep > 1 else [])
+        plans += [(1, 1)] + [(d, j) for d in depths if 1 < d <= deep for j in (1, min(k, SPLIT_K))]
     samples: dict[tuple[int, int], list[float]] = {plan: [] for plan in plans}
     with torch.inference_mode():
         for plan in plans:  # warm-up: first-call allocations, each shape once
@@ -471,14 +473,16 @@ def draft_split(depths: tuple[int, ...], forward_s: list[float],
                 phases: dict[tuple[int, int], float]) -> tuple[list[float], list[float]]:
     """Per grid depth, seconds of a step's first draft forward and of each later one, from the
     engine's draft phases at K = 1 and a deeper K (``measure_overheads``) and the draft forward
-    timed at each depth (``forward_s``, which gives the shape in depth).
+    timed at each depth (``forward_s``, which gives the shape beyond the depths timed so).
 
     At a depth with both phases: first = phase(K=1), later = (phase(K) - phase(1)) / (K - 1).
     Elsewhere the later forward keeps the measured ratio to ``forward_s`` (linear in depth
     between the measured depths, the nearest beyond them), and the first one's extra over it
-    is on the line through the measured depths' extras (its catch-up grows with the rows).
-    Without the phases (``max_k`` 1), both are ``forward_s``.
-    """
+    follows the measured extras (linear between them, and on from the last two: its catch-up
+    grows with the rows). Without the phases (``max_k`` 1), both are ``forward_s``. (Timed at
+    batch 1 and 16 only, with the ratio interpolated between, the later forward at batch 8
+    came out 0.68 ms where K auto's steps there took 1.0 ms or more: K = 2 looked 9% better
+    than plain at batch 8 and lost to it.)"""
     split: dict[int, tuple[float, float]] = {}
     for (depth, k), phase in phases.items():
         if k > 1 and (depth, 1) in phases:
@@ -495,13 +499,14 @@ def draft_split(depths: tuple[int, ...], forward_s: list[float],
 
 
 def _on_line(xs: list[int], ys: list[float], x: int, *, hold: bool) -> float:
-    """``ys`` at ``x`` on the line through the first and last point; with ``hold``, the nearest
-    of them beyond them."""
-    if len(xs) == 1:
-        return ys[0]
-    if hold and (x <= xs[0] or x >= xs[-1]):
+    """``ys`` at ``x``: linear between the points; beyond them the nearest point (``hold``) or
+    the line through the nearest two."""
+    if len(xs) == 1 or (hold and (x <= xs[0] or x >= xs[-1])):
         return ys[0] if x <= xs[0] else ys[-1]
-    return ys[0] + (ys[-1] - ys[0]) * (x - xs[0]) / (xs[-1] - xs[0])
+    i = 1
+    while i < len(xs) - 1 and x > xs[i]:
+        i += 1
+    return ys[i - 1] + (ys[i] - ys[i - 1]) * (x - xs[i - 1]) / (xs[i] - xs[i - 1])
 
 
 @torch.inference_mode()

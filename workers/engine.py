@@ -83,7 +83,9 @@ class _Sequence:
 class StepShape:
     """What the last step's forwards computed: the target's rows and widest row, whether a
     prefill forward ran too (its time is then in the target's), the draft's rows and forwards,
-    and the drafts proposed over all sequences."""
+    and the drafts proposed over all sequences; ``catch_up``, the most tokens a drafting
+    sequence's draft caught up on in its first forward (more than ORDINARY_LAG after a plain
+    spell: that forward then costs more than a step's first draft forward ordinarily does)."""
 
     target_rows: int
     target_width: int
@@ -91,6 +93,7 @@ class StepShape:
     draft_rows: int
     draft_forwards: int
     drafts: int = 0
+    catch_up: int = 0
 
 
 @dataclass(frozen=True)
@@ -261,6 +264,7 @@ class SpeculativeEngine:
             if (seq.step_k > 0 and self.catch_up_rule is not None and lag > ORDINARY_LAG
                     and not self.catch_up_rule(lag, remaining, seq.step_k, depth)):
                 seq.step_k = 0
+        catch_up = max((len(s.tokens) - s.draft_len for s in seqs if s.step_k > 0), default=0)
         failed: dict[str, Exception] = {}  # one sequence's failure must not end the others
         started = time.perf_counter()
         self._propose([s for s in seqs if s.step_k > 0], failed)
@@ -273,7 +277,7 @@ class SpeculativeEngine:
         self.last_draft_s, self.last_target_s = proposed - started, time.perf_counter() - proposed
         drafting = [s.step_k for s in seqs if s.step_k > 0]
         self.last_shape = StepShape(len(rows), max((len(r.new_tokens) for r in rows), default=0),
-                                    prefill, len(drafting), max(drafting, default=0), sum(drafting))
+                                    prefill, len(drafting), max(drafting, default=0), sum(drafting), catch_up)
         events = []
         for seq, logits in zip(seqs, target_logits, strict=True):
             if logits is None:

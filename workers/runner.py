@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 from policies.speculation import step_depth
 from workers.cost_model import CostReport, OnlineCosts, StepCostRule, catch_up_pays
-from workers.engine import SpeculativeEngine
+from workers.engine import ORDINARY_LAG, SpeculativeEngine
 from workers.engine_api import EngineTotals, GenerationRequest, StepEvent, StepObserver, StepStats
 
 log = logging.getLogger(__name__)
@@ -221,7 +221,8 @@ class EngineRunner:
             self.costs.observe_step(shape.target_rows, shape.target_width,
                                     0.0 if shape.prefill else engine.last_target_s, shape.draft_rows,
                                     shape.draft_forwards, engine.last_draft_s,
-                                    step_s=engine.last_step_s + self._tail_s, drafts=shape.drafts)
+                                    step_s=engine.last_step_s + self._tail_s, drafts=shape.drafts,
+                                    catch_up=shape.catch_up > ORDINARY_LAG)
             if shape.prefill and shape.target_rows == 1:  # a prompt alone: what a request's prediction prices
                 self.costs.observe_prefill(shape.target_width, engine.last_target_s)
             for event in events:
