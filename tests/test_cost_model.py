@@ -494,3 +494,14 @@ def test_draft_split_from_the_engines_draft_phases() -> None:
     slope = (extra[2] - extra[1]) / 2
     assert [f - n for f, n in zip(first[3:], later[3:], strict=True)] == pytest.approx(
         [extra[2] + slope * 4, extra[2] + slope * 12])
+
+
+def test_start_up_verification_ratios_do_not_fall_with_depth() -> None:
+    """A forward of n tokens per row costs more against a plain one the deeper the batch (the
+    weights are read once, the rows' work grows): a timing that says less is noise, raised to
+    the shallower depth's ratio; the plain step itself is kept."""
+    rows = [[0.004, 0.0042, 0.0045], [0.008, 0.0128, 0.0170], [0.050, 0.0780, 0.1200]]  # depth 64: 1.56x < 1.6x
+    fixed = costs_measure._verify_rising_in_depth(rows)
+    assert [row[0] for row in fixed] == [0.004, 0.008, 0.050]
+    assert fixed[0] == rows[0] and fixed[1] == rows[1]
+    assert fixed[2][1] == pytest.approx(0.050 * 1.6) and fixed[2][2] == pytest.approx(0.120)
