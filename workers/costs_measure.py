@@ -576,8 +576,8 @@ def _verify_rising_in_depth(target_s: list[list[float]]) -> list[list[float]]:
     out, floor = [], [0.0] * len(target_s[0])
     for row in target_s:
         plain = row[0]
+        out.append([t if t / plain >= f else plain * f for f, t in zip(floor, row, strict=True)])
         floor = [max(f, t / plain) for f, t in zip(floor, row, strict=True)]
-        out.append([plain * f for f in floor])
     return out
 
 
