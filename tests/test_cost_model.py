@@ -505,3 +505,16 @@ def test_start_up_verification_ratios_do_not_fall_with_depth() -> None:
     assert [row[0] for row in fixed] == [0.004, 0.008, 0.050]
     assert fixed[0] == rows[0] and fixed[1] == rows[1]
     assert fixed[2][1] == pytest.approx(0.050 * 1.6) and fixed[2][2] == pytest.approx(0.120)
+
+
+def test_a_first_draft_forward_is_never_priced_below_a_later_one() -> None:
+    """Serving timed only K = 3 steps at depth 4, whose later forwards came out dearer than the
+    first one's start-up price: the report prices the first at least as a later one."""
+    costs = OnlineCosts(split_report())
+    for _ in range(300):
+        costs.observe_step(4, 4, 0.040, 4, 3, 0.008 + 2 * 0.010)  # later forwards 10 ms, first still 8 ms
+    assert costs.draft_s[1] == pytest.approx(0.010, rel=0.01) and costs.draft_first_s[1] == pytest.approx(0.008)
+    report = costs.report()
+    assert report.draft_first_cost is not None and report.draft_cost is not None
+    assert report.draft_first_cost[1] == pytest.approx(report.draft_cost[1])
+    assert report.draft_first_cost[0] == split_report().draft_first_cost[0]  # type: ignore[index]
