@@ -35,9 +35,10 @@ from workers import rowgemm
 from workers.cost_model import CostReport, OnlineCosts, catch_up_pays
 from workers.costs_measure import MeasureSettings, measure, torch_threads_serving
 from workers.demo_corpus import heldout_prompts
-from workers.engine import ORDINARY_LAG, GenerationRequest, SpeculativeEngine, StepEvent, native_forward
+from workers.engine import GenerationRequest, SpeculativeEngine, native_forward
 from workers.kv_cache import CacheBatch, KVCache
 from workers.model import TORCH_DTYPES, LlamaForCausalLM, resolve_dtype
+from workers.runner import fold_step
 from workers.sampling import SamplingParams
 from workers.text import TextCodec
 
@@ -144,7 +145,7 @@ def run_interleaved(engines: dict[int, SpeculativeEngine], groups: list[list[lis
             events = engine.step()
             elapsed = time.perf_counter() - started
             if costs is not None:
-                observe_step(costs, engine, events, elapsed)
+                fold_step(costs, engine, events, elapsed)  # as a worker does; the step's whole time
             for event in events:
                 produced[k][event.request_id].extend(event.tokens)
                 emitted[k] += len(event.tokens)
@@ -157,19 +158,6 @@ def run_interleaved(engines: dict[int, SpeculativeEngine], groups: list[list[lis
         for k in engines:
             outputs[k].extend(produced[k][f"r{i}"] for i in range(len(group)))
     return totals, outputs
-
-
-def observe_step(costs: OnlineCosts, engine: SpeculativeEngine, events: list[StepEvent], step_s: float) -> None:
-    """What ``workers.runner`` folds into a worker's cost model after each step; ``step_s`` is
-    the step's whole time, as this benchmark counts it."""
-    shape = engine.last_shape
-    costs.observe_step(shape.target_rows, shape.target_width, 0.0 if shape.prefill else engine.last_target_s,
-                       shape.draft_rows, shape.draft_forwards, engine.last_draft_s, step_s=step_s,
-                       drafts=shape.drafts, catch_up=shape.catch_up > ORDINARY_LAG)
-    if shape.prefill and shape.target_rows == 1:
-        costs.observe_prefill(shape.target_width, engine.last_target_s)
-    for event in events:
-        costs.observe_drafts(event.proposed, event.accepted)
 
 
 def live_model(costs: OnlineCosts) -> CostModel:

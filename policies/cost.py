@@ -31,8 +31,8 @@ the target's forward interpolated on tokens per sequence n, F the draft's sequen
 its own (``StepParts.draft_first``): the target's forward has just streamed its weights through
 the cache, so the draft reads its own back from memory, and it catches up on the last step's
 tokens. In the engine on the AVX2 EPYC it took 0.85 ms at batch 1, each later one 0.22-0.25 ms;
-priced alike, deep K came out dear and K = auto chose one short. With every sequence drafting K this is the
-uniform price again.
+priced alike, deep K came out dear and K = auto chose one short. With every sequence drafting
+K this is the uniform price again.
 
 **The objective with a mix: the batch's goodput per drafting sequence.** The drafting sequences
 of a step share the draft's forwards (as many as the deepest K), so K is a choice they make
@@ -76,7 +76,7 @@ class StepParts:
 
     plain_ms: tuple[float, ...]  # the target's forward of one token per sequence, ms
     verify: tuple[tuple[float, ...], ...]  # [depth][n-1]: its forward of n tokens per sequence / n = 1
-    draft: tuple[float, ...]  # one draft forward (one token per drafting sequence) / plain_ms
+    draft: tuple[float, ...]  # a draft forward after the step's first (a token per drafting sequence) / plain_ms
     overhead_ms: tuple[float, ...]  # a plain step's work outside its forwards
     draft_overhead_ms: tuple[float, ...]  # what each draft per sequence adds to it
     # A step's first draft forward / plain_ms, where it costs more than the later ones (``draft``):

@@ -10,7 +10,8 @@ One schema for every engine (``CostReport``; ``/specgate/worker`` publishes it u
   per sequence, K draft forwards, and the step's work outside the forwards) divided by a whole
   plain step at the same depth; ``[d][0]`` is 1 (``policies.cost.whole_step_costs``).
 - ``verify_cost[d][n-1]`` and ``draft_cost[d]`` (optional): the forwards, the target's of n tokens
-  per sequence relative to n = 1, and one draft forward relative to a plain step's target forward.
+  per sequence relative to n = 1, and a draft forward (after a step's first) relative to a plain
+  step's target forward.
 - ``draft_first_cost[d]`` (optional; absent: as ``draft_cost``): a step's first draft forward,
   which costs more than the later ones: the target's forward before it has pushed the draft's
   weights out of the cache, and it catches the draft up on the last step's tokens.
@@ -208,7 +209,7 @@ def report_from_forward_times(depths: Sequence[int], target_s: Sequence[Sequence
 def _ratio(curve: Sequence[float], i: int, depths: Sequence[int], depth: int) -> float:
     """What scales an observation at ``depth`` to grid point ``i``: the curve's own ratio (1
     where the curve is zero there, e.g. an overhead nobody measured yet)."""
-    here = _interpolate(depths, curve, depth)
+    here = interpolate(depths, curve, depth)
     return curve[i] / here if here > 0 and curve[i] > 0 else 1.0
 
 
@@ -226,14 +227,16 @@ def _line(lengths: Sequence[int], values: Sequence[float], tokens: int) -> float
     return max(0.0, v0 + (v1 - v0) * (tokens - n0) / (n1 - n0))
 
 
-def _interpolate(depths: Sequence[int], values: Sequence[float], depth: int) -> float:
-    if depth <= depths[0]:
-        return values[0]
-    for i in range(1, len(depths)):
-        if depth <= depths[i]:
-            w = (depth - depths[i - 1]) / (depths[i] - depths[i - 1])
-            return (1 - w) * values[i - 1] + w * values[i]
-    return values[-1]
+def interpolate(depths: Sequence[int], values: Sequence[float], depth: int, *, extend: bool = False) -> float:
+    """``values`` at ``depth``: linear between the ascending ``depths``; beyond them the nearest
+    value, or with ``extend`` the line through the nearest two."""
+    if len(depths) == 1 or (not extend and (depth <= depths[0] or depth >= depths[-1])):
+        return values[0] if depth <= depths[0] else values[-1]
+    i = 1
+    while i < len(depths) - 1 and depth > depths[i]:
+        i += 1
+    w = (depth - depths[i - 1]) / (depths[i] - depths[i - 1])
+    return (1 - w) * values[i - 1] + w * values[i]
 
 
 @dataclass
@@ -395,22 +398,21 @@ class OnlineCosts:
             if depth >= 1 and 1 <= width <= len(self.target_s[0]) and verify_s > 0:
                 i, n = _nearest(depths, depth), width - 1
                 column = [row[n] for row in self.target_s]
-                scaled = verify_s * column[i] / _interpolate(depths, column, depth)
+                scaled = verify_s * column[i] / interpolate(depths, column, depth)
                 old = self.target_s[i][n]
                 self.target_s[i][n] += self._weight((i, n + 1)) * (scaled - old)
                 if n == 0 and old > 0:
                     self._carry(i, self.target_s[i][n] / old)
             if draft_depth >= 1 and draft_forwards >= 1 and draft_s > 0 and not catch_up:
                 i = _nearest(depths, draft_depth)
-                first = _interpolate(depths, self.draft_first_s, draft_depth)
                 if self.base.draft_first_cost is None:  # a model that prices every forward alike
                     scaled = draft_s / draft_forwards * _ratio(self.draft_s, i, depths, draft_depth)
                     self.draft_s[i] += self._weight((i, 0)) * (scaled - self.draft_s[i])
-                    self.draft_first_s[i] = self.draft_s[i]
                 elif draft_forwards == 1:
                     scaled = draft_s * _ratio(self.draft_first_s, i, depths, draft_depth)
                     self.draft_first_s[i] += self._weight((i, -3)) * (scaled - self.draft_first_s[i])
                 else:
+                    first = interpolate(depths, self.draft_first_s, draft_depth)
                     later = max(0.0, draft_s - first) / (draft_forwards - 1)
                     scaled = later * _ratio(self.draft_s, i, depths, draft_depth)
                     self.draft_s[i] += self._weight((i, 0)) * (scaled - self.draft_s[i])
@@ -428,7 +430,7 @@ class OnlineCosts:
         elif per_sequence >= 1:
             # Fewer drafts than sequences would divide timing noise by a small number; such
             # steps (a few sequences speculating in a plain batch) teach nothing reliable here.
-            per_draft = (outside - _interpolate(depths, self.overhead_s, depth)) / per_sequence
+            per_draft = (outside - interpolate(depths, self.overhead_s, depth)) / per_sequence
             scaled = per_draft * _ratio(self.draft_overhead_s, i, depths, depth)
             self.draft_overhead_s[i] += self._weight((i, -2)) * (scaled - self.draft_overhead_s[i])
 

@@ -46,6 +46,7 @@ from workers.cost_model import (
     PrecisionCandidate,
     PrecisionChoice,
     depth_grid,
+    interpolate,
     report_from_forward_times,
 )
 from workers.engine import GenerationRequest, SpeculativeEngine, native_forward
@@ -64,8 +65,8 @@ REPS = 3  # timings per point; the median is kept
 # The deeper batch the step overhead is timed at (or max_slots, if smaller): deep enough that
 # its per-sequence part stands out of timing noise, shallow enough to be cheap.
 OVERHEAD_DEPTH = 16
-# The deeper K the draft phase is timed at on the deeper batch (draft_split): K = 1 and this
-# give the later forwards' cost; a deeper K would only cost start-up time.
+# The deeper K the draft phase is timed at beyond batch 1 (draft_split): K = 1 and this give
+# the later forwards' cost; a deeper K would only cost start-up time.
 SPLIT_K = 4
 # Prompt lengths a prefill is timed at; the cost of other lengths is on the line through them.
 PREFILL_TOKENS = (32, 128)
@@ -493,20 +494,9 @@ def draft_split(depths: tuple[int, ...], forward_s: list[float],
         return list(forward_s), list(forward_s)
     ratio = [split[d][1] / max(1e-9, forward_s[depths.index(d)]) for d in measured]
     extra = [max(0.0, split[d][0] - split[d][1]) for d in measured]
-    later = [f * _on_line(measured, ratio, d, hold=True) for f, d in zip(forward_s, depths, strict=True)]
-    first = [n + max(0.0, _on_line(measured, extra, d, hold=False)) for n, d in zip(later, depths, strict=True)]
+    later = [f * interpolate(measured, ratio, d) for f, d in zip(forward_s, depths, strict=True)]
+    first = [n + max(0.0, interpolate(measured, extra, d, extend=True)) for n, d in zip(later, depths, strict=True)]
     return first, later
-
-
-def _on_line(xs: list[int], ys: list[float], x: int, *, hold: bool) -> float:
-    """``ys`` at ``x``: linear between the points; beyond them the nearest point (``hold``) or
-    the line through the nearest two."""
-    if len(xs) == 1 or (hold and (x <= xs[0] or x >= xs[-1])):
-        return ys[0] if x <= xs[0] else ys[-1]
-    i = 1
-    while i < len(xs) - 1 and x > xs[i]:
-        i += 1
-    return ys[i - 1] + (ys[i] - ys[i - 1]) * (x - xs[i - 1]) / (xs[i] - xs[i - 1])
 
 
 @torch.inference_mode()

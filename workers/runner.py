@@ -22,6 +22,20 @@ from workers.engine import ORDINARY_LAG, SpeculativeEngine
 from workers.engine_api import EngineTotals, GenerationRequest, StepEvent, StepObserver, StepStats
 
 log = logging.getLogger(__name__)
+
+
+def fold_step(costs: OnlineCosts, engine: SpeculativeEngine, events: list[StepEvent], step_s: float) -> None:
+    """The engine's last step into the online cost model (``step_s``: the whole step, the
+    caller's work after it included): its timings, a prompt prefilled alone (what a request's
+    prediction prices), and the drafts tested."""
+    shape = engine.last_shape
+    costs.observe_step(shape.target_rows, shape.target_width, 0.0 if shape.prefill else engine.last_target_s,
+                       shape.draft_rows, shape.draft_forwards, engine.last_draft_s, step_s=step_s,
+                       drafts=shape.drafts, catch_up=shape.catch_up > ORDINARY_LAG)
+    if shape.prefill and shape.target_rows == 1:
+        costs.observe_prefill(shape.target_width, engine.last_target_s)
+    for event in events:
+        costs.observe_drafts(event.proposed, event.accepted)
 # Steps between rebuilds of the per-step rule's cost model from the online curves: they move
 # slowly (workers/cost_model.py), and the rule runs every step.
 COST_TABLE_STEPS = 32
@@ -217,16 +231,7 @@ class EngineRunner:
     def _account(self, events: list[StepEvent]) -> None:
         engine = self.engine
         if self.costs is not None:
-            shape = engine.last_shape
-            self.costs.observe_step(shape.target_rows, shape.target_width,
-                                    0.0 if shape.prefill else engine.last_target_s, shape.draft_rows,
-                                    shape.draft_forwards, engine.last_draft_s,
-                                    step_s=engine.last_step_s + self._tail_s, drafts=shape.drafts,
-                                    catch_up=shape.catch_up > ORDINARY_LAG)
-            if shape.prefill and shape.target_rows == 1:  # a prompt alone: what a request's prediction prices
-                self.costs.observe_prefill(shape.target_width, engine.last_target_s)
-            for event in events:
-                self.costs.observe_drafts(event.proposed, event.accepted)
+            fold_step(self.costs, engine, events, engine.last_step_s + self._tail_s)
             self._cost_table_age -= 1
             if self._cost_table_age <= 0:  # the curves moved: choose afresh
                 self._step_costs = None
