@@ -32,7 +32,7 @@ import torch
 
 from policies import CostModel, choose_k, gain, tested_drafts
 from workers import rowgemm
-from workers.cost_model import CostReport, OnlineCosts, catch_up_pays
+from workers.cost_model import CostReport, OnlineCosts, StepCostRule, catch_up_pays
 from workers.costs_measure import MeasureSettings, measure, torch_threads_serving
 from workers.demo_corpus import heldout_prompts
 from workers.engine import GenerationRequest, SpeculativeEngine, native_forward
@@ -108,6 +108,7 @@ def run_batch(engine: SpeculativeEngine, prompts: list[list[int]], max_tokens: i
 
 def run_interleaved(engines: dict[int, SpeculativeEngine], groups: list[list[list[int]]], max_tokens: int,
                     temperature: float, seed: int | None = 0, costs: OnlineCosts | None = None,
+                    drafted: dict[int, dict[int, int]] | None = None,
                     ) -> tuple[dict[int, RunResult], dict[int, list[list[int]]]]:
     """Each group of prompts as one batch, one group after another, under every K at once.
 
@@ -123,7 +124,8 @@ def run_interleaved(engines: dict[int, SpeculativeEngine], groups: list[list[lis
     verifications from the shared one: ``predicted_speedup_b1`` came out 16% over and 12%
     under the measured speed-up in two runs of the same code.) Prefill is in the first
     step's time. Returns the totals per K and each K's output tokens per prompt, in order.
-    ``costs`` hears every step, as a worker's online cost refinement does.
+    ``costs`` hears every step, as a worker's online cost refinement does; ``drafted`` gets,
+    per K, how many sequence-steps drafted each number of tokens (what ran, after every rule).
     """
     totals = {k: RunResult(0, 0.0, 0, 0, 0) for k in engines}
     outputs: dict[int, list[list[int]]] = {k: [] for k in engines}
@@ -146,9 +148,12 @@ def run_interleaved(engines: dict[int, SpeculativeEngine], groups: list[list[lis
             elapsed = time.perf_counter() - started
             if costs is not None:
                 fold_step(costs, engine, events, elapsed)  # as a worker does; the step's whole time
+            counts = drafted.setdefault(k, {}) if drafted is not None else None
             for event in events:
                 produced[k][event.request_id].extend(event.tokens)
                 emitted[k] += len(event.tokens)
+                if counts is not None:
+                    counts[event.proposed] = counts.get(event.proposed, 0) + 1
                 totals[k] += RunResult(len(event.tokens), 0.0, event.proposed, event.accepted,
                                        tested_drafts(event.proposed, event.accepted))
             if engine.last_shape.prefill:
@@ -170,17 +175,24 @@ def uniform_model(report: CostReport) -> CostModel:
 
 
 class AutoK:
-    """K auto as a step rule: the K the live cost model chooses at the step's depth (what the
-    gateway's choice and the worker's per-step rule give together), re-read every 256 calls.
-    Answers are kept per depth until then, as the worker's rule keeps them per step shape (a
-    choice per sequence per step is about 16 µs of Python a worker does not spend)."""
+    """K auto as the worker runs it, on the live cost model, re-read every 256 calls: each
+    sequence's K the one chosen at the step's depth (the gateway's choice), the catch-up rule,
+    then the worker's per-step rule on the step's actual mix (``step_cost``, as
+    ``workers.runner`` installs it). Answers are kept per depth until then, as the worker's
+    rule keeps them per step shape (a choice per sequence per step is about 16 µs of Python a
+    worker does not spend)."""
 
     def __init__(self, costs: OnlineCosts, alpha: float, max_k: int) -> None:
         self.costs, self.alpha, self.max_k = costs, alpha, max_k
         self.calls, self.report = 0, costs.report()
         self.model = uniform_model(self.report)
+        self.step_rule = StepCostRule(self.report.policy_model())
         self.by_depth: dict[int, int] = {}
         self.chosen: dict[int, int] = {}  # K -> sequence-steps it was chosen for (why auto wins or loses)
+
+    def step_cost(self, requested: list[int]) -> int:
+        """The worker's per-step rule (``SpeculativeEngine.step_cost_rule``) on the same model."""
+        return self.step_rule.k(requested, self.alpha)
 
     def catch_up(self, lag: int, remaining: int, k: int, depth: int) -> bool:
         """The worker's catch-up rule (``SpeculativeEngine.catch_up_rule``) on the same model."""
@@ -191,6 +203,7 @@ class AutoK:
         if self.calls % 256 == 0:
             self.report, self.by_depth = self.costs.report(), {}
             self.model = uniform_model(self.report)
+            self.step_rule = StepCostRule(self.report.policy_model())
         best = self.by_depth.get(depth)
         if best is None:
             best = self.by_depth[depth] = choose_k(self.model, self.alpha, depth, self.max_k, 0.05, 0.0)
@@ -424,12 +437,14 @@ def main() -> None:
         roles = [0, best_k, args.kmax + 1]
         totals: dict[int, RunResult] = {}
         auto_ratios = []
+        drafted: dict[int, dict[int, int]] = {}
         for round_index in range(args.batch_rounds):
             cast = {k: engines[(i + round_index) % 3] for i, k in enumerate(roles)}
             for k, engine in cast.items():
                 engine.step_depth_rule = rule if k == args.kmax + 1 else None
                 engine.catch_up_rule = rule.catch_up if k == args.kmax + 1 else None
-            round_results, _ = run_interleaved(cast, [group], args.batch_max_tokens, 0.0, costs=online)
+                engine.step_cost_rule = rule.step_cost if k == args.kmax + 1 else None
+            round_results, _ = run_interleaved(cast, [group], args.batch_max_tokens, 0.0, costs=online, drafted=drafted)
             auto_ratios.append(round(round_results[args.kmax + 1].tok_s / round_results[0].tok_s, 3))
             for key, result in round_results.items():
                 totals[key] = totals[key] + result if key in totals else result
@@ -438,14 +453,18 @@ def main() -> None:
         batched[f"tok_s_b{size}_plain"], batched[f"tok_s_b{size}_spec"] = round(p.tok_s, 1), round(s.tok_s, 1)
         batched[f"tok_s_b{size}_auto"] = round(a.tok_s, 1)
         batched[f"auto_ratio_by_round_b{size}"] = auto_ratios
-        batched[f"auto_k_sequence_steps_b{size}"] = {str(k): n for k, n in sorted(rule.chosen.items())}
+        # What K auto's sequences drafted, step by step, after every rule (the depth rule's own
+        # choices: auto_k_chosen_b*; the catch-up and per-step rules may cut them).
+        ran = drafted.get(args.kmax + 1, {})
+        batched[f"auto_k_sequence_steps_b{size}"] = {str(k): n for k, n in sorted(ran.items())}
+        batched[f"auto_k_chosen_b{size}"] = {str(k): n for k, n in sorted(rule.chosen.items())}
         batched[f"draft_share_b{size}_spec"] = round(s.draft_share, 3)
         log(f"batch {size}, T=0, {args.batch_rounds} rounds: plain {p.tok_s:.1f} tok/s, speculative K={best_k} "
             f"{s.tok_s:.1f} tok/s ({s.tok_s / p.tok_s:.2f}x), alpha {s.alpha:.3f}, drafting "
             f"{100 * s.draft_share:.0f}% of its time; K auto "
             f"(K={choose_k(live_model(online), best.alpha, size, args.kmax, 0.05, 0.0)} at depth {size}) "
-            f"{a.tok_s:.1f} tok/s ({a.tok_s / p.tok_s:.2f}x; by round {auto_ratios}); sequence-steps by K "
-            f"{dict(sorted(rule.chosen.items()))}")
+            f"{a.tok_s:.1f} tok/s ({a.tok_s / p.tok_s:.2f}x; by round {auto_ratios}); sequence-steps by K drafted "
+            f"{dict(sorted(ran.items()))} (by K chosen at the depth {dict(sorted(rule.chosen.items()))})")
     summary = {
         "bench": "engine", "dtype": args.dtype, "target_prepacked": target.prepacked,
         "draft_dtype": args.draft_dtype, "threads": args.threads, "kernels": rowgemm.chosen_build(),

@@ -341,6 +341,27 @@ def test_a_catch_up_rule_keeps_a_lagging_sequence_plain_until_it_pays(target_mod
     assert all(e.proposed == 0 for e in done)
 
 
+def test_a_sequence_the_catch_up_rule_keeps_plain_is_plain_in_the_step_cost_rules_view(
+        target_model: LlamaForCausalLM, draft_model: LlamaForCausalLM) -> None:
+    """The catch-up rule runs before the step's K: the per-step rule prices the mix that will
+    really run. Decided after it, the step's K was chosen for two drafting sequences, one was
+    then kept plain, and the other drafted alone in a step whose rows are all padded to its width."""
+    seen: list[list[int]] = []
+
+    def common(requested: list[int]) -> int:
+        seen.append(list(requested))
+        return 3 if all(requested) else 0  # speculation pays here only with every sequence drafting
+
+    engine = SpeculativeEngine(target_model, draft_model, max_slots=2, max_k=MAX_K)
+    engine.catch_up_rule = lambda lag, remaining, k, depth: lag <= 8  # "r"'s draft lags its prompt + 12
+    plain_for(engine, 40, 12)
+    engine.step_cost_rule = common
+    engine.add(GenerationRequest("fresh", PROMPTS[1][:4], 20, GREEDY, k=3))  # rides along: no prefill
+    events = engine.step()
+    assert seen == [[0, 3]]  # "r" (slot 0) kept plain by the catch-up rule, "fresh" asking for 3
+    assert [e.proposed for e in events] == [0, 0]  # so no one drafts: the step runs plain
+
+
 def test_step_times_and_shape_cover_the_whole_step(target_model: LlamaForCausalLM,
                                                    draft_model: LlamaForCausalLM) -> None:
     """What the cost model's overhead term is read from: the whole step's time holds its draft and
