@@ -38,7 +38,7 @@ from workers.demo_corpus import heldout_prompts
 from workers.engine import GenerationRequest, SpeculativeEngine, native_forward
 from workers.kv_cache import CacheBatch, KVCache
 from workers.model import TORCH_DTYPES, LlamaForCausalLM, resolve_dtype
-from workers.runner import fold_step
+from workers.runner import COST_TABLE_STEPS, fold_step
 from workers.sampling import SamplingParams
 from workers.text import TextCodec
 
@@ -175,12 +175,13 @@ def uniform_model(report: CostReport) -> CostModel:
 
 
 class AutoK:
-    """K auto as the worker runs it, on the live cost model, re-read every 256 calls: each
-    sequence's K the one chosen at the step's depth (the gateway's choice), the catch-up rule,
-    then the worker's per-step rule on the step's actual mix (``step_cost``, as
-    ``workers.runner`` installs it). Answers are kept per depth until then, as the worker's
-    rule keeps them per step shape (a choice per sequence per step is about 16 µs of Python a
-    worker does not spend)."""
+    """K auto as the worker runs it, on the live cost model: each sequence's K the one chosen
+    at the step's depth (the gateway's choice), the catch-up rule, then the worker's per-step
+    rule on the step's actual mix (``step_cost``, as ``workers.runner`` installs it). The model
+    is re-read every COST_TABLE_STEPS steps, as the worker's runner re-reads it (every 256
+    calls, four steps at batch 64, cost 0.6% of a plain step there), and answers are kept per
+    depth until then, as the worker's rule keeps them per step shape (a choice per sequence per
+    step is about 16 µs of Python a worker does not spend)."""
 
     def __init__(self, costs: OnlineCosts, alpha: float, max_k: int) -> None:
         self.costs, self.alpha, self.max_k = costs, alpha, max_k
@@ -200,7 +201,8 @@ class AutoK:
 
     def __call__(self, requested_k: int, depth: int) -> int:
         self.calls += 1
-        if self.calls % 256 == 0:
+        if self.calls >= COST_TABLE_STEPS * depth:  # a sequence per call: about that many steps
+            self.calls = 0
             self.report, self.by_depth = self.costs.report(), {}
             self.model = uniform_model(self.report)
             self.step_rule = StepCostRule(self.report.policy_model())

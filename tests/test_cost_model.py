@@ -316,6 +316,26 @@ def test_online_refinement_moves_costs_toward_step_timings() -> None:
     assert fresh.target_s == before_curves
 
 
+def test_points_timed_at_different_rates_cover_the_same_stretch_of_steps() -> None:
+    """Plain steps three times in four, a 3-token verification every fourth, and then the
+    machine gets 1.5x slower: both points follow at the same pace in steps, so their ratio (what
+    K auto decides on) stays where it was. Weighted per observation, the plain point moved
+    three times as fast and the verification looked 12% cheaper than it is."""
+    costs = OnlineCosts(base_report())
+
+    def run(rounds: int, slow: float) -> None:
+        for _ in range(rounds):
+            for _ in range(3):
+                costs.observe_step(1, 1, 0.010 * slow, 0, 0, 0.0)
+            costs.observe_step(1, 3, 0.012 * slow, 0, 0, 0.0)
+
+    run(200, 1.0)
+    assert costs.target_s[0][2] / costs.target_s[0][0] == pytest.approx(1.2, rel=1e-3)
+    run(40, 1.5)  # 160 steps of the slower machine
+    assert costs.target_s[0][0] == pytest.approx(0.015, rel=0.15)  # most of the way there
+    assert costs.target_s[0][2] / costs.target_s[0][0] == pytest.approx(1.2, rel=0.02)
+
+
 def test_online_refinement_moves_the_prefill_line_toward_served_prefills() -> None:
     """Start-up timed its prefills cold; prompts served alone in their steps move the line (the
     draft's catch-up by the same factor), and the request prediction prices what they cost."""

@@ -38,11 +38,22 @@ from typing import Any, Literal
 from policies.cost import CostModel, batch_step_k, gain, whole_step_costs
 
 CostSource = Literal["measured", "cache", "derived", "online", "estimated"]
-# Folded per observation: about the last 50 steps that touched a curve point carry it, so the
-# curves follow the machine's load within a second of busy serving, and one noisy step moves
-# them by 2%. A point's first observations weigh more (1/2, 1/3, ... down to this): many
-# points were interpolated at start-up, and the start-up timing is one sample of a quiet moment.
-ONLINE_WEIGHT = 0.02
+# Folded per step of the engine, not per observation of a point: every curve point's estimate
+# covers about the same last 100 steps, however often it is timed, so the curves follow the
+# machine's load within a second or two of busy serving and step costs, ratios between points,
+# compare the same stretch of time. A point timed once every g steps weighs each timing as g
+# steps' worth (1 - (1 - ONLINE_WEIGHT)^g, at most MAX_ONLINE_WEIGHT). Per observation, the
+# plain step timed every step of a run averaged its last 50 steps and a verification timed
+# every 4th step its last 200; when the last stretch was slower (a long context, a busy
+# neighbour), the plain step came out 25% dearer than the verifications beside it and the
+# prediction 13% high (bench.engine, AVX512-BF16 EPYC). A point's first observations weigh
+# more (1/2, 1/3, ...): many points were interpolated at start-up, and the start-up timing is
+# one sample of a quiet moment.
+ONLINE_WEIGHT = 0.01
+MAX_ONLINE_WEIGHT = 0.25
+# Per observation in StepTimeCosts (vLLM's whole-step timings), which starts from no
+# measurement at all: about the last 10 steps of a cell carry it.
+STEP_TIME_WEIGHT = 0.1
 # A curve point no step has timed for this many steps is stale: it moves with its depth's plain
 # point (OnlineCosts). About a second of serving; long enough that a point timed now and then
 # (a K some sessions use) keeps its own measurements.
@@ -311,7 +322,8 @@ class OnlineCosts:
 
     Start-up measured them on a quiet context of 128 tokens; serving has longer contexts and
     neighbours that come and go. Each step's verification time (at its depth and widest row)
-    and draft time move the nearest grid point by ``ONLINE_WEIGHT``, after scaling
+    and draft time move the nearest grid point by ``ONLINE_WEIGHT`` per step since it was last
+    timed (``_weight``), after scaling
     the observation from the step's depth to the grid depth by the curves' own ratio. A step
     of one draft forward times the first forward; a step of F > 1, the later ones: (its draft
     time less the first forward's price) / (F - 1). So does
@@ -351,8 +363,10 @@ class OnlineCosts:
     def _weight(self, point: tuple[int, int]) -> float:
         count = self.seen.get(point, 0)
         self.seen[point] = count + 1
+        last = self.last_seen.get(point)
         self.last_seen[point] = self.steps
-        return max(ONLINE_WEIGHT, 1.0 / (count + 2))
+        gap = 1 if last is None else max(1, self.steps - last)  # steps since the point was last timed
+        return max(min(MAX_ONLINE_WEIGHT, 1.0 - (1.0 - ONLINE_WEIGHT) ** gap), 1.0 / (count + 2))
 
     def __post_init__(self) -> None:
         base = self.base
@@ -504,7 +518,7 @@ class StepTimeCosts:
         key = (_nearest(self.depths, depth), k)
         with self._lock:
             old = self.cells.get(key)
-            self.cells[key] = step_s if old is None else old + ONLINE_WEIGHT * 5 * (step_s - old)
+            self.cells[key] = step_s if old is None else old + STEP_TIME_WEIGHT * (step_s - old)
             self.steps += 1
 
     def report(self) -> CostReport | None:
