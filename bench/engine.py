@@ -124,14 +124,15 @@ def run_interleaved(engines: dict[int, SpeculativeEngine], groups: list[list[lis
     verifications from the shared one: ``predicted_speedup_b1`` came out 16% over and 12%
     under the measured speed-up in two runs of the same code.) Prefill is in the first
     step's time. Returns the totals per K and each K's output tokens per prompt, in order.
-    ``costs`` hears every step, as a worker's online cost refinement does; ``drafted`` gets,
+    A negative key is one more plain engine (the noise between two engines doing the same
+    work). ``costs`` hears every step, as a worker's online cost refinement does; ``drafted`` gets,
     per K, how many sequence-steps drafted each number of tokens (what ran, after every rule).
     """
     totals = {k: RunResult(0, 0.0, 0, 0, 0) for k in engines}
     outputs: dict[int, list[list[int]]] = {k: [] for k in engines}
     for g, group in enumerate(groups):
         for k, engine in engines.items():
-            add_group(engine, group, max_tokens, k, temperature, None if seed is None else seed + g)
+            add_group(engine, group, max_tokens, max(0, k), temperature, None if seed is None else seed + g)
         produced: dict[int, dict[str, list[int]]] = {k: {f"r{i}": [] for i in range(len(group))} for k in engines}
         emitted = dict.fromkeys(engines, 0)
         order = list(engines.items())
@@ -290,9 +291,9 @@ def main() -> None:
     parser.add_argument("--batch-max-tokens", type=int, default=64,
                         help="tokens per sequence in the batched runs (their prefills, alike in every mode, are "
                              "timed too)")
-    parser.add_argument("--batch-rounds", type=int, default=3,
-                        help="rounds of each batched comparison; three engines swap roles each round (a "
-                             "multiple of 3 gives each engine every role equally often)")
+    parser.add_argument("--batch-rounds", type=int, default=4,
+                        help="rounds of each batched comparison; four engines swap roles each round (a "
+                             "multiple of 4 gives each engine every role equally often)")
     parser.add_argument("--alpha-prompts", type=int, default=32, help="held-out prompts for alpha per temperature")
     parser.add_argument("--inexact", action="store_true", help="as workers.exact: false (auto may pick float32)")
     parser.add_argument("--cost-budget-s", type=float, default=8.0, help="the cost measurement's time budget")
@@ -431,23 +432,26 @@ def main() -> None:
         # choice and the worker's per-step rule give together), at the measured alpha. Keyed
         # kmax + 1 (requests ask for the deepest K; the rule cuts it).
         rule = AutoK(online, best.alpha, args.kmax)
-        # Three engines (each with its own caches) play plain, fixed K and K auto, one role per
-        # round and every role once per three rounds: two engines doing the same plain work
-        # differed by up to 15% over a whole round in a one-off run, so a role tied to one
-        # engine carried that engine's luck (its caches, its place in the turns) into the ratio.
-        engines = [SpeculativeEngine(target, draft, max_slots=size, max_k=args.kmax) for _ in range(3)]
-        roles = [0, best_k, args.kmax + 1]
+        # Four engines (each with its own caches) play plain, fixed K, K auto and plain again,
+        # one role per round, each role moving to the next engine every round: two engines
+        # doing the same plain work differed by up to 15% over a whole round in a one-off run,
+        # so a role tied to one engine carried that engine's luck (its caches, its place in the
+        # turns) into the ratio. Plain again (key -1) is that noise, measured in the same run:
+        # where K auto runs plain throughout, its ratio to plain is no more than that.
+        roles = [0, best_k, args.kmax + 1, -1]
+        engines = [SpeculativeEngine(target, draft, max_slots=size, max_k=args.kmax) for _ in roles]
         totals: dict[int, RunResult] = {}
-        auto_ratios = []
+        auto_ratios, again_ratios = [], []
         drafted: dict[int, dict[int, int]] = {}
         for round_index in range(args.batch_rounds):
-            cast = {k: engines[(i + round_index) % 3] for i, k in enumerate(roles)}
+            cast = {k: engines[(i + round_index) % len(roles)] for i, k in enumerate(roles)}
             for k, engine in cast.items():
                 engine.step_depth_rule = rule if k == args.kmax + 1 else None
                 engine.catch_up_rule = rule.catch_up if k == args.kmax + 1 else None
                 engine.step_cost_rule = rule.step_cost if k == args.kmax + 1 else None
             round_results, _ = run_interleaved(cast, [group], args.batch_max_tokens, 0.0, costs=online, drafted=drafted)
             auto_ratios.append(round(round_results[args.kmax + 1].tok_s / round_results[0].tok_s, 3))
+            again_ratios.append(round(round_results[-1].tok_s / round_results[0].tok_s, 3))
             for key, result in round_results.items():
                 totals[key] = totals[key] + result if key in totals else result
         del engines
@@ -455,6 +459,8 @@ def main() -> None:
         batched[f"tok_s_b{size}_plain"], batched[f"tok_s_b{size}_spec"] = round(p.tok_s, 1), round(s.tok_s, 1)
         batched[f"tok_s_b{size}_auto"] = round(a.tok_s, 1)
         batched[f"auto_ratio_by_round_b{size}"] = auto_ratios
+        batched[f"tok_s_b{size}_plain_again"] = round(totals[-1].tok_s, 1)
+        batched[f"plain_again_ratio_by_round_b{size}"] = again_ratios
         # What K auto's sequences drafted, step by step, after every rule (the depth rule's own
         # choices: auto_k_chosen_b*; the catch-up and per-step rules may cut them).
         ran = drafted.get(args.kmax + 1, {})
@@ -466,7 +472,8 @@ def main() -> None:
             f"{100 * s.draft_share:.0f}% of its time; K auto "
             f"(K={choose_k(live_model(online), best.alpha, size, args.kmax, 0.05, 0.0)} at depth {size}) "
             f"{a.tok_s:.1f} tok/s ({a.tok_s / p.tok_s:.2f}x; by round {auto_ratios}); sequence-steps by K drafted "
-            f"{dict(sorted(ran.items()))} (by K chosen at the depth {dict(sorted(rule.chosen.items()))})")
+            f"{dict(sorted(ran.items()))} (by K chosen at the depth {dict(sorted(rule.chosen.items()))}); plain again "
+            f"{totals[-1].tok_s:.1f} tok/s ({totals[-1].tok_s / p.tok_s:.2f}x plain; by round {again_ratios})")
     summary = {
         "bench": "engine", "dtype": args.dtype, "target_prepacked": target.prepacked,
         "draft_dtype": args.draft_dtype, "threads": args.threads, "kernels": rowgemm.chosen_build(),

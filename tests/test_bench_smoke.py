@@ -29,6 +29,7 @@ def test_bench_engine_quick_json() -> None:
     assert set(result) >= REQUIRED
     assert {"tok_s_b8_plain", "tok_s_b8_spec", "tok_s_b8_auto", "predicted_speedup_b1", "cpu"} <= set(result)
     assert len(result["auto_ratio_by_round_b8"]) == 1 and result["auto_ratio_by_round_b8"][0] > 0  # --quick: 1 round
+    assert result["tok_s_b8_plain_again"] > 0 and len(result["plain_again_ratio_by_round_b8"]) == 1
     # The cost model a worker would build, and the precision it chose (served by --dtype auto).
     assert result["dtype"] == result["precision_choice"]["target"] == result["cost_model"]["precision"]["target"]
     assert result["cost_model"]["depths"][-1] == 16 and result["predicted_speedup_b1"] > 0
