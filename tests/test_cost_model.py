@@ -11,6 +11,7 @@ import pytest
 import torch
 
 import workers.cost_cache as cost_cache
+import workers.costs_engine as costs_engine
 import workers.costs_measure as costs_measure
 from policies import CostModel, whole_step_costs
 from workers import rowgemm
@@ -425,7 +426,7 @@ def test_measurement_times_every_depths_plain_step_and_k1_step_before_the_rest(
 
     monkeypatch.setattr(costs_measure, "_time_rounds", fake_rounds)
     monkeypatch.setattr(costs_measure, "measure_overheads",
-                        lambda *args: costs_measure.EngineTimings([0.0] * 5, [0.0] * 5, {}))
+                        lambda *args: costs_engine.EngineTimings([0.0] * 5, [0.0] * 5, {}))
     report = measure(settings(budget_s=60, threads=1, max_slots=16, max_k=4))
     assert report.depths == (1, 2, 4, 8, 16)
     # Phase 1 (the precision candidates), then the prefills, then phase 2 of the chosen target.
@@ -495,7 +496,7 @@ def test_draft_split_from_the_engines_draft_phases() -> None:
     depths = (1, 2, 4, 8, 16)
     forward = [0.001, 0.0012, 0.0016, 0.0024, 0.004]
     phases = {(1, 1): 0.0009, (1, 8): 0.0009 + 7 * 0.0002, (16, 1): 0.0025, (16, 4): 0.0025 + 3 * 0.001}
-    first, later = costs_measure.draft_split(depths, forward, phases)
+    first, later = costs_engine.draft_split(depths, forward, phases)
     assert later[0] == pytest.approx(0.0002) and first[0] == pytest.approx(0.0009)
     assert later[-1] == pytest.approx(0.001) and first[-1] == pytest.approx(0.0025)
     for d, f, n, fw in zip(depths, first, later, forward, strict=True):
@@ -503,11 +504,11 @@ def test_draft_split_from_the_engines_draft_phases() -> None:
         assert n == pytest.approx(fw * ratio)
         assert f - n == pytest.approx(0.0007 + (0.0015 - 0.0007) * (d - 1) / 15)
     # max_k 1 (no deeper K timed): every forward alike.
-    assert costs_measure.draft_split(depths, forward, {(1, 1): 0.0009}) == (forward, forward)
+    assert costs_engine.draft_split(depths, forward, {(1, 1): 0.0009}) == (forward, forward)
     # Timed at every depth up to 4: those are their own; beyond, the later forward keeps depth
     # 4's ratio and the first one's extra goes on along the line through depths 2 and 4.
     phases = {(1, 1): 0.0009, (1, 8): 0.0023, (2, 1): 0.0011, (2, 4): 0.0020, (4, 1): 0.0015, (4, 4): 0.0027}
-    first, later = costs_measure.draft_split(depths, forward, phases)
+    first, later = costs_engine.draft_split(depths, forward, phases)
     assert first[:3] == pytest.approx([0.0009, 0.0011, 0.0015]) and later[:3] == pytest.approx([0.0002, 0.0003, 0.0004])
     assert later[3:] == pytest.approx([f * 0.0004 / 0.0016 for f in forward[3:]])
     extra = [0.0007, 0.0008, 0.0011]  # first - later at depths 1, 2, 4
