@@ -186,11 +186,15 @@ class AutoK:
 
     def __init__(self, costs: OnlineCosts, alpha: float, max_k: int) -> None:
         self.costs, self.alpha, self.max_k = costs, alpha, max_k
-        self.calls, self.report = 0, costs.report()
+        self.chosen: dict[int, int] = {}  # K -> sequence-steps it was chosen for (why auto wins or loses)
+        self._reread()
+
+    def _reread(self) -> None:
+        """The live model afresh, for every rule, with no answers kept from the last one."""
+        self.calls, self.report = 0, self.costs.report()
+        self.by_depth: dict[int, int] = {}
         self.model = uniform_model(self.report)
         self.step_rule = StepCostRule(self.report.policy_model())
-        self.by_depth: dict[int, int] = {}
-        self.chosen: dict[int, int] = {}  # K -> sequence-steps it was chosen for (why auto wins or loses)
 
     def step_cost(self, requested: list[int]) -> int:
         """The worker's per-step rule (``SpeculativeEngine.step_cost_rule``) on the same model."""
@@ -203,10 +207,7 @@ class AutoK:
     def __call__(self, requested_k: int, depth: int) -> int:
         self.calls += 1
         if self.calls >= COST_TABLE_STEPS * depth:  # a sequence per call: about that many steps
-            self.calls = 0
-            self.report, self.by_depth = self.costs.report(), {}
-            self.model = uniform_model(self.report)
-            self.step_rule = StepCostRule(self.report.policy_model())
+            self._reread()
         best = self.by_depth.get(depth)
         if best is None:
             best = self.by_depth[depth] = choose_k(self.model, self.alpha, depth, self.max_k, 0.05, 0.0)

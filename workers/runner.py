@@ -22,6 +22,11 @@ from workers.engine import ORDINARY_LAG, SpeculativeEngine
 from workers.engine_api import EngineTotals, GenerationRequest, StepEvent, StepObserver, StepStats
 
 log = logging.getLogger(__name__)
+# Steps between rebuilds of the per-step rule's cost model from the online curves: they move
+# slowly (workers/cost_model.py), and the rule runs every step.
+COST_TABLE_STEPS = 32
+
+EventSink = Callable[[StepEvent | BaseException], None]
 
 
 def fold_step(costs: OnlineCosts, engine: SpeculativeEngine, events: list[StepEvent], step_s: float) -> None:
@@ -36,11 +41,6 @@ def fold_step(costs: OnlineCosts, engine: SpeculativeEngine, events: list[StepEv
         costs.observe_prefill(shape.target_width, engine.last_target_s)
     for event in events:
         costs.observe_drafts(event.proposed, event.accepted)
-# Steps between rebuilds of the per-step rule's cost model from the online curves: they move
-# slowly (workers/cost_model.py), and the rule runs every step.
-COST_TABLE_STEPS = 32
-
-EventSink = Callable[[StepEvent | BaseException], None]
 
 
 @dataclass(frozen=True)
