@@ -110,6 +110,23 @@ async def _load(url: str, concurrency: int, max_tokens: int, stream: bool, secon
     return LoadResult(latencies, counts[0], counts[1], elapsed, cpu)
 
 
+def _sequential_in_rounds(paths: dict[str, tuple[str, int | None]], n: int, rounds: int) -> dict[str, LoadResult]:
+    """The sequential latency leg, ``n`` requests per path in ``rounds`` turns (paths in a new
+    order each round), pooled per path: this machine's speed drifts by a third within minutes,
+    and one path's whole leg run in a slow minute would put the drift into its added latency."""
+    order = list(paths)
+    pooled: dict[str, LoadResult] = {path: LoadResult([], 0, 0, 0.0, 0.0) for path in paths}
+    for turn in range(rounds):
+        for path in order[turn % len(order):] + order[:turn % len(order)]:
+            url, pid = paths[path]
+            part = asyncio.run(_load(url, 1, 4, False, 1e9, pid, sequential_n=max(1, n // rounds)))
+            total = pooled[path]
+            pooled[path] = LoadResult(total.latencies + part.latencies, total.requests + part.requests,
+                                      total.chunks + part.chunks, total.seconds + part.seconds,
+                                      total.cpu_s + part.cpu_s)
+    return pooled
+
+
 def find_vllm_router(explicit: str | None) -> str | None:
     if explicit:
         return explicit
@@ -149,9 +166,11 @@ def _proxy_pid(process: subprocess.Popen[bytes]) -> int:
         pid = int(kids[0])
 
 
+SEQUENTIAL_ROUNDS = 5
 LOADS = [  # (name, concurrency, max_tokens, stream)
     ("sequential", 1, 4, False),
     ("c32", 32, 4, False),
+    ("c32_64", 32, 64, False),  # non-streaming 64-token answers: what coalescing saves (workers/coalesce.py)
     ("c32_stream4", 32, 4, True),
     ("c32_stream256", 32, 256, True),
 ]
@@ -185,13 +204,16 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 paths["vllm_router"] = (f"http://127.0.0.1:{r_port}", _proxy_pid(router))
             loads = LOADS if upstream_kind == "instant" else [LOADS[-1]]
             for name, concurrency, max_tokens, stream in loads:
-                for path, (url, pid) in paths.items():
-                    n = 200 if args.quick else 1000
-                    result = asyncio.run(_load(url, concurrency, max_tokens, stream,
-                                               seconds * (2 if upstream_kind == "paced" else 1), pid,
-                                               sequential_n=n if name == "sequential" else 0))
+                if name == "sequential":
+                    by_path = _sequential_in_rounds(paths, 200 if args.quick else 1000, SEQUENTIAL_ROUNDS)
+                else:
+                    by_path = {path: asyncio.run(_load(url, concurrency, max_tokens, stream,
+                                                       seconds * (2 if upstream_kind == "paced" else 1), pid))
+                               for path, (url, pid) in paths.items()}
+                for path, result in by_path.items():
                     results.setdefault(upstream_kind, {}).setdefault(name, {})[path] = result
-                    cpu = f", proxy CPU {1e6 * result.cpu_s / max(1, result.chunks):.0f} µs/chunk" if pid else ""
+                    cpu = (f", proxy CPU {1e6 * result.cpu_s / max(1, result.chunks):.0f} µs/chunk"
+                           if paths[path][1] else "")
                     print(f"  {upstream_kind:<8}{name:<15}{path:<12} {result.rps:8.1f} req/s "
                           f"{result.chunks_per_s:9.1f} chunks/s  p50 {1000 * result.pct(0.5):7.2f} ms  "
                           f"p99 {1000 * result.pct(0.99):7.2f} ms{cpu}", flush=True)
@@ -208,6 +230,10 @@ def summarize(results: dict[str, dict[str, dict[str, LoadResult]]], router_bin: 
         "added_p50_ms": round(1000 * (gw.pct(0.5) - direct.pct(0.5)), 3),
         "added_p99_ms": round(1000 * (gw.pct(0.99) - direct.pct(0.99)), 3),
         "rps_ratio_c32": round(results["instant"]["c32"]["specgate"].rps / results["instant"]["c32"]["direct"].rps, 3),
+        "rps_ratio_c32_64": round(results["instant"]["c32_64"]["specgate"].rps
+                                  / results["instant"]["c32_64"]["direct"].rps, 3),
+        "gateway_cpu_us_per_request_c32_64": round(1e6 * results["instant"]["c32_64"]["specgate"].cpu_s
+                                                   / max(1, results["instant"]["c32_64"]["specgate"].requests), 1),
         "stream4_ratio_c32": round(results["instant"]["c32_stream4"]["specgate"].rps
                                    / results["instant"]["c32_stream4"]["direct"].rps, 3),
         "stream256_ratio_vs_direct": round(results["instant"]["c32_stream256"]["specgate"].chunks_per_s
@@ -264,6 +290,8 @@ def summarize(results: dict[str, dict[str, dict[str, LoadResult]]], router_bin: 
     if "vllm_router_added_p50_ms" in out:
         print(f"added latency through vllm-router: p50 {out['vllm_router_added_p50_ms']} ms, "
               f"p99 {out['vllm_router_added_p99_ms']} ms")
+    print(f"c32 non-streaming 64-token req/s, specgate / direct: {out['rps_ratio_c32_64']} (gateway CPU "
+          f"{out['gateway_cpu_us_per_request_c32_64']} µs a request)")
     print(f"c32 non-streaming req/s, specgate / direct: {out['rps_ratio_c32']}; streaming 4-token: "
           f"{out['stream4_ratio_c32']}; streaming 256-token chunks/s: {out['stream256_ratio_vs_direct']}")
     print(f"streaming 256-token chunks/s, specgate / vllm-router: {out['stream256_ratio_vs_vllm_router']}")

@@ -44,6 +44,9 @@ class ServerConfig:
     migration_wait_s: float = 15.0
     # Listening on a non-loopback address without API keys is refused unless this says so.
     allow_unauthenticated: bool = False
+    # A non-streaming request's chunks after the first, this long as one from a specgate worker
+    # (workers/coalesce.py): fewer events to relay. 0: a chunk per engine step.
+    coalesce_s: float = 0.05
 
 
 @dataclass(frozen=True)
@@ -209,7 +212,11 @@ def parse_config(raw: Any, base: Path, source: Path | None = None) -> GatewayCon
         drain_timeout_s=s.get("drain_timeout_s", float, d.drain_timeout_s, minimum=0),
         max_migrations=s.get("max_migrations", int, d.max_migrations, minimum=0),
         migration_wait_s=s.get("migration_wait_s", float, d.migration_wait_s, minimum=0),
-        allow_unauthenticated=s.get("allow_unauthenticated", bool, d.allow_unauthenticated))
+        allow_unauthenticated=s.get("allow_unauthenticated", bool, d.allow_unauthenticated),
+        coalesce_s=s.get("coalesce_s", float, d.coalesce_s, minimum=0, maximum=5.0))
+    if server.coalesce_s >= server.worker_timeout_s:  # a worker holding chunks longer would time out
+        problems.add(ConfigError("server.coalesce_s", server.coalesce_s,
+                                 f"must be below server.worker_timeout_s ({server.worker_timeout_s:g})"))
     m = _Section(raw.get("model"), "model", {"name", "target", "draft"}, problems)
     md = ModelConfig()
     model = ModelConfig(name=m.get("name", str, md.name), target=m.path("target", md.target, base) or md.target,

@@ -143,7 +143,8 @@ class MigratingStream:
         elif text:
             self.ids_complete = False
         if raw.report is not None:
-            self.segment.add(raw.report.proposed, raw.report.accepted, raw.report.late_steps)
+            for step in raw.report.steps():
+                self.segment.add(step.proposed, step.accepted, step.late_steps)
         for choice in chunk.get("choices") or []:
             self.finish = choice.get("finish_reason") or self.finish
         if self.migrations:

@@ -16,6 +16,7 @@ from aiohttp import web
 from gateway.auth import scope_of
 from gateway.drain import DRAIN_KEY, InFlight
 from gateway.fleet import WorkerHandle
+from gateway.metrics import GatewayMetrics
 from gateway.migration import MigratingStream
 from gateway.ops_metrics import OPS_KEY
 from gateway.proxy import (
@@ -60,6 +61,7 @@ from workers.protocol import (
     NotFound,
     RequestKind,
     ResumePoint,
+    StepReport,
     assemble,
     chunk_text,
     parse_request,
@@ -184,8 +186,10 @@ async def _admit(state: GatewayState, session: Session, req: CompletionRequest, 
             raise NoWorkerReady("no worker is ready", retry_after_s=1.0)
         handle, decision = routed
         worker_id = session.worker_id = handle.worker_id
+        # A non-streaming client sees no chunk: its worker may send them a few at a time.
+        coalesce_s = 0.0 if req.stream else state.config.server.coalesce_s
         body = worker_body(req, Directive(decision.k, policy.max_batch, policy.batch_resume, policy.max_step_drafts,
-                                          resume, policy.auto_k), handle.protocol)
+                                          resume, policy.auto_k, coalesce_s), handle.protocol)
         handle.draft_mix.add(decision)
         attempt = trace.attempt(worker_id, decision)
         headers = attempt.headers  # the trace context (gateway/tracing.py)
@@ -226,39 +230,31 @@ def _account(state: GatewayState, admission: Admission, tally: StreamTally, raw:
         chunk.pop("metrics", None)
         if report is not None:
             chunk[DIRECTIVE_FIELD] = report.to_json()
+    # Tokens by the mode of the steps that made them: one step, or a coalesced chunk's steps.
+    emitted: dict[str, int] = {}
     if report is not None:
-        session, handle = admission.session, admission.handle
-        session.policy_state = observe(session.policy_state, report.proposed, report.accepted, admission.policy)
-        handle.acceptance = observe(handle.acceptance, report.proposed, report.accepted, admission.policy)
-        tally.proposed += report.proposed
-        tally.accepted += report.accepted
-        tally.speculative_steps += int(report.proposed > 0) + sum(g.count for g in report.late_steps)
-        worker_id = admission.handle.worker_id
-        metrics.record_steps(worker_id, report.proposed, report.accepted)
-        if report.late_steps:  # acceptance the engine learned late (vLLM: when the request ended)
-            groups = [(g.proposed, g.accepted, g.count) for g in report.late_steps]
-            session.policy_state = observe_steps(session.policy_state, groups, admission.policy)
-            handle.acceptance = observe_steps(handle.acceptance, groups, admission.policy)
-            tally.proposed += sum(g.proposed * g.count for g in report.late_steps)
-            tally.accepted += sum(g.accepted * g.count for g in report.late_steps)
-            for group in report.late_steps:
-                metrics.record_steps(worker_id, group.proposed, group.accepted, group.count)
-        tokens = report.tokens
-        mode = "speculative" if report.k > 0 else "plain"
-    else:
-        tokens = 1 if chunk_text(kind, chunk) else 0
-        mode = admission.decision.mode
+        for step in report.steps():
+            _account_step(metrics, admission, tally, step)
+            mode = "speculative" if step.k > 0 else "plain"
+            emitted[mode] = emitted.get(mode, 0) + step.tokens
+    elif chunk_text(kind, chunk):
+        emitted[admission.decision.mode] = 1
+    tokens = sum(emitted.values())
     if tokens:
         tally.tokens += tokens
-        metrics.series(metrics.tokens, mode).inc(tokens)
-        if tally.first_token_at is None:
+        first = tally.first_token_at is None
+        if first:
             tally.first_token_at = now
             metrics.series(metrics.time_to_first_token, admission.decision.mode).observe(now - started)
-        else:
-            gap = (now - tally.last_at) / tokens
-            gaps = metrics.series(metrics.inter_token_latency, mode)
-            for _ in range(tokens):
-                gaps.observe(gap)
+        gap = (now - tally.last_at) / tokens
+        for mode, n in emitted.items():
+            if not n:
+                continue
+            metrics.series(metrics.tokens, mode).inc(n)
+            if not first:  # a held span's tokens share its time evenly, as a speculative step's do
+                gaps = metrics.series(metrics.inter_token_latency, mode)
+                for _ in range(n):
+                    gaps.observe(gap)
         tally.last_at = now
     if chunk.get("usage"):
         usage = dict(chunk["usage"])
@@ -267,6 +263,25 @@ def _account(state: GatewayState, admission: Admission, tally: StreamTally, raw:
         usage.setdefault("speculative", speculative_usage(tally.proposed, tally.accepted, admission.decision.mode,
                                                           tally.speculative_steps if tally.proposed else None))
         chunk["usage"] = usage
+
+
+def _account_step(metrics: GatewayMetrics, admission: Admission, tally: StreamTally, report: StepReport) -> None:
+    """One engine step's drafts into the session's and the worker's acceptance, the tally and metrics."""
+    session, handle, policy = admission.session, admission.handle, admission.policy
+    session.policy_state = observe(session.policy_state, report.proposed, report.accepted, policy)
+    handle.acceptance = observe(handle.acceptance, report.proposed, report.accepted, policy)
+    tally.proposed += report.proposed
+    tally.accepted += report.accepted
+    tally.speculative_steps += int(report.proposed > 0) + sum(g.count for g in report.late_steps)
+    metrics.record_steps(handle.worker_id, report.proposed, report.accepted)
+    if report.late_steps:  # acceptance the engine learned late (vLLM: when the request ended)
+        groups = [(g.proposed, g.accepted, g.count) for g in report.late_steps]
+        session.policy_state = observe_steps(session.policy_state, groups, policy)
+        handle.acceptance = observe_steps(handle.acceptance, groups, policy)
+        tally.proposed += sum(g.proposed * g.count for g in report.late_steps)
+        tally.accepted += sum(g.accepted * g.count for g in report.late_steps)
+        for group in report.late_steps:
+            metrics.record_steps(handle.worker_id, group.proposed, group.accepted, group.count)
 
 
 def _worth_sending(kind: RequestKind, chunk: dict[str, Any]) -> bool:

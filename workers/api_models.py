@@ -108,6 +108,7 @@ class Directive(_Strict):
     max_step_drafts: Annotated[int, Field(ge=0, le=1 << 20)] = 0  # 0: no limit
     resume: Resume | None = None
     cost_rule: bool = False  # policy K auto: the worker's per-step rule consults its cost model
+    coalesce_s: Annotated[float, Field(ge=0, le=60)] = 0.0  # a non-streaming request's chunks, this long as one
 
 
 class _RequestBody(_Strict):

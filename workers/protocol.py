@@ -162,6 +162,10 @@ class Directive:
     # Policy K "auto": each step, the worker also runs plain (or shallower) at a batch depth
     # where its cost model says the requested K loses (policies.cost.step_k).
     cost_rule: bool = False
+    # A non-streaming client's request: after the first chunk, the worker may send the chunks
+    # of this many seconds as one (``StepReport.then``), so the gateway reads, parses and
+    # accounts a few events instead of one per step (0: a chunk per step).
+    coalesce_s: float = 0.0
 
     def to_json(self) -> dict[str, Any]:
         out: dict[str, Any] = {"k": self.k, "max_batch": self.max_batch, "batch_resume": self.batch_resume}
@@ -171,6 +175,8 @@ class Directive:
             out["resume"] = self.resume.to_json()
         if self.cost_rule:  # absent unless set: workers from before the cost model take the rest
             out["cost_rule"] = True
+        if self.coalesce_s > 0:
+            out["coalesce_s"] = self.coalesce_s
         return out
 
 
@@ -273,7 +279,8 @@ def parse_request(kind: RequestKind, body: Any) -> CompletionRequest:
         top_k=max(0, parsed.top_k or 0), seed=parsed.seed, stop=stop, stream=bool(parsed.stream),
         include_usage=bool(parsed.stream_options and parsed.stream_options.include_usage), user=parsed.user,
         directive=None if directive is None else Directive(directive.k, directive.max_batch, directive.batch_resume,
-                                                       directive.max_step_drafts, resume, directive.cost_rule),
+                                                       directive.max_step_drafts, resume, directive.cost_rule,
+                                                       directive.coalesce_s),
         raw=body)
 
 
@@ -295,12 +302,21 @@ class StepReport:
     # not part of the chunk's JSON but of its SSE event (``ids_comment``).
     token_ids: tuple[int, ...] | None = None
     prompt_ids: tuple[int, ...] | None = None
+    # A coalesced chunk (``Directive.coalesce_s``): the steps after this one, in order, whose
+    # text the chunk carries too. ``token_ids`` then holds every step's ids.
+    then: tuple[StepReport, ...] = ()
+
+    def steps(self) -> tuple[StepReport, ...]:
+        """Every step behind the chunk, in order."""
+        return (self, *self.then) if self.then else (self,)
 
     def to_json(self) -> dict[str, Any]:
         out: dict[str, Any] = {"proposed": self.proposed, "accepted": self.accepted, "batch_depth": self.batch_depth,
                                "k": self.k, "tokens": self.tokens}
         if self.late_steps:
             out["late_steps"] = [[g.proposed, g.accepted, g.count] for g in self.late_steps]
+        if self.then:
+            out["then"] = [step.to_json() for step in self.then]
         return out
 
     def ids_comment(self) -> bytes:
@@ -318,8 +334,12 @@ class StepReport:
             return None
         try:
             late = tuple(SpecSteps(int(p), int(a), int(c)) for p, a, c in raw.get("late_steps") or ())
+            then: tuple[StepReport, ...] = ()
+            if raw.get("then"):  # one level: a coalesced chunk's later steps have no ``then``
+                steps = (cls.from_json({**step, "then": None}) for step in raw["then"] if isinstance(step, Mapping))
+                then = tuple(step for step in steps if step is not None)
             return cls(int(raw["proposed"]), int(raw["accepted"]), int(raw["batch_depth"]), int(raw["k"]),
-                       int(raw["tokens"]), late)
+                       int(raw["tokens"]), late, then=then)
         except (KeyError, TypeError, ValueError):
             return None
 

@@ -22,6 +22,7 @@ from aiohttp.typedefs import Middleware
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
 from workers.api_models import FIELD_NAMES
+from workers.coalesce import Chunk, chunk_event, write_coalesced
 from workers.engine_api import (
     Engine,
     EngineRequestError,
@@ -270,11 +271,15 @@ async def _serve(request: web.Request, kind: RequestKind) -> web.StreamResponse:
         if not req.stream:
             return web.json_response(assemble(kind, [first[0]] + [c async for c, _ in chunks]))
         response = await start_sse(request)
+        coalesce_s = req.directive.coalesce_s if req.directive is not None else 0.0
+        if coalesce_s > 0:  # the gateway's non-streaming client (workers/coalesce.py)
+            await write_coalesced(response, kind, _prepend(first, chunks), coalesce_s, req.include_usage)
+            return response
         try:
-            async for chunk, ids in _prepend(first, chunks):
-                if chunk.get("usage") is not None and not req.include_usage:
+            async for chunk in _prepend(first, chunks):
+                if chunk[0].get("usage") is not None and not req.include_usage:
                     continue
-                await response.write(sse_event(chunk, ids))
+                await response.write(chunk_event(chunk))
         except ApiError as error:  # too late for a status code: the stream carries the error
             await response.write(sse_event(error.body()))
             return response
@@ -282,10 +287,6 @@ async def _serve(request: web.Request, kind: RequestKind) -> web.StreamResponse:
         return response
     finally:
         await chunks.aclose()  # a vanished client aborts the sequence (see _generate's finally)
-
-
-# A chunk and the SSE comment line with its token ids (``StepReport.ids_comment``; may be empty).
-Chunk = tuple[dict[str, Any], bytes]
 
 
 async def _prepend(first: Chunk, rest: AsyncIterator[Chunk]) -> AsyncIterator[Chunk]:
@@ -358,7 +359,7 @@ async def _generate(ctx: WorkerContext, req: CompletionRequest,
                                 token_ids=tuple(item.tokens[:text.last_kept]),
                                 prompt_ids=tuple(prompt_ids) if first_chunk else None)
             # A resumed stream continues the client's: its role was sent by the first worker.
-            yield chunk(delta, finish, report, first=first_chunk and resume is None), report.ids_comment()
+            yield chunk(delta, finish, report, first=first_chunk and resume is None), report
             first_chunk = False
         mode = "speculative" if generation.k > 0 else "plain"
         # One line per request (never its text), tagged by _tag_logs: it ties the id the client
@@ -371,6 +372,6 @@ async def _generate(ctx: WorkerContext, req: CompletionRequest,
                "usage": {"prompt_tokens": len(prompt_ids), "completion_tokens": earlier + emitted,
                          "total_tokens": len(prompt_ids) + earlier + emitted,
                          "speculative": speculative_usage(ran.proposed, ran.accepted, mode, ran.speculative_steps,
-                                                          max(0, ran.steps - ran.speculative_steps))}}, b""
+                                                          max(0, ran.steps - ran.speculative_steps))}}, None
     finally:
         await events.aclose()  # aborts the sequence if it has not finished (stop string, client gone)
