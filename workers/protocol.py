@@ -332,12 +332,20 @@ class StepReport:
     def from_json(cls, raw: Any) -> StepReport | None:
         if not isinstance(raw, Mapping):
             return None
+        later = raw.get("then")
+        then: tuple[StepReport, ...] = ()
+        if later and isinstance(later, list):  # one level: a later step's own ``then`` is ignored
+            then = tuple(step for step in map(cls._step, later) if step is not None)
+        return cls._step(raw, then)
+
+    @classmethod
+    def _step(cls, raw: Any, then: tuple[StepReport, ...] = ()) -> StepReport | None:
+        # Parsed for every relayed chunk: no generator unless the step has late steps.
+        if not isinstance(raw, Mapping):
+            return None
         try:
-            late = tuple(SpecSteps(int(p), int(a), int(c)) for p, a, c in raw.get("late_steps") or ())
-            then: tuple[StepReport, ...] = ()
-            if raw.get("then"):  # one level: a coalesced chunk's later steps have no ``then``
-                steps = (cls.from_json({**step, "then": None}) for step in raw["then"] if isinstance(step, Mapping))
-                then = tuple(step for step in steps if step is not None)
+            late_raw = raw.get("late_steps")
+            late = tuple(SpecSteps(int(p), int(a), int(c)) for p, a, c in late_raw) if late_raw else ()
             return cls(int(raw["proposed"]), int(raw["accepted"]), int(raw["batch_depth"]), int(raw["k"]),
                        int(raw["tokens"]), late, then=then)
         except (KeyError, TypeError, ValueError):
