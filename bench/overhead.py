@@ -8,7 +8,10 @@ Upstreams are sim workers (``python -m workers --engine sim``, an OpenAI-compati
 (a 70B plain step, ~30 ms). Every request samples at T=1.0 and the gateway's policy is set so
 it decides plain, so all paths ask the upstream for the same work. Loads: sequential
 non-streaming requests (latency), 32 concurrent non-streaming, 32 concurrent streaming
-4-token and 256-token completions. Reported: added p50/p99 latency, requests/s and chunks/s
+4-token and 256-token completions, and 32 concurrent non-streaming 64-token completions (what a
+worker coalescing a non-streaming answer saves, workers/coalesce.py). With the instant upstream
+every load runs in five turns across the paths, pooled per path, so that the machine's drift
+falls on all paths alike. Reported: added p50/p99 latency, requests/s and chunks/s
 ratios, and each proxy's CPU µs per relayed chunk (/proc utime + stime). The path
 ``aiohttp_floor`` (bench/relay_floor.py) passes requests through aiohttp on uvloop and the
 gateway's worker client and does nothing else: what the gateway's architecture adds on this
@@ -110,16 +113,18 @@ async def _load(url: str, concurrency: int, max_tokens: int, stream: bool, secon
     return LoadResult(latencies, counts[0], counts[1], elapsed, cpu)
 
 
-def _sequential_in_rounds(paths: dict[str, tuple[str, int | None]], n: int, rounds: int) -> dict[str, LoadResult]:
-    """The sequential latency leg, ``n`` requests per path in ``rounds`` turns (paths in a new
-    order each round), pooled per path: this machine's speed drifts by a third within minutes,
-    and one path's whole leg run in a slow minute would put the drift into its added latency."""
+def _in_rounds(paths: dict[str, tuple[str, int | None]], rounds: int, concurrency: int, max_tokens: int,
+               stream: bool, seconds: float, sequential_n: int) -> dict[str, LoadResult]:
+    """One load on every path in ``rounds`` turns (the paths in a new order each round), pooled
+    per path: this machine's speed drifts by a third within minutes, and a path whose whole leg
+    ran in a slow minute would carry the drift into its ratios."""
     order = list(paths)
     pooled: dict[str, LoadResult] = {path: LoadResult([], 0, 0, 0.0, 0.0) for path in paths}
     for turn in range(rounds):
         for path in order[turn % len(order):] + order[:turn % len(order)]:
             url, pid = paths[path]
-            part = asyncio.run(_load(url, 1, 4, False, 1e9, pid, sequential_n=max(1, n // rounds)))
+            part = asyncio.run(_load(url, concurrency, max_tokens, stream, seconds if not sequential_n else 1e9, pid,
+                                     sequential_n=sequential_n))
             total = pooled[path]
             pooled[path] = LoadResult(total.latencies + part.latencies, total.requests + part.requests,
                                       total.chunks + part.chunks, total.seconds + part.seconds,
@@ -166,7 +171,7 @@ def _proxy_pid(process: subprocess.Popen[bytes]) -> int:
         pid = int(kids[0])
 
 
-SEQUENTIAL_ROUNDS = 5
+ROUNDS = 5  # turns of every instant-upstream load across the paths
 LOADS = [  # (name, concurrency, max_tokens, stream)
     ("sequential", 1, 4, False),
     ("c32", 32, 4, False),
@@ -204,11 +209,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 paths["vllm_router"] = (f"http://127.0.0.1:{r_port}", _proxy_pid(router))
             loads = LOADS if upstream_kind == "instant" else [LOADS[-1]]
             for name, concurrency, max_tokens, stream in loads:
-                if name == "sequential":
-                    by_path = _sequential_in_rounds(paths, 200 if args.quick else 1000, SEQUENTIAL_ROUNDS)
-                else:
-                    by_path = {path: asyncio.run(_load(url, concurrency, max_tokens, stream,
-                                                       seconds * (2 if upstream_kind == "paced" else 1), pid))
+                if upstream_kind == "instant":
+                    rounds = 2 if args.quick else ROUNDS
+                    by_path = _in_rounds(paths, rounds, concurrency, max_tokens, stream, seconds / rounds,
+                                         (200 if args.quick else 1000) // rounds if name == "sequential" else 0)
+                else:  # paced: the upstream's step times bound every path alike, not this machine's speed
+                    by_path = {path: asyncio.run(_load(url, concurrency, max_tokens, stream, 2 * seconds, pid))
                                for path, (url, pid) in paths.items()}
                 for path, result in by_path.items():
                     results.setdefault(upstream_kind, {}).setdefault(name, {})[path] = result
