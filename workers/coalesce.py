@@ -4,7 +4,7 @@ The gateway asks its workers for a stream whatever the client asked for: the ste
 feed the session's acceptance as they come, and a generation whose worker dies resumes from
 the token ids received (gateway/migration.py). A client that asked for one JSON answer sees
 none of the per-step events, yet the gateway read, parsed and accounted each one, and the
-worker wrote each one: for a short answer most of the relay's cost (bench.overhead).
+worker wrote each one: for a 64-token answer half the gateway's CPU (bench.overhead, c32_64).
 
 With ``Directive.coalesce_s`` the worker sends the first chunk at once (it starts the
 response, so the gateway's time to first token and its read timeout keep their meaning), then
