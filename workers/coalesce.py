@@ -26,7 +26,7 @@ from typing import Any
 
 from aiohttp import web
 
-from workers.protocol import DIRECTIVE_FIELD, ApiError, RequestKind, StepReport
+from workers.protocol import DIRECTIVE_FIELD, ApiError, RequestKind, StepReport, chunk_text
 from workers.web_common import sse_event
 
 # A chunk and the step report behind it (None for the usage chunk).
@@ -53,10 +53,8 @@ def merge_chunks(kind: RequestKind, chunks: Sequence[Chunk]) -> Chunk:
     finish = None
     ids: list[int] | None = []
     for payload, report in chunks:
-        choice = payload["choices"][0]
-        text = (choice.get("delta") or {}).get("content") if kind == "chat" else choice.get("text")
-        texts.append(text or "")
-        finish = choice.get("finish_reason") or finish
+        texts.append(chunk_text(kind, payload))
+        finish = payload["choices"][0].get("finish_reason") or finish
         if ids is not None:
             if report is None or report.token_ids is None:
                 ids = None  # a step without ids: the chunk claims none (a resume then cannot use it)
