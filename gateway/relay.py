@@ -357,17 +357,8 @@ async def _relay(request: web.Request, kind: RequestKind, state: GatewayState, t
             # After a migration: every worker that served it, in order; the mode is the last decision's.
             headers[WORKER_HEADER] = stream.workers_header
             headers[MODE_HEADER] = stream.admission.decision.header
-            answer = web.Response(body=orjson.dumps(assemble(kind, tally.collected)), headers=headers,
-                                  content_type="application/json")
-            # Sent here, not by aiohttp after the handler returns: the answer leaves before the
-            # request's bookkeeping below and in the middlewares (closing the worker stream, the
-            # log line, traces, request metrics), which is then off the client's latency.
-            try:
-                await answer.prepare(request)
-                await answer.write_eof()
-            except ConnectionResetError as exc:
-                raise ClientDisconnected(f"client disconnected before its answer was sent: {exc}") from None
-            return answer
+            return web.Response(body=orjson.dumps(assemble(kind, tally.collected)), headers=headers,
+                                content_type="application/json")
         out = await start_sse(request, headers)
         try:
             # One client write per worker read, of the worker's own bytes for every chunk the
