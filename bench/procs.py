@@ -69,12 +69,13 @@ def bench_env(repo: Path = REPO) -> dict[str, str]:
 
 
 def start_sim_worker(log_dir: Path, sim: dict[str, Any], *, default_k: int = 0, max_slots: int = 256,
-                     max_queue: int = 1024) -> tuple[subprocess.Popen[bytes], int]:
-    """A sim worker on TCP (``python -m workers --engine sim``): an OpenAI-compatible upstream."""
+                     max_queue: int = 1024, launcher: Sequence[str] = ("-m",)) -> tuple[subprocess.Popen[bytes], int]:
+    """A sim worker on TCP (``python -m workers --engine sim``): an OpenAI-compatible upstream.
+    ``launcher``: what runs the module (bench.timeline: ``-m bench.timeline_probe``)."""
     port = free_port()
     with (log_dir / f"sim-worker-{port}.log").open("wb") as log:
         process = subprocess.Popen(
-            [sys.executable, "-m", "workers", "--engine", "sim", "--port", str(port), "--worker-id", f"sim-{port}",
+            [sys.executable, *launcher, "workers", "--engine", "sim", "--port", str(port), "--worker-id", f"sim-{port}",
              "--target", str(TOKENIZER_DIR), "--draft", str(TOKENIZER_DIR), "--max-slots", str(max_slots),
              "--max-queue", str(max_queue), "--default-k", str(default_k), "--sim-config", json.dumps(sim)],
             cwd=REPO, stdout=log, stderr=subprocess.STDOUT, env=bench_env())
@@ -82,8 +83,8 @@ def start_sim_worker(log_dir: Path, sim: dict[str, Any], *, default_k: int = 0, 
     return process, port
 
 
-def start_gateway(log_dir: Path, remote_ports: Sequence[int], policy: dict[str, Any], repo: Path = REPO) -> tuple[
-        subprocess.Popen[bytes], int]:
+def start_gateway(log_dir: Path, remote_ports: Sequence[int], policy: dict[str, Any], repo: Path = REPO,
+                  launcher: Sequence[str] = ("-m",)) -> tuple[subprocess.Popen[bytes], int]:
     """A gateway with no local workers, routing to the given specgate workers on loopback; its
     code from ``repo`` (another checkout: bench.overhead's --ref-repo)."""
     port = free_port()
@@ -98,7 +99,7 @@ def start_gateway(log_dir: Path, remote_ports: Sequence[int], policy: dict[str, 
     path = log_dir / f"gateway-{port}.yaml"
     path.write_text(yaml.safe_dump(config))
     with (log_dir / f"gateway-{port}.log").open("wb") as log:
-        process = subprocess.Popen([sys.executable, "-m", "gateway", "--config", str(path), "--port", str(port)],
+        process = subprocess.Popen([sys.executable, *launcher, "gateway", "--config", str(path), "--port", str(port)],
                                    cwd=repo, stdout=log, stderr=subprocess.STDOUT, env=bench_env(repo))
     wait_ok(process, f"http://127.0.0.1:{port}/ready")
     return process, port

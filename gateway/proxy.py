@@ -97,8 +97,9 @@ async def open_stream(handle: WorkerHandle, path: str, body: Mapping[str, Any],
                       worker_timeout_s: float, headers: Mapping[str, str] | None = None) -> WorkerResponse:
     """POSTs to the worker; returns the streaming response or raises the worker's error.
 
-    The worker starts its response with the first chunk, so the read timeout bounds the time
-    to first token as well as every later silence.
+    The worker starts its response with the first chunk (a non-streaming client's: with the
+    first span, workers/coalesce.py), so the read timeout bounds the time to first token as
+    well as every later silence.
     """
     try:
         data = orjson.dumps(body)

@@ -242,16 +242,25 @@ def _account(state: GatewayState, admission: Admission, tally: StreamTally, raw:
     tokens = sum(emitted.values())
     if tokens:
         tally.tokens += tokens
-        first = tally.first_token_at is None
-        if first:
-            tally.first_token_at = now
-            metrics.series(metrics.time_to_first_token, admission.decision.mode).observe(now - started)
-        gap = (now - tally.last_at) / tokens
+        gapped = emitted  # tokens whose gap since the one before is observed
+        if tally.first_token_at is None:
+            # A coalesced chunk says how long its worker held it (workers/coalesce.py): the
+            # first token came then, and the chunk's later steps in the time since.
+            held = report.held_s if report is not None else 0.0
+            tally.first_token_at = tally.last_at = max(started, now - held)
+            metrics.series(metrics.time_to_first_token, admission.decision.mode).observe(
+                tally.first_token_at - started)
+            gapped = {}
+            if report is not None and report.then:  # the first step's own tokens came together
+                head = "speculative" if report.k > 0 else "plain"
+                gapped = {mode: n - report.tokens if mode == head else n for mode, n in emitted.items()}
+        count = sum(gapped.values())
+        gap = (now - tally.last_at) / count if count else 0.0
         for mode, n in emitted.items():
-            if not n:
-                continue
-            metrics.series(metrics.tokens, mode).inc(n)
-            if not first:  # a held span's tokens share its time evenly, as a speculative step's do
+            if n:
+                metrics.series(metrics.tokens, mode).inc(n)
+        for mode, n in gapped.items():  # a span's tokens share its time evenly, as a speculative step's do
+            if n > 0:
                 gaps = metrics.series(metrics.inter_token_latency, mode)
                 for _ in range(n):
                     gaps.observe(gap)
@@ -292,9 +301,12 @@ def _worth_sending(kind: RequestKind, chunk: dict[str, Any]) -> bool:
     return bool(chunk_text(kind, chunk) or choice.get("finish_reason") or (choice.get("delta") or {}).get("role"))
 
 
-async def _send(out: web.StreamResponse, data: bytes) -> None:
+async def _send(out: web.StreamResponse, data: bytes, last: bool = False) -> None:
     try:
-        await out.write(data)
+        if last:  # the stream's last event and its end in one write: one read fewer for the client
+            await out.write_eof(data)
+        else:
+            await out.write(data)
     except ConnectionResetError as exc:  # the client left mid-stream (aiohttp's ClientConnectionResetError)
         raise ClientDisconnected(f"client disconnected mid-stream: {exc}") from None
 
@@ -373,13 +385,13 @@ async def _relay(request: web.Request, kind: RequestKind, state: GatewayState, t
                         events.append(raw.sse())
                 if events:
                     await _send(out, b"".join(events))
-            await _send(out, sse_event("[DONE]"))
+            await _send(out, sse_event("[DONE]"), last=True)
         except ClientDisconnected:
             raise
         except ApiError as error:  # the response has started: the stream carries the error
             log.warning("stream for session %s failed mid-way: %s", session.session_id, error.message)
             admission.attempt.failed(error)
-            await _send(out, sse_event(error.body()))
+            await _send(out, sse_event(error.body()), last=True)
         return out
     finally:
         await batches.aclose()

@@ -83,6 +83,16 @@ def test_bench_overhead_quick_json() -> None:
     assert result["gateway_cpu_us_per_request"] > 0
 
 
+def test_bench_timeline_lines_up_every_hand_off() -> None:
+    result, stdout = _json_run("-m", "bench.timeline", "--requests", "40", "--json")
+    # Every request on each path got every mark (the probes found their functions).
+    assert result["gateway_requests_matched"] == result["direct_requests_matched"] == 40
+    assert all(v > 0 for v in result["gateway_phases_us"].values()) and len(result["gateway_phases_us"]) == 7
+    assert all(v > 0 for v in result["direct_phases_us"].values()) and len(result["direct_phases_us"]) == 3
+    assert set(result["added_by_part_us"]) == {"gateway_own_work", "extra_hops", "worker_extra"}
+    assert "added at p50" in stdout
+
+
 def test_bench_draft_vocab_quick_json() -> None:
     result, stdout = _json_run("-m", "bench.draft_vocab", "--quick", "--json")
     assert set(result["c_by_vocab"]) == {"1", "8"}

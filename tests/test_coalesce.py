@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -21,7 +22,7 @@ from gateway.config import ConfigError, parse_config
 from tests.harness import Gateway, start_gateway, start_tcp_worker, write_config
 from workers.coalesce import merge_chunks
 from workers.engine_api import SpecSteps
-from workers.protocol import DIRECTIVE_FIELD, IDS_COMMENT, StepReport
+from workers.protocol import DIRECTIVE_FIELD, HELD_FIELD, IDS_COMMENT, StepReport
 
 PROMPT = "def fibonacci(n):\n    "
 
@@ -61,7 +62,7 @@ def test_merged_chunk_carries_the_text_finish_steps_and_ids_of_its_parts(kind: s
 
 
 def _one_step(report: StepReport) -> dict[str, Any]:
-    return {key: value for key, value in report.to_json().items() if key != "then"}
+    return {key: value for key, value in report.to_json().items() if key not in ("then", HELD_FIELD)}
 
 
 def test_a_step_report_lists_later_steps_one_level_deep() -> None:
@@ -70,6 +71,15 @@ def test_a_step_report_lists_later_steps_one_level_deep() -> None:
                      "then": [{"proposed": 9, "accepted": 9, "batch_depth": 1, "k": 9, "tokens": 10}]}]}
     report = StepReport.from_json(raw)
     assert report is not None and [s.proposed for s in report.steps()] == [1, 2]
+
+
+@pytest.mark.parametrize(("held", "parsed"), [(0.25, 0.25), (2, 2.0), (None, 0.0), (True, 0.0), (-1, 0.0),
+                                              ("0.5", 0.0), (1e9, 0.0), (float("nan"), 0.0)])
+def test_a_step_reports_held_time_is_read_only_when_plausible(held: Any, parsed: float) -> None:
+    raw: dict[str, Any] = {"proposed": 1, "accepted": 1, "batch_depth": 1, "k": 1, "tokens": 2, HELD_FIELD: held}
+    report = StepReport.from_json(raw)
+    assert report is not None and report.held_s == parsed
+    assert (HELD_FIELD in report.to_json()) == bool(parsed)
 
 
 def test_coalesce_s_must_stay_below_the_worker_timeout(tmp_path: Path) -> None:
@@ -81,11 +91,13 @@ def test_coalesce_s_must_stay_below_the_worker_timeout(tmp_path: Path) -> None:
 
 
 # -- end to end ------------------------------------------------------------------------------------
-async def _events(url: str, body: dict[str, Any]) -> list[tuple[dict[str, Any], list[int]]]:
-    """A worker's SSE events as (chunk, token ids of its comment line), [DONE] left out."""
+async def _events(url: str, body: dict[str, Any]) -> tuple[list[tuple[dict[str, Any], list[int]]], dict[str, str]]:
+    """A worker's SSE events as (chunk, token ids of its comment line), [DONE] left out, and
+    the response's headers."""
     async with aiohttp.ClientSession() as http, http.post(url, json=body) as response:
         assert response.status == 200, await response.text()
         raw = (await response.read()).decode()
+        headers = {k.lower(): v for k, v in response.headers.items()}
     out = []
     for event in raw.split("\n\n"):
         ids: list[int] = []
@@ -97,7 +109,8 @@ async def _events(url: str, body: dict[str, Any]) -> list[tuple[dict[str, Any], 
                 data = line[6:]
         if data is not None and data != "[DONE]":
             out.append((json.loads(data), ids))
-    return out
+    assert raw.endswith("data: [DONE]\n\n")
+    return out, headers
 
 
 @pytest.fixture(scope="module")
@@ -109,17 +122,16 @@ def worker_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     process.wait(timeout=30)
 
 
-def test_a_worker_sends_held_steps_as_one_chunk_with_every_step(worker_url: str) -> None:
-    directive = {"k": 4, "max_batch": 64, "batch_resume": 48}
-    body = {"model": "specgate-demo", "prompt": PROMPT, "max_tokens": 48, "temperature": 0, "stream": True,
-            "stream_options": {"include_usage": True}, "specgate": directive}
-    per_step = asyncio.run(_events(worker_url, body))
-    # Held up to 10 s: everything after the first chunk comes as one, with the usage.
-    held = asyncio.run(_events(worker_url, {**body, "specgate": {**directive, "coalesce_s": 10}}))
-    assert len(per_step) > 4 and len(held) == 3, (len(per_step), len(held))
+def _steps(events: list[tuple[dict[str, Any], list[int]]]) -> list[StepReport]:
+    reports = [StepReport.from_json(chunk[DIRECTIVE_FIELD]) for chunk, _ in events if DIRECTIVE_FIELD in chunk]
+    return [step for report in reports if report is not None for step in report.steps()]
+
+
+def _same_generation(per_step: list[tuple[dict[str, Any], list[int]]],
+                     held: list[tuple[dict[str, Any], list[int]]]) -> None:
     for events in (per_step, held):
         usage = events[-1][0]["usage"]
-        steps = [s for chunk, _ in events[:-1] for s in StepReport.from_json(chunk[DIRECTIVE_FIELD]).steps()]  # type: ignore[union-attr]
+        steps = _steps(events[:-1])
         assert sum(s.proposed for s in steps) == usage["speculative"]["proposed"] > 0
         assert sum(s.accepted for s in steps) == usage["speculative"]["accepted"]
         assert len(steps) == usage["speculative"]["speculative_steps"] + usage["speculative"]["plain_steps"]
@@ -127,9 +139,38 @@ def test_a_worker_sends_held_steps_as_one_chunk_with_every_step(worker_url: str)
     text = ["".join(chunk["choices"][0]["text"] for chunk, _ in events[:-1]) for events in (per_step, held)]
     assert text[0] == text[1] and text[0]
     assert [i for _, ids in per_step for i in ids] == [i for _, ids in held for i in ids]
-    assert held[1][0]["choices"][0]["finish_reason"] == per_step[-2][0]["choices"][0]["finish_reason"] == "length"
-    # The first chunk went at once, alone: the same first step either way.
-    assert held[0][0][DIRECTIVE_FIELD] == per_step[0][0][DIRECTIVE_FIELD]
+    assert held[-2][0]["choices"][0]["finish_reason"] == per_step[-2][0]["choices"][0]["finish_reason"] == "length"
+
+
+DIRECTIVE = {"k": 4, "max_batch": 64, "batch_resume": 48}
+GREEDY_48 = {"model": "specgate-demo", "prompt": PROMPT, "max_tokens": 48, "temperature": 0, "stream": True,
+             "stream_options": {"include_usage": True}, "specgate": DIRECTIVE}
+
+
+def test_a_worker_sends_a_generation_within_one_span_as_one_body(worker_url: str) -> None:
+    per_step, streamed = asyncio.run(_events(worker_url, GREEDY_48))
+    # Held up to 10 s: the whole generation is one chunk, sent with the usage and [DONE] as
+    # one body with its length (one write, one read for the gateway).
+    held, headers = asyncio.run(_events(worker_url, {**GREEDY_48, "specgate": {**DIRECTIVE, "coalesce_s": 10}}))
+    assert len(per_step) > 4 and len(held) == 2, (len(per_step), len(held))
+    assert "content-length" in headers and "transfer-encoding" not in headers, headers
+    assert streamed.get("transfer-encoding") == "chunked"
+    assert headers["content-type"] == streamed["content-type"] == "text/event-stream"
+    _same_generation(per_step, held)
+    # The chunk says how long its first step waited in the worker (the gateway's TTFT).
+    report = StepReport.from_json(held[0][0][DIRECTIVE_FIELD])
+    assert report is not None and 0 < report.held_s < 10
+    assert StepReport.from_json(per_step[0][0][DIRECTIVE_FIELD]).held_s == 0  # type: ignore[union-attr]
+
+
+def test_a_worker_streams_spans_once_the_first_is_due(worker_url: str) -> None:
+    per_step, _ = asyncio.run(_events(worker_url, GREEDY_48))
+    # A span of 1 ms: more than one span over 48 tokens on any CPU, so the response streams.
+    spans, headers = asyncio.run(_events(worker_url, {**GREEDY_48, "specgate": {**DIRECTIVE, "coalesce_s": 0.001}}))
+    assert headers.get("transfer-encoding") == "chunked" and len(spans) >= 3, (headers, len(spans))
+    _same_generation(per_step, spans)
+    for chunk, _ in spans[:-1]:
+        assert StepReport.from_json(chunk[DIRECTIVE_FIELD]).held_s > 0  # type: ignore[union-attr]
 
 
 @pytest.fixture(scope="module")
@@ -175,3 +216,23 @@ def test_a_coalesced_answer_is_the_streamed_one_and_counts_each_step(gateway: Ga
     views = [gateway.get_json(f"/admin/sessions/{s}") for s in ("coalesce-streamed", "coalesce-whole")]
     for key in ("acceptance_estimate", "evidence_drafted_tokens", "low_acceptance", "mode"):
         assert views[0][key] == views[1][key], key
+
+
+def test_time_to_first_token_counts_from_when_the_worker_made_it(gateway: Gateway) -> None:
+    """A non-streaming answer's worker holds every chunk (coalesce_s 5) and sends them with the
+    last: the time to first token is still the first token's, from the held time it reports."""
+    ttft = "specgate_time_to_first_token_seconds_sum"
+    e2e = "specgate_e2e_latency_seconds_sum"
+    itl = "specgate_inter_token_latency_seconds_count"
+    before = gateway.metric(ttft), gateway.metric(e2e, route="/v1/completions"), gateway.metric(itl)
+    body = {"model": "specgate-demo", "prompt": PROMPT, "max_tokens": 96, "temperature": 0}
+    with urllib.request.urlopen(urllib.request.Request(
+            gateway.base_url + "/completions", data=json.dumps(body).encode(),
+            headers={"Content-Type": "application/json", "X-Session-ID": "coalesce-ttft"}), timeout=60) as response:
+        assert json.loads(response.read())["usage"]["completion_tokens"] == 96
+    first_token = gateway.metric(ttft) - before[0]
+    whole = gateway.metric(e2e, route="/v1/completions") - before[1]
+    # 96 tokens take many engine steps; the first token came after one (a prompt of 9 tokens).
+    assert 0 < first_token < whole / 2, (first_token, whole)
+    # Every token after the first step's (at most K + 1 of them; K <= 15 here) has its gap observed.
+    assert 96 - 16 <= gateway.metric(itl) - before[2] <= 95

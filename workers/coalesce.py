@@ -6,15 +6,18 @@ the token ids received (gateway/migration.py). A client that asked for one JSON 
 none of the per-step events, yet the gateway read, parsed and accounted each one, and the
 worker wrote each one: for a 64-token answer half the gateway's CPU (bench.overhead, c32_64).
 
-With ``Directive.coalesce_s`` the worker sends the first chunk at once (it starts the
-response, so the gateway's time to first token and its read timeout keep their meaning), then
-holds the chunks that follow and sends them as one chunk when ``coalesce_s`` has passed since
-the last send, and at the end together with the usage chunk and ``[DONE]``. The merged chunk's
-step report lists every step behind it in order (``StepReport.then``) and its ids comment all
-their token ids, so the gateway's accounting and a resume see each step as before; only the
-arrival times within a held span are lost (the gateway spreads them evenly, as it does for a
-speculative step's tokens). A chunk is held at most ``coalesce_s`` or one engine step, whichever
-is longer, since the check runs when a step's chunk arrives.
+With ``Directive.coalesce_s`` the worker holds the chunks and sends them as one chunk when
+``coalesce_s`` has passed since the response began or since the last send, and at the end
+together with the usage chunk and ``[DONE]``: an answer made within the first span is one
+response body with its length (one write; the gateway reads it in one piece and wakes once,
+where a stream cost it a wake-up for the head, one per span and one for the end). The merged
+chunk's step report lists every step behind it in order (``StepReport.then``), says how long its
+first step waited here (``held_s``: the gateway's time to first token counts from when the token
+was made) and its ids comment carries all their token ids, so the gateway's accounting and a
+resume see each step as before; only the arrival times within a held span are lost (the gateway
+spreads them evenly, as it does for a speculative step's tokens). A chunk is held at most
+``coalesce_s`` or one engine step, whichever is longer, since the check runs when a step's chunk
+arrives. The status is still decided by the first chunk (an early failure keeps its own).
 """
 
 from __future__ import annotations
@@ -26,8 +29,8 @@ from typing import Any
 
 from aiohttp import web
 
-from workers.protocol import DIRECTIVE_FIELD, ApiError, RequestKind, StepReport, chunk_text
-from workers.web_common import sse_event
+from workers.protocol import DIRECTIVE_FIELD, HELD_FIELD, ApiError, RequestKind, StepReport, chunk_text
+from workers.web_common import SSE_HEADERS, sse_event, start_sse
 
 # A chunk and the step report behind it (None for the usage chunk).
 Chunk = tuple[dict[str, Any], StepReport | None]
@@ -74,21 +77,31 @@ def merge_chunks(kind: RequestKind, chunks: Sequence[Chunk]) -> Chunk:
     return merged, replace(head, token_ids=None if ids is None else tuple(ids), then=later)
 
 
-async def write_coalesced(response: web.StreamResponse, kind: RequestKind, chunks: AsyncIterator[Chunk],
-                          coalesce_s: float, include_usage: bool) -> None:
-    """Writes ``chunks`` (the first already due) as described above, then ``[DONE]``; an
+async def write_coalesced(request: web.Request, kind: RequestKind, chunks: AsyncIterator[Chunk],
+                          coalesce_s: float, include_usage: bool) -> web.StreamResponse:
+    """Answers with ``chunks`` (the first already due) as described above, then ``[DONE]``; an
     error from the engine goes out after what was held, as the stream's last event."""
     held: list[Chunk] = []
+    held_since = 0.0  # when the oldest held chunk arrived
     tail: list[bytes] = []
-    last_sent = float("-inf")  # the first chunk goes at once
+    response: web.StreamResponse | None = None  # started at the first send before the end
+    last_sent = time.monotonic()
 
-    async def send(extra: Sequence[bytes] = ()) -> None:
-        nonlocal last_sent
-        events = [chunk_event(merge_chunks(kind, held))] if held else []
+    def events() -> list[bytes]:
+        if not held:
+            return []
+        merged, report = merge_chunks(kind, held)
         held.clear()
-        if events or extra:
-            await response.write(b"".join([*events, *extra]))
-        last_sent = time.monotonic()
+        if report is not None:  # how long the span's first step waited here: the gateway's TTFT
+            merged[DIRECTIVE_FIELD] = {**merged[DIRECTIVE_FIELD], HELD_FIELD: round(time.monotonic() - held_since, 6)}
+        return [chunk_event((merged, report))]
+
+    async def finish(extra: Sequence[bytes]) -> web.StreamResponse:
+        body = b"".join([*events(), *extra])
+        if response is None:  # it all came within the first span: one body, one write
+            return web.Response(body=body, headers=SSE_HEADERS)
+        await response.write_eof(body)  # the last events and the stream's end in one write
+        return response
 
     try:
         async for chunk in chunks:
@@ -96,10 +109,14 @@ async def write_coalesced(response: web.StreamResponse, kind: RequestKind, chunk
                 if include_usage:
                     tail.append(chunk_event(chunk))
                 continue
+            if not held:
+                held_since = time.monotonic()
             held.append(chunk)
             if time.monotonic() - last_sent >= coalesce_s:
-                await send()
+                if response is None:
+                    response = await start_sse(request)
+                await response.write(b"".join(events()))
+                last_sent = time.monotonic()
     except ApiError as error:  # too late for a status code: the stream carries the error
-        await send([*tail, sse_event(error.body())])
-        return
-    await send([*tail, sse_event("[DONE]")])
+        return await finish([*tail, sse_event(error.body())])
+    return await finish([*tail, sse_event("[DONE]")])

@@ -43,6 +43,7 @@ VLLM_SPEC_K, VLLM_MAX_BATCH, VLLM_BATCH_RESUME = "spec_k", "spec_max_batch", "sp
 # bytes untouched while it keeps the ids (for resuming on another worker, gateway/migration.py).
 TOKEN_IDS_FIELD, PROMPT_IDS_FIELD = "token_ids", "prompt_ids"
 IDS_COMMENT = b": ids "
+HELD_FIELD = "held_s"  # a coalesced chunk's report: how long its first step waited (workers/coalesce.py)
 # Fields the gateway sets for its workers; a client sending one is refused.
 GATEWAY_FIELDS = (DIRECTIVE_FIELD, VLLM_XARGS_FIELD)
 # The session key clients send the gateway. The gateway also sends it, and its own request id,
@@ -305,6 +306,9 @@ class StepReport:
     # A coalesced chunk (``Directive.coalesce_s``): the steps after this one, in order, whose
     # text the chunk carries too. ``token_ids`` then holds every step's ids.
     then: tuple[StepReport, ...] = ()
+    # A coalesced chunk: how long its first step waited in the worker before it was sent (the
+    # gateway's time to first token counts from when the token was made, not relayed).
+    held_s: float = 0.0
 
     def steps(self) -> tuple[StepReport, ...]:
         """Every step behind the chunk, in order."""
@@ -317,6 +321,8 @@ class StepReport:
             out["late_steps"] = [[g.proposed, g.accepted, g.count] for g in self.late_steps]
         if self.then:
             out["then"] = [step.to_json() for step in self.then]
+        if self.held_s:
+            out[HELD_FIELD] = self.held_s
         return out
 
     def ids_comment(self) -> bytes:
@@ -336,10 +342,13 @@ class StepReport:
         then: tuple[StepReport, ...] = ()
         if later and isinstance(later, list):  # one level: a later step's own ``then`` is ignored
             then = tuple(step for step in map(cls._step, later) if step is not None)
-        return cls._step(raw, then)
+        held = raw.get(HELD_FIELD)
+        if not isinstance(held, (int, float)) or isinstance(held, bool) or not 0 < held < 3600:
+            held = 0.0  # absent, or nothing a worker would say
+        return cls._step(raw, then, float(held))
 
     @classmethod
-    def _step(cls, raw: Any, then: tuple[StepReport, ...] = ()) -> StepReport | None:
+    def _step(cls, raw: Any, then: tuple[StepReport, ...] = (), held_s: float = 0.0) -> StepReport | None:
         # Parsed for every relayed chunk: no generator unless the step has late steps.
         if not isinstance(raw, Mapping):
             return None
@@ -347,7 +356,7 @@ class StepReport:
             late_raw = raw.get("late_steps")
             late = tuple(SpecSteps(int(p), int(a), int(c)) for p, a, c in late_raw) if late_raw else ()
             return cls(int(raw["proposed"]), int(raw["accepted"]), int(raw["batch_depth"]), int(raw["k"]),
-                       int(raw["tokens"]), late, then=then)
+                       int(raw["tokens"]), late, then=then, held_s=held_s)
         except (KeyError, TypeError, ValueError):
             return None
 

@@ -270,20 +270,19 @@ async def _serve(request: web.Request, kind: RequestKind) -> web.StreamResponse:
         first = await anext(chunks)
         if not req.stream:
             return web.json_response(assemble(kind, [first[0]] + [c async for c, _ in chunks]))
-        response = await start_sse(request)
         coalesce_s = req.directive.coalesce_s if req.directive is not None else 0.0
         if coalesce_s > 0:  # the gateway's non-streaming client (workers/coalesce.py)
-            await write_coalesced(response, kind, _prepend(first, chunks), coalesce_s, req.include_usage)
-            return response
+            return await write_coalesced(request, kind, _prepend(first, chunks), coalesce_s, req.include_usage)
+        response = await start_sse(request)
         try:
             async for chunk in _prepend(first, chunks):
                 if chunk[0].get("usage") is not None and not req.include_usage:
                     continue
                 await response.write(chunk_event(chunk))
         except ApiError as error:  # too late for a status code: the stream carries the error
-            await response.write(sse_event(error.body()))
+            await response.write_eof(sse_event(error.body()))
             return response
-        await response.write(sse_event("[DONE]"))
+        await response.write_eof(sse_event("[DONE]"))  # with the stream's end: one write
         return response
     finally:
         await chunks.aclose()  # a vanished client aborts the sequence (see _generate's finally)

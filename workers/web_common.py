@@ -117,9 +117,11 @@ def sse_event(payload: Mapping[str, Any] | str, comment: bytes = b"") -> bytes:
     return b"%bdata: %b\n\n" % (comment, data)
 
 
+SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
+
+
 async def start_sse(request: web.Request, headers: Mapping[str, str] | None = None) -> web.StreamResponse:
-    response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
-                                           **(headers or {})})
+    response = web.StreamResponse(headers={**SSE_HEADERS, **(headers or {})})
     await response.prepare(request)
     return response
 

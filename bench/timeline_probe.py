@@ -1,0 +1,73 @@
+"""``python -m bench.timeline_probe gateway|workers ARGS``: ``python -m gateway|workers ARGS``
+with a timestamp at each hand-off of a request (bench.timeline).
+
+The probes wrap, by name, the functions a request passes through: the gateway's outermost
+middleware (``gateway.app.count_requests``: in and out), its worker request
+(``gateway.relay.open_stream``: sent, and the response's head back), and the worker's request
+handler (``workers.server._serve``: in and out). ``time.monotonic`` is one clock for every
+process on the machine, so bench.timeline can line the marks of the client, the gateway and the
+worker up per request. A wrapped function that is gone fails the start, not the figures.
+At exit the marks go to ``$SPECGATE_TIMELINE_OUT.<module>.<pid>.json``.
+"""
+
+from __future__ import annotations
+
+import atexit
+import functools
+import json
+import os
+import runpy
+import sys
+import time
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+OUT_ENV = "SPECGATE_TIMELINE_OUT"
+MARKS: dict[str, list[float]] = {}
+
+
+def _probe(module: ModuleType, name: str, enter: str, leave: str) -> None:
+    original: Callable[..., Awaitable[Any]] = getattr(module, name)  # AttributeError: the probe is stale
+    enter_marks, leave_marks = MARKS.setdefault(enter, []), MARKS.setdefault(leave, [])
+
+    @functools.wraps(original)  # keeps aiohttp's middleware marker
+    async def probed(*args: Any, **kwargs: Any) -> Any:
+        enter_marks.append(time.monotonic())
+        try:
+            return await original(*args, **kwargs)
+        finally:
+            leave_marks.append(time.monotonic())
+
+    setattr(module, name, probed)
+
+
+def install(target: str) -> None:
+    if target == "gateway":
+        import gateway.app
+        import gateway.relay
+
+        _probe(gateway.app, "count_requests", "gateway_in", "gateway_out")
+        _probe(gateway.relay, "open_stream", "to_worker", "from_worker")
+    import workers.server
+
+    _probe(workers.server, "_serve", "worker_in", "worker_out")
+
+
+def _dump(target: str) -> None:
+    Path(f"{os.environ[OUT_ENV]}.{target}.{os.getpid()}.json").write_text(json.dumps(MARKS))
+
+
+def main() -> None:
+    target = sys.argv[1]
+    if target not in ("gateway", "workers"):
+        raise SystemExit(f"python -m bench.timeline_probe gateway|workers ARGS, not {target!r}")
+    install(target)
+    atexit.register(_dump, target)
+    sys.argv = [target, *sys.argv[2:]]
+    runpy.run_module(target, run_name="__main__", alter_sys=True)
+
+
+if __name__ == "__main__":
+    main()
