@@ -261,9 +261,7 @@ def _account(state: GatewayState, admission: Admission, tally: StreamTally, raw:
                 metrics.series(metrics.tokens, mode).inc(n)
         for mode, n in gapped.items():  # a span's tokens share its time evenly, as a speculative step's do
             if n > 0:
-                gaps = metrics.series(metrics.inter_token_latency, mode)
-                for _ in range(n):
-                    gaps.observe(gap)
+                metrics.observe_many(metrics.series(metrics.inter_token_latency, mode), gap, n)
         tally.last_at = now
     if chunk.get("usage"):
         usage = dict(chunk["usage"])

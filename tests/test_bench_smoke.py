@@ -93,6 +93,15 @@ def test_bench_timeline_lines_up_every_hand_off() -> None:
     assert "added at p50" in stdout
 
 
+def test_bench_stacks_runs_one_stack() -> None:
+    result, stdout = _json_run("-m", "bench.stacks", "--requests", "30", "--rounds", "1", "--seconds", "0.5", "--json")
+    this = result["this"]
+    assert "ref" not in result and this["gateway_p50_ms"] > 0 and this["direct_p50_ms"] > 0
+    for load in ("c32", "c32_64", "c32_stream4"):
+        assert this[load]["rps"] > 0 and this[load]["gateway_cpu_us_per_request"] >= 0
+    assert "added p50" in stdout
+
+
 def test_bench_draft_vocab_quick_json() -> None:
     result, stdout = _json_run("-m", "bench.draft_vocab", "--quick", "--json")
     assert set(result["c_by_vocab"]) == {"1", "8"}

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import pytest
+from prometheus_client import CollectorRegistry, Histogram
 
 from gateway.config import SessionsConfig
+from gateway.metrics import TOKEN_GAP_BUCKETS, GatewayMetrics
 from gateway.routing import Candidate, choose_worker
 from gateway.sessions import SessionTable
 from policies import Decision
@@ -76,3 +78,25 @@ def ready(worker_id: str, load: int, modes: frozenset[str] = frozenset({"specula
 def test_choose_worker(current: str | None, candidates: list[Candidate], prefer: str | None,
                        expected: str | None) -> None:
     assert choose_worker(current, candidates, prefer) == expected  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("amount", [0.0, 0.0005, 0.001, 0.003, 0.7, 5.0])  # a boundary, the last bucket, +Inf
+@pytest.mark.parametrize("n", [1, 2, 63])
+def test_observe_many_is_n_observations(amount: float, n: int) -> None:
+    samples = []
+    for weighted in (False, True):
+        registry = CollectorRegistry()
+        gaps = Histogram("gaps_seconds", "gaps", ["mode"], buckets=TOKEN_GAP_BUCKETS, registry=registry)
+        child = gaps.labels("plain")
+        child.observe(0.002)  # an earlier observation stays as it was
+        if weighted:
+            GatewayMetrics.observe_many(child, amount, n)
+        else:
+            for _ in range(n):
+                child.observe(amount)
+        samples.append({(s.name, tuple(sorted(s.labels.items()))): s.value for metric in registry.collect()
+                        for s in metric.samples if not s.name.endswith("_created")})
+    plain, weighted_samples = samples
+    assert plain.keys() == weighted_samples.keys()
+    for key, value in plain.items():  # buckets and count exactly; the sum up to rounding (n additions)
+        assert weighted_samples[key] == (pytest.approx(value, rel=1e-12) if key[0].endswith("_sum") else value), key

@@ -9,6 +9,7 @@ gateway's ``specgate`` directive (K and batch thresholds for this request) and a
 
 from __future__ import annotations
 
+import functools
 import logging
 import secrets
 import time
@@ -95,25 +96,31 @@ def create_worker_app(settings: WorkerSettings, engine: Engine,
         labels = {"model": settings.served_model_name, "worker": settings.worker_id}
         # Series exist from the start, at zero: rate() over a window in which a counter first
         # appears (already above zero) would otherwise miss or misjudge its first increase.
-        for counter in (metrics.draft_tokens, metrics.accepted_tokens):
-            counter.labels(**labels).inc(0)
-        metrics.step_seconds.labels(**labels)
-        metrics.batch_depth.labels(**labels).set(0)
-        metrics.queue_length.labels(**labels).set(0)
+        # Looked up once: labels() takes a lock and builds a key, and on_step runs every step.
+        # The acceptance and verification gauges appear with the first drafts, not at 0 before.
+        drafted, accepted = metrics.draft_tokens.labels(**labels), metrics.accepted_tokens.labels(**labels)
+        depth, queue = metrics.batch_depth.labels(**labels), metrics.queue_length.labels(**labels)
+        acceptance = functools.cache(lambda: metrics.acceptance_rate.labels(**labels))
+        verification = functools.cache(lambda: metrics.verification_ms.labels(**labels))
+        step_seconds = metrics.step_seconds.labels(**labels)
+        drafted.inc(0)
+        accepted.inc(0)
+        depth.set(0)
+        queue.set(0)
 
         def on_step(stats: StepStats) -> None:
-            metrics.draft_tokens.labels(**labels).inc(stats.proposed)
-            metrics.accepted_tokens.labels(**labels).inc(stats.accepted)
+            if stats.proposed:
+                drafted.inc(stats.proposed)
+                accepted.inc(stats.accepted)
             totals = engine.totals
             if totals.draft_tokens:
-                metrics.acceptance_rate.labels(**labels).set(totals.accepted_tokens / totals.draft_tokens)
+                acceptance().set(totals.accepted_tokens / totals.draft_tokens)
             if stats.verify_s:
-                metrics.verification_ms.labels(**labels).set(
-                    1000 * totals.verification_s_total / max(1, totals.steps))
-            metrics.batch_depth.labels(**labels).set(stats.batch_depth)
-            metrics.queue_length.labels(**labels).set(stats.queue_length)
+                verification().set(1000 * totals.verification_s_total / max(1, totals.steps))
+            depth.set(stats.batch_depth)
+            queue.set(stats.queue_length)
             if stats.step_s:
-                metrics.step_seconds.labels(**labels).observe(stats.step_s)
+                step_seconds.observe(stats.step_s)
 
         await engine.start(on_step)
         app[CONTEXT_KEY] = WorkerContext(settings, engine, TextCodec.from_model_dir(settings.tokenizer_dir), metrics,
