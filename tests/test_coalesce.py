@@ -169,8 +169,10 @@ def test_a_worker_streams_spans_once_the_first_is_due(worker_url: str) -> None:
     spans, headers = asyncio.run(_events(worker_url, {**GREEDY_48, "specgate": {**DIRECTIVE, "coalesce_s": 0.001}}))
     assert headers.get("transfer-encoding") == "chunked" and len(spans) >= 3, (headers, len(spans))
     _same_generation(per_step, spans)
-    for chunk, _ in spans[:-1]:
-        assert StepReport.from_json(chunk[DIRECTIVE_FIELD]).held_s > 0  # type: ignore[union-attr]
+    # Spans count from the request's arrival: a first token that took longer than the span (a
+    # prefill and a step of the embedded engine take more than 1 ms) goes at once, alone.
+    first = StepReport.from_json(spans[0][0][DIRECTIVE_FIELD])
+    assert first is not None and first.then == () and first.held_s < 0.5
 
 
 @pytest.fixture(scope="module")

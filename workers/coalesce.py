@@ -7,7 +7,7 @@ none of the per-step events, yet the gateway read, parsed and accounted each one
 worker wrote each one: for a 64-token answer half the gateway's CPU (bench.overhead, c32_64).
 
 With ``Directive.coalesce_s`` the worker holds the chunks and sends them as one chunk when
-``coalesce_s`` has passed since the response began or since the last send, and at the end
+``coalesce_s`` has passed since the request arrived or since the last send, and at the end
 together with the usage chunk and ``[DONE]``: an answer made within the first span is one
 response body with its length (one write; the gateway reads it in one piece and wakes once,
 where a stream cost it a wake-up for the head, one per span and one for the end). The merged
@@ -78,14 +78,18 @@ def merge_chunks(kind: RequestKind, chunks: Sequence[Chunk]) -> Chunk:
 
 
 async def write_coalesced(request: web.Request, kind: RequestKind, chunks: AsyncIterator[Chunk],
-                          coalesce_s: float, include_usage: bool) -> web.StreamResponse:
+                          coalesce_s: float, include_usage: bool, arrived: float) -> web.StreamResponse:
     """Answers with ``chunks`` (the first already due) as described above, then ``[DONE]``; an
-    error from the engine goes out after what was held, as the stream's last event."""
+    error from the engine goes out after what was held, as the stream's last event.
+    ``arrived``: when the request came (``time.monotonic``), where the first span starts."""
     held: list[Chunk] = []
     held_since = 0.0  # when the oldest held chunk arrived
     tail: list[bytes] = []
     response: web.StreamResponse | None = None  # started at the first send before the end
-    last_sent = time.monotonic()
+    # The first span counts from the request's arrival: a first token that took longer (a long
+    # prompt) goes at once, so holding never adds to a slow time to first token, nor brings the
+    # gateway's read timeout closer than a later span does.
+    last_sent = arrived
 
     def events() -> list[bytes]:
         if not held:

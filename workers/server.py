@@ -237,6 +237,7 @@ def _known_fields(body: Any) -> Any:
 
 
 async def _serve(request: web.Request, kind: RequestKind) -> web.StreamResponse:
+    arrived = time.monotonic()
     ctx = request.app[CONTEXT_KEY]
     req = parse_request(kind, _known_fields(await read_json(request)))
     if req.model != ctx.settings.served_model_name:
@@ -279,7 +280,8 @@ async def _serve(request: web.Request, kind: RequestKind) -> web.StreamResponse:
             return web.json_response(assemble(kind, [first[0]] + [c async for c, _ in chunks]))
         coalesce_s = req.directive.coalesce_s if req.directive is not None else 0.0
         if coalesce_s > 0:  # the gateway's non-streaming client (workers/coalesce.py)
-            return await write_coalesced(request, kind, _prepend(first, chunks), coalesce_s, req.include_usage)
+            return await write_coalesced(request, kind, _prepend(first, chunks), coalesce_s, req.include_usage,
+                                         arrived)
         response = await start_sse(request)
         try:
             async for chunk in _prepend(first, chunks):
