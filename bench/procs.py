@@ -117,6 +117,28 @@ def stop(process: subprocess.Popen[bytes]) -> None:
             process.wait()
 
 
+# One short plain completion (T=1.0 under bench.overhead's policy): the sequential benches' request.
+SHORT_COMPLETION = {"model": "specgate-demo", "prompt": "[chat] hello there", "max_tokens": 4, "temperature": 1.0}
+
+
+async def timed_completion(http: aiohttp.ClientSession, url: str, what: str) -> tuple[float, float]:
+    """One ``SHORT_COMPLETION`` to ``url``: when it was sent and answered (``time.monotonic``,
+    one clock for every process here); raises on any status but 200."""
+    sent = time.monotonic()
+    async with http.post(url + "/v1/completions", json=SHORT_COMPLETION) as response:
+        await response.read()
+        if response.status != 200:
+            raise RuntimeError(f"{what}: HTTP {response.status}")
+    return sent, time.monotonic()
+
+
+def print_result(out: dict[str, Any], as_json: bool) -> None:
+    """The benches' ``--json`` contract: one JSON object as the last line."""
+    if as_json:
+        print(json.dumps(out))
+    sys.stdout.flush()
+
+
 def cpu_seconds(pid: int) -> float:
     """utime + stime of a process, from /proc (Linux)."""
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()

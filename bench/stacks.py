@@ -21,12 +21,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import random
 import statistics
-import sys
 import tempfile
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -57,7 +54,6 @@ def _start(name: str, repo: Path, log_dir: Path, started: list[Any]) -> Stack:
 
 
 async def _sequential(stacks: list[Stack], rounds: int) -> dict[str, dict[str, list[float]]]:
-    body = {"model": "specgate-demo", "prompt": "[chat] hello there", "max_tokens": 4, "temperature": 1.0}
     targets = [(s.name, path, url) for s in stacks for path, url in (("gateway", s.gateway_url),
                                                                     ("direct", s.worker_url))]
     latencies: dict[str, dict[str, list[float]]] = {s.name: {"gateway": [], "direct": []} for s in stacks}
@@ -66,13 +62,9 @@ async def _sequential(stacks: list[Stack], rounds: int) -> dict[str, dict[str, l
         for i in range(rounds + 30):  # 30 rounds to warm connections and code paths
             order.shuffle(targets)
             for name, path, url in targets:
-                sent = time.perf_counter()
-                async with http.post(url + "/v1/completions", json=body) as response:
-                    await response.read()
-                    if response.status != 200:
-                        raise RuntimeError(f"{name} {path}: HTTP {response.status}")
+                sent, answered = await procs.timed_completion(http, url, f"{name} {path}")
                 if i >= 30:
-                    latencies[name][path].append(time.perf_counter() - sent)
+                    latencies[name][path].append(answered - sent)
             if i % 1000 == 999:
                 print(f"  sequential: {i + 1 - 30} of {rounds} rounds", flush=True)
     return latencies
@@ -147,9 +139,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     out = run(Path(args.ref_repo) if args.ref_repo else None, args.requests, args.rounds, args.seconds)
     report(out)
-    if args.json:
-        print(json.dumps(out))
-    sys.stdout.flush()
+    procs.print_result(out, args.json)
 
 
 if __name__ == "__main__":

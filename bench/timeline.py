@@ -26,9 +26,7 @@ import asyncio
 import json
 import os
 import statistics
-import sys
 import tempfile
-import time
 from bisect import bisect_left
 from pathlib import Path
 from typing import Any
@@ -54,18 +52,13 @@ DIRECT_PHASES = [("client_to_worker", "sent", "worker_in"), ("worker", "worker_i
 
 
 async def _requests(gateway_url: str, worker_url: str, n: int) -> dict[str, list[tuple[float, float]]]:
-    body = {"model": "specgate-demo", "prompt": "[chat] hello there", "max_tokens": 4, "temperature": 1.0}
     windows: dict[str, list[tuple[float, float]]] = {"gateway": [], "direct": []}
     async with aiohttp.ClientSession() as http:
         for i in range(n + 20):  # the first 20 of each warm code paths and connections
             for path, url in (("gateway", gateway_url), ("direct", worker_url)):
-                sent = time.monotonic()
-                async with http.post(url + "/v1/completions", json=body) as response:
-                    await response.read()
-                    if response.status != 200:
-                        raise RuntimeError(f"{path}: HTTP {response.status}")
+                window = await procs.timed_completion(http, url, path)
                 if i >= 20:
-                    windows[path].append((sent, time.monotonic()))
+                    windows[path].append(window)
             if i % 500 == 499:
                 print(f"  {i + 1 - 20} of {n} requests a path", flush=True)
     return windows
@@ -154,9 +147,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     out = run(args.requests)
     report(out)
-    if args.json:
-        print(json.dumps(out))
-    sys.stdout.flush()
+    procs.print_result(out, args.json)
 
 
 if __name__ == "__main__":
