@@ -32,6 +32,7 @@ import aiohttp
 
 from bench import procs
 from bench.overhead import GATEWAY_POLICY, _load
+from workers.cost_cache import cpu_label
 
 LOADS = [("c32", 4, False), ("c32_64", 64, False), ("c32_stream4", 4, True)]  # (name, max_tokens, stream)
 
@@ -73,7 +74,7 @@ async def _sequential(stacks: list[Stack], rounds: int) -> dict[str, dict[str, l
 def run(ref_repo: Path | None, rounds: int, turns: int, seconds: float) -> dict[str, Any]:
     log_dir = Path(tempfile.mkdtemp(prefix="bench-stacks-"))
     started: list[Any] = []
-    out: dict[str, Any] = {"repos": {"this": str(procs.REPO)}}
+    out: dict[str, Any] = {"repos": {"this": str(procs.REPO)}, "cpu": cpu_label()}
     try:
         stacks = [_start("this", procs.REPO, log_dir, started)]
         if ref_repo is not None:
@@ -115,6 +116,7 @@ def run(ref_repo: Path | None, rounds: int, turns: int, seconds: float) -> dict[
 
 
 def report(out: dict[str, Any]) -> None:
+    print(f"\nCPU: {out['cpu']}")
     for name in ("this", "ref"):
         if name not in out:
             continue

@@ -36,6 +36,7 @@ import aiohttp
 from bench import procs
 from bench.overhead import GATEWAY_POLICY
 from bench.timeline_probe import OUT_ENV
+from workers.cost_cache import cpu_label
 
 PROBE = ("-m", "bench.timeline_probe")
 GATEWAY_PHASES = [  # (name, from mark, to mark)
@@ -105,7 +106,7 @@ def run(n: int) -> dict[str, Any]:
         raise RuntimeError(f"marks came back from {sorted(marks)} only; logs in {log_dir}")
     paths = {"gateway": _phases(windows["gateway"], {**marks["gateway"], **marks["workers"]}, GATEWAY_PHASES),
              "direct": _phases(windows["direct"], marks["workers"], DIRECT_PHASES)}
-    out: dict[str, Any] = {"requests": n, "cpu": _cpu_label()}
+    out: dict[str, Any] = {"requests": n, "cpu": cpu_label()}
     for path, phases in paths.items():
         out[f"{path}_phases_us"] = {name: round(statistics.median(v), 1) for name, v in phases.items() if v}
         out[f"{path}_requests_matched"] = min((len(v) for v in phases.values()), default=0)
@@ -121,14 +122,8 @@ def run(n: int) -> dict[str, Any]:
     return out
 
 
-def _cpu_label() -> str:
-    flags = Path("/proc/cpuinfo").read_text().split()
-    kinds = sorted({f for f in flags if f in ("amx_bf16", "avx512_bf16")})
-    return ", ".join(kinds) if kinds else "neither amx_bf16 nor avx512_bf16"
-
-
 def report(out: dict[str, Any]) -> None:
-    print(f"\nCPU flags: {out['cpu']}; {out['requests']} sequential requests a path, medians in µs")
+    print(f"\nCPU: {out['cpu']}; {out['requests']} sequential requests a path, medians in µs")
     for path, phases in (("through the gateway", GATEWAY_PHASES), ("straight to the worker", DIRECT_PHASES)):
         key = "gateway" if path.startswith("through") else "direct"
         print(f"{path} ({out[f'{key}_requests_matched']} requests with every mark):")

@@ -135,16 +135,16 @@ class GatewayMetrics:
         to the sum, as n ``observe`` calls would (tests/test_gateway_units.py holds it to that);
         a client without those attributes gets the n calls.
         """
-        buckets, total, bounds = (getattr(child, name, None) for name in ("_buckets", "_sum", "_upper_bounds"))
-        if n == 1 or buckets is None or total is None or bounds is None:
-            for _ in range(n):
-                child.observe(amount)
-            return
-        total.inc(amount * n)
-        for i, bound in enumerate(bounds):
-            if amount <= bound:
-                buckets[i].inc(n)
-                return
+        if n > 1:  # one token a chunk (a plain stream) is the hot case: no lookups for it
+            buckets, total, bounds = (getattr(child, name, None) for name in ("_buckets", "_sum", "_upper_bounds"))
+            if buckets is not None and total is not None and bounds is not None:
+                total.inc(amount * n)
+                for i, bound in enumerate(bounds):
+                    if amount <= bound:
+                        buckets[i].inc(n)
+                        return
+        for _ in range(n):
+            child.observe(amount)
 
     def exposition(self) -> bytes:
         live = bytes(generate_latest(self.live))

@@ -61,6 +61,16 @@ def test_merged_chunk_carries_the_text_finish_steps_and_ids_of_its_parts(kind: s
     assert head.ids_comment() == IDS_COMMENT + b'{"token_ids":[1,2,3,4,5,6,7]}\n'
 
 
+@pytest.mark.parametrize("parts", [1, 3])
+def test_a_merged_chunk_says_how_long_its_first_step_waited_in_report_and_json(parts: int) -> None:
+    reports = [StepReport(0, 0, 1, 0, 1, token_ids=(i,)) for i in range(parts)]
+    merged, head = merge_chunks("completion", [_step("completion", "x", None, r) for r in reports],
+                                0.25)
+    parsed = StepReport.from_json(json.loads(json.dumps(merged[DIRECTIVE_FIELD])))
+    assert head is not None and parsed is not None and head.held_s == parsed.held_s == 0.25
+    assert len(parsed.steps()) == parts and head.token_ids == tuple(range(parts))
+
+
 def _one_step(report: StepReport) -> dict[str, Any]:
     return {key: value for key, value in report.to_json().items() if key not in ("then", HELD_FIELD)}
 

@@ -42,14 +42,15 @@ def chunk_event(chunk: Chunk) -> bytes:
     return sse_event(payload, report.ids_comment() if report is not None else b"")
 
 
-def merge_chunks(kind: RequestKind, chunks: Sequence[Chunk]) -> Chunk:
+def merge_chunks(kind: RequestKind, chunks: Sequence[Chunk], held_s: float = 0.0) -> Chunk:
     """Consecutive step chunks of one generation as one: their text joined, the last finish
-    reason, the first step's report with the later steps in ``then`` and every token id.
+    reason, the first step's report with the later steps in ``then``, every token id, and
+    ``held_s``, how long the first step waited before it was sent (in the report and its JSON).
 
     Built from the parts' own report JSON (no step report is copied or serialized again: a
     64-token answer merges 63 steps).
     """
-    if len(chunks) == 1:
+    if len(chunks) == 1 and not held_s:
         return chunks[0]
     first, head = chunks[0]
     texts: list[str] = []
@@ -71,10 +72,13 @@ def merge_chunks(kind: RequestKind, chunks: Sequence[Chunk]) -> Chunk:
     merged = dict(first, choices=[choice])
     if head is None:
         return merged, None
-    merged[DIRECTIVE_FIELD] = {**first[DIRECTIVE_FIELD],
-                               "then": [payload[DIRECTIVE_FIELD] for payload, _ in chunks[1:]]}
+    directive = merged[DIRECTIVE_FIELD] = dict(first[DIRECTIVE_FIELD])
+    if len(chunks) > 1:
+        directive["then"] = [payload[DIRECTIVE_FIELD] for payload, _ in chunks[1:]]
+    if held_s:
+        directive[HELD_FIELD] = held_s
     later = tuple(report for _, report in chunks[1:] if report is not None)
-    return merged, replace(head, token_ids=None if ids is None else tuple(ids), then=later)
+    return merged, replace(head, token_ids=None if ids is None else tuple(ids), then=later, held_s=held_s)
 
 
 async def write_coalesced(request: web.Request, kind: RequestKind, chunks: AsyncIterator[Chunk],
@@ -94,11 +98,10 @@ async def write_coalesced(request: web.Request, kind: RequestKind, chunks: Async
     def events() -> list[bytes]:
         if not held:
             return []
-        merged, report = merge_chunks(kind, held)
+        # How long the span's first step waited here: the gateway's time to first token.
+        merged = merge_chunks(kind, held, round(time.monotonic() - held_since, 6))
         held.clear()
-        if report is not None:  # how long the span's first step waited here: the gateway's TTFT
-            merged[DIRECTIVE_FIELD] = {**merged[DIRECTIVE_FIELD], HELD_FIELD: round(time.monotonic() - held_since, 6)}
-        return [chunk_event((merged, report))]
+        return [chunk_event(merged)]
 
     async def finish(extra: Sequence[bytes]) -> web.StreamResponse:
         body = b"".join([*events(), *extra])
