@@ -37,7 +37,7 @@ from workers.costs_measure import MeasureSettings, measure, torch_threads_servin
 from workers.demo_corpus import heldout_prompts
 from workers.engine import GenerationRequest, SpeculativeEngine, native_forward
 from workers.kv_cache import CacheBatch, KVCache
-from workers.model import TORCH_DTYPES, LlamaForCausalLM, resolve_dtype
+from workers.model import TORCH_DTYPES, LlamaForCausalLM, Products
 from workers.runner import COST_TABLE_STEPS, fold_step
 from workers.sampling import SamplingParams
 from workers.text import TextCodec
@@ -313,12 +313,17 @@ def main() -> None:
                                     args.draft_dtype, not args.inexact, args.cost_budget_s, args.threads))
     assert costs.precision is not None
     torch.set_num_threads(torch_threads_serving(costs.precision, args.threads))  # as the worker serves
-    print(f"cost model ({costs.cpu}): {costs.precision.why}; chose {costs.precision.target}, measured "
+    chose = costs.precision.target + (" with bfloat16 products" if costs.precision.products == "bfloat16" else "")
+    print(f"cost model ({costs.cpu}): {costs.precision.why}; chose {chose}, measured "
           f"{costs.measured_points}/{costs.total_points} points in {costs.measure_s:.1f}s", flush=True)
     startup_model = CostModel(costs.depths, costs.step_cost)
     online = OnlineCosts(costs)  # refined by every step below, as a serving worker's is
-    args.dtype = resolve_dtype(args.dtype) if args.dtype != "auto" else costs.precision.target
-    target = LlamaForCausalLM.from_pretrained(args.target, TORCH_DTYPES[args.dtype], costs.precision.prepacked)
+    # The configuration the cost model chose, as a worker serves it (a configured bfloat16 may be
+    # served as a float32 model with bfloat16 products: costs_measure.target_configs).
+    args.dtype = costs.precision.target
+    products: Products = "bfloat16" if costs.precision.products == "bfloat16" else "float32"
+    target = LlamaForCausalLM.from_pretrained(args.target, TORCH_DTYPES[args.dtype], costs.precision.prepacked,
+                                              products)
     draft = LlamaForCausalLM.load_draft(args.draft, TORCH_DTYPES[args.draft_dtype])
     codec = TextCodec.from_model_dir(args.target)
     texts = heldout_prompts(max(args.prompts, args.alpha_prompts, *batch_sizes), seed=1)
@@ -476,7 +481,7 @@ def main() -> None:
             f"{dict(sorted(ran.items()))} (by K chosen at the depth {dict(sorted(rule.chosen.items()))}); plain again "
             f"{totals[-1].tok_s:.1f} tok/s ({totals[-1].tok_s / p.tok_s:.2f}x plain; by round {again_ratios})")
     summary = {
-        "bench": "engine", "dtype": args.dtype, "target_prepacked": target.prepacked,
+        "bench": "engine", "dtype": args.dtype, "target_prepacked": target.prepacked, "products": target.products,
         "draft_dtype": args.draft_dtype, "threads": args.threads, "kernels": rowgemm.chosen_build(),
         "prompts": len(b1),
         "max_tokens": args.max_tokens, "alpha_t0": round(best.alpha, 4), "best_k": best_k,

@@ -211,11 +211,15 @@ def test_health_ready_and_workers(gateway: Gateway) -> None:
     assert kernels is None or (kernels["build"].startswith("rowgemm-")
                                and tuple(kernels["defines"]) in rowgemm.PREFETCH_CHOICES)
     assert precisions[0]["target_prepacked"] == target_prepacked_expected(chosen["target"]) == chosen["prepacked"]
-    # float32 may be measured twice, on the kernels and on F.linear: a candidate is its target and layout.
-    candidates = {(c["target"], c["prepacked"]): c for c in chosen["candidates"]}
-    assert {target for target, _ in candidates} == {"bfloat16", "float32"}
+    # float32 may be measured three times, on the kernels (with float32 FMAs, and with bfloat16
+    # products where the CPU has AVX512-BF16) and on F.linear: a candidate is its target, layout
+    # and products.
+    candidates = {(c["target"], c["prepacked"], c["products"]): c for c in chosen["candidates"]}
+    assert {target for target, _, _ in candidates} == {"bfloat16", "float32"}
+    assert precisions[0]["products"] == chosen["products"]
     if any(c["bit_identical"] for c in candidates.values()):
-        assert chosen["exact"] and candidates[(chosen["target"], chosen["prepacked"])]["bit_identical"]
+        served = candidates[(chosen["target"], chosen["prepacked"], chosen["products"])]
+        assert chosen["exact"] and served["bit_identical"]
 
 
 def test_metrics_cover_gateway_and_workers(gateway: Gateway, client: openai.OpenAI) -> None:

@@ -3,7 +3,8 @@
 Before a worker reports ready it spends at most ``budget_s`` here (or nothing, on a cache hit):
 
 1. **Precision.** Each target configuration (``workers.dtype: auto``: bfloat16, prepacked where
-   the CPU can, and float32) is loaded, checked for bit-identical verification on this CPU
+   the CPU can; float32 on the kernels and on ``F.linear``; and where the CPU has AVX512-BF16,
+   float32 on the kernels with bfloat16 products) is loaded, checked for bit-identical verification on this CPU
    (a (K+1)-token verification and a padded batch against one-token-at-a-time decoding, bit
    for bit, on the real models) and timed at batch 1 for n = 1..max_k+1 new tokens, next to
    the draft. The candidates take turns, one forward each, so a noisy neighbour hits them
@@ -51,7 +52,7 @@ from workers.cost_model import (
 from workers.costs_engine import draft_split, measure_overheads
 from workers.engine import native_forward
 from workers.kv_cache import CacheBatch, KVCache
-from workers.model import TORCH_DTYPES, LlamaForCausalLM, bf16_prepacking_available
+from workers.model import TORCH_DTYPES, LlamaForCausalLM, Products, bf16_prepacking_available
 
 log = logging.getLogger(__name__)
 TargetDtype = Literal["float32", "bfloat16"]
@@ -227,8 +228,9 @@ def choose_precision(candidates: list[PrecisionCandidate],
     candidates (``exact``), or among all of them (``exact`` False, or none is bit-identical)."""
     def describe(c: PrecisionCandidate) -> str:
         packed = " prepacked" if c.prepacked else ""
-        return (f"{c.target}{packed} {c.tok_s_b1:.0f} tok/s at batch 1 (K={c.best_k_b1}), {c.tok_s_full:.0f} tok/s "
-                f"plain at full batch")
+        products = " with bfloat16 products" if c.products == "bfloat16" and c.target != "bfloat16" else ""
+        return (f"{c.target}{packed}{products} {c.tok_s_b1:.0f} tok/s at batch 1 (K={c.best_k_b1}), "
+                f"{c.tok_s_full:.0f} tok/s plain at full batch")
 
     fastest = max(candidates, key=lambda c: c.score)
     exact = [c for c in candidates if c.bit_identical]
@@ -247,13 +249,20 @@ def choose_precision(candidates: list[PrecisionCandidate],
     return best, f"fastest bit-identical at alpha {REFERENCE_ALPHA}: {listing}"
 
 
-def target_configs(dtype: Literal["auto", "float32", "bfloat16"]) -> dict[str, tuple[TargetDtype, bool]]:
-    """The target configurations to measure, by label: (dtype, packed). float32 packed runs
-    workers/rowgemm.py's kernels where they compiled, and is then measured against F.linear."""
+def target_configs(dtype: Literal["auto", "float32", "bfloat16"]) -> dict[str, tuple[TargetDtype, bool, Products]]:
+    """The target configurations to measure, by label: (dtype, packed, products). float32 packed
+    runs workers/rowgemm.py's kernels where they compiled, and is then measured against F.linear.
+    Where the kernels have bfloat16 products (AVX512-BF16), a float32 model multiplying in
+    bfloat16 is a bfloat16 configuration: measured for ``auto`` and ``bfloat16``, never for a
+    configured ``float32``, which promises float32 arithmetic."""
     dtypes: list[TargetDtype] = ["bfloat16", "float32"] if dtype == "auto" else [dtype]
-    configs: dict[str, tuple[TargetDtype, bool]] = {d: (d, True) for d in dtypes}
-    if "float32" in dtypes and rowgemm.load() is not None:
-        configs["float32-F.linear"] = ("float32", False)
+    configs: dict[str, tuple[TargetDtype, bool, Products]] = {d: (d, True, "float32") for d in dtypes}
+    kernel = rowgemm.load()
+    if kernel is not None:
+        if "float32" in dtypes:
+            configs["float32-F.linear"] = ("float32", False, "float32")
+        if dtype != "float32" and kernel.dot_products:
+            configs["float32-bfloat16-products"] = ("float32", True, "bfloat16")
     return configs
 
 
@@ -285,8 +294,8 @@ def measure_with_model(settings: MeasureSettings) -> tuple[CostReport, LlamaForC
     draft = None
     if settings.draft is not None:
         draft = LlamaForCausalLM.load_draft(settings.draft, TORCH_DTYPES[settings.draft_dtype])
-    targets = {d: LlamaForCausalLM.from_pretrained(settings.target, TORCH_DTYPES[configs[d][0]], configs[d][1])
-               for d in configs}
+    targets = {d: LlamaForCausalLM.from_pretrained(settings.target, TORCH_DTYPES[configs[d][0]], configs[d][1],
+                                                   configs[d][2]) for d in configs}
     identical = {d: verification_bit_identical(m, max(2, width)) for d, m in targets.items()}
     caches = {d: _scratch_cache(m, full, positions) for d, m in targets.items()}
     draft_cache = None if draft is None else _scratch_cache(draft, full, positions)
@@ -305,10 +314,10 @@ def measure_with_model(settings: MeasureSettings) -> tuple[CostReport, LlamaForC
         tok_s, k = _best_b1(curve, times.get(("draft", 1, 1)), REFERENCE_ALPHA)
         candidates.append(PrecisionCandidate(configs[d][0], model.prepacked, identical[d], round(1000 * curve[0], 3),
                                              round(1000 * curve[-1], 3), round(tok_s, 1), k,
-                                             round(full / times[(d, full, 1)], 1)))
+                                             round(full / times[(d, full, 1)], 1), model.products))
     chosen, why = choose_precision(candidates, settings)
     chosen_config = next(d for d, m in targets.items() if configs[d][0] == chosen.target
-                         and m.prepacked == chosen.prepacked)
+                         and m.prepacked == chosen.prepacked and m.products == chosen.products)
     target, cache = targets[chosen_config], caches[chosen_config]
     depths = depth_grid(full)
     engine_times = measure_overheads(target, draft, max_k, depths, started + 0.7 * settings.budget_s)
@@ -376,7 +385,7 @@ def measure_with_model(settings: MeasureSettings) -> tuple[CostReport, LlamaForC
                                    else (None, draft_s))
     elapsed = time.perf_counter() - started
     choice = PrecisionChoice(chosen.target, chosen.prepacked, chosen.bit_identical, why, REFERENCE_ALPHA,
-                             tuple(candidates))
+                             tuple(candidates), chosen.products)
     log.info("cost model measured in %.2fs: %s", elapsed, why)
     report = report_from_forward_times(depths, target_s, draft_next_s, source="measured", precision=choice,
                                        overhead_s=engine_times.overhead_s,

@@ -90,6 +90,11 @@ def bf16_prepacking_available() -> bool:
 
 
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}  # config names -> torch dtypes
+# How a float32 model's projections on workers/rowgemm.py's kernels multiply: float32 FMAs of
+# the bfloat16 weights, or bfloat16 products (inputs rounded to bfloat16, sums in float32: the
+# arithmetic of oneDNN's bfloat16 and of AMX) where the CPU has AVX512-BF16. Both kernels are
+# row-invariant, so either keeps verification bit-identical to plain decoding.
+Products = Literal["float32", "bfloat16"]
 
 
 def resolve_dtype(requested: Literal["auto", "float32", "bfloat16"]) -> Literal["float32", "bfloat16"]:
@@ -112,12 +117,13 @@ class FrozenLinear:
     step. Where packing is unavailable (other dtypes, builds without oneDNN) it is ``F.linear``.
     """
 
-    def __init__(self, weight: torch.Tensor, packed: bool = True) -> None:
+    def __init__(self, weight: torch.Tensor, packed: bool = True, products: Products = "float32") -> None:
         weight = weight.detach().contiguous()
         # Exactly one of the three is kept: a packed copy replaces the plain weight.
         self.packed: torch.Tensor | None = None
         self.panels: rowgemm.Panels | None = None  # float32 on workers/rowgemm.py's kernel
         self.weight: torch.Tensor | None = weight
+        self.dot = False  # the panels multiply as bfloat16 products (``Products``)
         self._rowgemm = rowgemm.load() if packed and weight.dtype == torch.float32 else None
         if not packed:
             return
@@ -125,6 +131,8 @@ class FrozenLinear:
             self.packed, self.weight = torch.ops.mkldnn._reorder_linear_weight(weight, 1), None
         elif self._rowgemm is not None and self._rowgemm.packable(weight):
             self.panels, self.weight = self._rowgemm.pack(weight), None
+            self.dot = (products == "bfloat16" and self._rowgemm.dot_products
+                        and self.panels.weights.dtype == torch.bfloat16)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed is not None:
@@ -132,7 +140,7 @@ class FrozenLinear:
             return out
         if self.panels is not None:
             assert self._rowgemm is not None
-            return self._rowgemm.linear(x, self.panels)
+            return self._rowgemm.linear(x, self.panels, self.dot)
         assert self.weight is not None
         return F.linear(x, self.weight)
 
@@ -174,10 +182,10 @@ class Attention(nn.Module):
         self.qkv_fused: FrozenLinear | None = None
         self.o_frozen: FrozenLinear | None = None
 
-    def prepare_inference(self, packed: bool) -> None:
+    def prepare_inference(self, packed: bool, products: Products = "float32") -> None:
         self.qkv_fused = FrozenLinear(torch.cat([self.q_proj.weight, self.k_proj.weight, self.v_proj.weight]),
-                                      packed)
-        self.o_frozen = FrozenLinear(self.o_proj.weight, packed)
+                                      packed, products)
+        self.o_frozen = FrozenLinear(self.o_proj.weight, packed, products)
 
     def _out(self, attended: torch.Tensor) -> torch.Tensor:
         if self.o_frozen is not None:
@@ -271,9 +279,9 @@ class MLP(nn.Module):
         self.gate_up_fused: FrozenLinear | None = None
         self.down_frozen: FrozenLinear | None = None
 
-    def prepare_inference(self, packed: bool) -> None:
-        self.gate_up_fused = FrozenLinear(torch.cat([self.gate_proj.weight, self.up_proj.weight]), packed)
-        self.down_frozen = FrozenLinear(self.down_proj.weight, packed)
+    def prepare_inference(self, packed: bool, products: Products = "float32") -> None:
+        self.gate_up_fused = FrozenLinear(torch.cat([self.gate_proj.weight, self.up_proj.weight]), packed, products)
+        self.down_frozen = FrozenLinear(self.down_proj.weight, packed, products)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.gate_up_fused is not None and self.down_frozen is not None:
@@ -361,7 +369,7 @@ class LlamaForCausalLM(nn.Module):
 
     @classmethod
     def from_pretrained(cls, directory: Path | str, dtype: torch.dtype = torch.float32,
-                        packed: bool = True) -> LlamaForCausalLM:
+                        packed: bool = True, products: Products = "float32") -> LlamaForCausalLM:
         directory = Path(directory)
         cfg = ModelConfig.from_json(directory / "config.json")
         model = cls(cfg)
@@ -373,7 +381,7 @@ class LlamaForCausalLM(nn.Module):
         if missing or unexpected:
             raise ValueError(f"{directory}: checkpoint mismatch, missing={missing} unexpected={unexpected}")
         model.to(dtype)
-        return model.prepare_inference(packed)
+        return model.prepare_inference(packed, products)
 
     @classmethod
     def load_draft(cls, directory: Path | str, dtype: torch.dtype = torch.float32) -> LlamaForCausalLM:
@@ -391,17 +399,23 @@ class LlamaForCausalLM(nn.Module):
         head = self.head_frozen
         return head is not None and (head.packed is not None or head.panels is not None)
 
-    def prepare_inference(self, packed: bool = True) -> LlamaForCausalLM:
+    @property
+    def products(self) -> Products:
+        """How the projections multiply (``Products``): "bfloat16" where they run bfloat16 products."""
+        return "bfloat16" if self.head_frozen is not None and self.head_frozen.dot else "float32"
+
+    def prepare_inference(self, packed: bool = True, products: Products = "float32") -> LlamaForCausalLM:
         """Freeze for serving: eval, no grad, fused projections, prepacked where this CPU can
-        (``packed``; False: plain ``F.linear``, the reference the packed kernels are measured against).
+        (``packed``; False: plain ``F.linear``, the reference the packed kernels are measured against),
+        with bfloat16 products where asked and the kernels have them (``products``).
 
         The frozen projections snapshot the weights: call this after the last weight change.
         """
         self.eval().requires_grad_(False)
         for layer in self.model.blocks():
-            layer.self_attn.prepare_inference(packed)
-            layer.mlp.prepare_inference(packed)
-        self.head_frozen = FrozenLinear(self.lm_head.weight, packed)
+            layer.self_attn.prepare_inference(packed, products)
+            layer.mlp.prepare_inference(packed, products)
+        self.head_frozen = FrozenLinear(self.lm_head.weight, packed, products)
         kernel = self.head_frozen._rowgemm if self.head_frozen.panels is not None else None
         self.native = kernel if kernel is not None and kernel.supports(self.cfg.hidden_size,
                                                                        self.cfg.head_dim) else None
@@ -409,7 +423,7 @@ class LlamaForCausalLM(nn.Module):
         if self.native is not None:
             cfg, blocks = self.cfg, self.model.blocks()
             frozen = self.frozen_projections()
-            panels = [f.panels for f in frozen if f is not None and f.panels is not None]
+            panels = [(f.panels, f.dot) for f in frozen if f is not None and f.panels is not None]
             norms = [w for layer in blocks
                      for w in (layer.input_layernorm.weight, layer.post_attention_layernorm.weight)]
             assert len(panels) == len(frozen)

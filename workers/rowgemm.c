@@ -2,6 +2,7 @@
 #include <immintrin.h>
 #include <math.h>
 #include <stdint.h>
+#include <stdlib.h>
 
 /* y (M, N) = x (M, K) . W^T; W in panels (N/8, K + pad, 8): float32 below, or bfloat16 in pairs of
    k (PAIR_TILE). Every output accumulates over k = 0, 1, 2, ... in one FMA chain whatever the
@@ -207,6 +208,110 @@ static void b16_range(const float* x, const uint16_t* p, float* y, int64_t M, in
 
 #include "rowgemm_pool.h"
 
+#if WIDE_TILES && defined(__AVX512BF16__)
+#define DOT_PRODUCTS 1
+/* bfloat16 products (kind 2, built where the CPU has AVX512-BF16): the same panels, and the
+   row's inputs rounded to bfloat16 once per call (round to nearest even), in pairs of k like
+   the weights. One vdpbf16ps then adds x[2q] w[2q][c] + x[2q+1] w[2q+1][c] to column c's
+   float32 sum: a quarter of the instructions of widening the weights and two FMAs, and the
+   same instruction chain over q = 0, 1, 2, ... for every column whatever the tile, so a row's
+   result still does not depend on the rows beside it. Each product of two bfloat16 values is
+   exact in float32; the inputs' rounding is what differs from kind 1 (as in oneDNN's and
+   AMX's bfloat16). */
+#define DOT_TILE(MR, NB) \
+static void dtile_##MR##_##NB(const uint32_t* x, int64_t Q, int64_t KS, const uint16_t* p, float* y, int64_t N) { \
+  __m512 acc[MR][NB]; \
+  UNROLL for (int m = 0; m < MR; ++m) UNROLL for (int b = 0; b < NB; ++b) acc[m][b] = _mm512_setzero_ps(); \
+  for (int64_t q = 0; q < Q; ++q) { \
+    __m512bh w[NB]; \
+    UNROLL for (int b = 0; b < NB; ++b) { \
+      const uint16_t* at = p + (2 * b * KS + 2 * q) * 8; \
+      if (PREFETCH_BYTES) { \
+        _mm_prefetch((const char*)at + PREFETCH_BYTES, _MM_HINT_T1); \
+        _mm_prefetch((const char*)(at + KS * 8) + PREFETCH_BYTES, _MM_HINT_T1); \
+      } \
+      w[b] = (__m512bh)_mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i*)at)), \
+                                          _mm256_loadu_si256((const __m256i*)(at + KS * 8)), 1); \
+    } \
+    UNROLL for (int m = 0; m < MR; ++m) { \
+      __m512bh xv = (__m512bh)_mm512_set1_epi32((int)x[m * Q + q]); \
+      UNROLL for (int b = 0; b < NB; ++b) acc[m][b] = _mm512_dpbf16_ps(acc[m][b], xv, w[b]); \
+    } \
+  } \
+  UNROLL for (int m = 0; m < MR; ++m) UNROLL for (int b = 0; b < NB; ++b) _mm512_storeu_ps(y + m * N + b * 16, acc[m][b]); \
+}
+DOT_TILE(1, 6) DOT_TILE(2, 4) DOT_TILE(3, 4) DOT_TILE(4, 4) DOT_TILE(4, 3) DOT_TILE(5, 3)
+DOT_TILE(6, 3) DOT_TILE(7, 3) DOT_TILE(8, 2) DOT_TILE(9, 2)
+DOT_TILE(1, 1) DOT_TILE(2, 1) DOT_TILE(3, 1) DOT_TILE(4, 1) DOT_TILE(5, 1)
+DOT_TILE(6, 1) DOT_TILE(7, 1) DOT_TILE(8, 1) DOT_TILE(9, 1)
+
+/* An odd last panel, 8 columns: the same instruction on a register whose upper half is zero. */
+static void dtile_tail(const uint32_t* x, int64_t M, int64_t Q, const uint16_t* p, float* y, int64_t N) {
+  for (int64_t m = 0; m < M; ++m) {
+    __m512 acc = _mm512_setzero_ps();
+    for (int64_t q = 0; q < Q; ++q) {
+      __m512bh w = (__m512bh)_mm512_zextsi256_si512(_mm256_loadu_si256((const __m256i*)(p + 2 * q * 8)));
+      acc = _mm512_dpbf16_ps(acc, (__m512bh)_mm512_set1_epi32((int)x[m * Q + q]), w);
+    }
+    _mm256_storeu_ps(y + m * N, _mm512_castps512_ps256(acc));
+  }
+}
+
+#define DRUN(MR, WB) do { \
+  int64_t b = b0; \
+  for (; b + 2 * WB <= b1; b += 2 * WB) dtile_##MR##_##WB(xm, Q, KS, p + b * KS * 8, ym + b * 8, N); \
+  for (; b + 2 <= b1; b += 2) dtile_##MR##_1(xm, Q, KS, p + b * KS * 8, ym + b * 8, N); \
+  if (b < b1) dtile_tail(xm, MR, Q, p + b * KS * 8, ym + b * 8, N); } while (0)
+
+/* b16_range's plan with bfloat16 products: x is (M, Q) pairs of bfloat16 inputs. */
+static void dot_range(const uint32_t* x, const uint16_t* p, float* y, int64_t M, int64_t Q, int64_t KS, int64_t N,
+                      int64_t lo, int64_t blocks) {
+  int64_t chunk = M <= ONE_PASS_ROWS ? blocks - lo : 24;
+  for (int64_t b0 = lo; b0 < blocks; b0 += chunk) {
+    int64_t b1 = b0 + chunk < blocks ? b0 + chunk : blocks, m = 0;
+    if (M > ONE_PASS_ROWS)
+      for (; M - m > 5; m += 4) { const uint32_t* xm = x + m * Q; float* ym = y + m * N; DRUN(4, 3); }
+    const uint32_t* xm = x + m * Q; float* ym = y + m * N;
+    switch (M - m) {
+      case 9: DRUN(9, 2); break;
+      case 8: DRUN(8, 2); break;
+      case 7: DRUN(7, 3); break;
+      case 6: DRUN(6, 3); break;
+      case 5: DRUN(5, 3); break;
+      case 4: DRUN(4, 4); break;
+      case 3: DRUN(3, 4); break;
+      case 2: DRUN(2, 4); break;
+      case 1: DRUN(1, 6); break;
+      default: break;
+    }
+  }
+}
+
+/* Rows of K float32 inputs -> rows of Q = ceil(K/2) bfloat16 pairs (the odd K's last pair padded
+   with +0, whose products with the panels' zero padding add nothing). Elementwise rounding: a
+   value's bfloat16 does not depend on its row or position. */
+static void to_pairs(const float* x, int64_t M, int64_t K, uint32_t* out) {
+  int64_t Q = (K + 1) / 2;
+  for (int64_t m = 0; m < M; ++m) {
+    const float* xm = x + m * K;
+    uint16_t* om = (uint16_t*)(out + m * Q);
+    int64_t k = 0;
+    for (; k + 32 <= K; k += 32)
+      _mm512_storeu_si512(om + k, (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(xm + k + 16), _mm512_loadu_ps(xm + k)));
+    if (k < K) {
+      __mmask16 lo = (__mmask16)(K - k >= 16 ? 0xFFFF : (1u << (K - k)) - 1);
+      __mmask16 hi = (__mmask16)(K - k <= 16 ? 0 : (1u << (K - k - 16)) - 1);
+      __m512i v = (__m512i)_mm512_cvtne2ps_pbh(_mm512_maskz_loadu_ps(hi, xm + k + 16), _mm512_maskz_loadu_ps(lo, xm + k));
+      _mm512_mask_storeu_epi16(om + k, (__mmask32)((((uint64_t)1) << (2 * Q - k)) - 1), v);
+    }
+  }
+}
+#else
+#define DOT_PRODUCTS 0
+#endif
+
+int64_t rowgemm_dot_products(void) { return DOT_PRODUCTS; }
+
 /* align: output blocks a part's range is cut on, whole tiles (6 for bfloat16, 24 for float32) */
 typedef struct { const float* x; const void* w; int64_t kind; float* y; int64_t M, K, KS, N, align; } gemm_t;
 
@@ -215,13 +320,36 @@ static void gemm_part(const void* ctx, int64_t part, int64_t parts) {
   int64_t lo, hi;
   part_range(g->N / 8, g->align, part, parts, &lo, &hi);
   if (lo >= hi) return;
+#if DOT_PRODUCTS
+  if (g->kind == 2) { dot_range((const uint32_t*)g->x, (const uint16_t*)g->w, g->y, g->M, (g->K + 1) / 2, g->KS,
+                                g->N, lo, hi); return; }
+#endif
   if (g->kind == 1) b16_range(g->x, (const uint16_t*)g->w, g->y, g->M, g->K, g->KS, g->N, lo, hi);
   else f32_range(g->x, (const float*)g->w, g->y, g->M, g->K, g->KS, g->N, lo, hi);
 }
 
 static void gemm_any(const float* x, const void* w, int64_t kind, float* y, int64_t M, int64_t K, int64_t KS,
                      int64_t N) {
-  gemm_t g = {x, w, kind, y, M, K, KS, N, kind == 1 ? 6 : 24};
+  gemm_t g = {x, w, kind, y, M, K, KS, N, kind == 0 ? 24 : 6};
+#if !DOT_PRODUCTS
+  if (kind == 2) abort(); /* rowgemm.py asks for kind 2 only where rowgemm_dot_products() */
+#else
+  /* The inputs as bfloat16 pairs, once per call, in the calling thread's buffer (grown, never
+     freed: a forward's largest input); the parts read it. */
+  static _Thread_local uint32_t* pairs = NULL;
+  static _Thread_local int64_t room = 0;
+  if (kind == 2) {
+    int64_t need = M * ((K + 1) / 2);
+    if (need > room) {
+      uint32_t* grown = realloc(pairs, (size_t)need * sizeof(uint32_t));
+      if (grown == NULL) abort(); /* no fallback: a silent float32 product would change the bits */
+      pairs = grown;
+      room = need;
+    }
+    to_pairs(x, M, K, pairs);
+    g.x = (const float*)pairs;
+  }
+#endif
   parallel_for(gemm_part, &g, parts_for((N / 8 + g.align - 1) / g.align));
 }
 
@@ -231,6 +359,11 @@ void rowgemm_f32(const float* x, const float* p, float* y, int64_t M, int64_t K,
 
 void rowgemm_b16(const float* x, const uint16_t* p, float* y, int64_t M, int64_t K, int64_t KS, int64_t N) {
   gemm_any(x, p, 1, y, M, K, KS, N);
+}
+
+/* kind 2: bfloat16 products (where rowgemm_dot_products() says they were built; kind 1 otherwise). */
+void rowgemm_dot(const float* x, const uint16_t* p, float* y, int64_t M, int64_t K, int64_t KS, int64_t N) {
+  gemm_any(x, p, DOT_PRODUCTS ? 2 : 1, y, M, K, KS, N);
 }
 
 static inline float hsum(__m256 v) {

@@ -67,8 +67,13 @@ class RowGemm:
         self.build = build
         self._f32 = lib.rowgemm_f32
         self._b16 = lib.rowgemm_b16
-        for fn in (self._f32, self._b16):
+        self._dot = lib.rowgemm_dot
+        for fn in (self._f32, self._b16, self._dot):
             fn.argtypes, fn.restype = _ARGTYPES, None
+        lib.rowgemm_dot_products.restype = ctypes.c_int64
+        # Whether this build has bfloat16 products (AVX512-BF16): bfloat16 panels times inputs
+        # rounded to bfloat16, summed in float32 (``linear(..., dot=True)``, kind 2 in the source).
+        self.dot_products = bool(lib.rowgemm_dot_products())
         self._rmsnorm = lib.rmsnorm
         self._rmsnorm.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 2 + [ctypes.c_float]
         self._rmsnorm.restype = None
@@ -127,8 +132,9 @@ class RowGemm:
         out[:, :k] = panels
         return Panels(out, k)
 
-    def linear(self, x: torch.Tensor, packed: Panels) -> torch.Tensor:
-        """x (..., K) float32 -> (..., N) float32."""
+    def linear(self, x: torch.Tensor, packed: Panels, dot: bool = False) -> torch.Tensor:
+        """x (..., K) float32 -> (..., N) float32. ``dot``: bfloat16 products (the inputs rounded to
+        bfloat16; bfloat16 panels, where ``dot_products``), else float32 FMAs of the same weights."""
         weights = packed.weights
         blocks, stride, _ = weights.shape
         k, n = x.shape[-1], blocks * 8
@@ -136,7 +142,9 @@ class RowGemm:
             raise ValueError(f"projection takes {packed.k} inputs, got {k}")
         x = x.contiguous()
         y = torch.empty((*x.shape[:-1], n), dtype=torch.float32)
-        fn = self._b16 if weights.dtype == torch.bfloat16 else self._f32
+        if dot and not (self.dot_products and weights.dtype == torch.bfloat16):
+            raise ValueError("bfloat16 products need AVX512-BF16 and bfloat16 panels")
+        fn = self._dot if dot else self._b16 if weights.dtype == torch.bfloat16 else self._f32
         fn(x.data_ptr(), weights.data_ptr(), y.data_ptr(), x.numel() // k, k, stride, n)
         return y
 
@@ -204,7 +212,8 @@ class _Lin(ctypes.Structure):
     _fields_ = [("w", ctypes.c_void_p), ("ks", ctypes.c_int64), ("kind", ctypes.c_int64)]
 
 
-_KINDS = {torch.float32: 0, torch.bfloat16: 1}
+_KINDS = {torch.float32: 0, torch.bfloat16: 1}  # float32 FMAs of float32 or bfloat16 panels
+_DOT_KIND = 2  # bfloat16 products of bfloat16 panels
 _PointerArray = ctypes.Array[ctypes.c_void_p]
 
 
@@ -213,7 +222,8 @@ class FusedForward:
     the per-op path's kernels in the same order, without a Python call per op. Built once per
     model; holds references to every tensor the C side reads."""
 
-    def __init__(self, kernel: RowGemm, *, embed: torch.Tensor, norms: list[torch.Tensor], panels: list[Panels],
+    def __init__(self, kernel: RowGemm, *, embed: torch.Tensor, norms: list[torch.Tensor],
+                 panels: list[tuple[Panels, bool]],
                  hidden: int, inter: int, heads: int, kv_heads: int, head_dim: int, eps: float,
                  cos: torch.Tensor, sin: torch.Tensor) -> None:
         self._kernel = kernel
@@ -230,11 +240,15 @@ class FusedForward:
         self._keep = (embed, norms, panels, cos, sin)
         self.embed, self.cos, self.sin = embed, cos, sin
         self.norms = (ctypes.c_void_p * len(norms))(*[n.data_ptr() for n in norms])
+        # Each projection's panels and whether they multiply as bfloat16 products (kind 2).
+        if any(dot and not (kernel.dot_products and p.weights.dtype == torch.bfloat16) for p, dot in panels):
+            raise ValueError("bfloat16 products need AVX512-BF16 and bfloat16 panels")
         self.lins = (_Lin * len(panels))(*[
-            _Lin(p.weights.data_ptr(), p.weights.shape[1], _KINDS[p.weights.dtype]) for p in panels])
+            _Lin(p.weights.data_ptr(), p.weights.shape[1], _DOT_KIND if dot else _KINDS[p.weights.dtype])
+            for p, dot in panels])
         self.layers = (len(panels) - 1) // 4
         self.hidden, self.inter, self.heads, self.kv_heads, self.head_dim = hidden, inter, heads, kv_heads, head_dim
-        self.vocab = panels[-1].weights.shape[0] * 8
+        self.vocab = panels[-1][0].weights.shape[0] * 8
         self.eps, self.scale = eps, 1.0 / head_dim ** 0.5
         # The caches' layer pointers, per cache (a worker has two: the target's and the draft's).
         self._cache_ptrs: dict[tuple[int, ...], tuple[_PointerArray, _PointerArray]] = {}
@@ -365,8 +379,12 @@ def wide_tiles() -> bool:
 def _wide_flags() -> tuple[str, ...]:
     """-mavx512f where this CPU has AVX-512: the bfloat16 tiles then run 16 columns wide, the
     same FMA chains (the same bits) in half the instructions (a build with ``WIDE_TILES=0``
-    keeps the 8-wide ones: bench.kernels compares the two)."""
-    return ("-mavx512f",) if "avx512f" in _cpuinfo()[1] else ()
+    keeps the 8-wide ones: bench.kernels compares the two). -mavx512bf16 too where it has
+    AVX512-BF16: the kernels then also build bfloat16 products (``RowGemm.dot_products``)."""
+    flags = _cpuinfo()[1]
+    if "avx512f" not in flags:
+        return ()
+    return ("-mavx512f", "-mavx512bf16") if "avx512_bf16" in flags else ("-mavx512f",)
 
 
 def _compile(directory: Path, defines: tuple[str, ...] = ()) -> Path | None:

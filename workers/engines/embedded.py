@@ -28,7 +28,7 @@ from workers.engine_api import (
     StepEvent,
     StepObserver,
 )
-from workers.model import TORCH_DTYPES, LlamaForCausalLM, resolve_dtype
+from workers.model import TORCH_DTYPES, LlamaForCausalLM, Products, resolve_dtype
 from workers.runner import EngineRunner
 
 log = logging.getLogger(__name__)
@@ -54,13 +54,13 @@ class EmbeddedSettings:
 
 
 def load_speculative_engine(settings: EmbeddedSettings, target: LlamaForCausalLM | None = None,
-                            packed: bool = True) -> SpeculativeEngine:
+                            packed: bool = True, products: Products = "float32") -> SpeculativeEngine:
     """The engine with ``settings.dtype`` as given ("auto": by CPU flags, ``resolve_dtype``);
-    a worker passes the dtype and packing its cost measurement chose, and the target it loaded
-    to measure (``EmbeddedEngine.start``)."""
+    a worker passes the dtype, packing and products its cost measurement chose, and the target
+    it loaded to measure (``EmbeddedEngine.start``)."""
     if target is None:
         target = LlamaForCausalLM.from_pretrained(settings.target, TORCH_DTYPES[resolve_dtype(settings.dtype)],
-                                                  packed)
+                                                  packed, products)
     draft = None
     if settings.draft is not None:
         draft = LlamaForCausalLM.load_draft(settings.draft, TORCH_DTYPES[settings.draft_dtype])
@@ -120,7 +120,9 @@ class EmbeddedEngine:
         assert report.precision is not None
         torch.set_num_threads(torch_threads_serving(report.precision, threads))
         dtype: Literal["float32", "bfloat16"] = "bfloat16" if report.precision.target == "bfloat16" else "float32"
-        engine = load_speculative_engine(dataclasses.replace(s, dtype=dtype), target, report.precision.prepacked)
+        products: Products = "bfloat16" if report.precision.products == "bfloat16" else "float32"
+        engine = load_speculative_engine(dataclasses.replace(s, dtype=dtype), target, report.precision.prepacked,
+                                         products)
         self._costs = OnlineCosts(report)
         self._runner = EngineRunner(engine, asyncio.get_running_loop(), observer, self._costs)
         self._runner.start()
@@ -130,6 +132,7 @@ class EmbeddedEngine:
             eos_token_ids=engine.eos_ids,
             details={"precision": {"target": dtype, "draft": s.draft_dtype if engine.draft else None,
                                    "target_prepacked": engine.target.prepacked,
+                                   "products": engine.target.products,
                                    "exact": report.precision.exact, "why": report.precision.why,
                                    # the kernels' build, chosen by measurement on this machine
                                    "kernels": rowgemm.chosen_build()}})

@@ -1,0 +1,148 @@
+"""workers/rowgemm.py's bfloat16 products (AVX512-BF16): the same panels multiplied by inputs
+rounded to bfloat16, summed in float32. What makes them servable: every row's result is the
+same whatever rows are beside it and however the work is split (so verification stays
+bit-identical to plain decoding), and the precision they bring is measured and chosen like
+every other configuration, never under a configured float32."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+from workers import rowgemm
+from workers.cost_model import CostReport, PrecisionCandidate, PrecisionChoice
+from workers.costs_measure import MeasureSettings, choose_precision, target_configs, verification_bit_identical
+from workers.demo_corpus import heldout_prompts
+from workers.engine import GenerationRequest, SpeculativeEngine
+from workers.kv_cache import CacheBatch, KVCache
+from workers.model import LlamaForCausalLM
+from workers.sampling import SamplingParams
+from workers.text import TextCodec
+
+REPO = Path(__file__).resolve().parent.parent
+KERNEL = rowgemm.load()
+needs_products = pytest.mark.skipif(KERNEL is None or not KERNEL.dot_products,
+                                    reason="no bfloat16 products here (no AVX512-BF16, no C compiler or no AVX2)")
+
+
+@pytest.fixture
+def kernel_threads() -> Iterator[Callable[[int], None]]:
+    assert KERNEL is not None
+    yield KERNEL.set_threads
+    KERNEL.set_threads(1)
+
+
+@pytest.fixture(scope="module")
+def product_models() -> dict[str, LlamaForCausalLM]:
+    """The demo target with bfloat16 products, and the demo draft as served (float32 FMAs)."""
+    return {"target": LlamaForCausalLM.from_pretrained(REPO / "models/demo-target", torch.float32, True, "bfloat16"),
+            "draft": LlamaForCausalLM.load_draft(REPO / "models/demo-draft")}
+
+
+@needs_products
+def test_products_are_the_rounded_inputs_times_the_weights_and_rows_are_invariant(
+        kernel_threads: Callable[[int], None]) -> None:
+    """Close to (inputs rounded to bfloat16) @ Wᵀ in float64; every row the same bits in a call
+    of any size (1-9 rows in one tile, more in 4-row tiles), for an odd K, an odd last panel of 8
+    columns and splits across 1-3 threads."""
+    assert KERNEL is not None
+    gen = torch.Generator().manual_seed(11)
+    for n, k in ((8, 64), (200, 73), (640, 384), (4096, 256)):
+        weight = torch.randn(n, k, generator=gen).to(torch.bfloat16).float()
+        packed = KERNEL.pack(weight)
+        x = torch.randn(20, k, generator=gen)
+        kernel_threads(1)
+        y = KERNEL.linear(x, packed, dot=True)
+        reference = (x.to(torch.bfloat16).double() @ weight.double().T).float()
+        torch.testing.assert_close(y, reference, rtol=1e-5, atol=1e-5)
+        assert not torch.equal(y, KERNEL.linear(x, packed))  # the inputs really are rounded
+        for threads in (1, 2, 3):
+            kernel_threads(threads)
+            for m in range(1, 21):
+                assert torch.equal(KERNEL.linear(x[:m], packed, dot=True), y[:m]), (n, k, m, threads)
+            for m in range(20):
+                assert torch.equal(KERNEL.linear(x[m:m + 1], packed, dot=True), y[m:m + 1]), (n, k, m, threads)
+
+
+@needs_products
+def test_products_need_bfloat16_panels() -> None:
+    assert KERNEL is not None
+    packed = KERNEL.pack(torch.randn(16, 32))  # not bfloat16-valued: float32 panels
+    assert packed.weights.dtype == torch.float32
+    with pytest.raises(ValueError, match="bfloat16 panels"):
+        KERNEL.linear(torch.randn(2, 32), packed, dot=True)
+
+
+@needs_products
+def test_a_model_with_products_verifies_bit_identically_and_its_fused_forward_is_its_per_op_path(
+        product_models: dict[str, LlamaForCausalLM]) -> None:
+    target = product_models["target"]
+    assert target.products == "bfloat16" and target.prepacked and target.fused is not None
+    assert verification_bit_identical(target, 9) and verification_bit_identical(target, 4)
+    fused = target.fused
+    gen = torch.Generator().manual_seed(4)
+    tokens = torch.randint(5, target.cfg.vocab_size, (2, 5), generator=gen)
+    outs = []
+    for use_fused in (True, False):
+        cache = KVCache.allocate(target.cfg, 2, torch.float32)
+        target.fused = fused if use_fused else None
+        try:
+            with torch.inference_mode():
+                target.forward_cached(torch.randint(5, 100, (2, 30), generator=torch.Generator().manual_seed(1)),
+                                      cache, CacheBatch.build([0, 1], [0, 0], [30, 12], 30, 1024))
+                outs.append(target.forward_cached(tokens, cache, CacheBatch.build([0, 1], [30, 12], [5, 3], 5, 1024),
+                                                  torch.tensor([0, 0, 1]), torch.tensor([3, 4, 2])))
+        finally:
+            target.fused = fused
+    assert torch.equal(outs[0], outs[1])
+
+
+@needs_products
+@pytest.mark.parametrize("k", [2, 5])
+def test_greedy_speculative_output_with_products_is_plain_output(
+        k: int, product_models: dict[str, LlamaForCausalLM]) -> None:
+    target, draft = product_models["target"], product_models["draft"]
+    codec = TextCodec.from_model_dir(REPO / "models/demo-target")
+    prompts = [codec.encode(t) for t in heldout_prompts(3, seed=2)]
+    greedy = SamplingParams(temperature=0.0)
+    outputs = {}
+    for depth in (0, k):
+        engine = SpeculativeEngine(target, draft, max_slots=3, max_k=6)
+        for i, ids in enumerate(prompts):
+            engine.add(GenerationRequest(f"b{i}", ids, 24, greedy, k=depth))
+        got: dict[str, list[int]] = {}
+        while engine.has_work:
+            for event in engine.step():
+                got.setdefault(event.request_id, []).extend(event.tokens)
+        outputs[depth] = got
+    assert outputs[k] == outputs[0]
+    assert all(len(tokens) == 24 for tokens in outputs[0].values())
+
+
+def test_products_are_a_candidate_for_auto_and_bfloat16_never_for_a_configured_float32() -> None:
+    products = KERNEL is not None and KERNEL.dot_products
+    auto, bf16, f32 = (target_configs(d) for d in ("auto", "bfloat16", "float32"))
+    assert (auto.get("float32-bfloat16-products") == ("float32", True, "bfloat16")) == products
+    assert ("float32-bfloat16-products" in bf16) == products
+    assert all(c[2] == "float32" for c in f32.values())
+
+
+def test_the_choice_follows_measured_speed_and_the_report_keeps_products() -> None:
+    def candidate(products: str, tok_s: float) -> PrecisionCandidate:
+        return PrecisionCandidate("float32", True, True, 1.0, 2.0, tok_s, 3, 2 * tok_s, products)
+
+    settings = MeasureSettings(REPO / "models/demo-target", REPO / "models/demo-draft", 16, 8)
+    for fast, slow in (("bfloat16", "float32"), ("float32", "bfloat16")):
+        pick, why = choose_precision([candidate(slow, 500.0), candidate(fast, 900.0)], settings)
+        assert pick.products == fast
+        assert "with bfloat16 products" in why
+    report = CostReport((1,), (1.0,), ((1.0, 1.5),), precision=None)
+    assert CostReport.from_json(report.to_json()).precision is None
+    chosen = candidate("bfloat16", 900.0)
+    with_choice = CostReport((1,), (1.0,), ((1.0, 1.5),),
+                             precision=PrecisionChoice("float32", True, True, "why", 0.8, (chosen,), "bfloat16"))
+    back = CostReport.from_json(with_choice.to_json()).precision
+    assert back is not None and back.products == "bfloat16" and back.candidates[0].products == "bfloat16"
