@@ -7,7 +7,9 @@
   each build ``workers.rowgemm.load()`` chooses between (``prefetch``: software prefetching 12
   KB ahead; ``no_prefetch``: the hardware prefetcher alone) and, on a CPU with AVX-512,
   ``eight_wide``: the served build with the 8-column tiles of an AVX2 CPU (``WIDE_TILES=0``)
-  instead of 16-column ones. The builds take turns, a pass each, and every figure is a median.
+  instead of 16-column ones; on a CPU with AVX512-BF16, ``products``: the served build's
+  bfloat16 products (inputs rounded to bfloat16, ``vdpbf16ps``) on the same panels. The builds
+  take turns, a pass each, and every figure is a median.
   ``rows_over_one`` divides each row count's time by one row's: the shape of the verification
   curve's projections. ``served``: the build ``load()`` chose here, and its start-up timings.
 - ``draft_forward_ms``: a draft forward of 1 token at batch 1 right after a target forward (as
@@ -46,12 +48,15 @@ REPO = Path(__file__).resolve().parent.parent
 CONTEXT = 128  # cached tokens before each timed forward, as the cost measurement uses
 
 
-def projection_pass(kernel: rowgemm.RowGemm, panels: list[rowgemm.Panels], inputs: list[torch.Tensor]) -> Callable[
-        [], None]:
+def projection_pass(kernel: rowgemm.RowGemm, panels: list[rowgemm.Panels], inputs: list[torch.Tensor],
+                    dot: bool = False) -> Callable[[], None]:
     def run() -> None:
         for packed, x in zip(panels, inputs, strict=True):
-            kernel.linear(x, packed)
+            kernel.linear(x, packed, dot)
     return run
+
+
+PRODUCTS = "products"  # projections_ms's name for the served build multiplying in bfloat16
 
 
 def projections_ms(target: LlamaForCausalLM, builds: dict[str, rowgemm.RowGemm], max_rows: int,
@@ -61,7 +66,7 @@ def projections_ms(target: LlamaForCausalLM, builds: dict[str, rowgemm.RowGemm],
     out: dict[str, dict[str, float]] = {name: {} for name in builds}
     for rows in range(1, max_rows + 1):
         inputs = [torch.randn(rows, p.k, generator=gen) for p in panels]
-        runs = {name: projection_pass(kernel, panels, inputs) for name, kernel in builds.items()}
+        runs = {name: projection_pass(kernel, panels, inputs, name == PRODUCTS) for name, kernel in builds.items()}
         for name, seconds in median_in_turns(runs, reps, warmup=2).items():
             out[name][str(rows)] = round(1000 * seconds, 3)
     return out
@@ -141,6 +146,8 @@ def main() -> None:
         raise SystemExit("bench.kernels: workers/rowgemm.py does not build here (no C compiler or no AVX2)")
     if rowgemm.wide_tiles():
         builds["eight_wide"] = rowgemm.load_variant((*chosen["defines"], "WIDE_TILES=0"))  # type: ignore[misc]
+    if served.dot_products:
+        builds[PRODUCTS] = served
     target = LlamaForCausalLM.from_pretrained(args.target, torch.float32)
     draft = LlamaForCausalLM.load_draft(args.draft)
     cpu = cpu_label()
