@@ -33,6 +33,15 @@ def test_bench_engine_quick_json() -> None:
     # The cost model a worker would build, and the precision it chose (served by --dtype auto).
     assert result["dtype"] == result["precision_choice"]["target"] == result["cost_model"]["precision"]["target"]
     assert result["cost_model"]["depths"][-1] == 16 and result["predicted_speedup_b1"] > 0
+    # Against the fastest plain configuration: where the served kernels multiply both ways, the
+    # other way decoded plain too, and the ratio is to the faster of the two.
+    assert result["products"] == result["cost_model"]["precision"]["products"]
+    other = result["tok_s_plain_b1_other_products"]
+    kernel = rowgemm.load()
+    assert (other is not None) == (result["target_prepacked"] and result["dtype"] == "float32"
+                                   and kernel is not None and kernel.dot_products)
+    fastest = max(result["tok_s_plain_b1"], other or 0.0)
+    assert result["speedup_b1_vs_fastest_plain"] == pytest.approx(result["tok_s_spec_b1"] / fastest, abs=2e-3)
     assert 1 <= result["best_k"] <= 4
     assert 0.0 <= result["alpha_t0"] <= 1.0 and result["c"] > 0
     assert set(result["alpha_by_temperature"]) == {"0.0", "0.5", "0.8", "1.0"}
@@ -118,7 +127,9 @@ def test_bench_draft_vocab_quick_json() -> None:
 def test_bench_kernels_quick_json() -> None:
     result, stdout = _json_run("-m", "bench.kernels", "--quick", "--json")
     wide = {"eight_wide"} if rowgemm.wide_tiles() else set()
-    assert set(result["projections_ms"]) == {"prefetch", "no_prefetch"} | wide
+    kernel = rowgemm.load()
+    products = {"products"} if kernel is not None and kernel.dot_products else set()
+    assert set(result["projections_ms"]) == {"prefetch", "no_prefetch"} | wide | products
     assert tuple(result["served"]["defines"]) in rowgemm.PREFETCH_CHOICES
     for name, times in result["projections_ms"].items():
         assert set(times) == {"1", "2", "3", "4"} and all(ms > 0 for ms in times.values()), name
