@@ -94,6 +94,9 @@ class StepShape:
     draft_forwards: int
     drafts: int = 0
     catch_up: int = 0
+    # The target's tokens over all rows: below rows x width where rows differ in length (the
+    # one-call forward computes only real tokens, so such a step costs less than its width says).
+    target_tokens: int = 0
 
 
 @dataclass(frozen=True)
@@ -279,7 +282,8 @@ class SpeculativeEngine:
         self.last_draft_s, self.last_target_s = proposed - started, time.perf_counter() - proposed
         drafting = [s.step_k for s in seqs if s.step_k > 0]
         self.last_shape = StepShape(len(rows), max((len(r.new_tokens) for r in rows), default=0),
-                                    prefill, len(drafting), max(drafting, default=0), sum(drafting), catch_up)
+                                    prefill, len(drafting), max(drafting, default=0), sum(drafting), catch_up,
+                                    sum(len(r.new_tokens) for r in rows))
         events = []
         for seq, logits in zip(seqs, target_logits, strict=True):
             if logits is None:

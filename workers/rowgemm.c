@@ -438,7 +438,7 @@ static inline float hmax(__m256 v) {
 
 typedef struct {
   const float *qkv, *cos_t, *sin_t, *kc, *vc;
-  const int64_t *slots, *starts, *lengths;
+  const int64_t *slots, *starts, *lengths, *offs;
   int64_t B, L, H, Hkv, D, P;
   float scale;
   float *out, *scratch;
@@ -451,20 +451,23 @@ static void attend_part(const void* ctx, int64_t part, int64_t parts);
 /* One cached attention layer for B sequences of up to L new tokens (row b has lengths[b]):
    rotary on q and k (rotate-half layout, tables (P, D)), k and v written to the cache at
    slot slots[b], positions starts[b] + l, then every query attends to its own prefix of keys
-   (causal). qkv (B, L, (H + 2 Hkv) D); caches (slots, Hkv, P, D); out (B, L, H D), padding
-   rows 0. Each query's arithmetic depends on its own row and the cache only.
+   (causal). Token l of sequence b is row offs[b] + l of qkv (rows of (H + 2 Hkv) D) and of out
+   (rows of H D): offs[b] = b L for padded rows, or the lengths' running sum for packed ones
+   (forward); a padded row's out is not written. caches (slots, Hkv, P, D). Each query's
+   arithmetic depends on its own row and the cache only.
    Queries in tiles of up to QT that share a KV head (a sequence's rows and the heads of one
    group), so each key and value row is read once per tile instead of once per query; tiles in
    parts across the pool's threads. Each query's arithmetic is the same whatever its tile, its
    part and the thread count. scratch holds rowgemm_score_rows() rows of P scores. */
 void rope_attend(const float* qkv, const float* cos_t, const float* sin_t, float* kc, float* vc,
-                 const int64_t* slots, const int64_t* starts, const int64_t* lengths, int64_t B, int64_t L,
-                 int64_t H, int64_t Hkv, int64_t D, int64_t P, float scale, float* out, float* scratch) {
+                 const int64_t* slots, const int64_t* starts, const int64_t* lengths, const int64_t* offs,
+                 int64_t B, int64_t L, int64_t H, int64_t Hkv, int64_t D, int64_t P, float scale, float* out,
+                 float* scratch) {
   int64_t W = (H + 2 * Hkv) * D, half = D / 2;
   for (int64_t b = 0; b < B; ++b)
     for (int64_t l = 0; l < lengths[b]; ++l) {
       int64_t pos = starts[b] + l;
-      const float* row = qkv + (b * L + l) * W;
+      const float* row = qkv + (offs[b] + l) * W;
       const float* c = cos_t + pos * D; const float* s = sin_t + pos * D;
       for (int64_t h = 0; h < Hkv; ++h) {
         const float* k = row + (H + h) * D; const float* v = row + (H + Hkv + h) * D;
@@ -477,7 +480,7 @@ void rope_attend(const float* qkv, const float* cos_t, const float* sin_t, float
         for (int64_t i = 0; i < D; ++i) vd[i] = v[i];
       }
     }
-  attend_t a = {qkv, cos_t, sin_t, kc, vc, slots, starts, lengths, B, L, H, Hkv, D, P, scale, out, scratch};
+  attend_t a = {qkv, cos_t, sin_t, kc, vc, slots, starts, lengths, offs, B, L, H, Hkv, D, P, scale, out, scratch};
   parallel_for(attend_part, &a, parts_for(B * Hkv * ((L * (H / Hkv) + QT - 1) / QT)));
 }
 
@@ -503,10 +506,10 @@ static void attend_part(const void* ctx, int64_t part, int64_t parts) {
     __m256 vmax[QT], tail[QT];
     for (int64_t i = first; i < last; ++i) {
       int64_t l = i / group, h = g * group + i % group;
-      float* out = a->out + (b * L + l) * H * D + h * D;
-      if (l >= a->lengths[b]) { for (int64_t d = 0; d < D; ++d) out[d] = 0.0f; continue; }
+      if (l >= a->lengths[b]) continue; /* padding: no query */
+      float* out = a->out + (a->offs[b] + l) * H * D + h * D;
       int64_t pos = a->starts[b] + l;
-      const float* qs = a->qkv + (b * L + l) * W + h * D;
+      const float* qs = a->qkv + (a->offs[b] + l) * W + h * D;
       const float* c = a->cos_t + pos * D; const float* s = a->sin_t + pos * D;
       for (int64_t d = 0; d < half; ++d) {
         q[n][d] = (qs[d] * c[d] - qs[d + half] * s[d]) * a->scale;
@@ -583,22 +586,29 @@ static void add_into(float* x, const float* t, int64_t n) { for (int64_t i = 0; 
 /* A whole cached forward of B rows x L new tokens, as LlamaForCausalLM._forward_native runs it
    op by op: embedding, per layer RMSNorm, QKV, rotary + cache write + attention, O, residual,
    RMSNorm, gate/up, SwiGLU, down, residual; then the final norm and the LM head for the rows
-   logit_idx (indices into B*L). norms: 2 per layer + the final one; lins: QKV, O, gate/up,
-   down per layer + the head. The same kernels in the same order, so the same bits. */
+   logit_idx (indices into B*L; a padding position's logits are 0). norms: 2 per layer + the
+   final one; lins: QKV, O, gate/up, down per layer + the head. The same kernels in the same
+   order, so the same bits. The rows' real tokens are packed (row b's lengths[b] tokens, then
+   the next row's): a step where some sequences verify K + 1 tokens and the others one costs
+   their tokens, not B (K + 1), and every kernel is row-invariant, so packing changes no bit. */
 void forward(const int64_t* tokens, int64_t B, int64_t L, const float* embed, int64_t hid, int64_t inter,
              int64_t layers, const float* const* norms, const lin_t* lins, float* const* kc, float* const* vc,
              int64_t P, const float* cos_t, const float* sin_t, const int64_t* slots, const int64_t* starts,
              const int64_t* lengths, int64_t H, int64_t Hkv, int64_t D, float eps, float scale,
              const int64_t* logit_idx, int64_t n_logits, int64_t vocab, float* logits, float* scratch) {
-  int64_t M = B * L, W = (H + 2 * Hkv) * D;
-  float *x = scratch, *h = x + M * hid, *qkv = h + M * hid, *att = qkv + M * W, *tmp = att + M * H * D;
-  float *gu = tmp + M * hid, *act = gu + M * 2 * inter, *sc = act + M * inter;
-  for (int64_t m = 0; m < M; ++m)
-    for (int64_t i = 0; i < hid; ++i) x[m * hid + i] = embed[tokens[m] * hid + i];
+  int64_t offs[B + 1], W = (H + 2 * Hkv) * D, cap = B * L; /* the scratch holds B * L rows */
+  offs[0] = 0;
+  for (int64_t b = 0; b < B; ++b) offs[b + 1] = offs[b] + lengths[b];
+  int64_t M = offs[B];
+  float *x = scratch, *h = x + cap * hid, *qkv = h + cap * hid, *att = qkv + cap * W, *tmp = att + cap * H * D;
+  float *gu = tmp + cap * hid, *act = gu + cap * 2 * inter, *sc = act + cap * inter;
+  for (int64_t b = 0; b < B; ++b)
+    for (int64_t l = 0; l < lengths[b]; ++l)
+      for (int64_t i = 0; i < hid; ++i) x[(offs[b] + l) * hid + i] = embed[tokens[b * L + l] * hid + i];
   for (int64_t l = 0; l < layers; ++l) {
     rmsnorm(x, norms[2 * l], h, M, hid, eps);
     gemm(h, &lins[4 * l], qkv, M, hid, W);
-    rope_attend(qkv, cos_t, sin_t, kc[l], vc[l], slots, starts, lengths, B, L, H, Hkv, D, P, scale, att, sc);
+    rope_attend(qkv, cos_t, sin_t, kc[l], vc[l], slots, starts, lengths, offs, B, L, H, Hkv, D, P, scale, att, sc);
     gemm(att, &lins[4 * l + 1], tmp, M, H * D, hid);
     add_into(x, tmp, M * hid);
     rmsnorm(x, norms[2 * l + 1], h, M, hid, eps);
@@ -607,10 +617,18 @@ void forward(const int64_t* tokens, int64_t B, int64_t L, const float* embed, in
     gemm(act, &lins[4 * l + 3], tmp, M, inter, hid);
     add_into(x, tmp, M * hid);
   }
-  for (int64_t r = 0; r < n_logits; ++r)
-    for (int64_t i = 0; i < hid; ++i) tmp[r * hid + i] = x[logit_idx[r] * hid + i];
+  int64_t padded = 0; /* logit rows asked for at padding positions */
+  for (int64_t r = 0; r < n_logits; ++r) {
+    int64_t b = logit_idx[r] / L, l = logit_idx[r] % L;
+    if (l < lengths[b]) for (int64_t i = 0; i < hid; ++i) tmp[r * hid + i] = x[(offs[b] + l) * hid + i];
+    else { ++padded; for (int64_t i = 0; i < hid; ++i) tmp[r * hid + i] = 0.0f; }
+  }
   rmsnorm(tmp, norms[2 * layers], h, n_logits, hid, eps);
   gemm(h, &lins[4 * layers], logits, n_logits, hid, vocab);
+  if (padded)
+    for (int64_t r = 0; r < n_logits; ++r)
+      if (logit_idx[r] % L >= lengths[logit_idx[r] / L])
+        for (int64_t v = 0; v < vocab; ++v) logits[r * vocab + v] = 0.0f;
 }
 
 /* Greedy drafting in one call: `steps` forwards of B rows, each row's argmax (the first

@@ -81,7 +81,7 @@ class RowGemm:
         self._swiglu.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 2
         self._swiglu.restype = None
         self._attend = lib.rope_attend
-        self._attend.argtypes = ([ctypes.c_void_p] * 8 + [ctypes.c_int64] * 6 + [ctypes.c_float]
+        self._attend.argtypes = ([ctypes.c_void_p] * 9 + [ctypes.c_int64] * 6 + [ctypes.c_float]
                                  + [ctypes.c_void_p] * 2)
         self._attend.restype = None
         self._set_threads = lib.rowgemm_set_threads
@@ -172,11 +172,13 @@ class RowGemm:
         b, length, width = qkv.shape
         head_dim = width // (heads + 2 * kv_heads)
         positions = k_cache.shape[2]
-        out = torch.empty((b, length, heads * head_dim), dtype=torch.float32)
+        # Padded rows here (sequence b's tokens from row b * length); padding rows' outputs 0.
+        out = torch.zeros((b, length, heads * head_dim), dtype=torch.float32)
+        offsets = torch.arange(0, b * length, length, dtype=torch.long)
         scratch = torch.empty(self.score_rows * positions, dtype=torch.float32)
         self._attend(qkv.data_ptr(), cos.data_ptr(), sin.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
-                     rows[0].data_ptr(), rows[1].data_ptr(), rows[2].data_ptr(), b, length, heads, kv_heads,
-                     head_dim, positions, 1.0 / head_dim ** 0.5, out.data_ptr(), scratch.data_ptr())
+                     rows[0].data_ptr(), rows[1].data_ptr(), rows[2].data_ptr(), offsets.data_ptr(), b, length,
+                     heads, kv_heads, head_dim, positions, 1.0 / head_dim ** 0.5, out.data_ptr(), scratch.data_ptr())
         return out
 
 
@@ -266,7 +268,10 @@ class FusedForward:
 
     def __call__(self, tokens: torch.Tensor, k_cache: list[torch.Tensor], v_cache: list[torch.Tensor],
                  rows: torch.Tensor, logit_idx: torch.Tensor) -> torch.Tensor:
-        """tokens (B, L); rows (3, B) slots/starts/lengths; logit_idx (N,) into B*L -> logits (N, V)."""
+        """tokens (B, L); rows (3, B) slots/starts/lengths; logit_idx (N,) into B*L -> logits (N, V).
+
+        Only each row's real tokens are computed (packed: a step mixing 1-token and (K+1)-token
+        rows costs their tokens); a padding position's logits are 0."""
         if logit_idx.numel():
             _check_logit_rows(int(logit_idx.min()), int(logit_idx.max()), tokens.numel())
         return self._run(tokens.contiguous(), k_cache, v_cache, rows, logit_idx.contiguous())

@@ -34,7 +34,13 @@ def fold_step(costs: OnlineCosts, engine: SpeculativeEngine, events: list[StepEv
     caller's work after it included): its timings, a prompt prefilled alone (what a request's
     prediction prices), and the drafts tested."""
     shape = engine.last_shape
-    costs.observe_step(shape.target_rows, shape.target_width, 0.0 if shape.prefill else engine.last_target_s,
+    # The model's target costs are per (depth, tokens per row); a step whose rows differ in
+    # length (some verifying K + 1 tokens, others one) is priced from them by interpolation
+    # (policies.cost's mixed pricing), so it refines none of them. Where the one-call forward
+    # does not serve (F.linear, oneDNN), rows are padded to the widest, which such a step prices.
+    ragged = shape.target_tokens < shape.target_rows * shape.target_width and engine.target.fused is not None
+    costs.observe_step(shape.target_rows, shape.target_width,
+                       0.0 if shape.prefill or ragged else engine.last_target_s,
                        shape.draft_rows, shape.draft_forwards, engine.last_draft_s, step_s=step_s,
                        drafts=shape.drafts, catch_up=shape.catch_up > ORDINARY_LAG)
     if shape.prefill and shape.target_rows == 1:
