@@ -15,6 +15,12 @@
 - ``draft_forward_ms``: a draft forward of 1 token at batch 1 right after a target forward (as
   the first draft forward of every speculative step runs: the target's weights have just
   streamed past the draft's) and right after another draft forward (its weights cached).
+- ``mixed_steps_depth8``: the target's one-call forward at batch 8 after 100 cached tokens, for
+  rows of 1 token each, 4 each, and mixes (2 rows of 4 and 6 of 1; 1 of 6 and 7 of 1, as when
+  some sessions verify K + 1 tokens beside plain ones), taking turns; each shape's median, and
+  its ratio to the 1-token step next to what the cost model's mixed pricing says (the forward
+  at n = tokens / rows, linear between the uniform shapes): the forward computes only real
+  tokens (packed rows), so a mixed step costs about its tokens.
 - ``greedy_drafting_k3``: greedy decoding at K=3, batch 1, on held-out prompts, by two engines
   taking turns a step each: drafting all K in one kernel call (as served) and per position
   from Python; the median drafting phase and step, and tokens/s, of each.
@@ -94,6 +100,39 @@ def draft_forward_ms(target: LlamaForCausalLM, draft: LlamaForCausalLM, reps: in
             "cached": round(1000 * statistics.median(cached), 3)}
 
 
+MIXED_SHAPES = {"1 each": [1] * 8, "4 each": [4] * 8, "2x4 + 6x1": [4, 4] + [1] * 6, "1x6 + 7x1": [6] + [1] * 7,
+                "6 each": [6] * 8}
+
+
+def mixed_steps(target: LlamaForCausalLM, reps: int) -> dict[str, dict[str, float]]:
+    fused = target.fused
+    if fused is None:
+        raise SystemExit("bench.kernels: the target does not run on the kernels here")
+    cache = KVCache.allocate(target.cfg, 8, torch.float32)
+    for slot in range(8):
+        fused.run_rows([list(range(5, 5 + CONTEXT - 28))], cache.k, cache.v, [slot], [0], [0])
+    start = CONTEXT - 28
+
+    def step(lengths: list[int]) -> Callable[[], None]:
+        rows = [[7] * n for n in lengths]
+        width = max(lengths)
+        idx = [b * width + c for b, n in enumerate(lengths) for c in range(n)]
+
+        def run() -> None:
+            fused.run_rows(rows, cache.k, cache.v, list(range(8)), [start] * 8, idx)
+        return run
+
+    times = median_in_turns({name: step(lengths) for name, lengths in MIXED_SHAPES.items()}, reps, warmup=2)
+    one, four, six = times["1 each"], times["4 each"], times["6 each"]
+    out = {}
+    for name, lengths in MIXED_SHAPES.items():
+        n = sum(lengths) / len(lengths)  # tokens per row: what the mixed pricing interpolates on
+        priced = one + (four - one) * (n - 1) / 3 if n <= 4 else four + (six - four) * (n - 4) / 2
+        out[name] = {"ms": round(1000 * times[name], 3), "over_one": round(times[name] / one, 3),
+                     "priced_over_one": round(priced / one, 3)}
+    return out
+
+
 def greedy_drafting(target: LlamaForCausalLM, draft: LlamaForCausalLM, prompts: list[list[int]], k: int,
                     max_tokens: int) -> dict[str, dict[str, float]]:
     """Greedy decoding at batch 1 and depth ``k`` on two engines that differ only in how they
@@ -156,6 +195,7 @@ def main() -> None:
         projections = projections_ms(target, {n: b for n, b in builds.items() if b is not None}, args.max_rows,
                                      args.reps)
         draft_ms = draft_forward_ms(target, draft, args.reps * 4)
+        mixed = mixed_steps(target, args.reps)
         codec = TextCodec.from_model_dir(args.target)
         prompts = [codec.encode(text) for text in heldout_prompts(2 if args.quick else 8, seed=1)]
         drafting = greedy_drafting(target, draft, prompts, 3, 16 if args.quick else 96)
@@ -166,12 +206,16 @@ def main() -> None:
             f"{rows} rows {ms:.2f} ms ({over_one[name][rows]:.2f}x)" for rows, ms in times.items()), flush=True)
     print(f"draft forward at batch 1: right after a target forward {draft_ms['after_target']:.3f} ms, "
           f"with its weights cached {draft_ms['cached']:.3f} ms")
+    print("target forward at batch 8 (ms, x the 1-token step; the mixed pricing's x): " + ", ".join(
+        f"{name} {m['ms']:.2f} ({m['over_one']:.2f}x; priced {m['priced_over_one']:.2f}x)"
+        for name, m in mixed.items()), flush=True)
     for name, figures in drafting.items():
         print(f"greedy decoding at batch 1, K=3, drafting {name.replace('_', ' ')}: drafting "
               f"{figures['drafting_ms']:.3f} ms of a {figures['step_ms']:.3f} ms step, {figures['tok_s']:.1f} tok/s")
     if args.json:
         print(json.dumps({"bench": "kernels", "cpu": cpu, "served": chosen, "projections_ms": projections,
-                          "rows_over_one": over_one, "draft_forward_ms": draft_ms, "greedy_drafting_k3": drafting}))
+                          "rows_over_one": over_one, "draft_forward_ms": draft_ms, "mixed_steps_depth8": mixed,
+                          "greedy_drafting_k3": drafting}))
 
 
 if __name__ == "__main__":

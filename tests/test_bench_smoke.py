@@ -136,6 +136,10 @@ def test_bench_kernels_quick_json() -> None:
         assert result["rows_over_one"][name]["1"] == 1.0
     assert result["draft_forward_ms"]["after_target"] > 0 and result["draft_forward_ms"]["cached"] > 0
     assert result["cpu"] and "draft forward at batch 1" in stdout
+    mixed = result["mixed_steps_depth8"]  # packed rows: a mixed step's shapes, timed, and as priced
+    assert set(mixed) == {"1 each", "4 each", "2x4 + 6x1", "1x6 + 7x1", "6 each"}
+    assert mixed["1 each"]["over_one"] == mixed["1 each"]["priced_over_one"] == 1.0
+    assert all(m["ms"] > 0 and m["priced_over_one"] > 0 for m in mixed.values())
     drafting = result["greedy_drafting_k3"]
     assert set(drafting) == {"one_call", "per_position"}
     assert all(f["drafting_ms"] > 0 and f["step_ms"] > f["drafting_ms"] and f["tok_s"] > 0 for f in drafting.values())
