@@ -328,7 +328,7 @@ def main() -> None:
     products: Products = "bfloat16" if costs.precision.products == "bfloat16" else "float32"
     target = LlamaForCausalLM.from_pretrained(args.target, TORCH_DTYPES[args.dtype], costs.precision.prepacked,
                                               products)
-    draft = LlamaForCausalLM.load_draft(args.draft, TORCH_DTYPES[args.draft_dtype])
+    draft = LlamaForCausalLM.load_draft(args.draft, TORCH_DTYPES[args.draft_dtype], products)
     codec = TextCodec.from_model_dir(args.target)
     texts = heldout_prompts(max(args.prompts, args.alpha_prompts, *batch_sizes), seed=1)
     prompts = [codec.encode(t) for t in texts]

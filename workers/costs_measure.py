@@ -291,27 +291,30 @@ def measure_with_model(settings: MeasureSettings) -> tuple[CostReport, LlamaForC
     full = settings.max_slots
     n_plan = sorted({n for n in (1, 2, 4, width) if n <= width})
     configs = target_configs(settings.dtype)
-    draft = None
+    # The draft multiplies as its target does (load_draft): one draft per products among the
+    # candidates, each candidate priced with its own.
+    drafts: dict[str, LlamaForCausalLM] = {}
     if settings.draft is not None:
-        draft = LlamaForCausalLM.load_draft(settings.draft, TORCH_DTYPES[settings.draft_dtype])
+        drafts = {p: LlamaForCausalLM.load_draft(settings.draft, TORCH_DTYPES[settings.draft_dtype], p)
+                  for p in sorted({c[2] for c in configs.values()})}
     targets = {d: LlamaForCausalLM.from_pretrained(settings.target, TORCH_DTYPES[configs[d][0]], configs[d][1],
                                                    configs[d][2]) for d in configs}
     identical = {d: verification_bit_identical(m, max(2, width)) for d, m in targets.items()}
     caches = {d: _scratch_cache(m, full, positions) for d, m in targets.items()}
-    draft_cache = None if draft is None else _scratch_cache(draft, full, positions)
+    draft_caches = {p: _scratch_cache(m, full, positions) for p, m in drafts.items()}
     # Phase 1, every candidate in turn (one forward each per round): batch 1 at a few n, and a
     # plain step at full batch (capacity under load).
     runs: dict[tuple[str, int, int], Callable[[], None]] = {}
     for d, model in targets.items():
         runs |= {(d, 1, n): _forward(model, caches[d], 1, n, positions, True) for n in n_plan}
         runs[(d, full, 1)] = _forward(model, caches[d], full, 1, positions, True)
-    if draft is not None and draft_cache is not None:
-        runs[("draft", 1, 1)] = _forward(draft, draft_cache, 1, 1, positions, False)
-    times = _time_rounds(runs, started + 0.55 * settings.budget_s, runs.get(("draft", 1, 1)))
+    for p, model in drafts.items():
+        runs[(f"draft-{p}", 1, 1)] = _forward(model, draft_caches[p], 1, 1, positions, False)
+    times = _time_rounds(runs, started + 0.55 * settings.budget_s, runs.get(("draft-float32", 1, 1)))
     candidates = []
     for d, model in targets.items():
         curve = _fill({n: times[(d, 1, n)] for n in n_plan}, width)
-        tok_s, k = _best_b1(curve, times.get(("draft", 1, 1)), REFERENCE_ALPHA)
+        tok_s, k = _best_b1(curve, times.get((f"draft-{configs[d][2]}", 1, 1)), REFERENCE_ALPHA)
         candidates.append(PrecisionCandidate(configs[d][0], model.prepacked, identical[d], round(1000 * curve[0], 3),
                                              round(1000 * curve[-1], 3), round(tok_s, 1), k,
                                              round(full / times[(d, full, 1)], 1), model.products))
@@ -319,6 +322,7 @@ def measure_with_model(settings: MeasureSettings) -> tuple[CostReport, LlamaForC
     chosen_config = next(d for d, m in targets.items() if configs[d][0] == chosen.target
                          and m.prepacked == chosen.prepacked and m.products == chosen.products)
     target, cache = targets[chosen_config], caches[chosen_config]
+    draft, draft_cache = drafts.get(chosen.products), draft_caches.get(chosen.products)
     depths = depth_grid(full)
     engine_times = measure_overheads(target, draft, max_k, depths, started + 0.7 * settings.budget_s)
     prefill_ms, draft_prefill_ms = measure_prefill(target, draft)
@@ -330,7 +334,7 @@ def measure_with_model(settings: MeasureSettings) -> tuple[CostReport, LlamaForC
     # one, timed alone; 1.9x, timed in turns).
     measured = {1: {n: times[(chosen_config, 1, n)] for n in n_plan}}
     measured.setdefault(full, {})[1] = times[(chosen_config, full, 1)]  # (full may be 1: the same point)
-    draft_measured = {1: times[("draft", 1, 1)]} if draft is not None else {}
+    draft_measured = {1: times[(f"draft-{chosen.products}", 1, 1)]} if draft is not None else {}
     drafting = [0] if draft is not None else []
     # The plain step at every depth first: it is what every decision at a depth is measured
     # against, and between depths it is not linear. On the AVX2 CPU a plain step at depth 8 cost
@@ -418,7 +422,7 @@ def _time_rounds(runs: dict[tuple[str, int, int], Callable[[], None]], until: fl
         if rep > 0 and time.perf_counter() > until:
             break
         for key, run in runs.items():
-            if key[0] != "draft":
+            if not key[0].startswith("draft"):  # "draft", or a candidate's "draft-<products>"
                 if key[2] == 1:
                     run()
                 elif before_verify is not None:

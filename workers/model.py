@@ -384,13 +384,15 @@ class LlamaForCausalLM(nn.Module):
         return model.prepare_inference(packed, products)
 
     @classmethod
-    def load_draft(cls, directory: Path | str, dtype: torch.dtype = torch.float32) -> LlamaForCausalLM:
+    def load_draft(cls, directory: Path | str, dtype: torch.dtype = torch.float32,
+                   products: Products = "float32") -> LlamaForCausalLM:
         """A draft as the engine serves it: in float32 on workers/rowgemm.py's kernels (where they
         build), from its checkpoint's own bfloat16 weights. int8 projections served it while the
         bfloat16 kernel widened 8 weights at a time; with the paired layout bfloat16 measured as
         fast at one token and 20-25% faster at four (AVX2 CPU, taking turns with the target's
-        forward), and it is the draft the demo pair was trained as."""
-        return cls.from_pretrained(directory, dtype, packed=True)
+        forward), and it is the draft the demo pair was trained as. ``products``: the target's
+        (a worker's draft multiplies as its target does; its numerics change acceptance only)."""
+        return cls.from_pretrained(directory, dtype, packed=True, products=products)
 
     @property
     def prepacked(self) -> bool:

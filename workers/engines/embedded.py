@@ -63,7 +63,7 @@ def load_speculative_engine(settings: EmbeddedSettings, target: LlamaForCausalLM
                                                   packed, products)
     draft = None
     if settings.draft is not None:
-        draft = LlamaForCausalLM.load_draft(settings.draft, TORCH_DTYPES[settings.draft_dtype])
+        draft = LlamaForCausalLM.load_draft(settings.draft, TORCH_DTYPES[settings.draft_dtype], products)
     if settings.dtype == "bfloat16" and not target.prepacked:
         log.warning("bfloat16 target without oneDNN prepacking on this CPU (no AVX512-BF16/AMX?): expect slow "
                     "steps and no bit-identical verification; workers.dtype: auto picks float32 here")
@@ -133,6 +133,7 @@ class EmbeddedEngine:
             details={"precision": {"target": dtype, "draft": s.draft_dtype if engine.draft else None,
                                    "target_prepacked": engine.target.prepacked,
                                    "products": engine.target.products,
+                                   "draft_products": engine.draft.products if engine.draft else None,
                                    "exact": report.precision.exact, "why": report.precision.why,
                                    # the kernels' build, chosen by measurement on this machine
                                    "kernels": rowgemm.chosen_build()}})
