@@ -217,6 +217,7 @@ def test_health_ready_and_workers(gateway: Gateway) -> None:
     candidates = {(c["target"], c["prepacked"], c["products"]): c for c in chosen["candidates"]}
     assert {target for target, _, _ in candidates} == {"bfloat16", "float32"}
     assert precisions[0]["products"] == chosen["products"]
+    assert precisions[0]["draft_products"] == chosen["products"]  # the draft multiplies as its target does
     if any(c["bit_identical"] for c in candidates.values()):
         served = candidates[(chosen["target"], chosen["prepacked"], chosen["products"])]
         assert chosen["exact"] and served["bit_identical"]

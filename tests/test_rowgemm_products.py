@@ -68,6 +68,13 @@ def test_products_are_the_rounded_inputs_times_the_weights_and_rows_are_invarian
 
 
 @needs_products
+def test_a_draft_loads_with_its_targets_products() -> None:
+    for products in ("float32", "bfloat16"):
+        draft = LlamaForCausalLM.load_draft(REPO / "models/demo-draft", products=products)
+        assert draft.products == products and draft.fused is not None
+
+
+@needs_products
 def test_products_need_bfloat16_panels() -> None:
     assert KERNEL is not None
     packed = KERNEL.pack(torch.randn(16, 32))  # not bfloat16-valued: float32 panels
