@@ -3,6 +3,7 @@ invariance (what makes float32 verification bit-identical), and the fallback wit
 
 from __future__ import annotations
 
+import functools
 import json
 import threading
 from collections.abc import Callable, Iterator
@@ -74,10 +75,23 @@ def test_native_forward_is_close_to_the_torch_forward(demo_models: dict[str, Lla
                     assert torch.equal(out[0].argmax(-1), out[1].argmax(-1)), (name, step)
 
 
+@functools.cache
+def product_models() -> tuple[LlamaForCausalLM, LlamaForCausalLM]:
+    """The demo target and draft multiplying in bfloat16 (AVX512-BF16), as a worker serving
+    bfloat16 products runs them."""
+    return (LlamaForCausalLM.from_pretrained(REPO / "models/demo-target", torch.float32, True, "bfloat16"),
+            LlamaForCausalLM.load_draft(REPO / "models/demo-draft", products="bfloat16"))
+
+
 @needs_kernel
-def test_fused_forward_is_the_per_op_path_bit_for_bit(demo_models: dict[str, LlamaForCausalLM]) -> None:
-    """One kernel call per forward (FusedForward) runs the same kernels in the same order."""
-    model = demo_models["target-packed"]
+@pytest.mark.parametrize("products", ["float32", "bfloat16"])
+def test_fused_forward_is_the_per_op_path_bit_for_bit(products: str, demo_models: dict[str, LlamaForCausalLM]) -> None:
+    """One kernel call per forward (FusedForward) runs the same kernels in the same order, with
+    either products."""
+    assert KERNEL is not None
+    if products == "bfloat16" and not KERNEL.dot_products:
+        pytest.skip("no bfloat16 products here (no AVX512-BF16)")
+    model = demo_models["target-packed"] if products == "float32" else product_models()[0]
     fused = model.fused
     assert fused is not None
     gen = torch.Generator().manual_seed(4)
@@ -106,9 +120,15 @@ def test_native_float32_verification_is_bit_identical(demo_models: dict[str, Lla
 
 
 @needs_kernel
+@pytest.mark.parametrize("products", ["float32", "bfloat16"])
 @pytest.mark.parametrize("k", [1, 3, 6])
-def test_native_greedy_speculative_output_is_plain_output(k: int, demo_models: dict[str, LlamaForCausalLM]) -> None:
-    target, draft = demo_models["target-packed"], demo_models["draft-packed"]
+def test_native_greedy_speculative_output_is_plain_output(k: int, products: str,
+                                                          demo_models: dict[str, LlamaForCausalLM]) -> None:
+    assert KERNEL is not None
+    if products == "bfloat16" and not KERNEL.dot_products:
+        pytest.skip("no bfloat16 products here (no AVX512-BF16)")
+    target, draft = ((demo_models["target-packed"], demo_models["draft-packed"]) if products == "float32"
+                     else product_models())
     codec = TextCodec.from_model_dir(REPO / "models/demo-target")
     prompts = [codec.encode(t) for t in heldout_prompts(3, seed=2)]
     greedy = SamplingParams(temperature=0.0)

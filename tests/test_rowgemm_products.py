@@ -15,12 +15,7 @@ import torch
 from workers import rowgemm
 from workers.cost_model import CostReport, PrecisionCandidate, PrecisionChoice
 from workers.costs_measure import MeasureSettings, choose_precision, target_configs, verification_bit_identical
-from workers.demo_corpus import heldout_prompts
-from workers.engine import GenerationRequest, SpeculativeEngine
-from workers.kv_cache import CacheBatch, KVCache
 from workers.model import LlamaForCausalLM
-from workers.sampling import SamplingParams
-from workers.text import TextCodec
 
 REPO = Path(__file__).resolve().parent.parent
 KERNEL = rowgemm.load()
@@ -84,49 +79,12 @@ def test_products_need_bfloat16_panels() -> None:
 
 
 @needs_products
-def test_a_model_with_products_verifies_bit_identically_and_its_fused_forward_is_its_per_op_path(
-        product_models: dict[str, LlamaForCausalLM]) -> None:
+def test_a_model_with_products_verifies_bit_identically(product_models: dict[str, LlamaForCausalLM]) -> None:
+    """The start-up check's finding; the fused forward is the per-op path with products too
+    (tests/test_rowgemm.py), and greedy speculative output is plain output."""
     target = product_models["target"]
     assert target.products == "bfloat16" and target.prepacked and target.fused is not None
     assert verification_bit_identical(target, 9) and verification_bit_identical(target, 4)
-    fused = target.fused
-    gen = torch.Generator().manual_seed(4)
-    tokens = torch.randint(5, target.cfg.vocab_size, (2, 5), generator=gen)
-    outs = []
-    for use_fused in (True, False):
-        cache = KVCache.allocate(target.cfg, 2, torch.float32)
-        target.fused = fused if use_fused else None
-        try:
-            with torch.inference_mode():
-                target.forward_cached(torch.randint(5, 100, (2, 30), generator=torch.Generator().manual_seed(1)),
-                                      cache, CacheBatch.build([0, 1], [0, 0], [30, 12], 30, 1024))
-                outs.append(target.forward_cached(tokens, cache, CacheBatch.build([0, 1], [30, 12], [5, 3], 5, 1024),
-                                                  torch.tensor([0, 0, 1]), torch.tensor([3, 4, 2])))
-        finally:
-            target.fused = fused
-    assert torch.equal(outs[0], outs[1])
-
-
-@needs_products
-@pytest.mark.parametrize("k", [2, 5])
-def test_greedy_speculative_output_with_products_is_plain_output(
-        k: int, product_models: dict[str, LlamaForCausalLM]) -> None:
-    target, draft = product_models["target"], product_models["draft"]
-    codec = TextCodec.from_model_dir(REPO / "models/demo-target")
-    prompts = [codec.encode(t) for t in heldout_prompts(3, seed=2)]
-    greedy = SamplingParams(temperature=0.0)
-    outputs = {}
-    for depth in (0, k):
-        engine = SpeculativeEngine(target, draft, max_slots=3, max_k=6)
-        for i, ids in enumerate(prompts):
-            engine.add(GenerationRequest(f"b{i}", ids, 24, greedy, k=depth))
-        got: dict[str, list[int]] = {}
-        while engine.has_work:
-            for event in engine.step():
-                got.setdefault(event.request_id, []).extend(event.tokens)
-        outputs[depth] = got
-    assert outputs[k] == outputs[0]
-    assert all(len(tokens) == 24 for tokens in outputs[0].values())
 
 
 def test_products_are_a_candidate_for_auto_and_bfloat16_never_for_a_configured_float32() -> None:
