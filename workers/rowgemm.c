@@ -214,7 +214,8 @@ static void b16_range(const float* x, const uint16_t* p, float* y, int64_t M, in
    row's inputs rounded to bfloat16 once per call (round to nearest even), in pairs of k like
    the weights. One vdpbf16ps then adds x[2q] w[2q][c] + x[2q+1] w[2q+1][c] to column c's
    float32 sum, where kind 1 widens the pair (a shift, an and, shared by a tile's rows) and runs
-   two FMAs a row: a quarter of the instructions at one row, half at many. The same instruction chain over q = 0, 1, 2, ... for every column whatever the tile, so a row's
+   two FMAs a row: a quarter of the instructions at one row, half at many. The same
+   instruction chain over q = 0, 1, 2, ... for every column whatever the tile, so a row's
    result still does not depend on the rows beside it. Each product of two bfloat16 values is
    exact in float32; the inputs' rounding is what differs from kind 1 (as in oneDNN's and
    AMX's bfloat16). */
