@@ -79,7 +79,7 @@ class PrecisionCandidate:
     tok_s_b1: float  # predicted batch-1 tokens/s at the reference acceptance, at its best K
     best_k_b1: int
     tok_s_full: float  # plain tokens/s at full batch (max_slots): capacity under load
-    products: str = "float32"  # how the projections multiply (workers.model.Products)
+    products: str = "float32"  # how workers/rowgemm.py's kernels multiply (Products); float32 off them
 
     @property
     def score(self) -> float:
@@ -96,7 +96,7 @@ class PrecisionChoice:
     why: str
     reference_alpha: float  # the acceptance the candidates were compared at
     candidates: tuple[PrecisionCandidate, ...] = ()
-    products: str = "float32"  # how the chosen target's projections multiply (workers.model.Products)
+    products: str = "float32"  # the chosen target's on the kernels (workers.model.Products); its draft's too
 
 
 @dataclass(frozen=True)
