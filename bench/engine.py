@@ -37,7 +37,7 @@ from workers.costs_measure import MeasureSettings, measure, torch_threads_servin
 from workers.demo_corpus import heldout_prompts
 from workers.engine import GenerationRequest, SpeculativeEngine, native_forward
 from workers.kv_cache import CacheBatch, KVCache
-from workers.model import TORCH_DTYPES, LlamaForCausalLM, Products
+from workers.model import TORCH_DTYPES, LlamaForCausalLM, Products, products_named
 from workers.runner import COST_TABLE_STEPS, fold_step
 from workers.sampling import SamplingParams
 from workers.text import TextCodec
@@ -325,7 +325,7 @@ def main() -> None:
     # The configuration the cost model chose, as a worker serves it (a configured bfloat16 may be
     # served as a float32 model with bfloat16 products: costs_measure.target_configs).
     args.dtype = costs.precision.target
-    products: Products = "bfloat16" if costs.precision.products == "bfloat16" else "float32"
+    products = products_named(costs.precision.products)
     target = LlamaForCausalLM.from_pretrained(args.target, TORCH_DTYPES[args.dtype], costs.precision.prepacked,
                                               products)
     draft = LlamaForCausalLM.load_draft(args.draft, TORCH_DTYPES[args.draft_dtype], products)

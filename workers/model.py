@@ -97,6 +97,11 @@ TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}  # config 
 Products = Literal["float32", "bfloat16"]
 
 
+def products_named(name: str) -> Products:
+    """A cost report's ``products`` (a plain string in its JSON) as ``Products``."""
+    return "bfloat16" if name == "bfloat16" else "float32"
+
+
 def resolve_dtype(requested: Literal["auto", "float32", "bfloat16"]) -> Literal["float32", "bfloat16"]:
     """"auto" is bfloat16 where it runs prepacked (fast, bit-identical verification), else
     float32, which is then faster than unpacked bfloat16 and close to, not bit-for-bit, exact."""
@@ -131,8 +136,7 @@ class FrozenLinear:
             self.packed, self.weight = torch.ops.mkldnn._reorder_linear_weight(weight, 1), None
         elif self._rowgemm is not None and self._rowgemm.packable(weight):
             self.panels, self.weight = self._rowgemm.pack(weight), None
-            self.dot = (products == "bfloat16" and self._rowgemm.dot_products
-                        and self.panels.weights.dtype == torch.bfloat16)
+            self.dot = products == "bfloat16" and self._rowgemm.can_dot(self.panels)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed is not None:

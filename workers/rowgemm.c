@@ -362,9 +362,9 @@ void rowgemm_b16(const float* x, const uint16_t* p, float* y, int64_t M, int64_t
   gemm_any(x, p, 1, y, M, K, KS, N);
 }
 
-/* kind 2: bfloat16 products (where rowgemm_dot_products() says they were built; kind 1 otherwise). */
+/* kind 2: bfloat16 products (only where rowgemm_dot_products(); gemm_any aborts elsewhere). */
 void rowgemm_dot(const float* x, const uint16_t* p, float* y, int64_t M, int64_t K, int64_t KS, int64_t N) {
-  gemm_any(x, p, DOT_PRODUCTS ? 2 : 1, y, M, K, KS, N);
+  gemm_any(x, p, 2, y, M, K, KS, N);
 }
 
 static inline float hsum(__m256 v) {

@@ -132,6 +132,10 @@ class RowGemm:
         out[:, :k] = panels
         return Panels(out, k)
 
+    def can_dot(self, packed: Panels) -> bool:
+        """Whether these panels can multiply as bfloat16 products here (AVX512-BF16, bfloat16 panels)."""
+        return self.dot_products and packed.weights.dtype == torch.bfloat16
+
     def linear(self, x: torch.Tensor, packed: Panels, dot: bool = False) -> torch.Tensor:
         """x (..., K) float32 -> (..., N) float32. ``dot``: bfloat16 products (the inputs rounded to
         bfloat16; bfloat16 panels, where ``dot_products``), else float32 FMAs of the same weights."""
@@ -142,7 +146,7 @@ class RowGemm:
             raise ValueError(f"projection takes {packed.k} inputs, got {k}")
         x = x.contiguous()
         y = torch.empty((*x.shape[:-1], n), dtype=torch.float32)
-        if dot and not (self.dot_products and weights.dtype == torch.bfloat16):
+        if dot and not self.can_dot(packed):
             raise ValueError("bfloat16 products need AVX512-BF16 and bfloat16 panels")
         fn = self._dot if dot else self._b16 if weights.dtype == torch.bfloat16 else self._f32
         fn(x.data_ptr(), weights.data_ptr(), y.data_ptr(), x.numel() // k, k, stride, n)
@@ -243,7 +247,7 @@ class FusedForward:
         self.embed, self.cos, self.sin = embed, cos, sin
         self.norms = (ctypes.c_void_p * len(norms))(*[n.data_ptr() for n in norms])
         # Each projection's panels and whether they multiply as bfloat16 products (kind 2).
-        if any(dot and not (kernel.dot_products and p.weights.dtype == torch.bfloat16) for p, dot in panels):
+        if any(dot and not kernel.can_dot(p) for p, dot in panels):
             raise ValueError("bfloat16 products need AVX512-BF16 and bfloat16 panels")
         self.lins = (_Lin * len(panels))(*[
             _Lin(p.weights.data_ptr(), p.weights.shape[1], _DOT_KIND if dot else _KINDS[p.weights.dtype])

@@ -28,7 +28,7 @@ from workers.engine_api import (
     StepEvent,
     StepObserver,
 )
-from workers.model import TORCH_DTYPES, LlamaForCausalLM, Products, resolve_dtype
+from workers.model import TORCH_DTYPES, LlamaForCausalLM, Products, products_named, resolve_dtype
 from workers.runner import EngineRunner
 
 log = logging.getLogger(__name__)
@@ -120,9 +120,8 @@ class EmbeddedEngine:
         assert report.precision is not None
         torch.set_num_threads(torch_threads_serving(report.precision, threads))
         dtype: Literal["float32", "bfloat16"] = "bfloat16" if report.precision.target == "bfloat16" else "float32"
-        products: Products = "bfloat16" if report.precision.products == "bfloat16" else "float32"
         engine = load_speculative_engine(dataclasses.replace(s, dtype=dtype), target, report.precision.prepacked,
-                                         products)
+                                         products_named(report.precision.products))
         self._costs = OnlineCosts(report)
         self._runner = EngineRunner(engine, asyncio.get_running_loop(), observer, self._costs)
         self._runner.start()
