@@ -113,6 +113,9 @@ def serve(args: argparse.Namespace) -> int:
     # exist in the environment before anything imports it; the workers inherit it.
     multiproc = tempfile.TemporaryDirectory(prefix="specgate-metrics-")
     os.environ.setdefault("PROMETHEUS_MULTIPROC_DIR", multiproc.name)
+    from gateway.metrics import keep_series_in_memory
+
+    keep_series_in_memory()  # the workers write the files; the gateway's own series stay in memory
 
     import logging
 

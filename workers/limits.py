@@ -10,8 +10,11 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
+
+import orjson
 
 if TYPE_CHECKING:  # the engine's type; importing it here would pull torch into the gateway
     from workers.sampling import SamplingParams
@@ -39,8 +42,28 @@ def _refuse_constant(name: str) -> Any:
 _DECODER = json.JSONDecoder(parse_constant=_refuse_constant)
 
 
+# A run of 19 digits may be an integer beyond 64 bits, which orjson reads as a float where the
+# standard parser keeps it exact (a seed or token id out of range must be refused, not rounded).
+_LONG_DIGITS = re.compile(rb"\d{19}")
+
+
 def loads_json(raw: bytes) -> Any:
-    """Parses a request body: UTF-8 JSON, no NaN/Infinity, nested at most MAX_JSON_DEPTH deep."""
+    """Parses a request body: UTF-8 JSON, no NaN/Infinity, nested at most MAX_JSON_DEPTH deep.
+
+    orjson first: the standard parser cost a sequential request 13 µs of the gateway's time
+    (and as much again on its worker) for a 100-byte body. Whatever orjson refuses (a byte
+    order mark, UTF-16, a lone surrogate, NaN, a number that overflows to inf, invalid UTF-8)
+    and bodies with long digit runs go to the standard parser, which decides as before.
+    """
+    if isinstance(raw, bytes) and _LONG_DIGITS.search(raw) is None:
+        try:
+            value = orjson.loads(raw)
+        except orjson.JSONDecodeError:
+            pass
+        else:
+            if not _depth_within(value, MAX_JSON_DEPTH):
+                raise InputRefused(f"JSON nested more than {MAX_JSON_DEPTH} levels deep")
+            return value
     try:
         # Decoded as json.loads decodes bytes (its encoding detection, BOM included).
         text = raw.decode(json.detect_encoding(raw), "surrogatepass") if isinstance(raw, bytes | bytearray) else raw
