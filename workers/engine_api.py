@@ -117,6 +117,12 @@ class StepCounts:
     def add(self, proposed: int, accepted: int, late: Sequence[SpecSteps] = ()) -> None:
         """One step, and the steps whose acceptance its engine reported late (``late_steps``):
         a step that drafted is speculative, and so is every late one."""
+        if not late:  # the usual step: no generators
+            self.proposed += proposed
+            self.accepted += accepted
+            self.steps += 1
+            self.speculative_steps += proposed > 0
+            return
         self.proposed += proposed + sum(g.proposed * g.count for g in late)
         self.accepted += accepted + sum(g.accepted * g.count for g in late)
         self.steps += 1

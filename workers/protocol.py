@@ -336,21 +336,41 @@ class StepReport:
 
     @classmethod
     def from_json(cls, raw: Any) -> StepReport | None:
-        if not isinstance(raw, Mapping):
+        if not isinstance(raw, dict):  # what a JSON object parses to
             return None
         later = raw.get("then")
         then: tuple[StepReport, ...] = ()
         if later and isinstance(later, list):  # one level: a later step's own ``then`` is ignored
-            then = tuple(step for step in map(cls._step, later) if step is not None)
+            then = tuple(step for step in map(cls._later_step, later) if step is not None)
         held = raw.get(HELD_FIELD)
         if not isinstance(held, (int, float)) or isinstance(held, bool) or not 0 < held < 3600:
             held = 0.0  # absent, or nothing a worker would say
         return cls._step(raw, then, float(held))
 
     @classmethod
+    def _later_step(cls, raw: Any) -> StepReport | None:
+        """A coalesced chunk's later step. Its reports repeat (a plain stream's are all alike),
+        and a report is immutable, so equal ones are one object: building a frozen dataclass
+        was most of the cost of reading a coalesced chunk's steps."""
+        if not isinstance(raw, dict) or "late_steps" in raw:
+            return cls._step(raw)
+        try:
+            key = (raw["proposed"], raw["accepted"], raw["batch_depth"], raw["k"], raw["tokens"])
+            step = _LATER_STEPS.get(key)
+        except (KeyError, TypeError):  # a missing field, or a value that cannot be a key
+            return cls._step(raw)
+        if step is None:
+            step = cls._step(raw)
+            if step is not None:
+                if len(_LATER_STEPS) >= _LATER_STEPS_MAX:
+                    _LATER_STEPS.clear()
+                _LATER_STEPS[key] = step
+        return step
+
+    @classmethod
     def _step(cls, raw: Any, then: tuple[StepReport, ...] = (), held_s: float = 0.0) -> StepReport | None:
         # Parsed for every relayed chunk: no generator unless the step has late steps.
-        if not isinstance(raw, Mapping):
+        if not isinstance(raw, dict):
             return None
         try:
             late_raw = raw.get("late_steps")
@@ -359,6 +379,11 @@ class StepReport:
                        int(raw["tokens"]), late, then=then, held_s=held_s)
         except (KeyError, TypeError, ValueError):
             return None
+
+
+# Later steps' reports by their five fields (bounded: batch depths and K values are few in practice).
+_LATER_STEPS: dict[tuple[Any, ...], StepReport] = {}
+_LATER_STEPS_MAX = 4096
 
 
 def vllm_step_report(chunk: Mapping[str, Any], k: int) -> StepReport | None:
