@@ -235,6 +235,27 @@ def test_metrics_cover_gateway_and_workers(gateway: Gateway, client: openai.Open
         assert name in text, name
     assert gateway.metric("specgate_requests_total", route="/v1/completions", status="200") >= 1
     assert gateway.metric("vllm:spec_decode_num_draft_tokens_total") > 0
+    # The gateway's own registry and the workers' merged files are one exposition: every
+    # family once, and no _created series (the files never had them).
+    families = [line.split()[2] for line in text.splitlines() if line.startswith("# TYPE ")]
+    assert len(families) == len(set(families)), sorted(families)
+    assert "_created" not in text
+
+
+def test_only_workers_write_multiprocess_files(gateway: Gateway, client: openai.OpenAI) -> None:
+    """The gateway keeps its own series in memory; its workers write the files it merges."""
+    client.completions.create(model="specgate-demo", prompt=CODE_PROMPT, max_tokens=4, temperature=0)
+    gateway_pid = gateway.process.pid
+    children = Path(f"/proc/{gateway_pid}/task/{gateway_pid}/children").read_text().split()
+    directories = set()
+    for pid in children:
+        for item in Path(f"/proc/{pid}/environ").read_bytes().split(b"\0"):
+            if item.startswith(b"PROMETHEUS_MULTIPROC_DIR="):
+                directories.add(Path(item.split(b"=", 1)[1].decode()))
+    assert len(directories) == 1, directories  # the workers inherit the gateway's directory
+    files = [path.name for path in next(iter(directories)).glob("*.db")]
+    assert any(name.endswith(f"_{pid}.db") for name in files for pid in children), files
+    assert not [name for name in files if name.endswith(f"_{gateway_pid}.db")], files
 
 
 def test_admin_workers_show_load_and_acceptance(gateway: Gateway) -> None:

@@ -1,0 +1,115 @@
+"""The relay's fast paths decide as the general ones did: request JSON (orjson first, the
+standard parser for what orjson refuses), the text log line, and a coalesced chunk's reports."""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+from typing import Any
+
+import pytest
+
+from workers import protocol
+from workers.limits import MAX_JSON_DEPTH, InputRefused, loads_json
+from workers.logs import TextFormatter
+from workers.protocol import StepReport
+
+
+def _standard(raw: bytes) -> Any:
+    return json.loads(raw.decode(json.detect_encoding(raw), "surrogatepass"))
+
+
+@pytest.mark.parametrize("raw", [
+    b'{"model": "m", "prompt": "x", "max_tokens": 4}',
+    b'{"seed": 123456789012345678}',  # 18 digits: orjson's own path, exact
+    b'{"seed": 1234567890123456789}',  # 19 digits: the standard parser decides (may exceed 64 bits)
+    b'{"seed": 18446744073709551616}',
+    b'{"seed": -9223372036854775809}',
+    b'{"prompt": [123456789012345678901234567890]}',
+    b'{"temperature": 0.30000000000000004, "top_p": 1e-7}',
+    b'{"temperature": 1e400}',  # overflows to inf on the standard parser; the API refuses it later
+    b'{"user": "x\\ud800y"}',  # a lone surrogate: valid JSON, not valid UTF-8
+    b'\xef\xbb\xbf{"model": "m"}',  # a byte order mark
+    '{"model": "m"}'.encode("utf-16"),
+    b'{"a": 1, "a": 2}',
+    b'{"prompt": "\\u00e9\\n\\t\\"", "stop": ["\\u2028"]}',
+    b'  [1, 2.5, true, null, "s"]\n',
+])
+def test_request_json_parses_as_the_standard_parser(raw: bytes) -> None:
+    parsed = loads_json(raw)
+    assert parsed == _standard(raw)
+    assert json.dumps(parsed, sort_keys=True) == json.dumps(_standard(raw), sort_keys=True)  # ints stay ints
+
+
+@pytest.mark.parametrize(("raw", "needle"), [
+    (b"[" * MAX_JSON_DEPTH + b"[]" + b"]" * MAX_JSON_DEPTH, "nested"),  # short: orjson parses it
+    (b"[" * 5000 + b"]" * 5000, "nested"),  # beyond orjson's own limit: the standard parser
+    (b'{"top_p": NaN}', "NaN"),
+    (b'{"top_p": -Infinity}', "Infinity"),
+    (b'{"prompt": "\xff"}', "UTF-8"),
+    (b'{"prompt": "x",}', "JSON"),
+    (b"", "JSON"),
+])
+def test_request_json_refusals_are_unchanged(raw: bytes, needle: str) -> None:
+    with pytest.raises(InputRefused, match=needle):
+        loads_json(raw)
+
+
+def test_depth_limit_holds_at_the_boundary() -> None:
+    nested: Any = []
+    for _ in range(MAX_JSON_DEPTH - 1):
+        nested = [nested]
+    assert loads_json(json.dumps(nested).encode()) == nested
+    with pytest.raises(InputRefused, match="nested"):
+        loads_json(json.dumps([nested]).encode())
+
+
+def _records() -> list[logging.LogRecord]:
+    log = logging.getLogger("gateway.relay")
+    records = [log.makeRecord("gateway.relay", logging.INFO, "", 0, "%s request on %s done in %.3f s",
+                              ("completion", "sim-0", 0.00123), None),
+               log.makeRecord("gateway.relay", logging.WARNING, "", 0, "no args", (), None,
+                              sinfo="Stack (most recent call last):\n  here")]
+    try:
+        raise ValueError("boom")
+    except ValueError:
+        records.append(log.makeRecord("gateway.fleet", logging.ERROR, "", 0, "failed: %r", ("x",), sys.exc_info()))
+    later = log.makeRecord("gateway.relay", logging.INFO, "", 0, "a second later", (), None)
+    later.created, later.msecs = records[0].created + 1.0, 7.0
+    return [*records, later, records[0]]
+
+
+def test_text_log_lines_are_the_generic_formatters() -> None:
+    generic = logging.Formatter("%(asctime)s gateway %(levelname)s %(name)s: %(message)s")
+    fast = TextFormatter("gateway")
+    for record in _records():
+        expected = generic.format(record)
+        record.exc_text = None  # each formatter renders the traceback itself
+        assert fast.format(record) == expected
+
+
+def test_later_step_reports_are_shared_and_exact() -> None:
+    step = {"proposed": 0, "accepted": 0, "batch_depth": 3, "k": 0, "tokens": 1}
+    raw = {"proposed": 4, "accepted": 2, "batch_depth": 3, "k": 4, "tokens": 3, "held_s": 0.01,
+           "then": [step, dict(step), {**step, "proposed": 4, "accepted": 4, "k": 4, "tokens": 5},
+                    {**step, "late_steps": [[4, 1, 2]]}, {"proposed": [1]}, "junk"]}
+    report = StepReport.from_json(raw)
+    assert report is not None
+    first, second, third, late = report.then
+    assert first is second  # equal reports, one object
+    assert first == StepReport(0, 0, 3, 0, 1)
+    assert third == StepReport(4, 4, 3, 4, 5)
+    assert late.late_steps[0].count == 2
+    again = StepReport.from_json(raw)
+    assert again is not None and again.then == report.then and again.then[0] is first
+
+
+def test_later_step_cache_is_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(protocol, "_LATER_STEPS", {})
+    monkeypatch.setattr(protocol, "_LATER_STEPS_MAX", 8)
+    steps = [{"proposed": 0, "accepted": 0, "batch_depth": depth, "k": 0, "tokens": 1} for depth in range(20)]
+    report = StepReport.from_json({"proposed": 0, "accepted": 0, "batch_depth": 1, "k": 0, "tokens": 1,
+                                   "then": steps})
+    assert report is not None and [s.batch_depth for s in report.then] == list(range(20))
+    assert len(protocol._LATER_STEPS) <= 8
