@@ -97,7 +97,8 @@ def ping_pong(family: str, parent_cpu: int | None, child_cpu: int | None, round_
             sender.close()
             os.waitpid(child, 0)
             os.sched_setaffinity(0, set(range(os.cpu_count() or 1)))
-    return {"send_us": round(statistics.median(sends) * 1e6, 1), "round_trip_us": round(statistics.median(trips) * 1e6, 1)}
+    return {"send_us": round(statistics.median(sends) * 1e6, 1),
+            "round_trip_us": round(statistics.median(trips) * 1e6, 1)}
 
 
 def run(round_trips: int) -> dict[str, Any]:
@@ -126,8 +127,9 @@ def main(argv: list[str] | None = None) -> None:
     print(f"CPU: {cpu_label()}; loopback ping-pong, {args.round_trips} round trips a placement, medians:")
     out = run(args.round_trips)
     for family in ("tcp", "unix"):
-        if f"{family}_cross_cpu_wakeups_us" in out:
-            print(f"{family}: the two cross-CPU wake-ups of a round trip add {out[f'{family}_cross_cpu_wakeups_us']} µs")
+        added = out.get(f"{family}_cross_cpu_wakeups_us")
+        if added is not None:
+            print(f"{family}: the two cross-CPU wake-ups of a round trip add {added} µs")
     procs.print_result(out, args.json)
 
 

@@ -25,13 +25,14 @@ from gateway.metrics import GatewayMetrics, LiveStateCollector
 from gateway.openapi import openapi_document
 from gateway.ops_metrics import OPS_KEY, OpsMetrics
 from gateway.policy_store import PolicyStore
-from gateway.relay import relay
+from gateway.relay import REQUEST_LOG_KEY, relay
 from gateway.safe_yaml import YamlRefused, load_yaml
 from gateway.sessions import SessionTable
 from gateway.state import STATE_KEY, GatewayState
 from gateway.tracing import TRACING_KEY, Tracing
 from policies import PolicyConfigError
 from workers.limits import InputRefused, loads_json
+from workers.logs import RequestLog
 from workers.protocol import BadRequest, NotFound, Unavailable
 from workers.web_common import BODY_TIMEOUT_KEY, Handler, health, model_list, openai_errors, read_body
 
@@ -76,6 +77,7 @@ def create_app(config: GatewayConfig, metrics: GatewayMetrics | None = None) -> 
     app[OPS_KEY] = ops
     app[AUTH_KEY] = AuthStore(config.auth, config.source, config.server, ops)
     app[DRAIN_KEY] = Drain(config.server.drain_timeout_s, ops)
+    app[REQUEST_LOG_KEY] = RequestLog(logging.getLogger("gateway.relay"))
     app.cleanup_ctx.append(_background)
     app.router.add_post("/v1/chat/completions", _chat_completions)
     app.router.add_post("/v1/completions", _completions)
@@ -93,6 +95,7 @@ def create_app(config: GatewayConfig, metrics: GatewayMetrics | None = None) -> 
 
 async def _background(app: web.Application) -> AsyncIterator[None]:
     fleet, store, auth = app[STATE_KEY].fleet, app[STATE_KEY].policy, app[AUTH_KEY]
+    request_log = asyncio.create_task(app[REQUEST_LOG_KEY].run(), name="request-log")
     await fleet.start()
     watchers = [asyncio.create_task(store.watch(), name="policy-file-watcher"),
                 asyncio.create_task(auth.watch(), name="auth-file-watcher")]
@@ -116,6 +119,9 @@ async def _background(app: web.Application) -> AsyncIterator[None]:
             await watcher
     await fleet.stop()
     app[TRACING_KEY].shutdown()
+    request_log.cancel()  # it writes what is left as it ends
+    with contextlib.suppress(asyncio.CancelledError):
+        await request_log
 
 
 # -- OpenAI routes ---------------------------------------------------------------------------------

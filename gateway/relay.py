@@ -46,7 +46,7 @@ from policies import (
     record_decision,
     worker_acceptance,
 )
-from workers.logs import decision_var, request_id_var, session_var
+from workers.logs import RequestLog, decision_var, request_id_var, session_var
 from workers.protocol import (
     DIRECTIVE_FIELD,
     GATEWAY_FIELDS,
@@ -71,6 +71,8 @@ from workers.protocol import (
 from workers.web_common import read_json, sse_event, start_sse
 
 log = logging.getLogger(__name__)
+# The one line per request, written in batches (workers/logs.py); its task runs in app.py's cleanup context.
+REQUEST_LOG_KEY = web.AppKey("request_log", RequestLog)
 MODE_HEADER = "X-Specgate-Mode"
 WORKER_HEADER = "X-Specgate-Worker"
 _PATHS: dict[RequestKind, str] = {"chat": "/v1/chat/completions", "completion": "/v1/completions"}
@@ -398,5 +400,5 @@ async def _relay(request: web.Request, kind: RequestKind, state: GatewayState, t
         trace.streamed(tally.first_token_at - started if tally.first_token_at is not None else None, tally.tokens)
         # One line per request (tagged with its id, session and decision by workers/logs.py);
         # never the body or headers: no prompt text or API key reaches the log.
-        log.info("%s request on %s done in %.3f s", kind, stream.admission.handle.worker_id,
-                 time.monotonic() - started)
+        request.app[REQUEST_LOG_KEY].info("%s request on %s done in %.3f s", kind, stream.admission.handle.worker_id,
+                                          time.monotonic() - started)

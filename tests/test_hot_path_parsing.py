@@ -1,18 +1,22 @@
 """The relay's fast paths decide as the general ones did: request JSON (orjson first, the
-standard parser for what orjson refuses), the text log line, and a coalesced chunk's reports."""
+standard parser for what orjson refuses), the text log line, the per-request line written in
+batches, and a coalesced chunk's reports."""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import json
 import logging
 import sys
+import time
 from typing import Any
 
 import pytest
 
 from workers import protocol
 from workers.limits import MAX_JSON_DEPTH, InputRefused, loads_json
-from workers.logs import TextFormatter
+from workers.logs import JsonFormatter, RequestLog, TextFormatter, decision_var, request_id_var, session_var
 from workers.protocol import StepReport
 
 
@@ -113,3 +117,94 @@ def test_later_step_cache_is_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
                                    "then": steps})
     assert report is not None and [s.batch_depth for s in report.then] == list(range(20))
     assert len(protocol._LATER_STEPS) <= 8
+
+
+class _Collect(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__()
+        self.records: list[logging.LogRecord] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.records.append(record)
+
+
+def _request_logger(name: str) -> tuple[logging.Logger, _Collect]:
+    logger = logging.getLogger(name)
+    logger.setLevel(logging.INFO)
+    logger.propagate = False
+    handler = _Collect()
+    logger.handlers[:] = [handler]
+    return logger, handler
+
+
+def test_request_lines_keep_their_time_and_request_context() -> None:
+    logger, handler = _request_logger("test.request_log.context")
+    request_log = RequestLog(logger)
+    tokens = [var.set(value) for var, value in ((request_id_var, "r" * 32), (session_var, "s-1"),
+                                                 (decision_var, "plain; reason=temperature"))]
+    try:
+        before = time.time()
+        request_log.info("%s request on %s done in %.3f s", "completion", "worker-0", 0.25)
+        after = time.time()
+    finally:
+        for var, token in zip((request_id_var, session_var, decision_var), tokens, strict=True):
+            var.reset(token)
+    assert handler.records == []  # nothing is written in the request
+    time.sleep(0.01)
+    request_log.flush()
+    (record,) = handler.records
+    assert before <= record.created <= after and record.msecs == int((record.created % 1) * 1000)
+    assert record.getMessage() == "completion request on worker-0 done in 0.250 s"
+    assert record.name == logger.name and record.levelno == logging.INFO
+    # Formatted now, outside the request, the line still names it.
+    entry = json.loads(JsonFormatter().format(record))
+    assert (entry["request_id"], entry["session"], entry["decision"]) == ("r" * 32, "s-1", "plain; reason=temperature")
+    text = TextFormatter("gateway").format(record)
+    assert text.startswith(time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(record.created)))
+
+
+def test_request_log_writes_the_rest_when_its_task_ends() -> None:
+    logger, handler = _request_logger("test.request_log.task")
+    request_log = RequestLog(logger, flush_s=30)
+
+    async def scenario() -> None:
+        task = asyncio.create_task(request_log.run())
+        await asyncio.sleep(0)
+        for i in range(3):
+            request_log.info("line %d", i)
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+
+    asyncio.run(scenario())
+    assert [r.getMessage() for r in handler.records] == ["line 0", "line 1", "line 2"]
+
+
+def test_request_log_flushes_on_its_period_and_when_full(monkeypatch: pytest.MonkeyPatch) -> None:
+    logger, handler = _request_logger("test.request_log.period")
+    request_log = RequestLog(logger, flush_s=0.01)
+
+    async def scenario() -> None:
+        task = asyncio.create_task(request_log.run())
+        request_log.info("soon")
+        await asyncio.sleep(0.1)
+        assert [r.getMessage() for r in handler.records] == ["soon"]
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+
+    asyncio.run(scenario())
+    monkeypatch.setattr(RequestLog, "MAX_PENDING", 3)
+    full = RequestLog(logger, flush_s=30)
+    for i in range(3):
+        full.info("full %d", i)
+    assert [r.getMessage() for r in handler.records][-3:] == ["full 0", "full 1", "full 2"]  # no task needed
+
+
+def test_request_log_keeps_nothing_below_its_level() -> None:
+    logger, handler = _request_logger("test.request_log.level")
+    logger.setLevel(logging.WARNING)
+    request_log = RequestLog(logger)
+    request_log.info("dropped")
+    request_log.flush()
+    assert handler.records == []

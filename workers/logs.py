@@ -17,6 +17,7 @@ error) are the one exception; the gateway wraps those of its workers (gateway/wo
 
 from __future__ import annotations
 
+import asyncio
 import contextvars
 import json
 import logging
@@ -41,6 +42,59 @@ session_var: contextvars.ContextVar[str | None] = contextvars.ContextVar("specga
 decision_var: contextvars.ContextVar[str | None] = contextvars.ContextVar("specgate_decision", default=None)
 
 
+_CONTEXT = (("request_id", request_id_var), ("session", session_var), ("decision", decision_var))
+
+
+class RequestLog:
+    """A server's one INFO line per request, handed to logging a batch at a time.
+
+    Made and written while the request was served, that line cost the gateway about 45 µs of
+    a sequential request's latency (bench.stacks, the line removed: 43–55 µs less added p50),
+    most of it logging's own code running with caches cold, about 15 µs the write. Here the
+    request keeps a tuple (its time, message, arguments and context: about 1 µs), and ``run``
+    turns the batch into records every ``flush_s``, as nginx's buffered access log does
+    (``access_log ... flush=``). Each line keeps the time it was logged at and its request's
+    id, session and decision; it reaches the log at most ``flush_s`` later, so it may follow
+    lines logged after it. Warnings and errors do not go through here: they are written at once.
+    """
+
+    MAX_PENDING = 10_000  # beyond this (nothing flushing?) the batch goes out in the request
+
+    def __init__(self, logger: logging.Logger, flush_s: float = 0.05) -> None:
+        self.logger = logger
+        self.flush_s = flush_s
+        self._pending: list[tuple[float, str, tuple[object, ...], str | None, str | None, str | None]] = []
+
+    def info(self, msg: str, *args: object) -> None:
+        if not self.logger.isEnabledFor(logging.INFO):
+            return
+        self._pending.append((time.time(), msg, args, request_id_var.get(), session_var.get(), decision_var.get()))
+        if len(self._pending) >= self.MAX_PENDING:
+            self.flush()
+
+    def flush(self) -> None:
+        pending, self._pending = self._pending, []
+        for created, msg, args, *context in pending:
+            record = self.logger.makeRecord(self.logger.name, logging.INFO, "", 0, msg, args, None)
+            # As LogRecord sets them for its own time (Python 3.11).
+            record.relativeCreated -= (record.created - created) * 1000
+            record.created = created
+            record.msecs = int((created - int(created)) * 1000) + 0.0
+            for (key, _), value in zip(_CONTEXT, context, strict=True):
+                setattr(record, key, value)
+            self.logger.handle(record)
+
+    async def run(self) -> None:
+        """Flushes every ``flush_s`` until cancelled, then once more (a task in cleanup_ctx)."""
+        try:
+            while True:
+                await asyncio.sleep(self.flush_s)
+                if self._pending:
+                    self.flush()
+        finally:
+            self.flush()
+
+
 class JsonFormatter(logging.Formatter):
     """One JSON object per record; ``fields`` are added to every line (a worker's id)."""
 
@@ -60,8 +114,9 @@ class JsonFormatter(logging.Formatter):
             value = getattr(record, attr, None)
             if isinstance(value, str):
                 entry[attr] = value
-        for key, var in (("request_id", request_id_var), ("session", session_var), ("decision", decision_var)):
-            value = var.get()
+        for key, var in _CONTEXT:
+            # A line logged later than it was made (RequestLog) carries its request's context.
+            value = record.__dict__[key] if key in record.__dict__ else var.get()
             if value is not None:
                 entry[key] = value
         if record.exc_info:

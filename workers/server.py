@@ -9,6 +9,8 @@ gateway's ``specgate`` directive (K and batch thresholds for this request) and a
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import functools
 import logging
 import secrets
@@ -32,7 +34,7 @@ from workers.engine_api import (
     StepCounts,
     StepStats,
 )
-from workers.logs import request_id_var, session_var
+from workers.logs import RequestLog, request_id_var, session_var
 from workers.metrics import WorkerMetrics
 from workers.protocol import (
     MAX_SESSION_ID,
@@ -77,6 +79,7 @@ class WorkerContext:
     codec: TextCodec
     metrics: WorkerMetrics
     registry: CollectorRegistry | None
+    request_log: RequestLog  # the one line per request, written in batches (workers/logs.py)
 
 
 CONTEXT_KEY = web.AppKey("worker_context", WorkerContext)
@@ -123,10 +126,15 @@ def create_worker_app(settings: WorkerSettings, engine: Engine,
                 step_seconds.observe(stats.step_s)
 
         await engine.start(on_step)
+        request_log = RequestLog(log)
+        flusher = asyncio.create_task(request_log.run(), name="request-log")
         app[CONTEXT_KEY] = WorkerContext(settings, engine, TextCodec.from_model_dir(settings.tokenizer_dir), metrics,
-                                         registry)
+                                         registry, request_log)
         yield
         await engine.stop()
+        flusher.cancel()  # it writes what is left as it ends
+        with contextlib.suppress(asyncio.CancelledError):
+            await flusher
 
     app.cleanup_ctx.append(engine_ctx)
     app.router.add_post("/v1/completions", _completions)
@@ -372,9 +380,9 @@ async def _generate(ctx: WorkerContext, req: CompletionRequest,
         mode = "speculative" if generation.k > 0 else "plain"
         # One line per request (never its text), tagged by _tag_logs: it ties the id the client
         # sees to the gateway's request id in the log.
-        log.info("%s %s finished (%s): %d prompt + %d completion tokens, %d steps (%d speculative) in %.3f s",
-                 req.kind, rid, finish, len(prompt_ids), earlier + emitted, ran.steps, ran.speculative_steps,
-                 time.monotonic() - started)
+        ctx.request_log.info("%s %s finished (%s): %d prompt + %d completion tokens, %d steps (%d speculative) "
+                             "in %.3f s", req.kind, rid, finish, len(prompt_ids), earlier + emitted, ran.steps,
+                             ran.speculative_steps, time.monotonic() - started)
         yield {"id": rid, "object": "chat.completion.chunk" if req.kind == "chat" else "text_completion",
                "created": created, "model": model, "choices": [],
                "usage": {"prompt_tokens": len(prompt_ids), "completion_tokens": earlier + emitted,
