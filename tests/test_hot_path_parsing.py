@@ -208,3 +208,13 @@ def test_request_log_keeps_nothing_below_its_level() -> None:
     request_log.info("dropped")
     request_log.flush()
     assert handler.records == []
+
+
+def test_bracket_count_only_skips_what_cannot_be_deep() -> None:
+    shallow = {"prompt": "[" * (MAX_JSON_DEPTH * 2), "messages": [{"content": "{}"}]}  # brackets in text
+    assert loads_json(json.dumps(shallow).encode()) == shallow
+    deep: Any = "x"
+    for _ in range(MAX_JSON_DEPTH + 1):
+        deep = {"a": deep}
+    with pytest.raises(InputRefused, match="nested"):
+        loads_json(json.dumps(deep).encode("utf-16"))  # the standard parser's path, counted in its bytes
