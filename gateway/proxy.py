@@ -169,10 +169,12 @@ async def iter_chunk_batches(response: WorkerResponse) -> AsyncGenerator[list[Ra
                 raise WorkerTimeout("worker went silent mid-stream") from exc
             if not data:
                 break
-            buffer += data
+            # Every complete event of the read at once; the last piece is the start of the next.
+            *events, buffer = (buffer + data).split(b"\n\n")
             batch: list[RawChunk] = []
-            while b"\n\n" in buffer and not done:
-                event, buffer = buffer.split(b"\n\n", 1)
+            for event in events:
+                if done:
+                    break
                 ids: dict[str, Any] | None = None
                 for line in event.split(b"\n"):
                     if line.startswith(IDS_COMMENT):

@@ -269,13 +269,16 @@ def _account(state: GatewayState, admission: Admission, tally: StreamTally, raw:
         usage = dict(chunk["usage"])
         # A specgate worker's usage says what ran (its step counts); a server that reports no
         # steps gets the gateway's tally, and the plain steps it cannot see stay unknown.
-        usage.setdefault("speculative", speculative_usage(tally.proposed, tally.accepted, admission.decision.mode,
-                                                          tally.speculative_steps if tally.proposed else None))
+        if "speculative" not in usage:
+            usage["speculative"] = speculative_usage(tally.proposed, tally.accepted, admission.decision.mode,
+                                                     tally.speculative_steps if tally.proposed else None)
         chunk["usage"] = usage
 
 
 def _account_step(metrics: GatewayMetrics, admission: Admission, tally: StreamTally, report: StepReport) -> None:
     """One engine step's drafts into the session's and the worker's acceptance, the tally and metrics."""
+    if report.proposed <= 0 and not report.late_steps:
+        return  # a plain step: no drafts to count (every step of a plain stream comes here)
     session, handle, policy = admission.session, admission.handle, admission.policy
     session.policy_state = observe(session.policy_state, report.proposed, report.accepted, policy)
     handle.acceptance = observe(handle.acceptance, report.proposed, report.accepted, policy)
