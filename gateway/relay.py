@@ -5,7 +5,6 @@ from __future__ import annotations
 import functools
 import hashlib
 import logging
-import os
 import time
 from dataclasses import dataclass, replace
 from typing import Any
@@ -334,7 +333,7 @@ async def _relay(request: web.Request, kind: RequestKind, state: GatewayState, t
     drain, ops = request.app[DRAIN_KEY], request.app[OPS_KEY]
     # Tags this request's log lines (workers/logs.py); each aiohttp handler runs in its own task,
     # so these values never leak into another request's context.
-    request_id_var.set(os.urandom(16).hex())  # 32 hex digits, as uuid4().hex without its object
+    request_id_var.set(state.sessions.random_id())  # 32 hex digits, as uuid4().hex without its object
     req = parse_request(kind, await read_json(request))
     if req.model != state.config.model.name:
         raise NotFound(f"model '{req.model}' does not exist; available: '{state.config.model.name}'",

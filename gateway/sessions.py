@@ -8,11 +8,43 @@ as an argument (the event loop's monotonic clock), which keeps the table testabl
 from __future__ import annotations
 
 import os
+import weakref
 from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 
 from gateway.config import SessionsConfig
 from policies import Decision, Mode, SessionState
+
+
+class RandomIds:
+    """Ids of 32 hex digits from ``os.urandom``, read from the OS 4 KiB at a time.
+
+    A request without a session is given a new session id and every request a new request
+    id: ``strace -c -p`` of a gateway under sequential load counted 2 ``getrandom`` calls a
+    request beside its 3 writes and 2 reads. The bytes are the same cryptographic bytes, read
+    256 ids at a time. Called from the event loop only; a forked child starts with an empty
+    buffer, so no two processes hand out the same id.
+    """
+
+    _CHUNK = 4096
+
+    def __init__(self) -> None:
+        self._buffer = b""
+        self._at = 0
+        mine = weakref.ref(self)  # the fork hook cannot be removed: it must not keep the table alive
+        os.register_at_fork(after_in_child=lambda: _forget(mine))
+
+    def __call__(self) -> str:
+        if self._at + 16 > len(self._buffer):
+            self._buffer, self._at = os.urandom(self._CHUNK), 0
+        start, self._at = self._at, self._at + 16
+        return self._buffer[start:self._at].hex()
+
+
+def _forget(ids: weakref.ref[RandomIds]) -> None:
+    owner = ids()
+    if owner is not None:
+        owner._buffer, owner._at = b"", 0
 
 
 @dataclass(frozen=True)
@@ -46,6 +78,7 @@ class SessionTable:
         self.config = config
         self._sessions: OrderedDict[tuple[str, str], Session] = OrderedDict()
         self.evicted = 0
+        self.random_id = RandomIds()  # new session ids, and the relay's request ids
 
     def __len__(self) -> int:
         return len(self._sessions)
@@ -61,7 +94,7 @@ class SessionTable:
         """Returns the session (created if new or expired), marked most recently used."""
         self.expire(now)
         if session_id is None:
-            session_id = "sess-" + os.urandom(16).hex()  # as uuid4().hex, without building a UUID
+            session_id = "sess-" + self.random_id()  # as uuid4().hex, without building a UUID
         key = (scope, session_id)
         session = self._sessions.get(key)
         if session is None:

@@ -49,8 +49,9 @@ class RequestLog:
     """A server's one INFO line per request, handed to logging a batch at a time.
 
     Made and written while the request was served, that line cost the gateway about 45 µs of
-    a sequential request's latency (bench.stacks, the line removed: 43–55 µs less added p50),
-    most of it logging's own code running with caches cold, about 15 µs the write. Here the
+    a sequential request's latency (bench.stacks against a checkout without the line: 43–55 µs
+    less added p50; with the line formatted but not written, 13–17 µs less), most of it
+    logging's own code running with caches cold after the other processes' turns. Here the
     request keeps a tuple (its time, message, arguments and context: about 1 µs), and ``run``
     turns the batch into records every ``flush_s``, as nginx's buffered access log does
     (``access_log ... flush=``). Each line keeps the time it was logged at and its request's
@@ -127,8 +128,8 @@ class JsonFormatter(logging.Formatter):
 class TextFormatter(logging.Formatter):
     """``<time> <name> <level> <logger>: <message>``, the line ``logging.Formatter`` writes for
     ``%(asctime)s <name> %(levelname)s %(name)s: %(message)s``, with the time's text made once
-    a second: the gateway writes one line per request, and the generic formatter's strftime
-    and ``%``-formatting of the whole record were most of that line's cost."""
+    a second instead of a strftime per line (the gateway and its workers write a line per
+    request); tests/test_hot_path_parsing.py holds it to the generic formatter's output."""
 
     def __init__(self, name: str) -> None:
         super().__init__()
