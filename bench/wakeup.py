@@ -14,7 +14,8 @@ call alone, with the two processes placed three ways:
 
 On a virtual machine whose idle CPUs halt, waking a process on another CPU costs an
 inter-processor interrupt and the halted CPU's wake-up; the ``other_cpu`` round trip minus the
-``same_cpu`` one is what those two wake-ups add. Needs 2 CPUs for ``other_cpu``.
+``same_cpu`` one is what those two wake-ups add. ``other_cpu`` needs two CPUs this process
+may run on (the first two of its affinity set).
 """
 
 from __future__ import annotations
@@ -33,8 +34,15 @@ from bench import procs
 from workers.cost_cache import cpu_label
 
 REQUEST, ANSWER = b"x" * 600, b"y" * 400
-PLACEMENTS: dict[str, tuple[int | None, int | None]] = {"same_cpu": (0, 0), "other_cpu": (0, 1),
-                                                        "unpinned": (None, None)}
+
+
+def placements(cpus: list[int]) -> dict[str, tuple[int | None, int | None]]:
+    """(parent CPU, child CPU) per placement, among the CPUs this process may use."""
+    out: dict[str, tuple[int | None, int | None]] = {"same_cpu": (cpus[0], cpus[0])}
+    if len(cpus) >= 2:
+        out["other_cpu"] = (cpus[0], cpus[1])
+    out["unpinned"] = (None, None)
+    return out
 
 
 def _pin(cpu: int | None) -> None:
@@ -56,6 +64,7 @@ def _answer_forever(connection: socket.socket, cpu: int | None) -> None:
 
 def ping_pong(family: str, parent_cpu: int | None, child_cpu: int | None, round_trips: int) -> dict[str, float]:
     """Median send and round-trip times in µs for ``round_trips`` exchanges (after 100 to warm)."""
+    allowed = os.sched_getaffinity(0)
     with tempfile.TemporaryDirectory() as directory:
         if family == "tcp":
             listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
@@ -96,19 +105,17 @@ def ping_pong(family: str, parent_cpu: int | None, child_cpu: int | None, round_
         finally:
             sender.close()
             os.waitpid(child, 0)
-            os.sched_setaffinity(0, set(range(os.cpu_count() or 1)))
+            os.sched_setaffinity(0, allowed)
     return {"send_us": round(statistics.median(sends) * 1e6, 1),
             "round_trip_us": round(statistics.median(trips) * 1e6, 1)}
 
 
 def run(round_trips: int) -> dict[str, Any]:
-    cpus = len(os.sched_getaffinity(0))
-    out: dict[str, Any] = {"cpu": cpu_label(), "cpus": cpus, "round_trips": round_trips}
+    cpus = sorted(os.sched_getaffinity(0))
+    out: dict[str, Any] = {"cpu": cpu_label(), "cpus": len(cpus), "round_trips": round_trips}
     for family in ("tcp", "unix"):
         results: dict[str, dict[str, float]] = {}
-        for placement, (parent_cpu, child_cpu) in PLACEMENTS.items():
-            if cpus < 2 and placement == "other_cpu":
-                continue
+        for placement, (parent_cpu, child_cpu) in placements(cpus).items():
             results[placement] = ping_pong(family, parent_cpu, child_cpu, round_trips)
             print(f"  {family:4} {placement:9}  round trip {results[placement]['round_trip_us']:7.1f} µs   "
                   f"send {results[placement]['send_us']:6.1f} µs", flush=True)

@@ -168,3 +168,14 @@ def test_live_prompts_are_as_long_as_the_virtual_fleets() -> None:
             ids = codec.encode(live_prompt(kind, random.Random(seed)))
             assert drawn <= len(ids) <= drawn + 6, (kind.name, drawn, len(ids))
 
+
+
+def test_bench_wakeup_measures_every_placement() -> None:
+    result, stdout = _json_run("-m", "bench.wakeup", "--round-trips", "200", "--json")
+    for family in ("tcp", "unix"):
+        placements = result[family]
+        assert {"same_cpu", "unpinned"} <= set(placements)
+        assert all(p["round_trip_us"] > 0 and p["send_us"] > 0 for p in placements.values())
+        if result["cpus"] >= 2:
+            assert "other_cpu" in placements and f"{family}_cross_cpu_wakeups_us" in result
+    assert result["cpu"] and "round trip" in stdout
