@@ -23,7 +23,7 @@ import ssl
 from collections import deque
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import cast
+from typing import Any, cast
 from urllib.parse import urlsplit
 
 import httptools
@@ -192,7 +192,7 @@ class _Connection(asyncio.Protocol):
             self.transport.close()
 
 
-def _expire(waiter: asyncio.Future[None]) -> None:
+def _expire(waiter: asyncio.Future[Any]) -> None:
     if not waiter.done():
         waiter.set_exception(TimeoutError())
 
@@ -277,9 +277,11 @@ class WorkerHttp:
             if connection.closed:
                 continue
             head = connection.send(request)
+            # A timer on the head itself (as read_piece's): asyncio.timeout's task bookkeeping
+            # cost more than the wait it guards, for every request.
+            timer = asyncio.get_running_loop().call_later(read_timeout, _expire, head)
             try:
-                async with asyncio.timeout(read_timeout):
-                    status, response_headers = await head
+                status, response_headers = await head
             except WorkerStreamError as exc:
                 connection.close()
                 # A reused connection the worker closed while idle (its keep-alive ran out)
@@ -293,6 +295,8 @@ class WorkerHttp:
             except BaseException:
                 connection.close()
                 raise
+            finally:
+                timer.cancel()
             return WorkerResponse(self, connection, status, response_headers, read_timeout)
 
     def put_back(self, connection: _Connection) -> None:
