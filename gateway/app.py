@@ -78,6 +78,7 @@ def create_app(config: GatewayConfig, metrics: GatewayMetrics | None = None) -> 
     app[AUTH_KEY] = AuthStore(config.auth, config.source, config.server, ops)
     app[DRAIN_KEY] = Drain(config.server.drain_timeout_s, ops)
     app[REQUEST_LOG_KEY] = RequestLog(logging.getLogger("gateway.relay"))
+    app.cleanup_ctx.append(_request_log)
     app.cleanup_ctx.append(_background)
     app.router.add_post("/v1/chat/completions", _chat_completions)
     app.router.add_post("/v1/completions", _completions)
@@ -95,7 +96,6 @@ def create_app(config: GatewayConfig, metrics: GatewayMetrics | None = None) -> 
 
 async def _background(app: web.Application) -> AsyncIterator[None]:
     fleet, store, auth = app[STATE_KEY].fleet, app[STATE_KEY].policy, app[AUTH_KEY]
-    request_log = asyncio.create_task(app[REQUEST_LOG_KEY].run(), name="request-log")
     await fleet.start()
     watchers = [asyncio.create_task(store.watch(), name="policy-file-watcher"),
                 asyncio.create_task(auth.watch(), name="auth-file-watcher")]
@@ -119,9 +119,12 @@ async def _background(app: web.Application) -> AsyncIterator[None]:
             await watcher
     await fleet.stop()
     app[TRACING_KEY].shutdown()
-    request_log.cancel()  # it writes what is left as it ends
-    with contextlib.suppress(asyncio.CancelledError):
-        await request_log
+
+
+async def _request_log(app: web.Application) -> AsyncIterator[None]:
+    # Before _background in cleanup_ctx: started first, it ends last and writes the last lines.
+    async with app[REQUEST_LOG_KEY].running():
+        yield
 
 
 # -- OpenAI routes ---------------------------------------------------------------------------------

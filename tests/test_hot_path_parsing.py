@@ -218,3 +218,17 @@ def test_bracket_count_only_skips_what_cannot_be_deep() -> None:
         deep = {"a": deep}
     with pytest.raises(InputRefused, match="nested"):
         loads_json(json.dumps(deep).encode("utf-16"))  # the standard parser's path, counted in its bytes
+
+
+def test_request_log_running_writes_the_rest_as_it_ends() -> None:
+    logger, handler = _request_logger("test.request_log.running")
+    request_log = RequestLog(logger, flush_s=30)
+
+    async def scenario() -> None:
+        async with request_log.running():
+            request_log.info("inside %d", 1)
+            await asyncio.sleep(0)
+            assert handler.records == []  # a 30 s period: nothing written yet
+
+    asyncio.run(scenario())
+    assert [r.getMessage() for r in handler.records] == ["inside 1"]

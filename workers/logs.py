@@ -18,13 +18,14 @@ error) are the one exception; the gateway wraps those of its workers (gateway/wo
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import contextvars
 import json
 import logging
 import sys
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import AsyncIterator, Mapping
 from types import TracebackType
 from typing import Literal
 
@@ -69,6 +70,7 @@ class RequestLog:
     def info(self, msg: str, *args: object) -> None:
         if not self.logger.isEnabledFor(logging.INFO):
             return
+        # The context in _CONTEXT's order, read directly: this runs in every request.
         self._pending.append((time.time(), msg, args, request_id_var.get(), session_var.get(), decision_var.get()))
         if len(self._pending) >= self.MAX_PENDING:
             self.flush()
@@ -86,7 +88,7 @@ class RequestLog:
             self.logger.handle(record)
 
     async def run(self) -> None:
-        """Flushes every ``flush_s`` until cancelled, then once more (a task in cleanup_ctx)."""
+        """Flushes every ``flush_s`` until cancelled, then once more."""
         try:
             while True:
                 await asyncio.sleep(self.flush_s)
@@ -94,6 +96,17 @@ class RequestLog:
                     self.flush()
         finally:
             self.flush()
+
+    @contextlib.asynccontextmanager
+    async def running(self) -> AsyncIterator[None]:
+        """``run`` as a task while the body runs (a server's cleanup context); the rest is written as it ends."""
+        task = asyncio.create_task(self.run(), name="request-log")
+        try:
+            yield
+        finally:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
 
 
 class JsonFormatter(logging.Formatter):

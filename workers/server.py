@@ -9,8 +9,6 @@ gateway's ``specgate`` directive (K and batch thresholds for this request) and a
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import functools
 import logging
 import secrets
@@ -127,14 +125,11 @@ def create_worker_app(settings: WorkerSettings, engine: Engine,
 
         await engine.start(on_step)
         request_log = RequestLog(log)
-        flusher = asyncio.create_task(request_log.run(), name="request-log")
         app[CONTEXT_KEY] = WorkerContext(settings, engine, TextCodec.from_model_dir(settings.tokenizer_dir), metrics,
                                          registry, request_log)
-        yield
-        await engine.stop()
-        flusher.cancel()  # it writes what is left as it ends
-        with contextlib.suppress(asyncio.CancelledError):
-            await flusher
+        async with request_log.running():
+            yield
+            await engine.stop()
 
     app.cleanup_ctx.append(engine_ctx)
     app.router.add_post("/v1/completions", _completions)
