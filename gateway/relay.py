@@ -6,6 +6,7 @@ import functools
 import hashlib
 import logging
 import time
+from collections.abc import AsyncGenerator
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -85,6 +86,10 @@ class Admission:
     policy: PolicyConfig
     attempt: AttemptTrace
     retries: int = 0  # workers found unreachable before this one took the request
+
+
+# A worker read in a non-streaming request: when it came, whose admission it was under, its chunks.
+Received = tuple[float, Admission, list[RawChunk]]
 
 
 def _session_id(request: web.Request, req: CompletionRequest) -> str | None:
@@ -218,11 +223,12 @@ async def _admit(state: GatewayState, session: Session, req: CompletionRequest, 
 
 
 def _account(state: GatewayState, admission: Admission, tally: StreamTally, raw: RawChunk,
-             kind: RequestKind, started: float) -> None:
+             kind: RequestKind, started: float, now: float) -> None:
+    """One chunk into the session's and worker's acceptance, the metrics and the tally; ``now``
+    is when its worker read came (time to first token, inter-token gaps)."""
     # The streaming relay forwards chunks without usage as the worker sent them: only the usage
     # chunk may be changed here.
     chunk = raw.chunk if raw.chunk.get("usage") is None else raw.changed()
-    now = time.monotonic()
     metrics = state.metrics
     report = raw.report
     if admission.handle.protocol == "vllm" and chunk.get("usage"):
@@ -313,6 +319,63 @@ async def _send(out: web.StreamResponse, data: bytes, last: bool = False) -> Non
         raise ClientDisconnected(f"client disconnected mid-stream: {exc}") from None
 
 
+def _answer_first(received: list[Received]) -> bool:
+    """Whether the answer is whole before its chunks are accounted: true unless a usage chunk
+    is restated from the gateway's tally (a vLLM server's, or one without ``speculative``)."""
+    for _, admission, batch in received:
+        for raw in batch:
+            usage = raw.chunk.get("usage")
+            if usage is not None and (admission.handle.protocol == "vllm" or "speculative" not in usage):
+                return False
+    return True
+
+
+async def _answer(request: web.Request, state: GatewayState, stream: MigratingStream,
+                  batches: AsyncGenerator[list[RawChunk], None], tally: StreamTally, headers: dict[str, str],
+                  started: float) -> web.Response:
+    """A non-streaming request: the worker's chunks folded into one answer.
+
+    The answer is written before the chunks are accounted (acceptance, metrics, tally), as a
+    server logs after it responds: that work then runs while the client reads the answer, not
+    before it (bench.overhead's added p50). The accounting runs before this task yields to the
+    loop again (``write_eof`` waits only while the socket's buffer is full, and then the client
+    does not have the whole answer yet), so a session's next request still sees its
+    acceptance (tests/test_sim.py). Each chunk is accounted with the time its read came and the
+    worker that sent it (a migrated stream has several). A usage chunk the gateway restates (a
+    vLLM server's, or one without ``speculative``) needs the tally first: then it accounts first.
+    """
+    kind = stream.kind
+    received: list[Received] = []
+    async for batch in batches:
+        received.append((time.monotonic(), stream.admission, batch))
+        if request.transport is None or request.transport.is_closing():
+            # The client left: stop reading, which closes the worker stream and aborts it.
+            raise ClientDisconnected("client disconnected while its completion was generated")
+
+    def account() -> None:
+        for at, admission, batch in received:
+            for raw in batch:
+                _account(state, admission, tally, raw, kind, started, at)
+
+    answer_first = _answer_first(received)
+    if not answer_first:
+        account()
+    try:
+        # After a migration: every worker that served it, in order; the mode is the last decision's.
+        headers[WORKER_HEADER] = stream.workers_header
+        headers[MODE_HEADER] = stream.admission.decision.header
+        tally.collected = [raw.chunk for _, _, batch in received for raw in batch]
+        response = web.Response(body=orjson.dumps(assemble(kind, tally.collected)), headers=headers,
+                                content_type="application/json")
+        if answer_first:
+            await response.prepare(request)
+            await response.write_eof()
+    finally:  # an answer that failed, or a client gone mid-write, does not undo what the worker did
+        if answer_first:
+            account()
+    return response
+
+
 async def relay(request: web.Request, kind: RequestKind, state: GatewayState) -> web.StreamResponse:
     trace = request.app[TRACING_KEY].start(request, kind)  # a no-op unless tracing is on
     error: BaseException | None = None
@@ -361,26 +424,16 @@ async def _relay(request: web.Request, kind: RequestKind, state: GatewayState, t
     batches = stream.batches()
     try:
         if not req.stream:
-            async for batch in batches:
-                for raw in batch:
-                    _account(state, stream.admission, tally, raw, kind, started)
-                    tally.collected.append(raw.chunk)
-                if request.transport is None or request.transport.is_closing():
-                    # The client left: stop reading, which closes the worker stream and aborts it.
-                    raise ClientDisconnected("client disconnected while its completion was generated")
-            # After a migration: every worker that served it, in order; the mode is the last decision's.
-            headers[WORKER_HEADER] = stream.workers_header
-            headers[MODE_HEADER] = stream.admission.decision.header
-            return web.Response(body=orjson.dumps(assemble(kind, tally.collected)), headers=headers,
-                                content_type="application/json")
+            return await _answer(request, state, stream, batches, tally, headers, started)
         out = await start_sse(request, headers)
         try:
             # One client write per worker read, of the worker's own bytes for every chunk the
             # gateway did not change (the hot loop: bench.overhead).
             async for batch in batches:
                 events = []
+                now = time.monotonic()
                 for raw in batch:
-                    _account(state, stream.admission, tally, raw, kind, started)
+                    _account(state, stream.admission, tally, raw, kind, started, now)
                     if raw.chunk.get("usage") is not None and not req.include_usage:
                         continue
                     if _worth_sending(kind, raw.chunk):

@@ -431,8 +431,9 @@ def test_measurement_times_every_depths_plain_step_and_k1_step_before_the_rest(
     assert report.depths == (1, 2, 4, 8, 16)
     # Phase 1 (the precision candidates), then the prefills, then phase 2 of the chosen target.
     phase2 = timed[2:]
-    assert sorted(phase2[0]) == [("target", d, 1) for d in (2, 4, 8)]  # 1 and 16 were timed in phase 1
-    assert sorted(phase2[1]) == [("target", 1, 1), ("target", 1, 3)]  # n = 2, 4, 5 in phase 1
+    # Phase 1 timed the chosen target beside the other candidates: phase 2 times it again, alone.
+    assert sorted(phase2[0]) == [("target", d, 1) for d in (2, 4, 8, 16)]
+    assert sorted(phase2[1]) == [("draft", 1, 1)] + [("target", 1, n) for n in range(1, 6)]
     k1 = phase2[2:6]
     assert [{(kind, n) for kind, _, n in group} for group in k1] == [{("target", 1), ("draft", 1), ("target", 2)}] * 4
     assert [group[0][1] for group in k1] == [2, 4, 8, 16]

@@ -218,3 +218,27 @@ def test_sim_worker_refuses_oversized_requests_and_reports_drafts(sim_gateway: G
     with sdk_client(sim_gateway) as client, pytest.raises(openai.BadRequestError):
         client.completions.create(model="specgate-demo", prompt="x", max_tokens=100_000)
     assert sim_gateway.metric("vllm:spec_decode_num_draft_tokens_total") > 0
+
+
+def test_a_non_streaming_answer_is_accounted_before_the_next_request(sim_gateway: Gateway) -> None:
+    """The gateway writes a non-streaming answer before it accounts the worker's chunks
+    (gateway/relay.py ``_answer``): by the time the client holds the answer, the session's
+    evidence, the per-position draft counters and the token counter already include it."""
+    proposed_total = 0
+    with sdk_client(sim_gateway) as client:
+        for index in range(6):
+            tokens_before = sim_gateway.metric("specgate_tokens_total")
+            drafted_before = sim_gateway.metric("specgate_spec_decode_drafted_by_position_total", position="1")
+            raw = client.completions.with_raw_response.create(
+                model="specgate-demo", prompt="[code] def f():", max_tokens=12, temperature=0.2, seed=index,
+                extra_headers={"X-Session-ID": "answer-first"})
+            usage = raw.parse().usage
+            speculative = usage.model_extra["speculative"]
+            proposed_total += speculative["proposed"]
+            record = sim_gateway.get_json("/admin/sessions/answer-first")
+            assert record["evidence_drafted_tokens"] == proposed_total, (index, record, speculative)
+            assert sim_gateway.metric("specgate_tokens_total") == tokens_before + usage.completion_tokens
+            # Every speculative step drafts position 1.
+            assert (sim_gateway.metric("specgate_spec_decode_drafted_by_position_total", position="1")
+                    == drafted_before + speculative["speculative_steps"])
+    assert proposed_total > 0

@@ -326,23 +326,29 @@ def measure_with_model(settings: MeasureSettings) -> tuple[CostReport, LlamaForC
     depths = depth_grid(full)
     engine_times = measure_overheads(target, draft, max_k, depths, started + 0.7 * settings.budget_s)
     prefill_ms, draft_prefill_ms = measure_prefill(target, draft)
-    # Phase 2, the chosen target: every n at batch 1, then the full batch and the depths between
-    # (a sparse n each), until the budget ends. A depth's points are timed together, taking
-    # turns with its plain step, and joined to what that depth already has through the plain
-    # step's ratio: step costs are ratios within a depth, and points timed seconds apart on a
-    # shared machine differ by its load (a 2-token step at batch 64 once came out 1.05x a plain
-    # one, timed alone; 1.9x, timed in turns).
-    measured = {1: {n: times[(chosen_config, 1, n)] for n in n_plan}}
-    measured.setdefault(full, {})[1] = times[(chosen_config, full, 1)]  # (full may be 1: the same point)
-    draft_measured = {1: times[(f"draft-{chosen.products}", 1, 1)]} if draft is not None else {}
+    # Phase 2, the chosen target alone: every n at batch 1, then the full batch and the depths
+    # between (a sparse n each), until the budget ends. A depth's points are timed together,
+    # taking turns with its plain step, and joined to what that depth already has through the
+    # plain step's ratio: step costs are ratios within a depth, and points timed seconds apart on
+    # a shared machine differ by its load (a 2-token step at batch 64 once came out 1.05x a plain
+    # one, timed alone; 1.9x, timed in turns). Phase 1's timings of the chosen target stand in
+    # only for what phase 2 does not reach: there each forward ran after another candidate's, and
+    # on the AMX Xeon a plain step at batch 1 came out 2.2 ms there against 1.14 ms alone, while
+    # its 2- and 4-token forwards, run after the draft's, did not; joined through that plain step,
+    # verification at batch 1 priced 2 and 4 tokens at 0.70x and 0.63x a plain step, 3 at 1.12x,
+    # and the start-up model predicted 2.68x where bench.engine measured 1.69x.
+    phase1 = {full: {1: times[(chosen_config, full, 1)]}}
+    phase1[1] = {n: times[(chosen_config, 1, n)] for n in n_plan}  # (full may be 1: the same point)
+    phase1_draft = times[(f"draft-{chosen.products}", 1, 1)] if draft is not None else None
+    measured: dict[int, dict[int, float]] = {}
+    draft_measured: dict[int, float] = {}
     drafting = [0] if draft is not None else []
     # The plain step at every depth first: it is what every decision at a depth is measured
     # against, and between depths it is not linear. On the AVX2 CPU a plain step at depth 8 cost
     # 4.5 ms, as much as at depth 4, where the line from depth 4 to 16 said 6.9 ms; K auto then
     # decoded batch 8 at K=1 and lost 14% to plain (bench.engine). A depth timed plain only
     # takes its shape in n from the nearest depth timed at several (_curves).
-    plain_steps = {("target", d, 1): _forward(target, cache, d, 1, positions, True)
-                   for d in depths[1:-1] if d not in measured}
+    plain_steps = {("target", d, 1): _forward(target, cache, d, 1, positions, True) for d in depths[1:]}
     if plain_steps and time.perf_counter() < deadline:
         for (_, depth, _), seconds in _time_rounds(plain_steps, deadline).items():
             measured.setdefault(depth, {})[1] = seconds
@@ -351,7 +357,7 @@ def measure_with_model(settings: MeasureSettings) -> tuple[CostReport, LlamaForC
     # full batch's last; then the rest of n_plan at each depth, until the budget ends. The
     # shape in n at batch 1 said nothing about depth 8, where a 2-token step cost 2.4x a plain
     # one against 1.4x at batch 1 (bench.engine's refined costs, AVX2 CPU).
-    groups: list[tuple[int, list[int]]] = [(1, list(range(1, width + 1)))]
+    groups: list[tuple[int, list[int]]] = [(1, [*drafting, *range(1, width + 1)])]
     if width > 1:
         groups += [(d, [*drafting, 2]) for d in (*depths[1:-1], full) if d > 1]
     groups += [(d, drafting + n_plan) for d in (full, *depths[1:-1])]
@@ -383,6 +389,11 @@ def measure_with_model(settings: MeasureSettings) -> tuple[CostReport, LlamaForC
                 draft_measured[depth] = seconds * scale
             elif n > 1:
                 row[n] = seconds * scale
+    for depth, row in phase1.items():  # what the budget left untimed in phase 2
+        if 1 not in measured.get(depth, {}):
+            measured[depth] = dict(row)
+    if phase1_draft is not None:
+        draft_measured.setdefault(1, phase1_draft)
     measured = {d: row for d, row in measured.items() if 1 in row}
     target_s, draft_s = _curves(depths, measured, draft_measured, width, draft is not None)
     draft_first_s, draft_next_s = (draft_split(depths, draft_s, engine_times.draft_phase_s) if draft is not None
