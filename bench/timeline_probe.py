@@ -2,9 +2,11 @@
 with a timestamp at each hand-off of a request (bench.timeline).
 
 The probes wrap, by name, the functions a request passes through: the gateway's outermost
-middleware (``gateway.app.count_requests``: in and out), its worker request
-(``gateway.relay.open_stream``: sent, and the response's head back), and the worker's request
-handler (``workers.server._serve``: in and out). ``time.monotonic`` is one clock for every
+middleware (``gateway.app.count_requests``: in), its worker request
+(``gateway.relay.open_stream``: sent, and the response's head back), the answer assembled
+(``gateway.relay.assemble``: out; the gateway writes it next, and accounts it after the write:
+``gateway.relay._answer``), and the worker's request handler (``workers.server._serve``: in and
+out, its answer then written by aiohttp). ``time.monotonic`` is one clock for every
 process on the machine, so bench.timeline can line the marks of the client, the gateway and the
 worker up per request. A wrapped function that is gone fails the start, not the figures.
 At exit the marks go to ``$SPECGATE_TIMELINE_OUT.<module>.<pid>.json``.
@@ -28,9 +30,10 @@ OUT_ENV = "SPECGATE_TIMELINE_OUT"
 MARKS: dict[str, list[float]] = {}
 
 
-def _probe(module: ModuleType, name: str, enter: str, leave: str) -> None:
+def _probe(module: ModuleType, name: str, enter: str | None, leave: str | None) -> None:
     original: Callable[..., Awaitable[Any]] = getattr(module, name)  # AttributeError: the probe is stale
-    enter_marks, leave_marks = MARKS.setdefault(enter, []), MARKS.setdefault(leave, [])
+    enter_marks = MARKS.setdefault(enter, []) if enter else []
+    leave_marks = MARKS.setdefault(leave, []) if leave else []
 
     @functools.wraps(original)  # keeps aiohttp's middleware marker
     async def probed(*args: Any, **kwargs: Any) -> Any:
@@ -43,13 +46,29 @@ def _probe(module: ModuleType, name: str, enter: str, leave: str) -> None:
     setattr(module, name, probed)
 
 
+def _probe_leaving(module: ModuleType, name: str, leave: str) -> None:
+    """A mark as a plain function returns."""
+    original: Callable[..., Any] = getattr(module, name)  # AttributeError: the probe is stale
+    leave_marks = MARKS.setdefault(leave, [])
+
+    @functools.wraps(original)
+    def probed(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return original(*args, **kwargs)
+        finally:
+            leave_marks.append(time.monotonic())
+
+    setattr(module, name, probed)
+
+
 def install(target: str) -> None:
     if target == "gateway":
         import gateway.app
         import gateway.relay
 
-        _probe(gateway.app, "count_requests", "gateway_in", "gateway_out")
+        _probe(gateway.app, "count_requests", "gateway_in", None)
         _probe(gateway.relay, "open_stream", "to_worker", "from_worker")
+        _probe_leaving(gateway.relay, "assemble", "gateway_out")
     import workers.server
 
     _probe(workers.server, "_serve", "worker_in", "worker_out")

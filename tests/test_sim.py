@@ -233,6 +233,7 @@ def test_a_non_streaming_answer_is_accounted_before_the_next_request(sim_gateway
                 model="specgate-demo", prompt="[code] def f():", max_tokens=12, temperature=0.2, seed=index,
                 extra_headers={"X-Session-ID": "answer-first"})
             usage = raw.parse().usage
+            assert usage is not None and usage.model_extra is not None
             speculative = usage.model_extra["speculative"]
             proposed_total += speculative["proposed"]
             record = sim_gateway.get_json("/admin/sessions/answer-first")
