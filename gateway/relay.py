@@ -88,7 +88,7 @@ class Admission:
     retries: int = 0  # workers found unreachable before this one took the request
 
 
-# A worker read in a non-streaming request: when it came, whose admission it was under, its chunks.
+# A worker read of a non-streaming request: when it came, the admission it came under, its chunks.
 Received = tuple[float, Admission, list[RawChunk]]
 
 
@@ -319,15 +319,15 @@ async def _send(out: web.StreamResponse, data: bytes, last: bool = False) -> Non
         raise ClientDisconnected(f"client disconnected mid-stream: {exc}") from None
 
 
-def _answer_first(received: list[Received]) -> bool:
-    """Whether the answer is whole before its chunks are accounted: true unless a usage chunk
-    is restated from the gateway's tally (a vLLM server's, or one without ``speculative``)."""
-    for _, admission, batch in received:
-        for raw in batch:
-            usage = raw.chunk.get("usage")
-            if usage is not None and (admission.handle.protocol == "vllm" or "speculative" not in usage):
-                return False
-    return True
+def _restated(received: Received) -> bool:
+    """Whether a read holds a usage chunk the gateway restates from its tally (a vLLM server's,
+    or one without ``speculative``): then the tally must be whole before the answer is."""
+    _, admission, batch = received
+    for raw in batch:
+        usage = raw.chunk.get("usage")
+        if usage is not None and (admission.handle.protocol == "vllm" or "speculative" not in usage):
+            return True
+    return False
 
 
 async def _answer(request: web.Request, state: GatewayState, stream: MigratingStream,
@@ -335,44 +335,49 @@ async def _answer(request: web.Request, state: GatewayState, stream: MigratingSt
                   started: float) -> web.Response:
     """A non-streaming request: the worker's chunks folded into one answer.
 
-    The answer is written before the chunks are accounted (acceptance, metrics, tally), as a
-    server logs after it responds: that work then runs while the client reads the answer, not
-    before it (bench.overhead's added p50). The accounting runs before this task yields to the
-    loop again (``write_eof`` waits only while the socket's buffer is full, and then the client
-    does not have the whole answer yet), so a session's next request still sees its
-    acceptance (tests/test_sim.py). Each chunk is accounted with the time its read came and the
-    worker that sent it (a migrated stream has several). A usage chunk the gateway restates (a
-    vLLM server's, or one without ``speculative``) needs the tally first: then it accounts first.
+    Each worker read is accounted (acceptance, metrics, tally) when the next one comes, so a
+    long generation's tokens and acceptance reach the metrics and the policy as they come; the
+    last read, which ends the stream, is accounted after the answer is written, as a server
+    logs after it responds: that work then runs while the client reads the answer, not before
+    it (bench.overhead's added p50: a short completion is one read). It runs before this task
+    yields to the loop again (``write_eof`` waits only while the socket's buffer is full, and
+    then the client does not have the whole answer yet), so a session's next request still
+    sees it (tests/test_sim.py). A read that restates usage from the tally is accounted first.
+    Each read is accounted with the time it came and the admission it came under (a migrated
+    stream has several); one held when the request fails is accounted before the failure
+    leaves.
     """
     kind = stream.kind
-    received: list[Received] = []
-    async for batch in batches:
-        received.append((time.monotonic(), stream.admission, batch))
-        if request.transport is None or request.transport.is_closing():
-            # The client left: stop reading, which closes the worker stream and aborts it.
-            raise ClientDisconnected("client disconnected while its completion was generated")
+    held: Received | None = None
 
-    def account() -> None:
-        for at, admission, batch in received:
-            for raw in batch:
-                _account(state, admission, tally, raw, kind, started, at)
+    def account(received: Received) -> None:
+        at, admission, batch = received
+        for raw in batch:
+            _account(state, admission, tally, raw, kind, started, at)
 
-    answer_first = _answer_first(received)
-    if not answer_first:
-        account()
     try:
+        async for batch in batches:
+            if held is not None:
+                account(held)
+            held = (time.monotonic(), stream.admission, batch)
+            tally.collected += [raw.chunk for raw in batch]
+            if request.transport is None or request.transport.is_closing():
+                # The client left: stop reading, which closes the worker stream and aborts it.
+                raise ClientDisconnected("client disconnected while its completion was generated")
+        if held is not None and _restated(held):
+            account(held)
+            held = None
         # After a migration: every worker that served it, in order; the mode is the last decision's.
         headers[WORKER_HEADER] = stream.workers_header
         headers[MODE_HEADER] = stream.admission.decision.header
-        tally.collected = [raw.chunk for _, _, batch in received for raw in batch]
         response = web.Response(body=orjson.dumps(assemble(kind, tally.collected)), headers=headers,
                                 content_type="application/json")
-        if answer_first:
+        if held is not None:
             await response.prepare(request)
             await response.write_eof()
-    finally:  # an answer that failed, or a client gone mid-write, does not undo what the worker did
-        if answer_first:
-            account()
+    finally:  # a failed answer, or a client gone mid-write, does not undo what the worker did
+        if held is not None:
+            account(held)
     return response
 
 
