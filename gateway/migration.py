@@ -29,6 +29,8 @@ from collections.abc import AsyncGenerator, Awaitable, Callable
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
+import orjson
+
 from gateway.drain import Drain, ShuttingDown
 from gateway.ops_metrics import OpsMetrics
 from gateway.proxy import NoWorker, RawChunk, WorkerLost, iter_chunk_batches
@@ -38,6 +40,8 @@ from gateway.worker_http import WorkerResponse
 from workers.engine_api import StepCounts
 from workers.protocol import (
     DIRECTIVE_FIELD,
+    PROMPT_IDS_FIELD,
+    TOKEN_IDS_FIELD,
     ApiError,
     CompletionRequest,
     RequestKind,
@@ -55,6 +59,59 @@ log = logging.getLogger(__name__)
 AdmitFn = Callable[[GatewayState, Session, CompletionRequest, frozenset[str], ResumePoint | None],
                    Awaitable[tuple["Admission", WorkerResponse]]]
 RETRY_PAUSE_S = 0.1
+
+
+class StreamIds:
+    """The stream's prompt and output token ids, from its events' ids comments.
+
+    Kept as the worker sent them and parsed only when asked (a migration, a dead worker's
+    usage): most streams never migrate, and parsing every event's ids was about 1% of the
+    gateway's CPU per request (py-spy under bench.overhead's sequential load).
+    """
+
+    __slots__ = ("_complete", "_output", "_pending", "_prompt")
+
+    def __init__(self) -> None:
+        self._pending: list[tuple[bytes | None, bool]] = []  # (ids comment, whether its chunk had text)
+        self._prompt: list[int] | None = None
+        self._output: list[int] = []
+        self._complete = True
+
+    def add(self, ids: bytes | None, has_text: bool) -> None:
+        if ids is not None or has_text:
+            self._pending.append((ids, has_text))
+
+    def _parse(self) -> None:
+        for ids, has_text in self._pending:
+            try:
+                parsed = orjson.loads(ids) if ids is not None else None
+            except orjson.JSONDecodeError:
+                parsed = None
+            tokens = parsed.get(TOKEN_IDS_FIELD) if isinstance(parsed, dict) else None
+            prompt = parsed.get(PROMPT_IDS_FIELD) if isinstance(parsed, dict) else None
+            if isinstance(prompt, list) and self._prompt is None:
+                self._prompt = prompt
+            if isinstance(tokens, list):
+                self._output.extend(tokens)
+            elif has_text:
+                self._complete = False  # text without its ids: the stream cannot resume elsewhere
+        self._pending.clear()
+
+    @property
+    def prompt(self) -> list[int] | None:
+        self._parse()
+        return self._prompt
+
+    @property
+    def output(self) -> list[int]:
+        self._parse()
+        return self._output
+
+    @property
+    def complete(self) -> bool:
+        """Every chunk with text carried its token ids."""
+        self._parse()
+        return self._complete
 
 
 def resumed_request(req: CompletionRequest, generated: int) -> CompletionRequest:
@@ -77,9 +134,7 @@ class MigratingStream:
         self.admit, self.drain, self.ops = admit, drain, ops
         self.workers = [admission.handle.worker_id]
         self.migrations = 0
-        self.prompt_ids: list[int] | None = None
-        self.output_ids: list[int] = []
-        self.ids_complete = True  # every chunk with text carried its token ids
+        self.ids = StreamIds()
         self.text_sent = 0  # characters of text passed on to the client
         self.finish: str | None = None
         self.carried = StepCounts()  # steps of the workers that died
@@ -136,12 +191,7 @@ class MigratingStream:
             raw.changed().update(id=self._identity[0], created=self._identity[1])
         text = chunk_text(self.kind, chunk)
         self.text_sent += len(text)
-        if isinstance(raw.prompt_ids, list) and self.prompt_ids is None:
-            self.prompt_ids = raw.prompt_ids
-        if isinstance(raw.token_ids, list):
-            self.output_ids.extend(raw.token_ids)
-        elif text:
-            self.ids_complete = False
+        self.ids.add(raw.ids, bool(text))
         if raw.report is not None:
             for step in raw.report.steps():
                 self.segment.add(step.proposed, step.accepted, step.late_steps)
@@ -175,14 +225,13 @@ class MigratingStream:
 
     def _usage_chunk(self) -> dict[str, Any]:
         """The usage a dead worker did not send, for an answer it had finished."""
-        prompt = len(self.prompt_ids or ())
+        prompt, output = len(self.ids.prompt or ()), len(self.ids.output)
         counts = self.carried
         ident, created = self._identity or (None, None)
         chunk: dict[str, Any] = {
             "id": ident, "object": "chat.completion.chunk" if self.kind == "chat" else "text_completion",
             "created": created, "model": self.req.model, "choices": [],
-            "usage": {"prompt_tokens": prompt, "completion_tokens": len(self.output_ids),
-                      "total_tokens": prompt + len(self.output_ids),
+            "usage": {"prompt_tokens": prompt, "completion_tokens": output, "total_tokens": prompt + output,
                       "speculative": {"proposed": counts.proposed, "accepted": counts.accepted,
                                       "acceptance_rate": round(counts.accepted / counts.proposed, 4)
                                       if counts.proposed else None,
@@ -216,17 +265,18 @@ class MigratingStream:
 
     async def _resume(self, exc: ApiError) -> None:
         failed = self.admission.handle.worker_id
-        started = self.prompt_ids is not None or bool(self.output_ids) or self.text_sent > 0
+        prompt_ids, output_ids = self.ids.prompt, self.ids.output
+        started = prompt_ids is not None or bool(output_ids) or self.text_sent > 0
         point = None
         if started:
-            if not (self.ids_complete and self.prompt_ids and self.admission.handle.speaks_specgate):
+            if not (self.ids.complete and prompt_ids and self.admission.handle.speaks_specgate):
                 raise self._give_up("no_token_ids", f"worker {failed} failed mid-stream ({exc.message}); its "
                                     "protocol carries no token ids, so the generation cannot resume elsewhere")
             if self.migrations >= self.state.config.server.max_migrations:
                 raise self._give_up("limit", f"worker {failed} failed mid-stream ({exc.message}); gave up after "
                                     f"{self.migrations} migrations (server.max_migrations)")
-            point = ResumePoint(tuple(self.prompt_ids), tuple(self.output_ids), self.text_sent)
-        req = resumed_request(self.req, len(self.output_ids)) if point is not None else self.req
+            point = ResumePoint(tuple(prompt_ids), tuple(output_ids), self.text_sent)
+        req = resumed_request(self.req, len(output_ids)) if point is not None else self.req
         wait_s = self.state.config.server.migration_wait_s
         loop = asyncio.get_running_loop()
         deadline = loop.time() + wait_s
@@ -255,6 +305,6 @@ class MigratingStream:
             self.ops.migrations.inc()
             log.warning("session %s: worker %s failed mid-stream (%s); resumed on %s after %d tokens",
                         self.session.session_id, failed, exc.message, admission.handle.worker_id,
-                        len(self.output_ids))
+                        len(self.ids.output))
         else:
             self.ops.retries.inc()

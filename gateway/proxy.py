@@ -23,8 +23,6 @@ from gateway.worker_http import WorkerConnectError, WorkerResponse, WorkerStream
 from workers.protocol import (
     DIRECTIVE_FIELD,
     IDS_COMMENT,
-    PROMPT_IDS_FIELD,
-    TOKEN_IDS_FIELD,
     VLLM_XARGS_FIELD,
     ApiError,
     BadRequest,
@@ -138,8 +136,9 @@ class RawChunk:
     # The chunk's JSON as the worker sent it, relayed verbatim; None once the gateway changed
     # the chunk (then it is serialized again).
     payload: bytes | None
-    token_ids: list[int] | None = None  # from the event's ids comment (workers/protocol.py)
-    prompt_ids: list[int] | None = None
+    # The event's ids comment (workers/protocol.py), its JSON unparsed: only a stream that
+    # migrates needs the ids (gateway/migration.py StreamIds).
+    ids: bytes | None = None
     report: StepReport | None = None  # the chunk's ``specgate`` step report, parsed once
 
     def changed(self) -> dict[str, Any]:
@@ -149,6 +148,14 @@ class RawChunk:
 
     def sse(self) -> bytes:
         return sse_event(self.chunk) if self.payload is None else b"data: %b\n\n" % self.payload
+
+
+def _stream_error(chunk: Any) -> WorkerFailed:
+    """What a worker's error event, or an event that is no JSON object, fails the request with."""
+    if not isinstance(chunk, dict):
+        return WorkerFailed("worker sent an event whose data is not a JSON object")
+    error = chunk["error"]
+    return WorkerFailed(str(error.get("message", "worker error")) if isinstance(error, dict) else str(error))
 
 
 async def iter_chunk_batches(response: WorkerResponse) -> AsyncGenerator[list[RawChunk], None]:
@@ -175,10 +182,10 @@ async def iter_chunk_batches(response: WorkerResponse) -> AsyncGenerator[list[Ra
             for event in events:
                 if done:
                     break
-                ids: dict[str, Any] | None = None
+                ids: bytes | None = None
                 for line in event.split(b"\n"):
                     if line.startswith(IDS_COMMENT):
-                        ids = orjson.loads(line[len(IDS_COMMENT):])
+                        ids = line[len(IDS_COMMENT):]
                         continue
                     if not line.startswith(b"data:"):
                         continue
@@ -186,15 +193,15 @@ async def iter_chunk_batches(response: WorkerResponse) -> AsyncGenerator[list[Ra
                     if payload == b"[DONE]":
                         done = True
                         break
-                    chunk = orjson.loads(payload)
-                    if "error" in chunk:
+                    try:
+                        chunk = orjson.loads(payload)
+                    except orjson.JSONDecodeError:
+                        chunk = None
+                    if not isinstance(chunk, dict) or "error" in chunk:
                         if batch:  # what came before the error still reaches the client
                             yield batch
-                        raise WorkerFailed(str(chunk["error"].get("message", "worker error")))
-                    raw = RawChunk(chunk, payload, report=StepReport.from_json(chunk.get(DIRECTIVE_FIELD)))
-                    if ids is not None:
-                        raw.token_ids, raw.prompt_ids = ids.get(TOKEN_IDS_FIELD), ids.get(PROMPT_IDS_FIELD)
-                    batch.append(raw)
+                        raise _stream_error(chunk)
+                    batch.append(RawChunk(chunk, payload, ids, StepReport.from_json(chunk.get(DIRECTIVE_FIELD))))
             if batch:
                 yield batch
         if done:

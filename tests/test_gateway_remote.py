@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import subprocess
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
+import aiohttp
 import pytest
+from aiohttp import web
 
 from tests.harness import sdk_client, start_gateway, start_tcp_worker, target_prepacked_expected, write_config
 
@@ -133,3 +136,61 @@ def test_eos_is_counted_as_vllm_counts_it(tcp_worker: int) -> None:
     usage = next(c["usage"] for c in chunks if c.get("usage"))
     assert finish == ["stop"] and usage["completion_tokens"] < 200
     assert usage["completion_tokens"] == sent + 1
+
+
+async def _serve_garbage(events: list[bytes]) -> tuple[web.AppRunner, str]:
+    """An OpenAI server whose completion stream is ``events``: a worker gone wrong."""
+    async def completions(request: web.Request) -> web.StreamResponse:
+        out = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await out.prepare(request)
+        for event in events:
+            await out.write(event)
+        await out.write_eof()
+        return out
+
+    async def health(request: web.Request) -> web.Response:
+        return web.Response(text="ok")
+
+    app = web.Application()
+    app.router.add_post("/v1/completions", completions)
+    app.router.add_get("/health", health)
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+    return runner, f"http://127.0.0.1:{port}"
+
+
+GOOD_CHUNK = (b'data: {"id":"c1","object":"text_completion","created":1,"model":"specgate-demo",'
+              b'"choices":[{"index":0,"text":"hi","finish_reason":null}]}\n\n')
+
+
+@pytest.mark.parametrize("bad", [b"data: {not json\n\n", b"data: [1, 2]\n\n", b"data: 7\n\n",
+                                 b'data: {"error": "down"}\n\n'])
+async def test_a_malformed_worker_event_is_a_502_not_a_500(tmp_path: Path, bad: bytes) -> None:
+    """Data that is not a JSON object (or an error that is a bare string) from an upstream fails
+    the request with an OpenAI error, 502, non-streaming and streaming alike; never a 500."""
+    runner, url = await _serve_garbage([GOOD_CHUNK, bad, b"data: [DONE]\n\n"])
+    try:
+        config = write_config(tmp_path / "config.yaml", workers={
+            "count": 0, "remote": [{"url": url, "protocol": "openai", "name": "garbage", "mode": "plain"}]})
+        gateway = await asyncio.to_thread(start_gateway, config, tmp_path)
+        try:
+            await asyncio.to_thread(gateway.wait_workers_ready, 1)
+            body = {"model": "specgate-demo", "prompt": "x", "max_tokens": 4}
+            async with aiohttp.ClientSession() as http:
+                async with http.post(f"{gateway.url}/v1/completions", json=body) as response:
+                    assert response.status == 502, await response.text()
+                    error = (await response.json())["error"]
+                    assert error["type"] == "server_error" and error["message"]
+                async with http.post(f"{gateway.url}/v1/completions", json={**body, "stream": True}) as response:
+                    assert response.status == 200  # the stream began with the good chunk
+                    events = [line[5:].strip() async for line in response.content if line.startswith(b"data:")]
+                    assert json.loads(events[0])["choices"][0]["text"] == "hi"
+                    assert "error" in json.loads(events[-1])
+            assert "Traceback" not in gateway.log_path.read_text()
+        finally:
+            await asyncio.to_thread(gateway.stop)
+    finally:
+        await runner.cleanup()

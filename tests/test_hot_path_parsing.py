@@ -14,6 +14,7 @@ from typing import Any
 
 import pytest
 
+from gateway.migration import StreamIds
 from workers import protocol
 from workers.limits import MAX_JSON_DEPTH, InputRefused, loads_json
 from workers.logs import JsonFormatter, RequestLog, TextFormatter, decision_var, request_id_var, session_var
@@ -232,3 +233,22 @@ def test_request_log_running_writes_the_rest_as_it_ends() -> None:
 
     asyncio.run(scenario())
     assert [r.getMessage() for r in handler.records] == ["inside 1"]
+
+
+def test_stream_ids_parse_only_when_asked_and_as_before() -> None:
+    """A stream's token ids stay as the worker's bytes until a migration asks for them; then
+    they are what parsing each event's ids comment as it came gave (gateway/migration.py)."""
+    ids = StreamIds()
+    ids.add(b'{"token_ids":[5,6],"prompt_ids":[1,2,3]}', True)
+    ids.add(None, False)  # a chunk without text or ids (usage): nothing to keep
+    ids.add(b'{"token_ids":[7]}', True)
+    ids.add(b'{"prompt_ids":[9]}', False)  # only the first prompt counts
+    assert ids._pending and len(ids._pending) == 3  # nothing parsed yet
+    assert ids.prompt == [1, 2, 3] and ids.output == [5, 6, 7] and ids.complete
+    ids.add(b'{"token_ids":[8]}', True)  # parsed on the next ask, appended in order
+    assert ids.output == [5, 6, 7, 8]
+    for broken in (None, b"{not json", b"[1]", b'{"token_ids": "x"}'):
+        gapped = StreamIds()
+        gapped.add(b'{"token_ids":[5],"prompt_ids":[1]}', True)
+        gapped.add(broken, True)  # text whose ids are missing or unreadable: cannot resume
+        assert gapped.output == [5] and gapped.prompt == [1] and not gapped.complete
