@@ -65,8 +65,8 @@ class StreamIds:
     """The stream's prompt and output token ids, from its events' ids comments.
 
     Kept as the worker sent them and parsed only when asked (a migration, a dead worker's
-    usage): most streams never migrate, and parsing every event's ids was about 1% of the
-    gateway's CPU per request (py-spy under bench.overhead's sequential load).
+    usage): most streams never migrate, and parsing every event's ids as it came showed in
+    py-spy profiles of the gateway under sequential load.
     """
 
     __slots__ = ("_complete", "_output", "_pending", "_prompt")
