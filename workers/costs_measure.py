@@ -333,10 +333,10 @@ def measure_with_model(settings: MeasureSettings) -> tuple[CostReport, LlamaForC
     # a shared machine differ by its load (a 2-token step at batch 64 once came out 1.05x a plain
     # one, timed alone; 1.9x, timed in turns). Phase 1's timings of the chosen target stand in
     # only for what phase 2 does not reach: there each forward ran after another candidate's, and
-    # on the AMX Xeon a plain step at batch 1 came out 2.2 ms there against 1.14 ms alone, while
+    # on the AMX Xeon a plain step at batch 1 came out 2.21 ms there against 1.18 ms alone, while
     # its 2- and 4-token forwards, run after the draft's, did not; joined through that plain step,
-    # verification at batch 1 priced 2 and 4 tokens at 0.70x and 0.63x a plain step, 3 at 1.12x,
-    # and the start-up model predicted 2.68x where bench.engine measured 1.69x.
+    # verification at batch 1 priced 2 / 3 / 4 tokens at 0.76 / 1.05 / 0.66x a plain step, and
+    # the start-up model predicted 2.68x where bench.engine measured 1.69x (README, "Measured").
     phase1 = {full: {1: times[(chosen_config, full, 1)]}}
     phase1[1] = {n: times[(chosen_config, 1, n)] for n in n_plan}  # (full may be 1: the same point)
     phase1_draft = times[(f"draft-{chosen.products}", 1, 1)] if draft is not None else None
