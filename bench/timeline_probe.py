@@ -32,16 +32,18 @@ MARKS: dict[str, list[float]] = {}
 
 def _probe(module: ModuleType, name: str, enter: str | None, leave: str | None) -> None:
     original: Callable[..., Awaitable[Any]] = getattr(module, name)  # AttributeError: the probe is stale
-    enter_marks = MARKS.setdefault(enter, []) if enter else []
-    leave_marks = MARKS.setdefault(leave, []) if leave else []
+    enter_marks = MARKS.setdefault(enter, []) if enter else None
+    leave_marks = MARKS.setdefault(leave, []) if leave else None
 
     @functools.wraps(original)  # keeps aiohttp's middleware marker
     async def probed(*args: Any, **kwargs: Any) -> Any:
-        enter_marks.append(time.monotonic())
+        if enter_marks is not None:
+            enter_marks.append(time.monotonic())
         try:
             return await original(*args, **kwargs)
         finally:
-            leave_marks.append(time.monotonic())
+            if leave_marks is not None:
+                leave_marks.append(time.monotonic())
 
     setattr(module, name, probed)
 
