@@ -15,6 +15,11 @@ runs a sim worker answering at once (time scale 0) and a gateway in front of it,
   non-streaming 4-token and 64-token and streaming 4-token completions: requests/s and the
   gateway's and the worker's CPU per request (/proc utime + stime).
 Every request samples at T=1.0 under bench.overhead's plain policy.
+
+The stack started first runs slower: in A/A runs (``--ref-repo`` a worktree of the same
+commit) on the AMX Xeon it added 0.01–0.03 ms more at p50 and spent 7–33 µs more gateway CPU
+a sequential request, whichever checkout it was (README, "Relay overhead", stop 28). ``this``
+starts first unless ``--ref-first``: run a comparison both ways, or against an A/A run.
 """
 
 from __future__ import annotations
@@ -71,14 +76,19 @@ async def _sequential(stacks: list[Stack], rounds: int) -> dict[str, dict[str, l
     return latencies
 
 
-def run(ref_repo: Path | None, rounds: int, turns: int, seconds: float) -> dict[str, Any]:
+def run(ref_repo: Path | None, rounds: int, turns: int, seconds: float, ref_first: bool = False) -> dict[str, Any]:
     log_dir = Path(tempfile.mkdtemp(prefix="bench-stacks-"))
     started: list[Any] = []
-    out: dict[str, Any] = {"repos": {"this": str(procs.REPO)}, "cpu": cpu_label()}
+    out: dict[str, Any] = {"repos": {"this": str(procs.REPO)}, "cpu": cpu_label(),
+                           "started_first": "ref" if ref_first and ref_repo is not None else "this"}
     try:
-        stacks = [_start("this", procs.REPO, log_dir, started)]
-        if ref_repo is not None:
+        stacks: list[Stack] = []
+        if ref_repo is not None and ref_first:
             stacks.append(_start("ref", ref_repo, log_dir, started))
+        stacks.insert(0, _start("this", procs.REPO, log_dir, started))
+        if ref_repo is not None and not ref_first:
+            stacks.append(_start("ref", ref_repo, log_dir, started))
+        if ref_repo is not None:
             out["repos"]["ref"] = str(ref_repo)
         cpu0 = {s.name: procs.cpu_seconds(s.gateway.pid) for s in stacks}
         latencies = asyncio.run(_sequential(stacks, rounds))
@@ -137,9 +147,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--requests", type=int, default=3000, help="sequential rounds (default 3000)")
     parser.add_argument("--rounds", type=int, default=4, help="turns of each concurrent load a stack (default 4)")
     parser.add_argument("--seconds", type=float, default=4.0, help="seconds a turn (default 4)")
+    parser.add_argument("--ref-first", action="store_true", help="start the ref stack first (the first runs slower)")
     parser.add_argument("--json", action="store_true", help="last line: one JSON object")
     args = parser.parse_args(argv)
-    out = run(Path(args.ref_repo) if args.ref_repo else None, args.requests, args.rounds, args.seconds)
+    out = run(Path(args.ref_repo) if args.ref_repo else None, args.requests, args.rounds, args.seconds,
+              args.ref_first)
     report(out)
     procs.print_result(out, args.json)
 

@@ -108,7 +108,16 @@ def test_bench_stacks_runs_one_stack() -> None:
     assert "ref" not in result and this["gateway_p50_ms"] > 0 and this["direct_p50_ms"] > 0 and result["cpu"]
     for load in ("c32", "c32_64", "c32_stream4"):
         assert this[load]["rps"] > 0 and this[load]["gateway_cpu_us_per_request"] >= 0
-    assert "added p50" in stdout
+    assert "added p50" in stdout and result["started_first"] == "this"
+
+
+def test_bench_stacks_can_start_the_ref_stack_first() -> None:
+    """The stack started first runs slower (bench/stacks.py): a comparison can run both ways."""
+    result, _ = _json_run("-m", "bench.stacks", "--ref-repo", str(REPO), "--ref-first", "--requests", "10",
+                          "--rounds", "1", "--seconds", "0.3", "--json")
+    assert result["started_first"] == "ref" and result["repos"]["ref"] == str(REPO)
+    for name in ("this", "ref"):
+        assert result[name]["gateway_p50_ms"] > 0 and result[name]["c32"]["rps"] > 0
 
 
 def test_bench_draft_vocab_quick_json() -> None:
