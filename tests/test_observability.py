@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -113,9 +114,16 @@ def _workload(gateway: Gateway, client: openai.OpenAI) -> list[str]:
     assert modes[:4] == ["speculative; k=6; reason=default"] * 4, modes
     assert modes[4:] == ["plain; reason=high_temperature"] * 4, modes
 
+    # Eight streams at once over two workers: the seventh admitted finds three in flight on its
+    # worker (> max_batch 2) while the first six still run. They start together (the barrier)
+    # and run long enough to overlap: with 32 tokens each (a 24-token completion took 40 ms on
+    # the AMX Xeon) one CI run there saw no stream decoded plain.
+    start = threading.Barrier(8)
+
     def burst(i: int) -> str:
+        start.wait(timeout=30)
         with client.completions.with_streaming_response.create(
-                model=MODEL, prompt=CODE_PROMPT, max_tokens=32, temperature=0, stream=True,
+                model=MODEL, prompt=LONG_PROMPT, max_tokens=256, temperature=0, stream=True,
                 extra_headers={"X-Session-ID": f"burst-{i}"}) as response:
             for _ in response.iter_lines():
                 pass
