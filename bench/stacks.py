@@ -79,17 +79,12 @@ async def _sequential(stacks: list[Stack], rounds: int) -> dict[str, dict[str, l
 def run(ref_repo: Path | None, rounds: int, turns: int, seconds: float, ref_first: bool = False) -> dict[str, Any]:
     log_dir = Path(tempfile.mkdtemp(prefix="bench-stacks-"))
     started: list[Any] = []
-    out: dict[str, Any] = {"repos": {"this": str(procs.REPO)}, "cpu": cpu_label(),
-                           "started_first": "ref" if ref_first and ref_repo is not None else "this"}
+    out: dict[str, Any] = {"cpu": cpu_label(), "started_first": "ref" if ref_first and ref_repo is not None else "this"}
     try:
-        stacks: list[Stack] = []
-        if ref_repo is not None and ref_first:
-            stacks.append(_start("ref", ref_repo, log_dir, started))
-        stacks.insert(0, _start("this", procs.REPO, log_dir, started))
-        if ref_repo is not None and not ref_first:
-            stacks.append(_start("ref", ref_repo, log_dir, started))
-        if ref_repo is not None:
-            out["repos"]["ref"] = str(ref_repo)
+        repos = [("this", procs.REPO)] + ([("ref", ref_repo)] if ref_repo is not None else [])
+        by_name = {name: _start(name, repo, log_dir, started) for name, repo in (repos[::-1] if ref_first else repos)}
+        stacks = [by_name[name] for name, _ in repos]  # "this" first in every report, whichever started first
+        out["repos"] = {name: str(repo) for name, repo in repos}
         cpu0 = {s.name: procs.cpu_seconds(s.gateway.pid) for s in stacks}
         latencies = asyncio.run(_sequential(stacks, rounds))
         for s in stacks:

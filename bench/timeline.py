@@ -7,8 +7,8 @@ worker answering at once (time scale 0) and a gateway in front of it run with ti
 hand-off (bench/timeline_probe.py: the gateway's outermost middleware in, its worker request
 sent and answered, its answer assembled for the write, the worker's handler in and out).
 Sequential non-streaming 4-token requests at T=1.0 (plain, as in bench.overhead) go through the
-gateway and straight to the worker in turn, one each, so both paths see the machine in the same state. Per request the
-marks give the phases, in microseconds at the median:
+gateway and straight to the worker in turn, one each, so both paths see the machine in the same
+state. Per request the marks give the phases, in microseconds at the median:
 
     through the gateway: client -> gateway | gateway, before the worker | hop to the worker |
                          worker | hop back | gateway, after the worker | gateway -> client
