@@ -33,7 +33,15 @@ import orjson
 
 from gateway.drain import Drain, ShuttingDown
 from gateway.ops_metrics import OpsMetrics
-from gateway.proxy import NoWorker, RawChunk, WorkerLost, iter_chunk_batches
+from gateway.proxy import (
+    NoWorker,
+    RawChunk,
+    WholeAnswer,
+    WorkerLost,
+    is_whole_answer,
+    iter_chunk_batches,
+    read_whole_answer,
+)
 from gateway.sessions import Session
 from gateway.state import GatewayState
 from gateway.worker_http import WorkerResponse
@@ -172,6 +180,20 @@ class MigratingStream:
                     return
                 await self._resume(exc)
 
+    async def whole_answer(self) -> WholeAnswer | None:
+        """The worker's whole answer when it sent one (a non-streaming request's, workers/coalesce.py),
+        else None: the chunks then come from ``batches``. A worker lost while sending it had
+        sent the client nothing: the request goes to another worker, whose answer may be either."""
+        while self.admission.handle.speaks_specgate and is_whole_answer(self._response):  # only when asked
+            try:
+                return await read_whole_answer(self._response)
+            except (WorkerLost, WorkerTimeout) as exc:
+                if self._shutdown:
+                    raise ShuttingDown() from None
+                await self._lose_worker(exc)
+                await self._resume(exc)
+        return None
+
     def abort_for_shutdown(self) -> None:
         """The drain's deadline passed: end the worker stream; the client gets ``ShuttingDown``."""
         self._shutdown = True
@@ -179,6 +201,7 @@ class MigratingStream:
 
     async def aclose(self) -> None:
         await self._chunks.aclose()  # closes the worker stream; a worker aborts sequences whose reader left
+        self._response.close()  # a whole answer's, unread (a no-op once read or released)
         self._release()
 
     # -- bookkeeping ------------------------------------------------------------------------------

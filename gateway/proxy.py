@@ -11,6 +11,7 @@ nothing is lost silently.
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import AsyncGenerator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -21,9 +22,11 @@ from gateway.config import RemoteProtocol
 from gateway.fleet import WorkerHandle
 from gateway.worker_http import WorkerConnectError, WorkerResponse, WorkerStreamError
 from workers.protocol import (
+    ANSWER_BYTES_HEADER,
     DIRECTIVE_FIELD,
     IDS_COMMENT,
     VLLM_XARGS_FIELD,
+    WHOLE_ANSWER_TYPE,
     ApiError,
     BadRequest,
     CompletionRequest,
@@ -148,6 +151,47 @@ class RawChunk:
 
     def sse(self) -> bytes:
         return sse_event(self.chunk) if self.payload is None else b"data: %b\n\n" % self.payload
+
+
+@dataclass(frozen=True, slots=True)
+class WholeAnswer:
+    """A worker's whole answer (``Directive.whole_answer``, workers/coalesce.py)."""
+
+    answer: bytes  # the OpenAI answer's JSON, relayed as the worker wrote it
+    report: StepReport | None  # every step behind it (``then``) and how long the first waited
+    at: float  # when it was read (``time.monotonic``)
+
+
+def is_whole_answer(response: WorkerResponse) -> bool:
+    return response.headers.get("content-type", "").startswith(WHOLE_ANSWER_TYPE)
+
+
+async def read_whole_answer(response: WorkerResponse) -> WholeAnswer:
+    """Reads a whole answer. Raises WorkerLost when its body breaks off (nothing of it reached
+    the client: the request may go to another worker), WorkerFailed when it is no answer."""
+    try:
+        body = await response.read()
+    except TimeoutError as exc:
+        response.close()
+        raise WorkerTimeout("worker went silent mid-answer") from exc
+    except WorkerStreamError as exc:
+        response.close()
+        raise WorkerLost(f"worker answer broke: {exc}") from exc
+    except BaseException:  # cancelled, or aborted by the drain: the connection cannot be reused
+        response.close()
+        raise
+    at = time.monotonic()
+    response.release()
+    split = response.headers.get(ANSWER_BYTES_HEADER.lower(), "")
+    answer = body[:int(split)] if split.isdigit() else b""
+    try:
+        # Checked, not rebuilt: the client gets a JSON object or the gateway's error.
+        if not isinstance(orjson.loads(answer), dict):
+            raise ValueError("not an object")
+        report = StepReport.from_json(orjson.loads(body[len(answer):]))
+    except ValueError:  # orjson.JSONDecodeError too
+        raise WorkerFailed("worker sent a whole answer that is not one") from None
+    return WholeAnswer(answer, report, at)
 
 
 def _stream_error(chunk: Any) -> WorkerFailed:

@@ -24,6 +24,7 @@ from gateway.proxy import (
     NoWorkerReady,
     RawChunk,
     StreamTally,
+    WholeAnswer,
     WorkerUnreachable,
     open_stream,
     worker_body,
@@ -195,7 +196,8 @@ async def _admit(state: GatewayState, session: Session, req: CompletionRequest, 
         # A non-streaming client sees no chunk: its worker may send them a few at a time.
         coalesce_s = 0.0 if req.stream else state.config.server.coalesce_s
         body = worker_body(req, Directive(decision.k, policy.max_batch, policy.batch_resume, policy.max_step_drafts,
-                                          resume, policy.auto_k, coalesce_s), handle.protocol)
+                                          resume, policy.auto_k, coalesce_s, whole_answer=coalesce_s > 0),
+                           handle.protocol)
         handle.draft_mix.add(decision)
         attempt = trace.attempt(worker_id, decision)
         headers = attempt.headers  # the trace context (gateway/tracing.py)
@@ -330,10 +332,33 @@ def _restated(received: Received) -> bool:
     return False
 
 
+def _answer_response(answer: bytes, stream: MigratingStream, headers: dict[str, str]) -> web.Response:
+    # After a migration: every worker that served it, in order; the mode is the last decision's.
+    headers[WORKER_HEADER] = stream.workers_header
+    headers[MODE_HEADER] = stream.admission.decision.header
+    return web.Response(body=answer, headers=headers, content_type="application/json")
+
+
+async def _answer_whole(request: web.Request, state: GatewayState, stream: MigratingStream, whole: WholeAnswer,
+                        tally: StreamTally, headers: dict[str, str], started: float) -> web.Response:
+    """A worker's whole answer, relayed as it came; its steps accounted after the write, as a
+    stream's last read is (``_answer``)."""
+    response = _answer_response(whole.answer, stream, headers)
+    try:
+        await response.prepare(request)
+        await response.write_eof()
+    finally:
+        if whole.report is not None:
+            _account(state, stream.admission, tally, RawChunk({}, None, None, whole.report), stream.kind, started,
+                     whole.at)
+    return response
+
+
 async def _answer(request: web.Request, state: GatewayState, stream: MigratingStream,
                   batches: AsyncGenerator[list[RawChunk], None], tally: StreamTally, headers: dict[str, str],
                   started: float) -> web.Response:
-    """A non-streaming request: the worker's chunks folded into one answer.
+    """A non-streaming request: the worker's whole answer (``_answer_whole``), or its chunks
+    folded into one answer.
 
     Each worker read is accounted (acceptance, metrics, tally) when the next one comes, so a
     long generation's tokens and acceptance reach the metrics and the policy as they come; the
@@ -347,6 +372,9 @@ async def _answer(request: web.Request, state: GatewayState, stream: MigratingSt
     stream has several); one held when the request fails is accounted before the failure
     leaves.
     """
+    whole = await stream.whole_answer()
+    if whole is not None:
+        return await _answer_whole(request, state, stream, whole, tally, headers, started)
     kind = stream.kind
     held: Received | None = None
 
@@ -367,11 +395,7 @@ async def _answer(request: web.Request, state: GatewayState, stream: MigratingSt
         if held is not None and _restated(held):
             account(held)
             held = None
-        # After a migration: every worker that served it, in order; the mode is the last decision's.
-        headers[WORKER_HEADER] = stream.workers_header
-        headers[MODE_HEADER] = stream.admission.decision.header
-        response = web.Response(body=orjson.dumps(assemble(kind, tally.collected)), headers=headers,
-                                content_type="application/json")
+        response = _answer_response(orjson.dumps(assemble(kind, tally.collected)), stream, headers)
         if held is not None:
             await response.prepare(request)
             await response.write_eof()

@@ -19,10 +19,20 @@ import aiohttp
 import pytest
 
 from gateway.config import ConfigError, parse_config
+from gateway.proxy import WorkerLost, read_whole_answer
 from tests.harness import Gateway, start_gateway, start_tcp_worker, write_config
+from tests.test_worker_http import serve
 from workers.coalesce import merge_chunks
 from workers.engine_api import SpecSteps
-from workers.protocol import DIRECTIVE_FIELD, HELD_FIELD, IDS_COMMENT, StepReport
+from workers.protocol import (
+    ANSWER_BYTES_HEADER,
+    DIRECTIVE_FIELD,
+    HELD_FIELD,
+    IDS_COMMENT,
+    WHOLE_ANSWER_TYPE,
+    StepReport,
+    WorkerFailed,
+)
 
 PROMPT = "def fibonacci(n):\n    "
 
@@ -183,6 +193,75 @@ def test_a_worker_streams_spans_once_the_first_is_due(worker_url: str) -> None:
     # prefill and a step of the embedded engine take more than 1 ms) goes at once, alone.
     first = StepReport.from_json(spans[0][0][DIRECTIVE_FIELD])
     assert first is not None and first.then == () and first.held_s < 0.5
+
+
+def test_a_worker_answers_whole_when_the_gateway_takes_it(worker_url: str) -> None:
+    """``whole_answer``: a generation done within the first span comes as the OpenAI answer a
+    direct non-streaming client gets, then its merged step report; one that outlasts the span
+    streams as before."""
+    per_step, _ = asyncio.run(_events(worker_url, GREEDY_48))
+    whole = {**GREEDY_48, "specgate": {**DIRECTIVE, "coalesce_s": 10, "whole_answer": True}}
+    with urllib.request.urlopen(urllib.request.Request(worker_url, json.dumps(whole).encode(),
+                                                       {"Content-Type": "application/json"}), timeout=60) as response:
+        assert response.headers["Content-Type"] == WHOLE_ANSWER_TYPE
+        split = int(response.headers[ANSWER_BYTES_HEADER])
+        body = response.read()
+    answer, report = json.loads(body[:split]), StepReport.from_json(json.loads(body[split:]))
+    direct = {k: v for k, v in GREEDY_48.items() if k not in ("stream", "stream_options", "specgate")}
+    with urllib.request.urlopen(urllib.request.Request(worker_url, json.dumps(direct).encode(),
+                                                       {"Content-Type": "application/json"}), timeout=60) as response:
+        plain_answer = json.loads(response.read())
+    same = ("object", "model", "choices")
+    assert {k: answer[k] for k in same} == {k: plain_answer[k] for k in same}
+    assert answer["usage"]["completion_tokens"] == plain_answer["usage"]["completion_tokens"] == 48
+    assert answer["choices"][0]["text"] == "".join(c["choices"][0]["text"] for c, _ in per_step[:-1])
+    # The report lists every step: the same ones the per-step stream reported.
+    assert report is not None and 0 < report.held_s < 10
+    assert [_one_step(s) for s in report.steps()] == [_one_step(s) for s in _steps(per_step[:-1])]
+    assert sum(s.proposed for s in report.steps()) == answer["usage"]["speculative"]["proposed"] > 0
+    spans, headers = asyncio.run(_events(worker_url, {**GREEDY_48, "specgate": {
+        **DIRECTIVE, "coalesce_s": 0.001, "whole_answer": True}}))
+    assert headers["content-type"] == "text/event-stream" and len(spans) >= 3
+    _same_generation(per_step, spans)
+
+
+def _whole_reply(body: bytes, split: str, length: int | None = None) -> Any:
+    async def reply(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, request: bytes) -> bool:
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: %b\r\n%b: %b\r\nContent-Length: %d\r\n\r\n%b" % (
+            WHOLE_ANSWER_TYPE.encode(), ANSWER_BYTES_HEADER.encode(), split.encode(),
+            len(body) if length is None else length, body))
+        await writer.drain()
+        return False
+    return reply
+
+
+ANSWER = b'{"id":"c","object":"text_completion","choices":[{"index":0,"text":"hi"}]}'
+REPORT = b'{"proposed":4,"accepted":3,"batch_depth":1,"k":4,"tokens":4,"held_s":0.01}'
+
+
+@pytest.mark.parametrize(("body", "split", "length", "outcome"), [
+    (ANSWER + REPORT, str(len(ANSWER)), None, "answer"),
+    (ANSWER + b"null", str(len(ANSWER)), None, "no report"),
+    (ANSWER + REPORT, str(len(ANSWER) - 1), None, WorkerFailed),  # the split is not where the answer ends
+    (ANSWER + REPORT, "x", None, WorkerFailed),
+    (b"[1]" + REPORT, "3", None, WorkerFailed),  # an answer that is no JSON object
+    (ANSWER + b"{not json", str(len(ANSWER)), None, WorkerFailed),
+    (ANSWER + REPORT, str(len(ANSWER)), 4096, WorkerLost),  # the body broke off: may go to another worker
+])
+async def test_a_whole_answer_is_checked_and_its_failures_told_apart(body: bytes, split: str, length: int | None,
+                                                                   outcome: Any) -> None:
+    async for _, http in serve(_whole_reply(body, split, length)):
+        response = await http.post("/v1/completions", b"{}")
+        if isinstance(outcome, type):
+            with pytest.raises(outcome):
+                await read_whole_answer(response)
+            continue
+        whole = await read_whole_answer(response)
+        assert whole.answer == ANSWER
+        if outcome == "answer":
+            assert whole.report is not None and (whole.report.accepted, whole.report.held_s) == (3, 0.01)
+        else:
+            assert whole.report is None
 
 
 @pytest.fixture(scope="module")

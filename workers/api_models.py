@@ -109,6 +109,7 @@ class Directive(_Strict):
     resume: Resume | None = None
     cost_rule: bool = False  # policy K auto: the worker's per-step rule consults its cost model
     coalesce_s: Annotated[float, Field(ge=0, le=60)] = 0.0  # a non-streaming request's chunks, this long as one
+    whole_answer: bool = False  # with coalesce_s: a first span that ends the answer may come whole
 
 
 class _RequestBody(_Strict):

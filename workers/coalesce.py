@@ -18,6 +18,14 @@ resume see each step as before; only the arrival times within a held span are lo
 spreads them evenly, as it does for a speculative step's tokens). A chunk is held at most
 ``coalesce_s`` or one engine step, whichever is longer, since the check runs when a step's chunk
 arrives. The status is still decided by the first chunk (an early failure keeps its own).
+
+With ``Directive.whole_answer`` as well, an answer made within the first span goes as the
+answer itself (``WHOLE_ANSWER_TYPE``): the OpenAI JSON the client gets, then the merged step
+report's JSON, split at ``ANSWER_BYTES_HEADER``. The gateway relays the answer's bytes and
+accounts the report, where it had parsed two events and built the answer again (its share of
+a short request's latency, bench.overhead). A failed generation, or one that outlasts the
+span, is the stream above; so is an answer whose usage has no step counts or that has no
+report (the gateway restates or leaves such answers, which needs their chunks).
 """
 
 from __future__ import annotations
@@ -27,9 +35,20 @@ from collections.abc import AsyncIterator, Sequence
 from dataclasses import replace
 from typing import Any
 
+import orjson
 from aiohttp import web
 
-from workers.protocol import DIRECTIVE_FIELD, HELD_FIELD, ApiError, RequestKind, StepReport, chunk_text
+from workers.protocol import (
+    ANSWER_BYTES_HEADER,
+    DIRECTIVE_FIELD,
+    HELD_FIELD,
+    WHOLE_ANSWER_TYPE,
+    ApiError,
+    RequestKind,
+    StepReport,
+    assemble,
+    chunk_text,
+)
 from workers.web_common import SSE_HEADERS, sse_event, start_sse
 
 # A chunk and the step report behind it (None for the usage chunk).
@@ -81,30 +100,50 @@ def merge_chunks(kind: RequestKind, chunks: Sequence[Chunk], held_s: float = 0.0
     return merged, replace(head, token_ids=None if ids is None else tuple(ids), then=later, held_s=held_s)
 
 
+def whole_answer(kind: RequestKind, merged: Chunk, usage: dict[str, Any] | None) -> web.Response | None:
+    """The answer ``merged`` and ``usage`` make as one ``WHOLE_ANSWER_TYPE`` body, or None when
+    it cannot be one (see above)."""
+    payload, report = merged
+    if report is None or usage is None or "speculative" not in (usage.get("usage") or {}):
+        return None
+    answer = orjson.dumps(assemble(kind, [payload, usage]))
+    return web.Response(body=answer + orjson.dumps(payload[DIRECTIVE_FIELD]), content_type=WHOLE_ANSWER_TYPE,
+                        headers={ANSWER_BYTES_HEADER: str(len(answer))})
+
+
 async def write_coalesced(request: web.Request, kind: RequestKind, chunks: AsyncIterator[Chunk],
-                          coalesce_s: float, include_usage: bool, arrived: float) -> web.StreamResponse:
+                          coalesce_s: float, include_usage: bool, arrived: float,
+                          whole: bool = False) -> web.StreamResponse:
     """Answers with ``chunks`` (the first already due) as described above, then ``[DONE]``; an
     error from the engine goes out after what was held, as the stream's last event.
-    ``arrived``: when the request came (``time.monotonic``), where the first span starts."""
+    ``arrived``: when the request came (``time.monotonic``), where the first span starts;
+    ``whole``: the gateway takes a whole answer."""
     held: list[Chunk] = []
     held_since = 0.0  # when the oldest held chunk arrived
     tail: list[bytes] = []
+    usage: dict[str, Any] | None = None
     response: web.StreamResponse | None = None  # started at the first send before the end
     # The first span counts from the request's arrival: a first token that took longer (a long
     # prompt) goes at once, so holding never adds to a slow time to first token, nor brings the
     # gateway's read timeout closer than a later span does.
     last_sent = arrived
 
-    def events() -> list[bytes]:
-        if not held:
-            return []
+    def merged() -> Chunk:
         # How long the span's first step waited here: the gateway's time to first token.
-        merged = merge_chunks(kind, held, round(time.monotonic() - held_since, 6))
+        chunk = merge_chunks(kind, held, round(time.monotonic() - held_since, 6))
         held.clear()
-        return [chunk_event(merged)]
+        return chunk
 
-    async def finish(extra: Sequence[bytes]) -> web.StreamResponse:
-        body = b"".join([*events(), *extra])
+    def events() -> list[bytes]:
+        return [chunk_event(merged())] if held else []
+
+    async def finish(extra: Sequence[bytes], failed: bool = False) -> web.StreamResponse:
+        last = [merged()] if held else []
+        if response is None and whole and last and not failed:
+            answer = whole_answer(kind, last[0], usage)
+            if answer is not None:
+                return answer
+        body = b"".join([*map(chunk_event, last), *extra])
         if response is None:  # it all came within the first span: one body, one write
             return web.Response(body=body, headers=SSE_HEADERS)
         await response.write_eof(body)  # the last events and the stream's end in one write
@@ -113,6 +152,7 @@ async def write_coalesced(request: web.Request, kind: RequestKind, chunks: Async
     try:
         async for chunk in chunks:
             if chunk[0].get("usage") is not None:  # the last chunk: it goes out with the held steps
+                usage = chunk[0]
                 if include_usage:
                     tail.append(chunk_event(chunk))
                 continue
@@ -125,5 +165,5 @@ async def write_coalesced(request: web.Request, kind: RequestKind, chunks: Async
                 await response.write(b"".join(events()))
                 last_sent = time.monotonic()
     except ApiError as error:  # too late for a status code: the stream carries the error
-        return await finish([*tail, sse_event(error.body())])
+        return await finish([*tail, sse_event(error.body())], failed=True)
     return await finish([*tail, sse_event("[DONE]")])

@@ -43,6 +43,10 @@ VLLM_SPEC_K, VLLM_MAX_BATCH, VLLM_BATCH_RESUME = "spec_k", "spec_max_batch", "sp
 # bytes untouched while it keeps the ids (for resuming on another worker, gateway/migration.py).
 TOKEN_IDS_FIELD, PROMPT_IDS_FIELD = "token_ids", "prompt_ids"
 IDS_COMMENT = b": ids "
+# A whole answer (``Directive.whole_answer``, workers/coalesce.py): its body is the OpenAI answer's
+# JSON, then the step report's; this header says where the answer ends.
+WHOLE_ANSWER_TYPE = "application/x-specgate-answer"
+ANSWER_BYTES_HEADER = "X-Specgate-Answer-Bytes"
 HELD_FIELD = "held_s"  # a coalesced chunk's report: how long its first step waited (workers/coalesce.py)
 # Fields the gateway sets for its workers; a client sending one is refused.
 GATEWAY_FIELDS = (DIRECTIVE_FIELD, VLLM_XARGS_FIELD)
@@ -167,6 +171,9 @@ class Directive:
     # of this many seconds as one (``StepReport.then``), so the gateway reads, parses and
     # accounts a few events instead of one per step (0: a chunk per step).
     coalesce_s: float = 0.0
+    # With ``coalesce_s``: an answer made within the first span may come as the answer itself
+    # and its step report (``WHOLE_ANSWER_TYPE``), which the gateway relays without reading it.
+    whole_answer: bool = False
 
     def to_json(self) -> dict[str, Any]:
         out: dict[str, Any] = {"k": self.k, "max_batch": self.max_batch, "batch_resume": self.batch_resume}
@@ -178,6 +185,8 @@ class Directive:
             out["cost_rule"] = True
         if self.coalesce_s > 0:
             out["coalesce_s"] = self.coalesce_s
+        if self.whole_answer:  # absent unless set: workers from before it keep streaming
+            out["whole_answer"] = True
         return out
 
 
@@ -281,7 +290,7 @@ def parse_request(kind: RequestKind, body: Any) -> CompletionRequest:
         include_usage=bool(parsed.stream_options and parsed.stream_options.include_usage), user=parsed.user,
         directive=None if directive is None else Directive(directive.k, directive.max_batch, directive.batch_resume,
                                                        directive.max_step_drafts, resume, directive.cost_rule,
-                                                       directive.coalesce_s),
+                                                       directive.coalesce_s, directive.whole_answer),
         raw=body)
 
 

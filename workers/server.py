@@ -284,7 +284,7 @@ async def _serve(request: web.Request, kind: RequestKind) -> web.StreamResponse:
         coalesce_s = req.directive.coalesce_s if req.directive is not None else 0.0
         if coalesce_s > 0:  # the gateway's non-streaming client (workers/coalesce.py)
             return await write_coalesced(request, kind, _prepend(first, chunks), coalesce_s, req.include_usage,
-                                         arrived)
+                                         arrived, req.directive is not None and req.directive.whole_answer)
         response = await start_sse(request)
         try:
             async for chunk in _prepend(first, chunks):
