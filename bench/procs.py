@@ -86,12 +86,14 @@ def start_sim_worker(log_dir: Path, sim: dict[str, Any], *, default_k: int = 0, 
 
 
 def start_gateway(log_dir: Path, remote_ports: Sequence[int], policy: dict[str, Any], repo: Path = REPO,
-                  launcher: Sequence[str] = ("-m",)) -> tuple[subprocess.Popen[bytes], int]:
+                  launcher: Sequence[str] = ("-m",),
+                  server: dict[str, Any] | None = None) -> tuple[subprocess.Popen[bytes], int]:
     """A gateway with no local workers, routing to the given specgate workers on loopback; its
-    code from ``repo`` (another checkout: bench.overhead's --ref-repo)."""
+    code from ``repo`` (another checkout: bench.overhead's --ref-repo); ``server``: more of
+    its ``server`` section."""
     port = free_port()
     config = {
-        "server": {"host": "127.0.0.1", "port": port},
+        "server": {**(server or {}), "host": "127.0.0.1", "port": port},
         "model": {"name": "specgate-demo", "target": str(TOKENIZER_DIR), "draft": str(TOKENIZER_DIR)},
         "workers": {"count": 0, "poll_interval_s": 0.2,
                     "remote": [{"url": f"http://127.0.0.1:{p}", "protocol": "specgate", "name": f"sim-{i}"}

@@ -18,6 +18,7 @@ from typing import Any
 from aiohttp import web
 
 from gateway.auth import AUTH_KEY, AuthStore, authenticate
+from gateway.busy_poll import BusyPoll
 from gateway.config import GatewayConfig, parse_policy
 from gateway.drain import DRAIN_KEY, Drain
 from gateway.fleet import Fleet
@@ -72,7 +73,8 @@ def create_app(config: GatewayConfig, metrics: GatewayMetrics | None = None) -> 
     app[OPENAPI_KEY] = json.dumps(openapi_document(config.model.name)).encode()
     store = PolicyStore(config.policy, config.source, metrics)
     app[TRACING_KEY] = Tracing.create(config.tracing)
-    app[STATE_KEY] = GatewayState(config, metrics, sessions, store, Fleet(config, metrics, worker_down))
+    busy_poll = BusyPoll(config.server.busy_poll_s) if config.server.busy_poll_s > 0 else None
+    app[STATE_KEY] = GatewayState(config, metrics, sessions, store, Fleet(config, metrics, worker_down), busy_poll)
     metrics.live.register(LiveStateCollector(metrics.model, lambda: store.active, sessions.policy_states))
     app[OPS_KEY] = ops
     app[AUTH_KEY] = AuthStore(config.auth, config.source, config.server, ops)
@@ -80,6 +82,8 @@ def create_app(config: GatewayConfig, metrics: GatewayMetrics | None = None) -> 
     app[REQUEST_LOG_KEY] = RequestLog(logging.getLogger("gateway.relay"))
     app.cleanup_ctx.append(_request_log)
     app.cleanup_ctx.append(_background)
+    if busy_poll is not None:
+        app.cleanup_ctx.append(_busy_poll)
     app.router.add_post("/v1/chat/completions", _chat_completions)
     app.router.add_post("/v1/completions", _completions)
     app.router.add_get("/v1/models", _models)
@@ -119,6 +123,13 @@ async def _background(app: web.Application) -> AsyncIterator[None]:
             await watcher
     await fleet.stop()
     app[TRACING_KEY].shutdown()
+
+
+async def _busy_poll(app: web.Application) -> AsyncIterator[None]:
+    busy_poll = app[STATE_KEY].busy_poll
+    assert busy_poll is not None  # added only with one
+    async with busy_poll.running():
+        yield
 
 
 async def _request_log(app: web.Application) -> AsyncIterator[None]:

@@ -47,6 +47,9 @@ class ServerConfig:
     # A non-streaming request's chunks after the first, this long as one from a specgate worker
     # (workers/coalesce.py): fewer events to relay. 0: a chunk per engine step.
     coalesce_s: float = 0.05
+    # After each request's arrival and end, poll the event loop instead of sleeping this long
+    # (gateway/busy_poll.py): a worker's answer finds the gateway awake. 0: off.
+    busy_poll_s: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -213,7 +216,8 @@ def parse_config(raw: Any, base: Path, source: Path | None = None) -> GatewayCon
         max_migrations=s.get("max_migrations", int, d.max_migrations, minimum=0),
         migration_wait_s=s.get("migration_wait_s", float, d.migration_wait_s, minimum=0),
         allow_unauthenticated=s.get("allow_unauthenticated", bool, d.allow_unauthenticated),
-        coalesce_s=s.get("coalesce_s", float, d.coalesce_s, minimum=0, maximum=5.0))
+        coalesce_s=s.get("coalesce_s", float, d.coalesce_s, minimum=0, maximum=5.0),
+        busy_poll_s=s.get("busy_poll_s", float, d.busy_poll_s, minimum=0, maximum=1.0))
     if server.coalesce_s >= server.worker_timeout_s:  # a worker holding chunks longer would time out
         problems.add(ConfigError("server.coalesce_s", server.coalesce_s,
                                  f"must be below server.worker_timeout_s ({server.worker_timeout_s:g})"))

@@ -409,6 +409,9 @@ async def relay(request: web.Request, kind: RequestKind, state: GatewayState) ->
     trace = request.app[TRACING_KEY].start(request, kind)  # a no-op unless tracing is on
     error: BaseException | None = None
     drain = request.app[DRAIN_KEY]
+    busy_poll = state.busy_poll
+    if busy_poll is not None:  # server.busy_poll_s: awake for the worker's answer
+        busy_poll.touch(time.monotonic())
     try:
         with drain.track() as in_flight:  # refused with 503 once the gateway drains for shutdown
             return await _relay(request, kind, state, trace, in_flight)
@@ -417,6 +420,8 @@ async def relay(request: web.Request, kind: RequestKind, state: GatewayState) ->
         raise
     finally:
         trace.finish(error)
+        if busy_poll is not None:  # ...and for the client's next request
+            busy_poll.touch(time.monotonic())
 
 
 async def _relay(request: web.Request, kind: RequestKind, state: GatewayState, trace: RequestTrace,

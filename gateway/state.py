@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 from aiohttp import web
 
+from gateway.busy_poll import BusyPoll
 from gateway.config import GatewayConfig
 from gateway.fleet import Fleet
 from gateway.metrics import GatewayMetrics
@@ -20,6 +21,7 @@ class GatewayState:
     sessions: SessionTable
     policy: PolicyStore
     fleet: Fleet
+    busy_poll: BusyPoll | None = None  # server.busy_poll_s > 0
 
 
 STATE_KEY = web.AppKey("gateway", GatewayState)
