@@ -90,6 +90,10 @@ def test_bench_overhead_quick_json() -> None:
     # The floor path (bench/relay_floor.py) answered every request: its latency and CPU are figures.
     assert result["aiohttp_floor_cpu_us_per_request"] > 0 and "aiohttp_floor" in result["latency_ms"]
     assert result["gateway_cpu_us_per_request"] > 0
+    # The polling gateway (server.busy_poll_s) is a path of its own, with its own target line.
+    assert "specgate_busy_poll" in result["latency_ms"] and result["busy_poll_gateway_cpu_us_per_request"] > 0
+    assert set(result["busy_poll_gateway_cpu_us_per_chunk"]) == {"instant", "paced"}
+    assert "added_p50_le_0.5ms_busy_poll" in result["targets"]
 
 
 def test_bench_timeline_lines_up_every_hand_off() -> None:
