@@ -211,7 +211,10 @@ class WorkerResponse:
         return await self._connection.read_piece(self._read_timeout)
 
     async def read(self) -> bytes:
-        parts = []
+        first = await self.readany()
+        if not first or self._connection.body_done:  # it all came in one read (a short answer)
+            return first
+        parts = [first]
         while data := await self.readany():
             parts.append(data)
         return b"".join(parts)

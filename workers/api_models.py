@@ -29,6 +29,10 @@ MAX_TOKENS_LIMIT = 1 << 20  # beyond any context window; the worker checks the r
 MAX_TOKEN_ID = (1 << 31) - 1  # the worker checks the vocabulary
 MAX_TOP_K = 1 << 20  # top_k at or above the vocabulary size keeps every token
 MAX_METADATA_KEYS = 16
+MAX_TEMPERATURE = 2
+MAX_DIRECTIVE_K = 64
+MAX_DIRECTIVE_COUNT = 1 << 20  # a directive's batch depths and drafts per step
+MAX_COALESCE_S = 60
 
 
 def _false(value: bool) -> bool:
@@ -40,7 +44,7 @@ def _false(value: bool) -> bool:
 # -- field types ---------------------------------------------------------------------------------
 TokenIds = Annotated[list[Annotated[int, Field(ge=0, le=MAX_TOKEN_ID)]], Field(min_length=1)]
 MaxTokens = Annotated[int, Field(ge=1, le=MAX_TOKENS_LIMIT)]
-Temperature = Annotated[float, Field(ge=0, le=2, allow_inf_nan=False,
+Temperature = Annotated[float, Field(ge=0, le=MAX_TEMPERATURE, allow_inf_nan=False,
                                      description="0 is greedy; below 1e-5 counts as 0")]
 TopP = Annotated[float, Field(gt=0, le=1, allow_inf_nan=False,
                               description="nucleus mass kept; 0 would keep no token")]
@@ -102,13 +106,14 @@ class Resume(_Strict):
 class Directive(_Strict):
     """The gateway's ``specgate`` directive to its workers (not part of the public API)."""
 
-    k: Annotated[int, Field(ge=0, le=64)] = 0
-    max_batch: Annotated[int, Field(ge=1, le=1 << 20)] = 1 << 20
-    batch_resume: Annotated[int, Field(ge=1, le=1 << 20)] = 1 << 20
-    max_step_drafts: Annotated[int, Field(ge=0, le=1 << 20)] = 0  # 0: no limit
+    k: Annotated[int, Field(ge=0, le=MAX_DIRECTIVE_K)] = 0
+    max_batch: Annotated[int, Field(ge=1, le=MAX_DIRECTIVE_COUNT)] = MAX_DIRECTIVE_COUNT
+    batch_resume: Annotated[int, Field(ge=1, le=MAX_DIRECTIVE_COUNT)] = MAX_DIRECTIVE_COUNT
+    max_step_drafts: Annotated[int, Field(ge=0, le=MAX_DIRECTIVE_COUNT)] = 0  # 0: no limit
     resume: Resume | None = None
     cost_rule: bool = False  # policy K auto: the worker's per-step rule consults its cost model
-    coalesce_s: Annotated[float, Field(ge=0, le=60)] = 0.0  # a non-streaming request's chunks, this long as one
+    # A non-streaming request's chunks, this long as one.
+    coalesce_s: Annotated[float, Field(ge=0, le=MAX_COALESCE_S)] = 0.0
     whole_answer: bool = False  # with coalesce_s: a first span that ends the answer may come whole
 
 

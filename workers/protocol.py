@@ -5,8 +5,9 @@
 - One error hierarchy: each ``ApiError`` carries its HTTP status and OpenAI error type, and
   says whether the client or a worker is at fault.
 - The specgate extension fields: the gateway's ``specgate`` directive in a request (mode, K,
-  batch thresholds) and the per-chunk ``specgate`` step report from a worker; the headers that
-  carry the request id and session to a worker for its log lines.
+  batch thresholds) and the per-chunk ``specgate`` step report from a worker; a worker's
+  whole answer (``WHOLE_ANSWER_TYPE``: the answer's JSON, then its step report's); the headers
+  that carry the request id and session to a worker for its log lines.
 - ``assemble``: folds a stream of chunks into the non-streaming response object, so streaming
   and non-streaming answers are built from the same chunks.
 """
@@ -30,6 +31,7 @@ from workers.api_models import (
 )
 from workers.engine_api import SpecSteps, group_steps
 from workers.limits import GREEDY_BELOW
+from workers.request_fast import fast_body
 
 RequestKind = Literal["chat", "completion"]
 DIRECTIVE_FIELD = "specgate"
@@ -255,15 +257,17 @@ def parse_request(kind: RequestKind, body: Any) -> CompletionRequest:
     """Validates a request body (see workers/api_models.py) into a ``CompletionRequest``."""
     if not isinstance(body, Mapping):
         raise BadRequest("request body must be a JSON object")
-    try:
-        parsed: CompletionBody | ChatCompletionBody = (
-            ChatCompletionBody.model_validate(body) if kind == "chat" else CompletionBody.model_validate(body))
-    except ValidationError as exc:
-        raise _bad_request(exc) from None
+    # The usual body without pydantic (workers/request_fast.py); the rest, and every error, with it.
+    parsed: Any = fast_body(kind, body)
+    if parsed is None:
+        try:
+            parsed = ChatCompletionBody.model_validate(body) if kind == "chat" else CompletionBody.model_validate(body)
+        except ValidationError as exc:
+            raise _bad_request(exc) from None
     prompt: str | list[int] | None = None
     messages: tuple[ChatMessage, ...] = ()
     max_tokens = parsed.max_tokens
-    if isinstance(parsed, CompletionBody):
+    if kind != "chat":
         raw_prompt = parsed.prompt
         if isinstance(raw_prompt, list) and isinstance(raw_prompt[0], str | list):
             raw_prompt = raw_prompt[0]  # a batch of one

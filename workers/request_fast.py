@@ -1,0 +1,153 @@
+"""The usual request validated without pydantic: what ``protocol.parse_request`` tries first.
+
+Every request is validated twice, by the gateway and by its worker, and in a sequential
+request through the gateway each runs with its caches cold (the client's and the other
+process's turns came between): pydantic's validation there cost several times what the same
+call costs warm, a visible share of the gateway's added latency (README "Relay overhead").
+
+The bodies clients and the gateway send are nearly all alike: a completion with a text prompt
+or a chat of text messages, a few sampling fields, and the gateway's directive. Those are
+checked here field by field, with the limits ``workers/api_models.py`` declares and pydantic's
+strict rules (no bool for a number, an int for a float is the float). Anything else (another
+field, another type, a value out of range, a prompt of token ids, content parts, a resume)
+returns None and goes to pydantic, which decides as before and words the error. So this path
+only accepts what pydantic accepts, and builds what it builds: tests/test_request_fast.py
+holds the two to the same answers over generated bodies.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+from typing import Any
+
+from workers.api_models import (
+    MAX_COALESCE_S,
+    MAX_DIRECTIVE_COUNT,
+    MAX_DIRECTIVE_K,
+    MAX_STOP_SEQUENCES,
+    MAX_TEMPERATURE,
+    MAX_TOKENS_LIMIT,
+    MAX_TOP_K,
+)
+
+_SEED = 1 << 63
+_ROLES = frozenset(("system", "developer", "user", "assistant"))
+_COMMON = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stream", "stream_options", "user",
+           "specgate")
+_COMPLETION_FIELDS = frozenset(("model", "prompt", *_COMMON))
+_CHAT_FIELDS = frozenset(("model", "messages", "max_completion_tokens", *_COMMON))
+
+
+class _Refused(Exception):
+    """Not the usual shape: pydantic decides."""
+
+
+def _int(value: Any, low: int, high: int) -> int:
+    if type(value) is not int or not low <= value <= high:
+        raise _Refused
+    return value
+
+
+def _float(value: Any, low: float, high: float, low_open: bool = False) -> float:
+    # pydantic's strict float takes an int (as the float) but never a bool; NaN fails the range.
+    if type(value) is not float and type(value) is not int:
+        raise _Refused
+    if not (low < value <= high if low_open else low <= value <= high):
+        raise _Refused
+    return float(value)
+
+
+def _bool(value: Any) -> bool:
+    if type(value) is not bool:
+        raise _Refused
+    return value
+
+
+def _text(value: Any, min_length: int = 0) -> str:
+    if type(value) is not str or len(value) < min_length:
+        raise _Refused
+    return value
+
+
+def _stop(value: Any) -> str | list[str]:
+    if type(value) is list and len(value) <= MAX_STOP_SEQUENCES:
+        return [_text(item, 1) for item in value]
+    return _text(value, 1)
+
+
+def _stream_options(value: Any) -> SimpleNamespace:
+    if type(value) is not dict or not value.keys() <= {"include_usage", "include_obfuscation"}:
+        raise _Refused
+    out = SimpleNamespace(include_usage=None, include_obfuscation=None)
+    for key, v in value.items():
+        setattr(out, key, None if v is None else _bool(v))
+    return out
+
+
+def _directive(value: Any) -> SimpleNamespace:
+    if type(value) is not dict or "resume" in value:
+        raise _Refused
+    out = SimpleNamespace(k=0, max_batch=MAX_DIRECTIVE_COUNT, batch_resume=MAX_DIRECTIVE_COUNT, max_step_drafts=0,
+                          resume=None, cost_rule=False, coalesce_s=0.0, whole_answer=False)
+    for key, v in value.items():
+        if key == "k":
+            out.k = _int(v, 0, MAX_DIRECTIVE_K)
+        elif key in ("max_batch", "batch_resume"):
+            setattr(out, key, _int(v, 1, MAX_DIRECTIVE_COUNT))
+        elif key == "max_step_drafts":
+            out.max_step_drafts = _int(v, 0, MAX_DIRECTIVE_COUNT)
+        elif key in ("cost_rule", "whole_answer"):
+            setattr(out, key, _bool(v))
+        elif key == "coalesce_s":
+            out.coalesce_s = _float(v, 0, MAX_COALESCE_S)
+        else:
+            raise _Refused
+    return out
+
+
+def _message(value: Any) -> SimpleNamespace:
+    if (type(value) is not dict or value.keys() != {"role", "content"} or type(value["role"]) is not str
+            or value["role"] not in _ROLES):
+        raise _Refused
+    return SimpleNamespace(role=value["role"], content=_text(value["content"]))
+
+
+_FIELDS: dict[str, Any] = {
+    "max_tokens": lambda v: _int(v, 1, MAX_TOKENS_LIMIT),
+    "max_completion_tokens": lambda v: _int(v, 1, MAX_TOKENS_LIMIT),
+    "temperature": lambda v: _float(v, 0, MAX_TEMPERATURE),
+    "top_p": lambda v: _float(v, 0, 1, low_open=True),
+    "top_k": lambda v: _int(v, -1, MAX_TOP_K),
+    "seed": lambda v: _int(v, -_SEED, _SEED - 1),
+    "stop": _stop,
+    "stream": _bool,
+    "stream_options": _stream_options,
+    "user": _text,
+    "specgate": _directive,
+}
+
+
+def fast_body(kind: str, body: Any) -> SimpleNamespace | None:
+    """The validated body, with the attributes parse_request reads from pydantic's model, or
+    None when it is not the usual shape."""
+    fields = _CHAT_FIELDS if kind == "chat" else _COMPLETION_FIELDS
+    if type(body) is not dict or not body.keys() <= fields:
+        return None
+    out = SimpleNamespace(max_tokens=None, temperature=None, top_p=None, top_k=None, seed=None, stop=None,
+                          stream=None, stream_options=None, user=None, specgate=None, max_completion_tokens=None)
+    try:
+        out.model = _text(body["model"], 1)
+        if kind == "chat":
+            messages = body["messages"]
+            if type(messages) is not list or not messages:
+                return None
+            out.messages = [_message(m) for m in messages]
+        else:
+            out.prompt = _text(body["prompt"])
+        for key, value in body.items():
+            check = _FIELDS.get(key)
+            if check is not None and value is not None:
+                setattr(out, key, check(value))
+    except (_Refused, KeyError):
+        return None
+    return out
