@@ -187,7 +187,7 @@ class Directive:
             out["cost_rule"] = True
         if self.coalesce_s > 0:
             out["coalesce_s"] = self.coalesce_s
-        if self.whole_answer:  # absent unless set: workers from before it keep streaming
+        if self.whole_answer:  # absent unless set (a worker refuses fields it does not know: same release)
             out["whole_answer"] = True
         return out
 
