@@ -26,28 +26,22 @@ class BusyPoll:
     def __init__(self, window_s: float) -> None:
         self.window_s = window_s
         self._until = 0.0
-        self._polling = False
         self._wake = asyncio.Event()
         self.polls = 0  # loop turns spent polling (tests, and what it cost)
 
     def touch(self, now: float) -> None:
         """A request arrived or ended at ``now`` (``time.monotonic``)."""
         self._until = now + self.window_s
-        if not self._polling:
-            self._wake.set()
+        self._wake.set()  # a no-op while set; a touch while polling costs one empty turn after it
 
     async def run(self) -> None:
         sleep, clock = asyncio.sleep, time.monotonic
         while True:
             await self._wake.wait()
             self._wake.clear()
-            self._polling = True
-            try:
-                while clock() < self._until:
-                    await sleep(0)  # one loop turn: epoll with a zero timeout, then every ready callback
-                    self.polls += 1
-            finally:
-                self._polling = False
+            while clock() < self._until:
+                await sleep(0)  # one loop turn: epoll with a zero timeout, then every ready callback
+                self.polls += 1
 
     @asynccontextmanager
     async def running(self) -> AsyncIterator[None]:

@@ -18,7 +18,7 @@ holds the two to the same answers over generated bodies.
 from __future__ import annotations
 
 from types import SimpleNamespace
-from typing import Any
+from typing import Any, get_args
 
 from workers.api_models import (
     MAX_COALESCE_S,
@@ -28,10 +28,14 @@ from workers.api_models import (
     MAX_TEMPERATURE,
     MAX_TOKENS_LIMIT,
     MAX_TOP_K,
+    Directive,
+    Message,
 )
 
 _SEED = 1 << 63
-_ROLES = frozenset(("system", "developer", "user", "assistant"))
+# The models' own declarations: the roles a message may have, a directive's defaults.
+_ROLES = frozenset(get_args(Message.model_fields["role"].annotation))
+_DIRECTIVE_DEFAULTS = {name: field.default for name, field in Directive.model_fields.items()}
 _COMMON = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stream", "stream_options", "user",
            "specgate")
 _COMPLETION_FIELDS = frozenset(("model", "prompt", *_COMMON))
@@ -87,8 +91,7 @@ def _stream_options(value: Any) -> SimpleNamespace:
 def _directive(value: Any) -> SimpleNamespace:
     if type(value) is not dict or "resume" in value:
         raise _Refused
-    out = SimpleNamespace(k=0, max_batch=MAX_DIRECTIVE_COUNT, batch_resume=MAX_DIRECTIVE_COUNT, max_step_drafts=0,
-                          resume=None, cost_rule=False, coalesce_s=0.0, whole_answer=False)
+    out = SimpleNamespace(**_DIRECTIVE_DEFAULTS)
     for key, v in value.items():
         if key == "k":
             out.k = _int(v, 0, MAX_DIRECTIVE_K)
