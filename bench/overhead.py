@@ -23,6 +23,11 @@ on PATH or given with --vllm-router; it runs as
 ``--ref-repo`` adds a gateway run from another checkout (``git worktree add /tmp/ref <rev>``) as
 the path ``specgate_ref``, on the same upstreams in the same run: a change's effect, measured
 where the machine's hour-to-hour speed cannot mix into it.
+
+The added-p50 target (0.5 ms) is an absolute figure from the issue's machine; it is checked as
+it stands and against this machine's speed (``machine_scale``: the reference run's direct
+p50, direct requests/s and vllm-router's added p50 measured again here, the strictest of the
+three ratios scaling the target).
 """
 
 from __future__ import annotations
@@ -43,12 +48,22 @@ from typing import Any
 import aiohttp
 
 from bench import procs
+from workers.cost_cache import cpu_label
 
 # Plain decoding everywhere: the gateway's rules send T=1.0 plain (no shallow-batch waiver).
 GATEWAY_POLICY = {"max_temperature": 0.0, "free_batch": 0}
 # The path ``specgate_busy_poll``: the same gateway polling 2 ms around each request
 # (gateway/busy_poll.py), a CPU spent for the wake-ups a sleeping gateway pays.
 BUSY_POLL_S = 0.002
+
+# The added-p50 target (0.5 ms) was set on the machine of issue #10's own run, where straight to
+# the upstream a sequential 4-token request took 0.32 ms at p50, 5,116 req/s at 32 concurrent,
+# and vllm-router added 0.23 ms (0.55 ms through it). These machines differ by 2x and more in
+# that work, so the target is also read against this run's own yardsticks: each is this run's
+# figure over the reference's (a slower machine > 1), and the target scales by the smallest of
+# them (the strictest reading; a faster machine makes it stricter still). See machine_scale.
+ADDED_P50_TARGET_MS = 0.5
+REFERENCE_RUN = {"direct_p50_ms": 0.32, "direct_rps_c32": 5116.0, "vllm_router_added_p50_ms": 0.23}
 
 
 @dataclass
@@ -251,10 +266,27 @@ def _gateway_figures(results: dict[str, dict[str, dict[str, LoadResult]]], path:
                             / max(1, results[kind]["c32_stream256"][path].chunks), 1) for kind in ("instant", "paced")}}
 
 
+def machine_scale(direct_p50_ms: float, direct_rps_c32: float, router_added_p50_ms: float | None) -> dict[str, Any]:
+    """How much slower this run's machine did the reference run's work (REFERENCE_RUN), by each
+    yardstick measured here, and the added-p50 target scaled by the smallest.
+
+    vllm-router's added latency is a yardstick only when it is a latency (above 0.05 ms): on a
+    loaded machine it has come out below zero (README "Relay overhead")."""
+    scales: dict[str, float | None] = {
+        "direct_p50": direct_p50_ms / REFERENCE_RUN["direct_p50_ms"],
+        "direct_rps_c32": REFERENCE_RUN["direct_rps_c32"] / direct_rps_c32 if direct_rps_c32 > 0 else None,
+        "vllm_router_added_p50": (router_added_p50_ms / REFERENCE_RUN["vllm_router_added_p50_ms"]
+                                  if router_added_p50_ms is not None and router_added_p50_ms > 0.05 else None)}
+    smallest = min(v for v in scales.values() if v is not None)
+    return {"by": {k: None if v is None else round(v, 3) for k, v in scales.items()}, "scale": round(smallest, 3),
+            "added_p50_target_ms": round(ADDED_P50_TARGET_MS * smallest, 3)}
+
+
 def summarize(results: dict[str, dict[str, dict[str, LoadResult]]], router_bin: str | None) -> dict[str, Any]:
     seq = results["instant"]["sequential"]
     direct, gw = seq["direct"], seq["specgate"]
     out: dict[str, Any] = {
+        "cpu": cpu_label(),  # a figure is this CPU's figure
         "added_p50_ms": round(1000 * (gw.pct(0.5) - direct.pct(0.5)), 3),
         "added_p99_ms": round(1000 * (gw.pct(0.99) - direct.pct(0.99)), 3),
         "rps_ratio_c32": round(results["instant"]["c32"]["specgate"].rps / results["instant"]["c32"]["direct"].rps, 3),
@@ -301,12 +333,20 @@ def summarize(results: dict[str, dict[str, dict[str, LoadResult]]], router_bin: 
                   f"µs), per relayed chunk {out[prefix + 'gateway_cpu_us_per_chunk']} µs")
     out["latency_ms"] = {p: {"p50": round(1000 * r.pct(0.5), 3), "p99": round(1000 * r.pct(0.99), 3),
                              "mean": round(1000 * statistics.fmean(r.latencies), 3)} for p, r in seq.items()}
-    out["targets"] = {"added_p50_le_0.5ms": out["added_p50_ms"] <= 0.5,
-                      "added_p50_le_0.5ms_busy_poll": out["busy_poll_added_p50_ms"] <= 0.5,
+    out["machine_scale"] = machine_scale(direct.pct(0.5) * 1000, results["instant"]["c32"]["direct"].rps,
+                                         out.get("vllm_router_added_p50_ms"))
+    scaled_target = out["machine_scale"]["added_p50_target_ms"]
+    out["targets"] = {"added_p50_le_0.5ms": out["added_p50_ms"] <= ADDED_P50_TARGET_MS,
+                      "added_p50_le_scaled_target": out["added_p50_ms"] <= scaled_target,
+                      "added_p50_le_0.5ms_busy_poll": out["busy_poll_added_p50_ms"] <= ADDED_P50_TARGET_MS,
                       "stream256_ge_0.8x_vllm_router": None if out["stream256_ratio_vs_vllm_router"] is None
                       else out["stream256_ratio_vs_vllm_router"] >= 0.8}
-    print(f"\nadded latency through specgate (sequential, instant upstream): p50 {out['added_p50_ms']} ms, "
+    print(f"\nCPU: {out['cpu']}")
+    print(f"added latency through specgate (sequential, instant upstream): p50 {out['added_p50_ms']} ms, "
           f"p99 {out['added_p99_ms']} ms")
+    scale = out["machine_scale"]
+    print(f"this machine against issue #10's run (its figure over the reference's, by yardstick): {scale['by']}; "
+          f"the {ADDED_P50_TARGET_MS} ms target scaled by the smallest: {scaled_target} ms")
     print(f"added latency through aiohttp on uvloop passing requests through (the floor): p50 "
           f"{out['aiohttp_floor_added_p50_ms']} ms, p99 {out['aiohttp_floor_added_p99_ms']} ms; CPU per sequential "
           f"request {out['aiohttp_floor_cpu_us_per_request']} µs (specgate: {out['gateway_cpu_us_per_request']} µs)")

@@ -12,6 +12,7 @@ from typing import Any
 import pytest
 
 from bench.fleet_sim import KINDS
+from bench.overhead import machine_scale
 from bench.policy_real import live_prompt
 from tests.harness import REPO
 from workers import rowgemm
@@ -94,6 +95,27 @@ def test_bench_overhead_quick_json() -> None:
     assert "specgate_busy_poll" in result["latency_ms"] and result["busy_poll_gateway_cpu_us_per_request"] > 0
     assert set(result["busy_poll_gateway_cpu_us_per_chunk"]) == {"instant", "paced"}
     assert "added_p50_le_0.5ms_busy_poll" in result["targets"]
+    # The target read against this machine's speed: the scale is the smallest yardstick measured.
+    scale = result["machine_scale"]
+    assert scale["scale"] == min(v for v in scale["by"].values() if v is not None) and scale["by"]["direct_p50"] > 0
+    assert "added_p50_le_scaled_target" in result["targets"] and "target scaled by the smallest" in stdout
+    assert result["cpu"] and f"CPU: {result['cpu']}" in stdout
+
+
+def test_overhead_target_scales_with_the_machine() -> None:
+    # The reference run's own figures give the target as written.
+    same = machine_scale(0.32, 5116.0, 0.23)
+    assert same["scale"] == 1.0 and same["added_p50_target_ms"] == 0.5
+    # A machine twice as slow by latency but only 1.6x by throughput: the strictest reading, 1.6.
+    slower = machine_scale(0.64, 5116.0 / 1.6, 0.46)
+    assert slower["by"] == {"direct_p50": 2.0, "direct_rps_c32": 1.6, "vllm_router_added_p50": 2.0}
+    assert slower["scale"] == 1.6 and slower["added_p50_target_ms"] == 0.8
+    # A faster machine makes the target stricter.
+    assert machine_scale(0.16, 10232.0, 0.115)["added_p50_target_ms"] == 0.25
+    # vllm-router absent, or its added latency no latency (below zero on a loaded machine): not a yardstick.
+    for router in (None, -0.02, 0.01):
+        scale = machine_scale(0.64, 5116.0 / 3, router)
+        assert scale["by"]["vllm_router_added_p50"] is None and scale["scale"] == 2.0
 
 
 def test_bench_timeline_lines_up_every_hand_off() -> None:
