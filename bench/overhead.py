@@ -111,8 +111,8 @@ async def _load(url: str, concurrency: int, max_tokens: int, stream: bool, secon
                 sequential_n: int = 0) -> LoadResult:
     connector = aiohttp.TCPConnector(limit=0)
     async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=120)) as http:
-        for _ in range(3):  # warm connections and code paths
-            await _one(http, url, max_tokens, stream)
+        for _ in range(3):  # warm connections and code paths; short, since a paced 256-token warm-up took 8 s
+            await _one(http, url, min(max_tokens, 4), stream)
         latencies: list[float] = []
         counts = [0, 0]
         cpu0 = procs.cpu_seconds(pid) if pid else 0.0
