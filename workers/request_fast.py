@@ -30,16 +30,14 @@ from workers.api_models import (
     MAX_TOP_K,
     Directive,
     Message,
+    StreamOptions,
 )
 
 _SEED = 1 << 63
 # The models' own declarations: the roles a message may have, a directive's defaults.
 _ROLES = frozenset(get_args(Message.model_fields["role"].annotation))
 _DIRECTIVE_DEFAULTS = {name: field.default for name, field in Directive.model_fields.items()}
-_COMMON = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stream", "stream_options", "user",
-           "specgate")
-_COMPLETION_FIELDS = frozenset(("model", "prompt", *_COMMON))
-_CHAT_FIELDS = frozenset(("model", "messages", "max_completion_tokens", *_COMMON))
+_STREAM_OPTIONS = frozenset(StreamOptions.model_fields)
 
 
 class _Refused(Exception):
@@ -80,9 +78,9 @@ def _stop(value: Any) -> str | list[str]:
 
 
 def _stream_options(value: Any) -> SimpleNamespace:
-    if type(value) is not dict or not value.keys() <= {"include_usage", "include_obfuscation"}:
+    if type(value) is not dict or not value.keys() <= _STREAM_OPTIONS:
         raise _Refused
-    out = SimpleNamespace(include_usage=None, include_obfuscation=None)
+    out = SimpleNamespace(**dict.fromkeys(_STREAM_OPTIONS))
     for key, v in value.items():
         setattr(out, key, None if v is None else _bool(v))
     return out
@@ -128,6 +126,10 @@ _FIELDS: dict[str, Any] = {
     "user": _text,
     "specgate": _directive,
 }
+# The fields each kind takes: model, its prompt or messages, and the optional ones above (the
+# chat's max_completion_tokens is its own); an optional field absent is None, as in pydantic's model.
+_COMPLETION_FIELDS = frozenset(("model", "prompt", *_FIELDS)) - {"max_completion_tokens"}
+_CHAT_FIELDS = frozenset(("model", "messages", *_FIELDS))
 
 
 def fast_body(kind: str, body: Any) -> SimpleNamespace | None:
@@ -136,8 +138,7 @@ def fast_body(kind: str, body: Any) -> SimpleNamespace | None:
     fields = _CHAT_FIELDS if kind == "chat" else _COMPLETION_FIELDS
     if type(body) is not dict or not body.keys() <= fields:
         return None
-    out = SimpleNamespace(max_tokens=None, temperature=None, top_p=None, top_k=None, seed=None, stop=None,
-                          stream=None, stream_options=None, user=None, specgate=None, max_completion_tokens=None)
+    out = SimpleNamespace(**dict.fromkeys(_FIELDS))
     try:
         out.model = _text(body["model"], 1)
         if kind == "chat":
