@@ -540,3 +540,21 @@ def test_a_first_draft_forward_is_never_priced_below_a_later_one() -> None:
     assert report.draft_first_cost is not None and report.draft_cost is not None
     assert report.draft_first_cost[1] == pytest.approx(report.draft_cost[1])
     assert report.draft_first_cost[0] == split_report().draft_first_cost[0]  # type: ignore[index]
+
+
+def test_draft_split_ignores_a_depth_whose_deeper_phase_is_no_longer() -> None:
+    """A deeper K's draft phase no longer than K = 1's (timing noise at start-up) is no
+    measurement: that depth takes its neighbours' ratio, as an untimed depth does, and no later
+    draft forward is priced free."""
+    depths = (1, 2, 4)
+    forward = [0.001, 0.0012, 0.0016]
+    timed = {(1, 1): 0.0009, (1, 4): 0.0015, (4, 1): 0.0015, (4, 4): 0.0027}
+    noisy = timed | {(2, 1): 0.0011, (2, 4): 0.0010}  # the K = 4 phase came out shorter
+    assert costs_engine.draft_split(depths, forward, noisy) == costs_engine.draft_split(depths, forward, timed)
+    first, later = costs_engine.draft_split(depths, forward, noisy)
+    assert all(f >= n > 0 for f, n in zip(first, later, strict=True))
+    # later / forward: 0.2 at depth 1, 0.25 at depth 4, linear in depth between
+    assert later[1] == pytest.approx(forward[1] * (0.2 + 0.05 / 3))
+    # An equal phase is no measurement either; with none left, every forward is the timed one.
+    flat = {(1, 1): 0.0009, (1, 4): 0.0009, (4, 1): 0.0015, (4, 4): 0.0014}
+    assert costs_engine.draft_split(depths, forward, flat) == (forward, forward)

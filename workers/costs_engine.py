@@ -116,12 +116,16 @@ def draft_split(depths: tuple[int, ...], forward_s: list[float],
     grows with the rows). Without the phases (``max_k`` 1), both are ``forward_s``. (Timed at
     batch 1 and 16 only, with the ratio interpolated between, the later forward at batch 8
     came out 0.68 ms where K auto's steps there took 1.0 ms or more: K = 2 looked 9% better
-    than plain at batch 8 and lost to it.)"""
+    than plain at batch 8 and lost to it.) A depth whose deeper-K phase is no longer than its
+    K = 1 phase counts as not timed."""
     split: dict[int, tuple[float, float]] = {}
     for (depth, k), phase in phases.items():
-        if k > 1 and (depth, 1) in phases:
+        # A deeper K's phase no longer than K = 1's is timing noise, not a measurement: priced
+        # as a slope of 0 it made every later draft forward free there (and, interpolated, at
+        # the depths beside it). Such a depth takes its neighbours' ratio, as an untimed one.
+        if k > 1 and (depth, 1) in phases and phase > phases[(depth, 1)]:
             one = phases[(depth, 1)]
-            split[depth] = (one, max(0.0, (phase - one) / (k - 1)))
+            split[depth] = (one, (phase - one) / (k - 1))
     measured = sorted(d for d in split if d in depths)
     if not measured:
         return list(forward_s), list(forward_s)
