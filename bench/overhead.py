@@ -271,7 +271,7 @@ def machine_scale(direct_p50_ms: float, direct_rps_c32: float, router_added_p50_
     yardstick measured here, and the added-p50 target scaled by the smallest.
 
     vllm-router's added latency is a yardstick only when it is a latency (above 0.05 ms): on a
-    loaded machine it has come out below zero (README "Relay overhead")."""
+    loaded machine it has come out below zero (docs/relay-overhead.md)."""
     scales: dict[str, float | None] = {
         "direct_p50": direct_p50_ms / REFERENCE_RUN["direct_p50_ms"],
         "direct_rps_c32": REFERENCE_RUN["direct_rps_c32"] / direct_rps_c32 if direct_rps_c32 > 0 else None,

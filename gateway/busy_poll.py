@@ -9,7 +9,7 @@ zero ``epoll`` timeout, one ``asyncio.sleep(0)`` a turn) for that long, so the w
 finds the gateway awake; the loop sleeps again once nothing has come or ended for the span.
 HAProxy's ``busy-polling`` trades the same way (the whole process, always). It costs a CPU
 while requests come, so it is off by default: it suits a gateway with a core to itself, not
-one sharing its cores with CPU workers (``make serve``). Measured: README "Relay overhead".
+one sharing its cores with CPU workers (``make serve``). Measured: docs/relay-overhead.md.
 """
 
 from __future__ import annotations

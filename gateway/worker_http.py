@@ -8,7 +8,7 @@ keep-alive connections per worker (Unix socket, TCP or TLS), a request written i
 and the response parsed by httptools (llhttp, in C) into its head and its body (content-length,
 chunked, or to the connection's end), handed over a network read at a time. Health polls and
 metrics scrapes stay on aiohttp. (bench.overhead --ref-repo measures it against the gateway
-before it: README "Relay overhead".)
+before it: docs/relay-overhead.md.)
 
 Errors say which side of the first response byte they happened on, because the relay's
 answer differs: ``WorkerConnectError`` (nothing came back: the request may go to another

@@ -336,7 +336,7 @@ def measure_with_model(settings: MeasureSettings) -> tuple[CostReport, LlamaForC
     # on the AMX Xeon a plain step at batch 1 came out 2.21 ms there against 1.18 ms alone, while
     # its 2- and 4-token forwards, run after the draft's, did not; joined through that plain step,
     # verification at batch 1 priced 2 / 3 / 4 tokens at 0.76 / 1.05 / 0.66x a plain step, and
-    # the start-up model predicted 2.68x where bench.engine measured 1.69x (README, "Measured").
+    # the start-up model predicted 2.68x where bench.engine measured 1.69x (docs/measured.md).
     phase1 = {full: {1: times[(chosen_config, full, 1)]}}
     phase1[1] = {n: times[(chosen_config, 1, n)] for n in n_plan}  # (full may be 1: the same point)
     phase1_draft = times[(f"draft-{chosen.products}", 1, 1)] if draft is not None else None

@@ -3,7 +3,7 @@
 Every request is validated twice, by the gateway and by its worker, and in a sequential
 request through the gateway each runs with its caches cold (the client's and the other
 process's turns came between): pydantic's validation there cost several times what the same
-call costs warm, a visible share of the gateway's added latency (README "Relay overhead").
+call costs warm, a visible share of the gateway's added latency (docs/relay-overhead.md).
 
 The bodies clients and the gateway send are nearly all alike: a completion with a text prompt
 or a chat of text messages, a few sampling fields, and the gateway's directive. Those are
