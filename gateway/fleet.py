@@ -38,6 +38,12 @@ log = logging.getLogger(__name__)
 WorkerStatus = Literal["starting", "ready", "unhealthy", "restarting", "stopped"]
 
 
+# A worker that ran this long before it died was no crash loop: its restart waits the first
+# delay again (a worker the kernel's OOM killer or an operator kills now and then comes back
+# quickly), while one that dies sooner, or never gets healthy, waits twice as long each time.
+HEALTHY_RUN_S = 60.0
+
+
 @dataclass
 class WorkerHandle:
     worker_id: str
@@ -238,9 +244,8 @@ class Fleet:
             log.warning("%s %s; restarting", handle.worker_id, handle.last_error)
             self._mark_down(handle, "restarting")
             multiprocess.mark_process_dead(handle.process.pid)
-            # A worker that ran a while before dying starts the backoff afresh.
-            failures = 0 if healthy and time.monotonic() - handle.started_at > 60 else failures + 1
-            await asyncio.sleep(min(wc.restart_backoff_max_s, wc.restart_backoff_s * 2 ** max(0, failures - 1)))
+            failures = 0 if healthy and time.monotonic() - handle.started_at > HEALTHY_RUN_S else failures + 1
+            await asyncio.sleep(restart_delay(failures, wc.restart_backoff_s, wc.restart_backoff_max_s))
             handle.restarts += 1
             self.metrics.worker_restarts.labels(model=self.metrics.model, worker=handle.worker_id).inc()
 
@@ -377,6 +382,12 @@ class Fleet:
                     log.warning("%s unresponsive for %.0fs; killing pid %d", handle.worker_id, hung_after, process.pid)
                     process.kill()
                     unhealthy_since = None
+
+
+def restart_delay(failures: int, backoff_s: float, max_s: float) -> float:
+    """Seconds before a worker's restart after ``failures`` consecutive failures (0: it had run
+    ``HEALTHY_RUN_S`` and died): ``backoff_s``, doubled per failure after the first, at most ``max_s``."""
+    return min(max_s, backoff_s * 2.0 ** max(0, failures - 1))
 
 
 def _loads(text: str) -> Any:

@@ -8,6 +8,7 @@ import pytest
 from prometheus_client import CollectorRegistry, Histogram
 
 from gateway.config import SessionsConfig
+from gateway.fleet import HEALTHY_RUN_S, restart_delay
 from gateway.metrics import TOKEN_GAP_BUCKETS, GatewayMetrics
 from gateway.routing import Candidate, choose_worker
 from gateway.sessions import RandomIds, SessionTable
@@ -118,3 +119,12 @@ def test_random_ids_are_unique_hex_across_refills_and_forks() -> None:
     child_id = os.read(reader, 64).decode()
     os.close(reader)
     assert len(child_id) == 32 and child_id != ids()
+
+
+def test_restart_delay_doubles_per_consecutive_failure_up_to_the_cap() -> None:
+    """The first failure (or a worker that had run HEALTHY_RUN_S: 0) waits the configured
+    delay; each consecutive one twice the last, never more than the cap."""
+    assert [restart_delay(n, 0.5, 30.0) for n in range(9)] == [0.5, 0.5, 1.0, 2.0, 4.0, 8.0, 16.0, 30.0, 30.0]
+    assert restart_delay(3, 0.0, 30.0) == 0.0 and restart_delay(5, 2.0, 0.0) == 0.0
+    assert HEALTHY_RUN_S == 60.0  # README's workers.restart_backoff_s row states it
+
