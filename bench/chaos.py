@@ -18,7 +18,10 @@ requests with more than one final outcome; outputs that differ from the undistur
 of those the ones longer than it (text duplicated); the longest time from a kill until every
 worker is ready again; hostile requests answered with anything but a 4xx; honest requests
 harmed by a hostile one (failed or wrong while a hostile request was in flight and no kill
-happened during them: 0 expected). ``--json`` prints one JSON object as the last line.
+happened during them: 0 expected). For a failed run's reader: each worker's precision before
+and after the chaos, up to five mismatched requests (who served them and the reference, the
+time since the last kill, where the texts part) and the gateway log's path. ``--json`` prints
+one JSON object as the last line.
 """
 
 from __future__ import annotations
@@ -64,6 +67,8 @@ class Variant:
     body: dict[str, Any]
     chat: bool
     reference: str = ""
+    reference_worker: str = ""
+    reference_mode: str = ""
 
 
 @dataclass
@@ -74,6 +79,9 @@ class Outcome:
     started: float = 0.0
     ended: float = 0.0
     detail: str = ""
+    session: str = ""
+    worker: str = ""  # X-Specgate-Worker: who served it (the first worker, for a migrated stream)
+    mode: str = ""  # X-Specgate-Mode: the policy's decision
 
 
 @dataclass
@@ -103,9 +111,11 @@ def variants(max_tokens: int) -> list[Variant]:
 
 
 async def send(http: aiohttp.ClientSession, url: str, variant: Variant, session: str) -> Outcome:
-    outcome = Outcome("lost", started=time.monotonic())
+    outcome = Outcome("lost", started=time.monotonic(), session=session)
     try:
         async with http.post(url + variant.path, json=variant.body, headers={"X-Session-ID": session}) as response:
+            outcome.worker = response.headers.get("X-Specgate-Worker", "")
+            outcome.mode = response.headers.get("X-Specgate-Mode", "")
             if not variant.body["stream"]:
                 payload = await response.json(content_type=None)
                 outcome.finals = 1
@@ -239,6 +249,32 @@ async def wait_ready(http: aiohttp.ClientSession, url: str, count: int, process:
     raise RuntimeError(f"workers not ready within {timeout_s}s")
 
 
+def precisions(listed: list[dict[str, Any]]) -> dict[str, str]:
+    """Each worker's served precision, as /admin/workers reports it: workers whose arithmetic
+    differs answer a near-tie differently, so a mismatch is read beside them."""
+    out = {}
+    for w in listed:
+        p = w.get("precision") or {}
+        kernels = p.get("kernels") or {}
+        out[w["worker_id"]] = (f"{p.get('target')}{' prepacked' if p.get('target_prepacked') else ''} "
+                               f"products={p.get('products')} exact={p.get('exact')} kernels={kernels.get('build')}")
+    return out
+
+
+def mismatch_sample(chaos: Chaos, pool: list[Variant], variant: Variant, outcome: Outcome) -> dict[str, Any]:
+    """What a run that failed on a mismatch needs to say: which request, who served it and the
+    reference, when the last kill was, and where the texts part."""
+    common = next((i for i, (a, b) in enumerate(zip(variant.reference, outcome.text, strict=False)) if a != b),
+                  min(len(variant.reference), len(outcome.text)))
+    before = [outcome.started - k for k in chaos.kills if k < outcome.started]
+    return {"variant": pool.index(variant), "path": variant.path, "stream": variant.body["stream"],
+            "session": outcome.session, "worker": outcome.worker, "mode": outcome.mode,
+            "reference_worker": variant.reference_worker, "reference_mode": variant.reference_mode,
+            "since_last_kill_s": round(min(before), 2) if before else None,
+            "reference_chars": len(variant.reference), "chars": len(outcome.text), "same_prefix_chars": common,
+            "reference_then": variant.reference[common:common + 40], "then": outcome.text[common:common + 40]}
+
+
 def harmed(chaos: Chaos, outcome: Outcome) -> bool:
     overlaps = any(s < outcome.ended and e > outcome.started for s, e, _ in chaos.hostile)
     killed = any(outcome.started <= k <= outcome.ended for k in chaos.kills)
@@ -251,7 +287,8 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     config.write_text(yaml.safe_dump({
         "model": {"target": str(REPO / "models/demo-target"), "draft": str(REPO / "models/demo-draft")},
         "server": {"worker_timeout_s": 120, "migration_wait_s": 60, "drain_timeout_s": 5},
-        "workers": {"count": args.workers, "max_slots": 16, "poll_interval_s": 0.2, "restart_backoff_s": 0.2},
+        "workers": {"count": args.workers, "max_slots": 16, "poll_interval_s": 0.2, "restart_backoff_s": 0.2,
+                    "dtype": args.dtype},
         "policy": POLICIES_VALID[1]}))
     process, url = start_gateway(config, tmp / "gateway.log")
     chaos = Chaos(url)
@@ -264,7 +301,9 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                 reference = await send(http, url, variant, "reference")
                 if reference.kind != "completed":
                     raise RuntimeError(f"reference run failed: {reference}")
-                variant.reference = reference.text
+                variant.reference, variant.reference_worker, variant.reference_mode = (
+                    reference.text, reference.worker, reference.mode)
+            precisions_before = precisions(await workers(http, url))
             retries0, migrations0 = (await metric(http, url, "specgate_retries_total"),
                                      await metric(http, url, "specgate_migrations_total"))
             started = time.monotonic()
@@ -280,6 +319,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             migrations = await metric(http, url, "specgate_migrations_total") - migrations0
             async with http.get(url + "/admin/policy") as response:
                 policy_view = await response.json()
+            precisions_after = precisions(await workers(http, url))
     finally:
         process.send_signal(signal.SIGTERM)
         try:
@@ -306,6 +346,9 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         + sum(harmed(chaos, o) for _, o in mismatched),
         "gateway_exit_code": exit_code,
         "failures": sorted({o.detail for _, o in results if o.kind != "completed"})[:5],
+        "precisions_before": precisions_before, "precisions_after": precisions_after,
+        "mismatch_samples": [mismatch_sample(chaos, pool, v, o) for v, o in mismatched[:5]],
+        "gateway_log": str(tmp / "gateway.log"),
     }
 
 
@@ -319,6 +362,8 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=48)
     parser.add_argument("--request-timeout", type=float, default=300.0)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--dtype", choices=["auto", "float32", "bfloat16"], default="auto",
+                        help="the workers' workers.dtype (auto: what their start-up measurement picks)")
     parser.add_argument("--quick", action="store_true", help="a short smoke run")
     parser.add_argument("--json", action="store_true", help="print one JSON object as the last line")
     args = parser.parse_args()
