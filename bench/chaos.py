@@ -18,7 +18,9 @@ requests with more than one final outcome; outputs that differ from the undistur
 of those the ones longer than it (text duplicated); the longest time from a kill until every
 worker is ready again; hostile requests answered with anything but a 4xx; honest requests
 harmed by a hostile one (failed or wrong while a hostile request was in flight and no kill
-happened during them: 0 expected). For a failed run's reader: each worker's precision before
+happened during them: 0 expected; "wrong" where the workers serve an exact precision, whose
+greedy output does not depend on the batch, K or mode; ``exact_precision`` says whether they
+did). For a failed run's reader: each worker's precision before
 and after the chaos, up to five mismatched requests (who served them and the reference, the
 time since the last kill, where the texts part) and the gateway log's path. ``--json`` prints
 one JSON object as the last line.
@@ -249,15 +251,15 @@ async def wait_ready(http: aiohttp.ClientSession, url: str, count: int, process:
     raise RuntimeError(f"workers not ready within {timeout_s}s")
 
 
-def precisions(listed: list[dict[str, Any]]) -> dict[str, str]:
+def precisions(listed: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
     """Each worker's served precision, as /admin/workers reports it: workers whose arithmetic
     differs answer a near-tie differently, so a mismatch is read beside them."""
     out = {}
     for w in listed:
         p = w.get("precision") or {}
-        kernels = p.get("kernels") or {}
-        out[w["worker_id"]] = (f"{p.get('target')}{' prepacked' if p.get('target_prepacked') else ''} "
-                               f"products={p.get('products')} exact={p.get('exact')} kernels={kernels.get('build')}")
+        out[w["worker_id"]] = {"target": p.get("target"), "prepacked": p.get("target_prepacked"),
+                               "products": p.get("products"), "exact": p.get("exact"),
+                               "kernels": (p.get("kernels") or {}).get("build")}
     return out
 
 
@@ -327,6 +329,10 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         except subprocess.TimeoutExpired:
             process.kill()
             exit_code = process.wait()
+    # Greedy output is the undisturbed run's whatever the batch, K or mode only where verification
+    # is bit-identical (workers.exact; docs/engine.md section 2); elsewhere the engine is close to
+    # exact by design, and a different output is no harm.
+    exact = all(p["exact"] is True for p in (*precisions_before.values(), *precisions_after.values()))
     completed = [(v, o) for v, o in results if o.kind == "completed"]
     mismatched = [(v, o) for v, o in completed if o.text != v.reference]
     return {
@@ -343,7 +349,8 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         "policy_after": policy_view["policy"].get("num_speculative_tokens"),
         "hostile_sent": len(chaos.hostile), "hostile_not_4xx": sum(not 400 <= s < 500 for _, _, s in chaos.hostile),
         "honest_harmed_by_hostile": sum(o.kind != "completed" and harmed(chaos, o) for _, o in results)
-        + sum(harmed(chaos, o) for _, o in mismatched),
+        + (sum(harmed(chaos, o) for _, o in mismatched) if exact else 0),
+        "exact_precision": exact,
         "gateway_exit_code": exit_code,
         "failures": sorted({o.detail for _, o in results if o.kind != "completed"})[:5],
         "precisions_before": precisions_before, "precisions_after": precisions_after,

@@ -11,7 +11,7 @@ from tests.harness import REPO
 
 CHAOS_FIGURES = {"requests_sent", "completed", "retried_transparently", "migrated_mid_stream", "failed_clear_error",
                  "lost", "multiple_outcomes", "duplicated_outputs", "max_kill_to_ready_s", "honest_harmed_by_hostile",
-                 "hostile_sent", "hostile_not_4xx", "kills"}
+                 "hostile_sent", "hostile_not_4xx", "kills", "exact_precision", "mismatch_samples"}
 
 
 def test_bench_chaos_quick_json() -> None:
