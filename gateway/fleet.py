@@ -331,12 +331,13 @@ class Fleet:
 
     def _check_precision(self, handle: WorkerHandle) -> None:
         """Workers of one gateway should serve one precision (they share the cost cache, so the
-        first one's choice is the others'); say so when they do not."""
-        mine = (handle.info.get("precision") or {}).get("target")
+        first one's choice is the others'); say so when they do not: a session that moves
+        between them may get another greedy answer at a near-tie."""
+        mine = precision_signature(handle.info)
         for other in self.workers.values():
-            theirs = (other.info.get("precision") or {}).get("target")
+            theirs = precision_signature(other.info)
             if other is not handle and not other.remote and not handle.remote and mine and theirs and mine != theirs:
-                log.warning("%s serves a %s target but %s a %s one: their cost caches differ (workers.cost_cache_dir)",
+                log.warning("%s serves %s but %s %s: their cost caches differ (workers.cost_cache_dir)",
                             handle.worker_id, mine, other.worker_id, theirs)
 
     async def _probe_vllm_depth(self, handle: WorkerHandle) -> None:
@@ -382,6 +383,19 @@ class Fleet:
                     log.warning("%s unresponsive for %.0fs; killing pid %d", handle.worker_id, hung_after, process.pid)
                     process.kill()
                     unhealthy_since = None
+
+
+def precision_signature(info: dict[str, Any]) -> str | None:
+    """What decides a worker's arithmetic, from its self-description: the target's dtype, whether
+    it runs prepacked and how its projections multiply (a float32 target with bfloat16 products
+    rounds otherwise than one with float32 products). None where the worker does not say."""
+    precision = info.get("precision") or {}
+    target = precision.get("target")
+    if not target:
+        return None
+    packed = " prepacked" if precision.get("target_prepacked") else ""
+    products = precision.get("products")
+    return f"a {target}{packed} target" + (f" with {products} products" if products else "")
 
 
 def restart_delay(failures: int, backoff_s: float, max_s: float) -> float:

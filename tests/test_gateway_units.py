@@ -8,7 +8,7 @@ import pytest
 from prometheus_client import CollectorRegistry, Histogram
 
 from gateway.config import SessionsConfig
-from gateway.fleet import HEALTHY_RUN_S, restart_delay
+from gateway.fleet import HEALTHY_RUN_S, precision_signature, restart_delay
 from gateway.metrics import TOKEN_GAP_BUCKETS, GatewayMetrics
 from gateway.routing import Candidate, choose_worker
 from gateway.sessions import RandomIds, SessionTable
@@ -127,4 +127,15 @@ def test_restart_delay_doubles_per_consecutive_failure_up_to_the_cap() -> None:
     assert [restart_delay(n, 0.5, 30.0) for n in range(9)] == [0.5, 0.5, 1.0, 2.0, 4.0, 8.0, 16.0, 30.0, 30.0]
     assert restart_delay(3, 0.0, 30.0) == 0.0 and restart_delay(5, 2.0, 0.0) == 0.0
     assert HEALTHY_RUN_S == 60.0  # README's workers.restart_backoff_s row states it
+
+
+def test_precision_signature_tells_apart_what_changes_the_arithmetic() -> None:
+    def info(target: str | None, prepacked: bool = True, products: str | None = "float32") -> dict[str, object]:
+        return {"precision": {"target": target, "target_prepacked": prepacked, "products": products, "why": "x"}}
+
+    assert precision_signature(info("float32")) == "a float32 prepacked target with float32 products"
+    # Same dtype, other products: the two round differently, so the fleet must tell them apart.
+    assert precision_signature(info("float32")) != precision_signature(info("float32", products="bfloat16"))
+    assert precision_signature(info("bfloat16", prepacked=False, products=None)) == "a bfloat16 target"
+    assert precision_signature(info(None)) is None and precision_signature({}) is None
 
