@@ -20,10 +20,9 @@ worker is ready again; hostile requests answered with anything but a 4xx; honest
 harmed by a hostile one (failed or wrong while a hostile request was in flight and no kill
 happened during them: 0 expected; "wrong" where the workers serve an exact precision, whose
 greedy output does not depend on the batch, K or mode; ``exact_precision`` says whether they
-did). For a failed run's reader: each worker's precision before
-and after the chaos, up to five mismatched requests (who served them and the reference, the
-time since the last kill, where the texts part) and the gateway log's path. ``--json`` prints
-one JSON object as the last line.
+did). For a failed run's reader: each worker's precision before and after the chaos, up to five
+mismatched requests (who served them and the reference, the time since the last kill, where the
+texts part) and the gateway log's path. ``--json`` prints one JSON object as the last line.
 """
 
 from __future__ import annotations
@@ -332,7 +331,9 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     # Greedy output is the undisturbed run's whatever the batch, K or mode only where verification
     # is bit-identical (workers.exact; docs/engine.md section 2); elsewhere the engine is close to
     # exact by design, and a different output is no harm.
-    exact = all(p["exact"] is True for p in (*precisions_before.values(), *precisions_after.values()))
+    # (A worker caught between a restart and its first self-description reports none: no evidence.)
+    reported = [p["exact"] for p in (*precisions_before.values(), *precisions_after.values()) if p["exact"] is not None]
+    exact = bool(reported) and all(reported)
     completed = [(v, o) for v, o in results if o.kind == "completed"]
     mismatched = [(v, o) for v, o in completed if o.text != v.reference]
     return {
