@@ -138,4 +138,3 @@ def test_precision_signature_tells_apart_what_changes_the_arithmetic() -> None:
     assert precision_signature(info("float32")) != precision_signature(info("float32", products="bfloat16"))
     assert precision_signature(info("bfloat16", prepacked=False, products=None)) == "a bfloat16 target"
     assert precision_signature(info(None)) is None and precision_signature({}) is None
-
