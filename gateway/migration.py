@@ -27,10 +27,11 @@ import asyncio
 import logging
 from collections.abc import AsyncGenerator, Awaitable, Callable
 from dataclasses import replace
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import orjson
 
+from gateway.admission import Admission
 from gateway.drain import Drain, ShuttingDown
 from gateway.ops_metrics import OpsMetrics
 from gateway.proxy import (
@@ -59,13 +60,10 @@ from workers.protocol import (
     chunk_text,
 )
 
-if TYPE_CHECKING:
-    from gateway.relay import Admission
-
 log = logging.getLogger(__name__)
 # (state, session, request, exclude, resume) -> the admission and the worker's open stream
 AdmitFn = Callable[[GatewayState, Session, CompletionRequest, frozenset[str], ResumePoint | None],
-                   Awaitable[tuple["Admission", WorkerResponse]]]
+                   Awaitable[tuple[Admission, WorkerResponse]]]
 RETRY_PAUSE_S = 0.1
 
 

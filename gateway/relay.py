@@ -3,55 +3,27 @@
 from __future__ import annotations
 
 import functools
-import hashlib
 import logging
 import time
 from collections.abc import AsyncGenerator
-from dataclasses import dataclass, replace
 from typing import Any
 
 import orjson
 from aiohttp import web
 
+from gateway.admission import Admission, account_chunk, pick, record, session_id_of
 from gateway.auth import scope_of
 from gateway.drain import DRAIN_KEY, InFlight
-from gateway.fleet import WorkerHandle
-from gateway.metrics import GatewayMetrics
 from gateway.migration import MigratingStream
 from gateway.ops_metrics import OPS_KEY
-from gateway.proxy import (
-    NoWorkerLeft,
-    NoWorkerReady,
-    RawChunk,
-    StreamTally,
-    WholeAnswer,
-    WorkerUnreachable,
-    open_stream,
-    worker_body,
-)
-from gateway.routing import Candidate, choose_worker
-from gateway.sessions import ModeChange, Session
+from gateway.proxy import RawChunk, StreamTally, WholeAnswer, WorkerUnreachable, open_stream, worker_body
+from gateway.sessions import Session
 from gateway.state import GatewayState
-from gateway.tracing import TRACING_KEY, AttemptTrace, RequestTrace
+from gateway.tracing import TRACING_KEY, RequestTrace
 from gateway.worker_http import WorkerResponse
-from policies import (
-    FIXED_MODE_REASONS,
-    Decision,
-    PolicyConfig,
-    RequestFacts,
-    WorkerState,
-    batch_latch,
-    decide,
-    observe,
-    observe_steps,
-    record_decision,
-    worker_acceptance,
-)
 from workers.logs import RequestLog, decision_var, request_id_var, session_var
 from workers.protocol import (
-    DIRECTIVE_FIELD,
     GATEWAY_FIELDS,
-    MAX_SESSION_ID,
     REQUEST_ID_HEADER,
     SESSION_HEADER,
     ApiError,
@@ -62,12 +34,9 @@ from workers.protocol import (
     NotFound,
     RequestKind,
     ResumePoint,
-    StepReport,
     assemble,
     chunk_text,
     parse_request,
-    speculative_usage,
-    vllm_step_report,
 )
 from workers.web_common import read_json, sse_event, start_sse
 
@@ -79,97 +48,8 @@ WORKER_HEADER = "X-Specgate-Worker"
 _PATHS: dict[RequestKind, str] = {"chat": "/v1/chat/completions", "completion": "/v1/completions"}
 
 
-@dataclass
-class Admission:
-    session: Session
-    handle: WorkerHandle
-    decision: Decision
-    policy: PolicyConfig
-    attempt: AttemptTrace
-    retries: int = 0  # workers found unreachable before this one took the request
-
-
 # A worker read of a non-streaming request: when it came, the admission it came under, its chunks.
 Received = tuple[float, Admission, list[RawChunk]]
-
-
-def _session_id(request: web.Request, req: CompletionRequest) -> str | None:
-    """The session key: the ``X-Session-ID`` header, else a digest of ``user``, else None (new).
-
-    The header is a key the client chose, so it is held to a key's rules. ``user`` is
-    OpenAI's end-user id, which may be any string (long, tabs, newlines, U+2028): it is never
-    refused, and keys the session through a bounded, printable digest of it.
-    """
-    header = request.headers.get(SESSION_HEADER)
-    if header:
-        if len(header) > MAX_SESSION_ID or not header.isprintable():
-            raise BadRequest(f"{SESSION_HEADER} must be printable and at most {MAX_SESSION_ID} characters",
-                             param=SESSION_HEADER)
-        return header
-    if req.user:
-        return user_session_id(req.user)
-    return None
-
-
-def user_session_id(user: str) -> str:
-    # surrogatepass: a JSON body may carry a lone surrogate (\ud800), which plain UTF-8 refuses.
-    return "user-" + hashlib.sha256(user.encode("utf-8", "surrogatepass")).hexdigest()[:32]
-
-
-def _decide(session: Session, handle: WorkerHandle, req: CompletionRequest, policy: PolicyConfig,
-            any_mode: bool = False) -> Decision:
-    """The decision on ``handle``; with ``any_mode``, what the rules want were it to serve both modes."""
-    handle.batch_full = batch_latch(handle.batch_full, handle.load, policy)
-    worker = WorkerState(handle.load, handle.batch_full, handle.max_k, "speculative" in handle.modes,
-                         "plain" in handle.modes, handle.cost, worker_acceptance(handle.acceptance, policy),
-                         handle.draft_mix.step_mix())
-    if any_mode:
-        fixed_k = 1 if policy.num_speculative_tokens == "auto" else policy.num_speculative_tokens
-        worker = replace(worker, max_k=max(handle.max_k, fixed_k), serves_speculative=True, serves_plain=True)
-    return decide(session.policy_state, worker, RequestFacts(req.temperature), policy)
-
-
-def _route(state: GatewayState, session: Session, candidates: list[Candidate], req: CompletionRequest,
-           policy: PolicyConfig) -> tuple[WorkerHandle, Decision] | None:
-    """The session's worker and the decision there; mode-aware when workers serve one fixed mode.
-
-    When the sticky (or least-loaded) worker cannot serve the mode the rules want, the request
-    goes to a worker that can, so ``X-Specgate-Mode`` tells what runs. The session moves only
-    when the other worker's decision really is the wanted mode.
-    """
-    worker_id = choose_worker(session.worker_id, candidates)
-    if worker_id is None:
-        return None
-    handle = state.fleet.workers[worker_id]
-    decision = _decide(session, handle, req, policy)
-    if decision.reason in FIXED_MODE_REASONS:
-        wanted = _decide(session, handle, req, policy, any_mode=True)
-        others = [c for c in candidates if c.worker_id != worker_id and c.ready and wanted.mode in c.modes]
-        other_id = choose_worker(None, others, prefer_mode=wanted.mode) if wanted.mode != decision.mode else None
-        if other_id is not None:
-            other = state.fleet.workers[other_id]
-            other_decision = _decide(session, other, req, policy)
-            if other_decision.mode == wanted.mode:
-                # It runs what the rules want, for the rules' reason (a plain-only worker's
-                # decision would otherwise name the worker, not why plain was wanted).
-                if other_decision.reason in FIXED_MODE_REASONS:
-                    other_decision = replace(other_decision, reason=wanted.reason)
-                return other, other_decision
-    return handle, decision
-
-
-def _record(state: GatewayState, session: Session, decision: Decision, policy: PolicyConfig) -> None:
-    metrics = state.metrics
-    metrics.series(metrics.decisions, decision.mode, decision.reason).inc()
-    if decision.mode == "plain":
-        metrics.series(metrics.fallbacks, decision.reason).inc()
-    previous = session.last_decision
-    if previous is None or previous.mode != decision.mode:
-        if previous is not None:
-            metrics.mode_switches.labels(model=metrics.model, to=decision.mode, reason=decision.reason).inc()
-        session.history.append(ModeChange(time.time(), decision.mode, decision.reason, decision.k))
-    session.last_decision = decision
-    session.policy_state = record_decision(session.policy_state, decision, policy.auto_k)
 
 
 async def _admit(state: GatewayState, session: Session, req: CompletionRequest, exclude: frozenset[str] = frozenset(),
@@ -184,15 +64,8 @@ async def _admit(state: GatewayState, session: Session, req: CompletionRequest, 
     policy = state.policy.active
     tried: set[str] = set(exclude)
     while True:
-        candidates = [c for c in state.fleet.candidates() if c.worker_id not in tried
-                      and (resume is None or state.fleet.workers[c.worker_id].speaks_specgate)]
-        routed = _route(state, session, candidates, req, policy)
-        if routed is None:
-            if tried - exclude:
-                raise NoWorkerLeft(f"no worker could take the request (tried {', '.join(sorted(tried - exclude))})")
-            raise NoWorkerReady("no worker is ready", retry_after_s=1.0)
-        handle, decision = routed
-        worker_id = session.worker_id = handle.worker_id
+        handle, decision = pick(state, session, req, policy, tried, exclude, resume)
+        worker_id = handle.worker_id
         # A non-streaming client sees no chunk: its worker may send them a few at a time.
         coalesce_s = 0.0 if req.stream else state.config.server.coalesce_s
         body = worker_body(req, Directive(decision.k, policy.max_batch, policy.batch_resume, policy.max_step_drafts,
@@ -220,87 +93,8 @@ async def _admit(state: GatewayState, session: Session, req: CompletionRequest, 
             handle.draft_mix.remove(decision)
             attempt.failed(exc)
             raise
-        _record(state, session, decision, policy)
+        record(state, session, decision, policy)
         return Admission(session, handle, decision, policy, attempt, len(tried - exclude)), response
-
-
-def _account(state: GatewayState, admission: Admission, tally: StreamTally, raw: RawChunk,
-             kind: RequestKind, started: float, now: float) -> None:
-    """One chunk into the session's and worker's acceptance, the metrics and the tally; ``now``
-    is when its worker read came (time to first token, inter-token gaps)."""
-    # The streaming relay forwards chunks without usage as the worker sent them: only the usage
-    # chunk may be changed here.
-    chunk = raw.chunk if raw.chunk.get("usage") is None else raw.changed()
-    metrics = state.metrics
-    report = raw.report
-    if admission.handle.protocol == "vllm" and chunk.get("usage"):
-        report = vllm_step_report(chunk, admission.decision.k)
-        # vLLM's own field, restated in specgate's terms: every engine's chunks look alike.
-        chunk.pop("metrics", None)
-        if report is not None:
-            chunk[DIRECTIVE_FIELD] = report.to_json()
-    # Tokens by the mode of the steps that made them: one step, or a coalesced chunk's steps.
-    emitted: dict[str, int] = {}
-    if report is not None:
-        for step in report.steps():
-            _account_step(metrics, admission, tally, step)
-            mode = "speculative" if step.k > 0 else "plain"
-            emitted[mode] = emitted.get(mode, 0) + step.tokens
-    elif chunk_text(kind, chunk):
-        emitted[admission.decision.mode] = 1
-    tokens = sum(emitted.values())
-    if tokens:
-        tally.tokens += tokens
-        gapped = emitted  # tokens whose gap since the one before is observed
-        if tally.first_token_at is None:
-            # A coalesced chunk says how long its worker held it (workers/coalesce.py): the
-            # first token came then, and the chunk's later steps in the time since.
-            held = report.held_s if report is not None else 0.0
-            tally.first_token_at = tally.last_at = max(started, now - held)
-            metrics.series(metrics.time_to_first_token, admission.decision.mode).observe(
-                tally.first_token_at - started)
-            gapped = {}
-            if report is not None and report.then:  # the first step's own tokens came together
-                head = "speculative" if report.k > 0 else "plain"
-                gapped = {mode: n - report.tokens if mode == head else n for mode, n in emitted.items()}
-        count = sum(gapped.values())
-        gap = (now - tally.last_at) / count if count else 0.0
-        for mode, n in emitted.items():
-            if n:
-                metrics.series(metrics.tokens, mode).inc(n)
-        for mode, n in gapped.items():  # a span's tokens share its time evenly, as a speculative step's do
-            if n > 0:
-                metrics.observe_many(metrics.series(metrics.inter_token_latency, mode), gap, n)
-        tally.last_at = now
-    if chunk.get("usage"):
-        usage = dict(chunk["usage"])
-        # A specgate worker's usage says what ran (its step counts); a server that reports no
-        # steps gets the gateway's tally, and the plain steps it cannot see stay unknown.
-        if "speculative" not in usage:
-            usage["speculative"] = speculative_usage(tally.proposed, tally.accepted, admission.decision.mode,
-                                                     tally.speculative_steps if tally.proposed else None)
-        chunk["usage"] = usage
-
-
-def _account_step(metrics: GatewayMetrics, admission: Admission, tally: StreamTally, report: StepReport) -> None:
-    """One engine step's drafts into the session's and the worker's acceptance, the tally and metrics."""
-    if report.proposed <= 0 and not report.late_steps:
-        return  # a plain step: no drafts to count (every step of a plain stream comes here)
-    session, handle, policy = admission.session, admission.handle, admission.policy
-    session.policy_state = observe(session.policy_state, report.proposed, report.accepted, policy)
-    handle.acceptance = observe(handle.acceptance, report.proposed, report.accepted, policy)
-    tally.proposed += report.proposed
-    tally.accepted += report.accepted
-    tally.speculative_steps += int(report.proposed > 0) + sum(g.count for g in report.late_steps)
-    metrics.record_steps(handle.worker_id, report.proposed, report.accepted)
-    if report.late_steps:  # acceptance the engine learned late (vLLM: when the request ended)
-        groups = [(g.proposed, g.accepted, g.count) for g in report.late_steps]
-        session.policy_state = observe_steps(session.policy_state, groups, policy)
-        handle.acceptance = observe_steps(handle.acceptance, groups, policy)
-        tally.proposed += sum(g.proposed * g.count for g in report.late_steps)
-        tally.accepted += sum(g.accepted * g.count for g in report.late_steps)
-        for group in report.late_steps:
-            metrics.record_steps(handle.worker_id, group.proposed, group.accepted, group.count)
 
 
 def _worth_sending(kind: RequestKind, chunk: dict[str, Any]) -> bool:
@@ -349,7 +143,7 @@ async def _answer_whole(request: web.Request, state: GatewayState, stream: Migra
         await response.write_eof()
     finally:
         if whole.report is not None:
-            _account(state, stream.admission, tally, RawChunk({}, None, None, whole.report), stream.kind, started,
+            account_chunk(state, stream.admission, tally, RawChunk({}, None, None, whole.report), stream.kind, started,
                      whole.at)
     return response
 
@@ -381,7 +175,7 @@ async def _answer(request: web.Request, state: GatewayState, stream: MigratingSt
     def account(received: Received) -> None:
         at, admission, batch = received
         for raw in batch:
-            _account(state, admission, tally, raw, kind, started, at)
+            account_chunk(state, admission, tally, raw, kind, started, at)
 
     try:
         async for batch in batches:
@@ -439,7 +233,7 @@ async def _relay(request: web.Request, kind: RequestKind, state: GatewayState, t
         if req.raw.get(name) is not None:
             raise BadRequest(f"'{name}' is set by the gateway, not by clients", param=name)
     # Sessions are scoped to the API key that made them: another key's session id is another session.
-    session = state.sessions.touch(_session_id(request, req), started, scope_of(request))
+    session = state.sessions.touch(session_id_of(request.headers, req), started, scope_of(request))
     session.requests += 1
     session_var.set(session.session_id)
     admission, response = await drain.guard(_admit(state, session, req, trace=trace))
@@ -467,7 +261,7 @@ async def _relay(request: web.Request, kind: RequestKind, state: GatewayState, t
                 events = []
                 now = time.monotonic()
                 for raw in batch:
-                    _account(state, stream.admission, tally, raw, kind, started, now)
+                    account_chunk(state, stream.admission, tally, raw, kind, started, now)
                     if raw.chunk.get("usage") is not None and not req.include_usage:
                         continue
                     if _worth_sending(kind, raw.chunk):

@@ -12,7 +12,7 @@ from typing import Any
 import openai
 import pytest
 
-from gateway.relay import user_session_id
+from gateway.admission import user_session_id
 from tests.harness import Gateway, sdk_client, start_gateway, target_prepacked_expected, write_config
 from workers import rowgemm
 

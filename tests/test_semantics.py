@@ -22,7 +22,7 @@ import openai
 import pytest
 import torch
 
-from gateway.relay import user_session_id
+from gateway.admission import user_session_id
 from tests.harness import MODELS, Gateway, sdk_client, start_gateway, write_config
 from workers.model import TORCH_DTYPES, LlamaForCausalLM, resolve_dtype
 from workers.sampling import SamplingParams
