@@ -42,6 +42,10 @@ class ServerConfig:
     max_migrations: int = 3
     # ...waiting at most this long for one to be ready.
     migration_wait_s: float = 15.0
+    # A new request that finds no worker ready waits this long for one (0: refused at once)...
+    admission_wait_s: float = 15.0
+    # ...with at most this many requests waiting; beyond it, a 503 with Retry-After.
+    admission_queue: int = 256
     # Listening on a non-loopback address without API keys is refused unless this says so.
     allow_unauthenticated: bool = False
     # A non-streaming request's chunks after the first, this long as one from a specgate worker
@@ -108,6 +112,24 @@ class SessionsConfig:
 
 
 @dataclass(frozen=True)
+class StateConfig:
+    # Where per-session controller state lives: memory (this process) or redis (shared by replicas).
+    backend: Literal["memory", "redis"] = "memory"
+    redis_url: str = "redis://127.0.0.1:6379/0"
+    key_prefix: str = "specgate:"  # every key this gateway writes starts with it
+    timeout_s: float = 0.05  # one Redis call slower than this counts as Redis down for the request
+    retry_s: float = 1.0  # after Redis failed, local state only for this long before trying it again
+
+
+@dataclass(frozen=True)
+class EppConfig:
+    # specgate epp: the ext_proc gRPC service Envoy asks which endpoint serves each request.
+    host: str = "127.0.0.1"
+    port: int = 9002  # the Inference Extension's conventional EPP port
+    max_body_bytes: int = 1 << 20  # a request body larger than this gets an ImmediateResponse 413
+
+
+@dataclass(frozen=True)
 class TracingConfig:
     # Off unless set here or by the standard OTEL_* variables (OTEL_EXPORTER_OTLP_ENDPOINT): gateway/tracing.py.
     enabled: bool = False
@@ -126,6 +148,8 @@ class GatewayConfig:
     source: Path | None = None  # the file this came from (reloads re-read it)
     tracing: TracingConfig = field(default_factory=TracingConfig)
     auth: AuthConfig = field(default_factory=AuthConfig)
+    state: StateConfig = field(default_factory=StateConfig)
+    epp: EppConfig = field(default_factory=EppConfig)
 
 
 class _Section:
@@ -202,7 +226,8 @@ def parse_config(raw: Any, base: Path, source: Path | None = None) -> GatewayCon
     if not isinstance(raw, Mapping):
         raise ConfigError("(top level)", raw, "config must be a mapping")
     problems = Problems()
-    _check_keys(raw, "(top level)", {"server", "model", "workers", "sessions", "policy", "tracing", "auth"}, problems)
+    _check_keys(raw, "(top level)", {"server", "model", "workers", "sessions", "policy", "tracing", "auth", "state",
+                                     "epp"}, problems)
     s = _Section(raw.get("server"), "server", ServerConfig.__dataclass_fields__, problems)
     d = ServerConfig()
     server = ServerConfig(
@@ -215,6 +240,8 @@ def parse_config(raw: Any, base: Path, source: Path | None = None) -> GatewayCon
         drain_timeout_s=s.get("drain_timeout_s", float, d.drain_timeout_s, minimum=0),
         max_migrations=s.get("max_migrations", int, d.max_migrations, minimum=0),
         migration_wait_s=s.get("migration_wait_s", float, d.migration_wait_s, minimum=0),
+        admission_wait_s=s.get("admission_wait_s", float, d.admission_wait_s, minimum=0),
+        admission_queue=s.get("admission_queue", int, d.admission_queue, minimum=0),
         allow_unauthenticated=s.get("allow_unauthenticated", bool, d.allow_unauthenticated),
         coalesce_s=s.get("coalesce_s", float, d.coalesce_s, minimum=0, maximum=5.0),
         busy_poll_s=s.get("busy_poll_s", float, d.busy_poll_s, minimum=0, maximum=1.0))
@@ -236,8 +263,25 @@ def parse_config(raw: Any, base: Path, source: Path | None = None) -> GatewayCon
     policy = problems.check(lambda: parse_policy(raw.get("policy")), PolicyConfig())
     tracing = _parse_tracing(_Section(raw.get("tracing"), "tracing", TracingConfig.__dataclass_fields__, problems))
     auth = problems.check(lambda: parse_auth(raw.get("auth")), AuthConfig())
+    state = _parse_state(_Section(raw.get("state"), "state", StateConfig.__dataclass_fields__, problems))
+    e = _Section(raw.get("epp"), "epp", EppConfig.__dataclass_fields__, problems)
+    ed = EppConfig()
+    epp = EppConfig(host=e.get("host", str, ed.host), port=e.get("port", int, ed.port, minimum=0, maximum=65535),
+                    max_body_bytes=e.get("max_body_bytes", int, ed.max_body_bytes, minimum=1024))
     problems.raise_any()
-    return GatewayConfig(server, model, workers, sessions, policy, source, tracing, auth)
+    return GatewayConfig(server, model, workers, sessions, policy, source, tracing, auth, state, epp)
+
+
+def _parse_state(s: _Section) -> StateConfig:
+    d = StateConfig()
+    url = s.get("redis_url", str, d.redis_url)
+    if not url.startswith(("redis://", "rediss://", "unix://")):
+        s.problems.add(ConfigError("state.redis_url", url, "must be a redis://, rediss:// or unix:// URL"))
+        url = d.redis_url
+    return StateConfig(backend=s.get("backend", str, d.backend, choices=("memory", "redis")), redis_url=url,
+                       key_prefix=s.get("key_prefix", str, d.key_prefix),
+                       timeout_s=s.get("timeout_s", float, d.timeout_s, minimum=0.001, maximum=10),
+                       retry_s=s.get("retry_s", float, d.retry_s, minimum=0))
 
 
 def _parse_workers(w: _Section, base: Path) -> WorkersConfig:

@@ -265,15 +265,17 @@ def test_every_bad_field_of_every_section_is_reported() -> None:
     raw = {"server": {"port": -1, "host": 5, "colour": "red"}, "sessions": {"history": 0},
            "workers": {"count": 0, "max_k": -1, "remote": [{"url": "ftp://x", "mode": "fast"}, 7]},
            "policy": {"max_batch": 0, "probe_every": "often"}, "tracing": {"otlp_endpoint": "x", "enabled": 1},
-           "auth": {"admin_token": "short", "protect_probes": "yes", "nope": 1}, "extra": {}}
+           "auth": {"admin_token": "short", "protect_probes": "yes", "nope": 1}, "extra": {},
+           "state": {"backend": "etcd", "redis_url": "http://x"}, "epp": {"port": 70000}}
     with pytest.raises(ConfigError) as info:
         parse_config(raw, BASE)
-    assert str(info.value) == ("extra: unknown field; known: auth, model, policy, server, sessions, tracing, workers "
-                               "(got {})")
+    assert str(info.value) == ("extra: unknown field; known: auth, epp, model, policy, server, sessions, state, "
+                               "tracing, workers (got {})")
     assert [p.field for p in info.value.problems] == [
         "extra", "server.colour", "server.host", "server.port", "workers.max_k", "workers.remote[0].url",
         "workers.remote[0].mode", "workers.remote[1]", "sessions.history", "probe_every", "max_batch",
-        "tracing.otlp_endpoint", "tracing.enabled", "auth.nope", "auth.admin_token", "auth.protect_probes"]
+        "tracing.otlp_endpoint", "tracing.enabled", "auth.nope", "auth.admin_token", "auth.protect_probes",
+        "state.redis_url", "state.backend", "epp.port"]
     # workers.count 0 is no problem here: workers.remote has entries (bad ones, reported above).
     assert isinstance(info.value.problems[9], PolicyConfigError)
     assert "short" not in info.value.summary()  # a secret's value is never shown
