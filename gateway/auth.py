@@ -23,7 +23,17 @@ from gateway.auth_config import AuthConfig
 from gateway.config import ConfigError, ServerConfig, load_auth_file
 from gateway.ops_metrics import OpsMetrics
 from gateway.policy_store import ReloadSource, file_stamp
-from workers.tokens import Forbidden, Unauthorized, bearer, fingerprint, is_loopback, matching, peer_is_local
+from workers.tokens import (
+    AUTHORIZATION,
+    Forbidden,
+    Unauthorized,
+    bearer,
+    bearer_token,
+    fingerprint,
+    is_loopback,
+    matching,
+    peer_is_local,
+)
 from workers.web_common import Handler
 
 log = logging.getLogger(__name__)
@@ -96,10 +106,14 @@ class AuthStore:
     # -- checks ---------------------------------------------------------------------------------------
     def api_scope(self, request: web.Request) -> str:
         """The caller's scope for the OpenAI routes; raises 401 without a valid key."""
+        return self.scope_for(request.headers.get(AUTHORIZATION))
+
+    def scope_for(self, authorization: str | None) -> str:
+        """``api_scope`` on an ``Authorization`` header's value (the endpoint picker's requests)."""
         keys = self.current.api_keys
         if not keys:
             return ""
-        presented = bearer(request)
+        presented = bearer_token(authorization)
         if presented is None:
             raise Unauthorized("You didn't provide an API key: send it as 'Authorization: Bearer <key>'",
                                code="invalid_api_key")

@@ -80,13 +80,16 @@ class StreamTally:
     collected: list[dict[str, Any]] = field(default_factory=list)
 
 
-def worker_body(request: CompletionRequest, directive: Directive, protocol: RemoteProtocol) -> dict[str, Any]:
-    """The request as the worker takes it: always streamed with usage, plus the decision in the
-    worker's own terms (a specgate directive, vLLM plugin arguments, or nothing for a server of
-    one fixed mode)."""
+def worker_body(request: CompletionRequest, directive: Directive, protocol: RemoteProtocol,
+                streamed: bool = True) -> dict[str, Any]:
+    """The request as the worker takes it: plus the decision in the worker's own terms (a
+    specgate directive, vLLM plugin arguments, or nothing for a server of one fixed mode). The
+    relay's are always streamed with usage; the endpoint picker's (``streamed`` False) keep the
+    client's own ``stream``, since Envoy hands the worker's answer to the client as it is."""
     body = dict(request.raw)
-    body["stream"] = True
-    body["stream_options"] = {"include_usage": True}
+    if streamed:
+        body["stream"] = True
+        body["stream_options"] = {"include_usage": True}
     if protocol == "specgate":
         body[DIRECTIVE_FIELD] = directive.to_json()
     elif protocol == "vllm":

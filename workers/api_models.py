@@ -115,6 +115,7 @@ class Directive(_Strict):
     # A non-streaming request's chunks, this long as one.
     coalesce_s: Annotated[float, Field(ge=0, le=MAX_COALESCE_S)] = 0.0
     whole_answer: bool = False  # with coalesce_s: a first span that ends the answer may come whole
+    step_log: bool = False  # a non-streaming answer lists its steps' drafts (the endpoint picker's feedback)
 
 
 class _RequestBody(_Strict):

@@ -14,7 +14,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Literal
 
@@ -176,6 +176,10 @@ class Directive:
     # With ``coalesce_s``: an answer made within the first span may come as the answer itself
     # and its step report (``WHOLE_ANSWER_TYPE``), which the gateway relays without reading it.
     whole_answer: bool = False
+    # A non-streaming answer that no gateway reads step by step (the endpoint picker's: Envoy
+    # relays it): the answer carries its steps' drafts, in order, in ``specgate.steps``, so the
+    # picker folds the session's acceptance exactly as the relay folds a stream's reports.
+    step_log: bool = False
 
     def to_json(self) -> dict[str, Any]:
         out: dict[str, Any] = {"k": self.k, "max_batch": self.max_batch, "batch_resume": self.batch_resume}
@@ -189,6 +193,8 @@ class Directive:
             out["coalesce_s"] = self.coalesce_s
         if self.whole_answer:  # absent unless set (a worker refuses fields it does not know: same release)
             out["whole_answer"] = True
+        if self.step_log:
+            out["step_log"] = True
         return out
 
 
@@ -294,7 +300,8 @@ def parse_request(kind: RequestKind, body: Any) -> CompletionRequest:
         include_usage=bool(parsed.stream_options and parsed.stream_options.include_usage), user=parsed.user,
         directive=None if directive is None else Directive(directive.k, directive.max_batch, directive.batch_resume,
                                                        directive.max_step_drafts, resume, directive.cost_rule,
-                                                       directive.coalesce_s, directive.whole_answer),
+                                                       directive.coalesce_s, directive.whole_answer,
+                                                       directive.step_log),
         raw=body)
 
 
@@ -420,6 +427,34 @@ def vllm_step_report(chunk: Mapping[str, Any], k: int) -> StepReport | None:
         return None
     late = tuple(SpecSteps(d, a, c) for (d, a), c in sorted(groups.items()))
     return StepReport(0, 0, 0, 0, 0, late)
+
+
+def step_log(reports: Iterable[StepReport]) -> dict[str, Any]:
+    """A non-streaming answer's ``specgate`` field (``Directive.step_log``): each speculative
+    step's [proposed, accepted] in order, and the [proposed, accepted, count] groups of steps
+    the engine learned late. Plain steps change no estimate and are left out."""
+    steps: list[list[int]] = []
+    late: list[list[int]] = []
+    for report in reports:
+        if report.proposed > 0:
+            steps.append([report.proposed, report.accepted])
+        late += [[g.proposed, g.accepted, g.count] for g in report.late_steps]
+    out: dict[str, Any] = {"steps": steps}
+    if late:
+        out["late_steps"] = late
+    return out
+
+
+def logged_steps(raw: Any) -> StepReport | None:
+    """``step_log``'s field read back as one report of ``then`` steps (None: absent or malformed)."""
+    if not isinstance(raw, dict) or not isinstance(raw.get("steps"), list):
+        return None
+    try:
+        steps = [StepReport(int(p), int(a), 0, int(p), 0) for p, a in raw["steps"]]
+        late = tuple(SpecSteps(int(p), int(a), int(c)) for p, a, c in raw.get("late_steps") or ())
+    except (TypeError, ValueError):
+        return None
+    return StepReport(0, 0, 0, 0, 0, late, then=tuple(steps))
 
 
 def speculative_usage(proposed: int, accepted: int, mode: str, speculative_steps: int | None = None,

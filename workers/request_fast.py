@@ -97,7 +97,7 @@ def _directive(value: Any) -> SimpleNamespace:
             setattr(out, key, _int(v, 1, MAX_DIRECTIVE_COUNT))
         elif key == "max_step_drafts":
             out.max_step_drafts = _int(v, 0, MAX_DIRECTIVE_COUNT)
-        elif key in ("cost_rule", "whole_answer"):
+        elif key in ("cost_rule", "whole_answer", "step_log"):
             setattr(out, key, _bool(v))
         elif key == "coalesce_s":
             out.coalesce_s = _float(v, 0, MAX_COALESCE_S)

@@ -35,6 +35,7 @@ from workers.engine_api import (
 from workers.logs import RequestLog, request_id_var, session_var
 from workers.metrics import WorkerMetrics
 from workers.protocol import (
+    DIRECTIVE_FIELD,
     MAX_SESSION_ID,
     REQUEST_ID_HEADER,
     SESSION_HEADER,
@@ -49,6 +50,7 @@ from workers.protocol import (
     assemble,
     parse_request,
     speculative_usage,
+    step_log,
 )
 from workers.text import TextCodec, TextStream
 from workers.tokens import Unauthorized, bearer, matching
@@ -280,7 +282,11 @@ async def _serve(request: web.Request, kind: RequestKind) -> web.StreamResponse:
         # The first chunk comes before the response starts, so early failures keep their status.
         first = await anext(chunks)
         if not req.stream:
-            return web.json_response(assemble(kind, [first[0]] + [c async for c, _ in chunks]))
+            items = [first] + [item async for item in chunks]
+            answer = assemble(kind, [chunk for chunk, _ in items])
+            if req.directive is not None and req.directive.step_log:
+                answer[DIRECTIVE_FIELD] = step_log(report for _, report in items if report is not None)
+            return web.json_response(answer)
         coalesce_s = req.directive.coalesce_s if req.directive is not None else 0.0
         if coalesce_s > 0:  # the gateway's non-streaming client (workers/coalesce.py)
             return await write_coalesced(request, kind, _prepend(first, chunks), coalesce_s, req.include_usage,

@@ -34,7 +34,11 @@ class Forbidden(ApiError):
 
 def bearer(request: web.Request) -> str | None:
     """The token of ``Authorization: Bearer <token>``; None when absent or of another scheme."""
-    header = request.headers.get(AUTHORIZATION)
+    return bearer_token(request.headers.get(AUTHORIZATION))
+
+
+def bearer_token(header: str | None) -> str | None:
+    """``bearer`` on the header's value (the endpoint picker reads headers from Envoy, not aiohttp)."""
     if not header:
         return None
     scheme, _, token = header.strip().partition(" ")
