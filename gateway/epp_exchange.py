@@ -1,0 +1,316 @@
+"""One HTTP request as the endpoint picker sees it: an ext_proc stream from Envoy.
+
+Envoy sends the request's headers, then its body (whole, BUFFERED; or in pieces,
+FULL_DUPLEX_STREAMED), then the response's headers and its streamed body. The picker answers
+each. When the request's body is complete it runs the same admission as the relay (session,
+route, ``decide``: gateway/admission.py), names the chosen endpoint to Envoy in the
+``x-gateway-destination-endpoint`` header and in the ``envoy.lb`` dynamic metadata (the
+Inference Extension's endpoint-picker protocol), and writes the decision into the body in the
+model server's own terms. The response's step reports fold into the session as the relay
+folds them (gateway/epp_feedback.py).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import orjson
+from envoy.config.core.v3.base_pb2 import HeaderValue, HeaderValueOption
+from envoy.extensions.filters.http.ext_proc.v3.processing_mode_pb2 import ProcessingMode
+from envoy.service.ext_proc.v3 import external_processor_pb2 as ext_proc
+from envoy.type.v3.http_status_pb2 import HttpStatus
+from google.protobuf.struct_pb2 import Struct
+from multidict import CIMultiDict
+
+from gateway.admission import Admission, account_chunk, commit, pick_ready, session_id_of
+from gateway.auth import AuthStore
+from gateway.epp_feedback import ResponseReader
+from gateway.fleet import WorkerHandle
+from gateway.proxy import StreamTally, worker_body
+from gateway.state import GatewayState
+from gateway.tracing import AttemptTrace
+from workers.limits import InputRefused, loads_json
+from workers.protocol import (
+    GATEWAY_FIELDS,
+    SESSION_HEADER,
+    ApiError,
+    BadRequest,
+    CompletionRequest,
+    Directive,
+    NotFound,
+    Overloaded,
+    PayloadTooLarge,
+    RequestKind,
+    Unavailable,
+    parse_request,
+)
+
+log = logging.getLogger(__name__)
+DESTINATION_HEADER = "x-gateway-destination-endpoint"
+LB_NAMESPACE = "envoy.lb"  # the dynamic metadata namespace Envoy's load balancer reads
+SUBSET_NAMESPACE = "envoy.lb.subset_hint"  # filter metadata: the endpoints the gateway allows
+SUBSET_KEY = "x-gateway-destination-endpoint-subset"
+MODE_HEADER = "x-specgate-mode"
+WORKER_HEADER = "x-specgate-worker"
+_KINDS: dict[str, RequestKind] = {"/v1/chat/completions": "chat", "/v1/completions": "completion"}
+_OVERWRITE = HeaderValueOption.HeaderAppendAction.OVERWRITE_IF_EXISTS_OR_ADD
+
+
+def _header(key: str, value: str) -> HeaderValueOption:
+    return HeaderValueOption(header=HeaderValue(key=key, raw_value=value.encode()), append_action=_OVERWRITE)
+
+
+def immediate(error: ApiError) -> ext_proc.ProcessingResponse:
+    """An OpenAI error object that Envoy answers the client with, the request going nowhere."""
+    headers = [_header("content-type", "application/json")]
+    if error.retry_after_s is not None:
+        headers.append(_header("retry-after", str(max(1, math.ceil(error.retry_after_s)))))
+    return ext_proc.ProcessingResponse(immediate_response=ext_proc.ImmediateResponse(
+        status=HttpStatus(code=error.status), body=orjson.dumps(error.body()),
+        headers=ext_proc.HeaderMutation(set_headers=headers), details=f"specgate_{error.error_type}"))
+
+
+@dataclass
+class Picked:
+    """Where a request goes and, for an OpenAI request, under which admission."""
+
+    endpoint: str  # ip:port
+    admission: Admission | None  # None: a request the policy has no say in (GET /v1/models)
+    req: CompletionRequest | None
+    body: bytes | None  # the body the model server gets (None: as the client sent it)
+
+
+class Exchange:
+    """The state of one ext_proc stream; ``handle`` answers each message Envoy sends."""
+
+    def __init__(self, state: GatewayState, auth: AuthStore, endpoints: dict[str, str], max_body_bytes: int) -> None:
+        self.state, self.auth, self.endpoints, self.max_body_bytes = state, auth, endpoints, max_body_bytes
+        self.headers: CIMultiDict[str] = CIMultiDict()
+        self.subset: frozenset[str] | None = None
+        self.body = bytearray()
+        self.streamed_request = False  # FULL_DUPLEX_STREAMED: the headers' answer waits for the body
+        self.picked: Picked | None = None
+        self.reader = ResponseReader()
+        self.tally = StreamTally()
+        self.started = time.monotonic()
+        self.finished = False
+        self.outcome = "picked"
+
+    async def handle(self, message: ext_proc.ProcessingRequest) -> list[ext_proc.ProcessingResponse]:
+        which = message.WhichOneof("request")
+        if which == "request_headers":
+            return await self._request_headers(message)
+        if which == "request_body":
+            return await self._request_body(message.request_body)
+        if which == "request_trailers":
+            return [ext_proc.ProcessingResponse(request_trailers=ext_proc.TrailersResponse())]
+        if which == "response_headers":
+            return [self._response_headers(message.response_headers)]
+        if which == "response_body":
+            return [self._response_body(message.response_body)]
+        if which == "response_trailers":
+            self.finish()
+            return [ext_proc.ProcessingResponse(response_trailers=ext_proc.TrailersResponse())]
+        return []
+
+    # -- the request --------------------------------------------------------------------------------
+    async def _request_headers(self, message: ext_proc.ProcessingRequest) -> list[ext_proc.ProcessingResponse]:
+        headers = message.request_headers
+        self.headers = CIMultiDict((h.key, h.raw_value.decode("utf-8", "replace") if h.raw_value else h.value)
+                                   for h in headers.headers.headers)
+        self.subset = _subset(message)
+        if headers.end_of_stream:  # no body: a GET (models, probes), routed without a decision
+            return await self._answer_headers_with_pick(b"")
+        # BUFFERED mode answers headers at once and gets the whole body next; in
+        # FULL_DUPLEX_STREAMED the headers' answer must carry the destination, so it waits.
+        self.streamed_request = message.protocol_config.request_body_mode == ProcessingMode.FULL_DUPLEX_STREAMED
+        if self.streamed_request:
+            return []
+        return [ext_proc.ProcessingResponse(request_headers=ext_proc.HeadersResponse())]
+
+    async def _request_body(self, body: ext_proc.HttpBody) -> list[ext_proc.ProcessingResponse]:
+        if len(self.body) + len(body.body) > self.max_body_bytes:
+            self.outcome = "refused"
+            return [immediate(PayloadTooLarge(f"request body is larger than {self.max_body_bytes} bytes"))]
+        self.body += body.body
+        if not body.end_of_stream:
+            return [] if self.streamed_request else [ext_proc.ProcessingResponse(request_body=ext_proc.BodyResponse())]
+        if self.streamed_request:
+            return await self._answer_headers_with_pick(bytes(self.body))
+        try:
+            picked = await self._pick(bytes(self.body))
+        except ApiError as error:
+            return [self._refuse(error)]
+        common = ext_proc.CommonResponse(header_mutation=self._destination(picked))
+        if picked.body is not None:
+            common.body_mutation.body = picked.body
+        return [ext_proc.ProcessingResponse(request_body=ext_proc.BodyResponse(response=common),
+                                            dynamic_metadata=_lb_metadata(picked.endpoint))]
+
+    async def _answer_headers_with_pick(self, body: bytes) -> list[ext_proc.ProcessingResponse]:
+        try:
+            picked = await self._pick(body)
+        except ApiError as error:
+            return [self._refuse(error)]
+        responses = [ext_proc.ProcessingResponse(
+            request_headers=ext_proc.HeadersResponse(response=ext_proc.CommonResponse(
+                header_mutation=self._destination(picked))),
+            dynamic_metadata=_lb_metadata(picked.endpoint))]
+        if self.streamed_request:  # the body goes on as one piece: the client's, or with the decision
+            streamed = ext_proc.StreamedBodyResponse(body=picked.body if picked.body is not None else body,
+                                                     end_of_stream=True)
+            responses.append(ext_proc.ProcessingResponse(request_body=ext_proc.BodyResponse(
+                response=ext_proc.CommonResponse(body_mutation=ext_proc.BodyMutation(streamed_response=streamed)))))
+        return responses
+
+    def _destination(self, picked: Picked) -> ext_proc.HeaderMutation:
+        headers = [_header(DESTINATION_HEADER, picked.endpoint)]
+        if picked.body is not None:
+            headers.append(_header("content-length", str(len(picked.body))))
+        return ext_proc.HeaderMutation(set_headers=headers)
+
+    def _refuse(self, error: ApiError) -> ext_proc.ProcessingResponse:
+        self.outcome = "refused" if error.client_fault else ("shed" if isinstance(error, Overloaded) else "unavailable")
+        log.info("endpoint picker refused a request (%d): %s", error.status, error.message)
+        return immediate(error)
+
+    async def _pick(self, body: bytes) -> Picked:
+        state = self.state
+        allowed = self._allowed()
+        path = self.headers.get(":path", "").split("?", 1)[0]
+        kind = _KINDS.get(path)
+        if kind is None or self.headers.get(":method", "POST") != "POST":
+            # Not a completion: any ready endpoint serves it (models list, probes).
+            ready = [h for h in state.fleet.workers.values() if h.status == "ready" and h.worker_id in allowed]
+            if not ready:
+                raise Unavailable("no endpoint is ready", retry_after_s=1.0)
+            return Picked(self.endpoints[min(ready, key=lambda h: h.load).worker_id], None, None, None)
+        try:
+            raw = loads_json(body)
+        except InputRefused as exc:
+            raise BadRequest(str(exc)) from None
+        req = parse_request(kind, raw)
+        if req.model != state.config.model.name:
+            raise NotFound(f"model '{req.model}' does not exist; available: '{state.config.model.name}'",
+                           param="model", code="model_not_found")
+        for name in GATEWAY_FIELDS:
+            if req.raw.get(name) is not None:
+                raise BadRequest(f"'{name}' is set by the gateway, not by clients", param=name)
+        scope = self.auth.scope_for(self.headers.get("authorization"))
+        session = state.sessions.touch(session_id_of(self.headers, req), self.started, scope)
+        session.requests += 1
+        await state.store.load(session)
+        policy = state.policy.active
+        handle, decision = await pick_ready(state, session, req, policy, allowed=allowed)
+        self._shed_if_full(handle)
+        commit(state, session, handle, decision, policy)
+        admission = Admission(session, handle, decision, policy, AttemptTrace(None))
+        self.picked = Picked(self.endpoints[handle.worker_id], admission, req, self._body_for(req, handle, admission))
+        return self.picked
+
+    def _allowed(self) -> frozenset[str]:
+        """The workers the request may go to: those with a known endpoint, within the subset hint."""
+        known = frozenset(worker_id for worker_id in self.state.fleet.workers if worker_id in self.endpoints)
+        if self.subset is None:
+            return known
+        allowed = frozenset(w for w in known if self.endpoints[w] in self.subset)
+        if not allowed:
+            raise Unavailable(f"none of the endpoints in {SUBSET_KEY} is in the pool")
+        return allowed
+
+    def _shed_if_full(self, handle: WorkerHandle) -> None:
+        workers = self.state.config.workers
+        if handle.load >= workers.max_slots + workers.max_queue:
+            raise Overloaded("every eligible endpoint's queue is full", retry_after_s=1.0)
+
+    def _body_for(self, req: CompletionRequest, handle: WorkerHandle, admission: Admission) -> bytes | None:
+        if handle.protocol == "openai":
+            return None  # a server of one fixed mode: the choice of endpoint was the decision
+        policy, decision = admission.policy, admission.decision
+        directive = Directive(decision.k, policy.max_batch, policy.batch_resume, policy.max_step_drafts,
+                              cost_rule=policy.auto_k, step_log=not req.stream)
+        return orjson.dumps(worker_body(req, directive, handle.protocol, streamed=False))
+
+    # -- the response -------------------------------------------------------------------------------
+    def _response_headers(self, headers: ext_proc.HttpHeaders) -> ext_proc.ProcessingResponse:
+        values = {h.key.lower(): h.raw_value.decode("utf-8", "replace") if h.raw_value else h.value
+                  for h in headers.headers.headers}
+        try:
+            status = int(values.get(":status", "0"))
+        except ValueError:
+            status = 0
+        self.reader.headers(status, values.get("content-type", ""))
+        response = ext_proc.ProcessingResponse(response_headers=ext_proc.HeadersResponse())
+        picked = self.picked
+        if picked is None or picked.admission is None:
+            if headers.end_of_stream:
+                self.finish()
+            return response
+        admission = picked.admission
+        mutation = response.response_headers.response.header_mutation
+        mutation.set_headers.extend([_header(SESSION_HEADER.lower(), admission.session.session_id),
+                                     _header(MODE_HEADER, admission.decision.header),
+                                     _header(WORKER_HEADER, admission.handle.worker_id)])
+        if self.reader.ok and not self.reader.streaming and admission.handle.speaks_specgate:
+            # The whole answer at once, so its step log can leave it: its length changes.
+            mutation.remove_headers.append("content-length")
+            response.mode_override.response_body_mode = ProcessingMode.BUFFERED
+        if headers.end_of_stream:
+            self.finish()
+        return response
+
+    def _response_body(self, body: ext_proc.HttpBody) -> ext_proc.ProcessingResponse:
+        response = ext_proc.ProcessingResponse(response_body=ext_proc.BodyResponse())
+        picked = self.picked
+        if picked is None or picked.admission is None or picked.req is None:
+            if body.end_of_stream:
+                self.finish()
+            return response
+        admission, kind, now = picked.admission, picked.req.kind, time.monotonic()
+        if self.reader.streaming:
+            for raw in self.reader.stream_piece(body.body):
+                account_chunk(self.state, admission, self.tally, raw, kind, self.started, now)
+        elif body.end_of_stream:
+            whole, stripped = self.reader.whole_answer(body.body)
+            if whole is not None:
+                account_chunk(self.state, admission, self.tally, whole, kind, self.started, now)
+            if stripped is not None:
+                response.response_body.response.body_mutation.body = stripped
+        else:
+            self.reader.answer_piece(body.body)
+        if body.end_of_stream:
+            self.finish()
+        return response
+
+    def finish(self) -> None:
+        """The exchange is over (its response ended, or Envoy closed the stream): the request
+        leaves its worker's in-flight count, and the session's state is written."""
+        if self.finished:
+            return
+        self.finished = True
+        picked = self.picked
+        if picked is not None and picked.admission is not None:
+            picked.admission.handle.draft_mix.remove(picked.admission.decision)
+            self.state.store.save(picked.admission.session)
+
+
+def _subset(message: ext_proc.ProcessingRequest) -> frozenset[str] | None:
+    """The endpoints the subset hint allows; None without a hint."""
+    metadata = message.metadata_context.filter_metadata
+    if SUBSET_NAMESPACE not in metadata:
+        return None
+    value: Any = dict(metadata[SUBSET_NAMESPACE].items()).get(SUBSET_KEY)
+    if value is None:
+        return None
+    items = value.split(",") if isinstance(value, str) else list(value)
+    return frozenset(str(item).strip() for item in items if str(item).strip())
+
+
+def _lb_metadata(endpoint: str) -> Struct:
+    metadata = Struct()
+    metadata.update({LB_NAMESPACE: {DESTINATION_HEADER: endpoint}})
+    return metadata
