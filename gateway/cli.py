@@ -1,5 +1,6 @@
-"""The ``specgate`` command: ``serve`` (the gateway and its workers), ``worker`` (a standalone
-worker) and ``check`` (validate a config or policy file without starting anything).
+"""The ``specgate`` command: ``serve`` (the gateway and its workers), ``epp`` (the gateway as
+an Envoy endpoint picker), ``worker`` (a standalone worker) and ``check`` (validate a config or
+policy file without starting anything).
 
 ``check`` imports only the config parser, the safe YAML loader and the pure policy module: no
 torch, no aiohttp, so it runs anywhere an operator edits a file (tests/test_cli.py checks).
@@ -22,6 +23,10 @@ Settings come from, highest first: these flags, SPECGATE_<SECTION>__<KEY> enviro
 variables (e.g. SPECGATE_POLICY__MAX_BATCH=32), the config file, the defaults."""
 WORKER_HELP = """Run one standalone specgate worker (what `python -m workers` runs); all further
 arguments are the worker's own: `specgate worker --help` lists them."""
+EPP_HELP = """Serve the endpoint-picker protocol of the Gateway API Inference Extension: Envoy's
+ext_proc filter asks, over gRPC (epp.host:epp.port), which model server in workers.remote takes
+each request; the answer carries the same per-session decision `specgate serve` makes. The HTTP
+port (server.port) serves /metrics, /health, /ready and /admin. See docs/scale-out.md."""
 CHECK_HELP = """Validate a config file, or a bare policy file (the body of PUT /admin/policy),
 with the parser and safe YAML loader the gateway uses on a live reload, and the
 SPECGATE_* environment overrides applied. Prints every problem with its field and
@@ -31,7 +36,7 @@ value; exits 1 if there is any, 0 if the file would be accepted. Starts nothing.
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="specgate", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    sub = parser.add_subparsers(dest="command", required=True, metavar="{serve,worker,check}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="{serve,epp,worker,check}")
     serve = sub.add_parser("serve", help="start the gateway and its workers", description=SERVE_HELP,
                            formatter_class=argparse.RawDescriptionHelpFormatter)
     serve.add_argument("--config", type=Path, default=Path("config.yaml"),
@@ -41,6 +46,12 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--log-format", choices=("text", "json"), default=None,
                        help="log lines as text or one JSON object each; overrides server.log_format")
     serve.add_argument("--log-level", default="INFO", help="logging level (default: %(default)s)")
+    epp = sub.add_parser("epp", help="serve as the endpoint picker of an Envoy inference gateway",
+                         description=EPP_HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
+    for action in serve._actions[1:]:  # the same flags as serve (all but --help)...
+        epp._add_action(action)
+    epp.add_argument("--epp-host", default=None, help="the ext_proc gRPC listen address; overrides epp.host")
+    epp.add_argument("--epp-port", type=int, default=None, help="the ext_proc gRPC port; overrides epp.port")
     sub.add_parser("worker", help="run a standalone worker (python -m workers)", description=WORKER_HELP,
                    add_help=False)
     check = sub.add_parser("check", help="validate a config or policy file", description=CHECK_HELP,
@@ -129,12 +140,17 @@ def serve(args: argparse.Namespace) -> int:
     from policies import FieldError
     from workers.web_runner import run_app
 
+    picker = args.command == "epp"
     try:
         config = load_config_env(args.config)
     except FieldError as exc:
         problems = [str(problem) for problem in exc.problems]
     else:
-        problems = model_problems(config)
+        # The endpoint picker hands requests to model servers elsewhere: it loads no model.
+        problems = [] if picker else model_problems(config)
+        if picker and config.workers.count:
+            problems.append(f"workers.count: specgate epp routes to workers.remote only; set it to 0 "
+                            f"(got {config.workers.count})")
     for problem in problems:
         print(f"specgate: bad config {args.config}: {problem}", file=sys.stderr)
     if problems:
@@ -143,6 +159,9 @@ def serve(args: argparse.Namespace) -> int:
                      port=args.port if args.port is not None else config.server.port,
                      log_format=args.log_format or config.server.log_format)
     config = replace(config, server=server)
+    if picker:
+        config = replace(config, epp=replace(config.epp, host=args.epp_host or config.epp.host,
+                                             port=args.epp_port if args.epp_port is not None else config.epp.port))
     try:
         check_exposure(config.auth, server, server.host)
     except ConfigError as exc:
@@ -152,7 +171,11 @@ def serve(args: argparse.Namespace) -> int:
     uvloop.install()
     logging.getLogger("gateway").info("serving %s on http://%s:%d/v1", config.model.name, server.host, server.port)
     try:
-        app = create_app(config)
+        app = create_app(config, openai_routes=not picker)
+        if picker:
+            from gateway.epp import add_endpoint_picker
+
+            add_endpoint_picker(app)
         # SIGTERM/SIGINT: drain (gateway/drain.py), then the cleanup stops the workers.
         run_app(app, host=server.host, port=server.port, drainer=app[DRAIN_KEY])
     finally:

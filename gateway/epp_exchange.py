@@ -133,6 +133,8 @@ class Exchange:
         return [ext_proc.ProcessingResponse(request_headers=ext_proc.HeadersResponse())]
 
     async def _request_body(self, body: ext_proc.HttpBody) -> list[ext_proc.ProcessingResponse]:
+        if not self.headers:  # not Envoy's order: nothing to route by
+            return [self._refuse(BadRequest("ext_proc: a request body came before its headers"))]
         if len(self.body) + len(body.body) > self.max_body_bytes:
             self.outcome = "refused"
             return [immediate(PayloadTooLarge(f"request body is larger than {self.max_body_bytes} bytes"))]
@@ -180,8 +182,10 @@ class Exchange:
 
     async def _pick(self, body: bytes) -> Picked:
         state = self.state
-        allowed = self._allowed()
         path = self.headers.get(":path", "").split("?", 1)[0]
+        # The OpenAI routes want an API key, as behind the relay (gateway/auth.py), before anything else.
+        scope = self.auth.scope_for(self.headers.get("authorization")) if path.startswith("/v1") else ""
+        allowed = self._allowed()
         kind = _KINDS.get(path)
         if kind is None or self.headers.get(":method", "POST") != "POST":
             # Not a completion: any ready endpoint serves it (models list, probes).
@@ -200,7 +204,6 @@ class Exchange:
         for name in GATEWAY_FIELDS:
             if req.raw.get(name) is not None:
                 raise BadRequest(f"'{name}' is set by the gateway, not by clients", param=name)
-        scope = self.auth.scope_for(self.headers.get("authorization"))
         session = state.sessions.touch(session_id_of(self.headers, req), self.started, scope)
         session.requests += 1
         await state.store.load(session)
