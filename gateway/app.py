@@ -28,6 +28,7 @@ from gateway.ops_metrics import OPS_KEY, OpsMetrics
 from gateway.policy_store import PolicyStore
 from gateway.relay import REQUEST_LOG_KEY, relay
 from gateway.safe_yaml import YamlRefused, load_yaml
+from gateway.session_store import create_store
 from gateway.sessions import SessionTable
 from gateway.state import STATE_KEY, GatewayState
 from gateway.tracing import TRACING_KEY, Tracing
@@ -74,13 +75,15 @@ def create_app(config: GatewayConfig, metrics: GatewayMetrics | None = None) -> 
     store = PolicyStore(config.policy, config.source, metrics)
     app[TRACING_KEY] = Tracing.create(config.tracing)
     busy_poll = BusyPoll(config.server.busy_poll_s) if config.server.busy_poll_s > 0 else None
-    app[STATE_KEY] = GatewayState(config, metrics, sessions, store, Fleet(config, metrics, worker_down), busy_poll)
+    app[STATE_KEY] = GatewayState(config, metrics, sessions, store, Fleet(config, metrics, worker_down), busy_poll,
+                                  create_store(config, ops))
     metrics.live.register(LiveStateCollector(metrics.model, lambda: store.active, sessions.policy_states))
     app[OPS_KEY] = ops
     app[AUTH_KEY] = AuthStore(config.auth, config.source, config.server, ops)
     app[DRAIN_KEY] = Drain(config.server.drain_timeout_s, ops)
     app[REQUEST_LOG_KEY] = RequestLog(logging.getLogger("gateway.relay"))
     app.cleanup_ctx.append(_request_log)
+    app.cleanup_ctx.append(_session_store)
     app.cleanup_ctx.append(_background)
     if busy_poll is not None:
         app.cleanup_ctx.append(_busy_poll)
@@ -138,6 +141,12 @@ async def _request_log(app: web.Application) -> AsyncIterator[None]:
         yield
 
 
+async def _session_store(app: web.Application) -> AsyncIterator[None]:
+    # Before _background: it ends after the fleet stops, and writes the last requests' session state.
+    async with app[STATE_KEY].store.running():
+        yield
+
+
 # -- OpenAI routes ---------------------------------------------------------------------------------
 async def _chat_completions(request: web.Request) -> web.StreamResponse:
     return await relay(request, "chat", request.app[STATE_KEY])
@@ -162,7 +171,9 @@ async def _ready(request: web.Request) -> web.Response:
     ready = fleet.ready_count()
     if ready == 0:
         raise Unavailable("no worker is ready yet", retry_after_s=1.0)
-    return web.json_response({"status": "ready", "workers_ready": ready, "workers": len(fleet.workers)})
+    # A failing state backend is degraded, not unready: requests are served from local state.
+    return web.json_response({"status": "ready", "workers_ready": ready, "workers": len(fleet.workers),
+                              **request.app[STATE_KEY].store.describe()})
 
 
 async def _metrics(request: web.Request) -> web.Response:

@@ -20,6 +20,8 @@ class OpsMetrics:
     auth_reloads: Counter
     draining: Gauge
     shutdown_refusals: Counter
+    state_backend_errors: Counter
+    state_backend_up: Gauge
 
     @classmethod
     def create(cls, registry: CollectorRegistry) -> OpsMetrics:
@@ -35,11 +37,22 @@ class OpsMetrics:
                            multiprocess_mode="livemax", registry=registry),
             shutdown_refusals=Counter("specgate_shutdown_refusals", "Requests refused or ended because the gateway "
                                       "is shutting down", registry=registry),
+            # gateway/session_store.py. "reason", not the operation: the kind of failure says whether
+            # Redis is slow (timeout), gone (error) or holds values this schema cannot read (corrupt).
+            state_backend_errors=Counter("specgate_state_backend_errors", "Session state backend (redis) calls that "
+                                         "failed, by kind; the request was served from local state",
+                                         ["reason"], registry=registry),
+            state_backend_up=Gauge("specgate_state_backend_up", "0 while the session state backend is failing "
+                                   "(served from local state); 1 otherwise, and always with the memory backend",
+                                   multiprocess_mode="livemax", registry=registry),
         )
         # At zero from the start, so rate() and the dashboard see the series before the first reload.
         for source in ("file", "sighup"):
             for result in ("ok", "failed"):
                 metrics.auth_reloads.labels(source=source, result=result)
+        for reason in ("timeout", "error", "corrupt"):
+            metrics.state_backend_errors.labels(reason=reason)
+        metrics.state_backend_up.set(1)  # up until a call fails (the memory backend never does)
         return metrics
 
 

@@ -234,6 +234,8 @@ async def _relay(request: web.Request, kind: RequestKind, state: GatewayState, t
             raise BadRequest(f"'{name}' is set by the gateway, not by clients", param=name)
     # Sessions are scoped to the API key that made them: another key's session id is another session.
     session = state.sessions.touch(session_id_of(request.headers, req), started, scope_of(request))
+    # What another replica learned about this session (state.backend: redis); bounded by state.timeout_s.
+    await state.store.load(session)
     session.requests += 1
     session_var.set(session.session_id)
     admission, response = await drain.guard(_admit(state, session, req, trace=trace))
@@ -277,6 +279,7 @@ async def _relay(request: web.Request, kind: RequestKind, state: GatewayState, t
             await _send(out, sse_event(error.body()), last=True)
         return out
     finally:
+        state.store.save(session)  # queued: written by the store's own task, never on this response's time
         await batches.aclose()
         await stream.aclose()
         stream.admission.attempt.end()

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from aiohttp import web
 
@@ -11,6 +11,7 @@ from gateway.config import GatewayConfig
 from gateway.fleet import Fleet
 from gateway.metrics import GatewayMetrics
 from gateway.policy_store import PolicyStore
+from gateway.session_store import MemoryStore, SessionStore
 from gateway.sessions import SessionTable
 
 
@@ -22,6 +23,8 @@ class GatewayState:
     policy: PolicyStore
     fleet: Fleet
     busy_poll: BusyPoll | None = None  # server.busy_poll_s > 0
+    # Per-session controller state shared with other replicas (state.backend: redis), else a no-op.
+    store: SessionStore = field(default_factory=MemoryStore)
 
 
 STATE_KEY = web.AppKey("gateway", GatewayState)

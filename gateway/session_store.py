@@ -1,0 +1,314 @@
+"""Where a session's controller state lives between requests: this process, or Redis shared by replicas.
+
+``state.backend: memory`` (the default) keeps it in the session table alone. With ``redis``,
+several gateway replicas (or one restarted) see the same session: each request reads the
+session's Redis copy once at admission (``load``) and queues the session for writing when it
+ends (``save``); a background writer sends everything queued in one pipeline per batch, so no
+request ever waits for a write. Redis slow or down costs no request more than
+``state.timeout_s`` once per ``state.retry_s``: the gateway serves from its local state
+(degraded) and counts it. Last writer wins per session (docs/state.md).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import logging
+import time
+import weakref
+from collections import OrderedDict
+from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING, Any
+
+import orjson
+
+from gateway.config import GatewayConfig
+from gateway.ops_metrics import OpsMetrics
+from gateway.sessions import ModeChange, Session
+from policies import REASONS, Decision, SessionState
+
+if TYPE_CHECKING:
+    from redis.asyncio import Redis
+
+log = logging.getLogger(__name__)
+
+SCHEMA_VERSION = 1  # bumped on any change to the stored layout; other versions read as absent
+WRITE_BATCH = 256  # sessions per pipeline: one batch stays well inside timeout_s on any network
+_MODES = ("speculative", "plain")
+
+
+class CorruptState(ValueError):
+    """A stored value that is not this schema's session state (corrupt, foreign or another version)."""
+
+
+# -- the stored form -------------------------------------------------------------------------------
+def dump_session(session: Session) -> bytes:
+    """The controller fields as compact JSON; wall-clock ``at`` only, no monotonic times (per process)."""
+    s, d = session.policy_state, session.last_decision
+    return orjson.dumps({
+        "v": SCHEMA_VERSION,
+        "state": [s.acceptance_ewma, s.proposals_seen, s.low_acceptance, s.plain_since_probe, s.auto_k],
+        "decision": [d.mode, d.k, d.reason] if d is not None else None,
+        "history": [[c.at, c.mode, c.reason, c.k] for c in session.history],
+        "requests": session.requests,
+        "worker": session.worker_id,
+    })
+
+
+def _int(value: Any, optional: bool = False) -> Any:
+    # bool is an int to Python, never a count here; no count or K is negative.
+    if value is None and optional:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise CorruptState(f"expected a count, got {value!r}")
+    return value
+
+
+def _float(value: Any, optional: bool = False, unit: bool = False) -> Any:
+    if value is None and optional:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int | float) or (unit and not 0 <= value <= 1):
+        raise CorruptState(f"expected a number{' in 0..1' if unit else ''}, got {value!r}")
+    return float(value)
+
+
+def _decision(mode: Any, k: Any, reason: Any) -> Decision:
+    if mode not in _MODES or reason not in REASONS:
+        raise CorruptState(f"unknown mode or reason {mode!r}, {reason!r}")
+    return Decision(mode, _int(k), reason)
+
+
+def parse_session(raw: bytes | str) -> tuple[SessionState, Decision | None, list[ModeChange], int, str | None]:
+    """The stored fields, checked field by field; raises ``CorruptState`` for anything else."""
+    try:
+        data = orjson.loads(raw)
+    except orjson.JSONDecodeError as exc:
+        raise CorruptState(f"not JSON: {exc}") from None
+    if not isinstance(data, dict) or data.get("v") != SCHEMA_VERSION:
+        raise CorruptState("not a session state of this schema version")
+    try:
+        ewma, seen, low, since_probe, auto_k = data["state"]
+        if not isinstance(low, bool):
+            raise CorruptState(f"low_acceptance must be a bool, got {low!r}")
+        state = SessionState(_float(ewma, optional=True, unit=True), _int(seen), low, _int(since_probe),
+                             _int(auto_k, optional=True))
+        decision = _decision(*data["decision"]) if data["decision"] is not None else None
+        history = []
+        for at, mode, reason, k in data["history"]:
+            checked = _decision(mode, k, reason)
+            history.append(ModeChange(_float(at), checked.mode, checked.reason, checked.k))
+        worker = data["worker"]
+        if worker is not None and not isinstance(worker, str):
+            raise CorruptState(f"worker must be a string, got {worker!r}")
+        return state, decision, history, _int(data["requests"]), worker
+    except (KeyError, TypeError, ValueError) as exc:  # missing fields, wrong shapes (CorruptState is a ValueError)
+        raise CorruptState(str(exc)) from None
+
+
+def apply_session(session: Session, raw: bytes | str) -> None:
+    """The stored copy into the local session, in place (callers hold this very object)."""
+    state, decision, history, requests, worker = parse_session(raw)
+    session.policy_state, session.last_decision = state, decision
+    session.history.clear()  # keeps the deque's maxlen (sessions.history)
+    session.history.extend(history)
+    session.requests, session.worker_id = requests, worker
+
+
+# -- the stores ------------------------------------------------------------------------------------
+class SessionStore:
+    """The interface every store keeps (the relay and the endpoint picker call it); its methods
+    are the memory backend's no-ops."""
+
+    backend = "memory"
+
+    @property
+    def up(self) -> bool:
+        return True
+
+    async def load(self, session: Session) -> None:
+        """The shared copy into ``session`` (just touched), if there is one newer than what this process knows."""
+
+    def save(self, session: Session) -> None:
+        """Queues ``session`` for writing (its request ended); never waits."""
+
+    @contextlib.asynccontextmanager
+    async def running(self) -> AsyncIterator[None]:
+        """The writer while the body runs (a cleanup context); what is queued is written as it ends."""
+        yield
+
+    def describe(self) -> dict[str, Any]:
+        return {"state_backend": self.backend, "state_backend_up": self.up}
+
+
+class MemoryStore(SessionStore):
+    """``state.backend: memory``: the session table is the state."""
+
+
+class RedisStore(SessionStore):
+    backend = "redis"
+
+    def __init__(self, config: GatewayConfig, metrics: OpsMetrics) -> None:
+        self.state_config, self.metrics = config.state, metrics
+        self.ttl_ms = max(1, int(config.sessions.idle_ttl_s * 1000))  # the session table's own idle TTL
+        self.client: Redis | None = None  # made in running(): on the serving loop
+        self._queued: dict[tuple[str, str], Session] = {}
+        self._writing: set[tuple[str, str]] = set()
+        # What this process last wrote or read per session (the local object, a hash of the bytes):
+        # a Redis copy equal to it holds nothing that object lacks, and applying it would drop the
+        # steps of a request still running here. A session the table evicted and made anew is
+        # another object, which has none of it. Bounded as the session table is.
+        self._synced: OrderedDict[tuple[str, str], tuple[weakref.ref[Session], int]] = OrderedDict()
+        self._synced_max = config.sessions.max_sessions
+        self._wake = asyncio.Event()
+        self._down_until = 0.0  # monotonic; Redis untried before this after a failure
+        self._up = True
+        self._errors: tuple[type[BaseException], ...] = (OSError, TimeoutError)
+        self._refusals: tuple[type[BaseException], ...] = ()  # Redis answered, and refused this key
+
+    @property
+    def up(self) -> bool:
+        return self._up
+
+    def key(self, session: Session) -> str:
+        # The scope (a key fingerprint, or "") holds no colon, so the id after it may.
+        return f"{self.state_config.key_prefix}session:{session.scope}:{session.session_id}"
+
+    def _usable(self) -> bool:
+        return self.client is not None and time.monotonic() >= self._down_until
+
+    async def load(self, session: Session) -> None:
+        local = (session.scope, session.session_id)
+        if not self._usable() or local in self._queued or local in self._writing:
+            return  # degraded, or this process's own state is newer than any copy (its write is pending)
+        assert self.client is not None
+        try:
+            async with asyncio.timeout(self.state_config.timeout_s):
+                raw = await self.client.get(self.key(session))
+        except self._refusals as exc:  # another program's key of another type (WRONGTYPE): not an outage
+            self._recovered()
+            self._corrupt(session, exc)
+            return
+        except self._errors as exc:
+            self._failed("load", exc)
+            return
+        self._recovered()
+        if raw is None or local in self._queued or local in self._writing:
+            return  # absent (new, expired, or written before Redis came back): local state stands
+        digest = hash(raw)
+        known = self._synced.get(local)
+        if known is not None and known[0]() is session and known[1] == digest:
+            return
+        try:
+            apply_session(session, raw)
+        except CorruptState as exc:
+            self._corrupt(session, exc)
+            return
+        self._remember(local, session, digest)
+
+    def save(self, session: Session) -> None:
+        if not self._usable():
+            return  # down: sessions not seen after Redis is back are not backfilled
+        self._queued[(session.scope, session.session_id)] = session
+        self._wake.set()
+
+    @contextlib.asynccontextmanager
+    async def running(self) -> AsyncIterator[None]:
+        import redis.asyncio  # only with backend redis: the memory store never imports it
+        from redis.asyncio.retry import Retry
+        from redis.backoff import NoBackoff
+
+        self._errors = (redis.RedisError, OSError, TimeoutError)
+        self._refusals = (redis.ResponseError,)
+        timeout = self.state_config.timeout_s
+        # One immediate retry: a pooled connection to a Redis that restarted fails once, then reconnects.
+        self.client = redis.asyncio.Redis.from_url(self.state_config.redis_url, socket_timeout=timeout,
+                                                   socket_connect_timeout=timeout, retry=Retry(NoBackoff(), 1))
+        try:
+            async with asyncio.timeout(timeout):
+                await self.client.ping()
+            log.info("session state in redis (%s*)", self.state_config.key_prefix)
+        except self._errors as exc:
+            self._failed("ping", exc)
+        writer = asyncio.create_task(self._write_loop(), name="session-state-writer")
+        try:
+            yield
+        finally:
+            writer.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await writer
+            while self._queued and self._usable():  # the last requests' state, written before exit
+                await self._flush()
+            await self.client.aclose()
+            self.client = None
+
+    def describe(self) -> dict[str, Any]:
+        return {**super().describe(), "state_queued": len(self._queued)}
+
+    async def _write_loop(self) -> None:
+        while True:
+            await self._wake.wait()
+            self._wake.clear()
+            while self._queued:
+                await self._flush()
+
+    async def _flush(self) -> None:
+        """One pipeline of up to ``WRITE_BATCH`` queued sessions, serialized now: their latest state."""
+        batch = {local: self._queued.pop(local) for local in list(itertools.islice(self._queued, WRITE_BATCH))}
+        if not self._usable():
+            return  # down: dropped (written again on each session's next request once Redis is back)
+        assert self.client is not None
+        values = {local: dump_session(session) for local, session in batch.items()}
+        self._writing.update(batch)
+        try:
+            async with asyncio.timeout(self.state_config.timeout_s), self.client.pipeline(transaction=False) as pipe:
+                for local, session in batch.items():
+                    pipe.set(self.key(session), values[local], px=self.ttl_ms)
+                await pipe.execute()
+        except asyncio.CancelledError:  # shutdown: back in the queue, for the last flush
+            for local, session in batch.items():
+                self._queued.setdefault(local, session)
+            raise
+        except self._errors as exc:
+            self._failed("save", exc)
+            return
+        except Exception as exc:  # a bug, not an outage: the writer must outlive it
+            log.exception("writing session state failed")
+            self._failed("save", exc)
+            return
+        finally:
+            self._writing.difference_update(batch)
+        self._recovered()
+        for local, value in values.items():
+            self._remember(local, batch[local], hash(value))
+
+    def _remember(self, local: tuple[str, str], session: Session, digest: int) -> None:
+        self._synced[local] = (weakref.ref(session), digest)
+        self._synced.move_to_end(local)
+        while len(self._synced) > self._synced_max:
+            self._synced.popitem(last=False)
+
+    def _corrupt(self, session: Session, exc: BaseException) -> None:
+        # Local state stands; the session's next write replaces the value.
+        self.metrics.state_backend_errors.labels(reason="corrupt").inc()
+        log.warning("ignored the stored state of session %s: %s", session.session_id, exc)
+
+    def _failed(self, op: str, exc: BaseException) -> None:
+        self.metrics.state_backend_errors.labels(reason="timeout" if isinstance(exc, TimeoutError) else "error").inc()
+        self._down_until = time.monotonic() + self.state_config.retry_s
+        self._queued.clear()  # no backfill: each session writes again on its next request
+        if self._up:  # once per outage
+            self._up = False
+            self.metrics.state_backend_up.set(0)
+            log.warning("state backend redis failed (%s: %s); serving from local session state, trying again "
+                        "every %.3g s", op, str(exc) or type(exc).__name__, self.state_config.retry_s)
+
+    def _recovered(self) -> None:
+        if not self._up:
+            self._up = True
+            self.metrics.state_backend_up.set(1)
+            log.info("state backend redis is back; sessions write their state on their next request")
+
+
+def create_store(config: GatewayConfig, metrics: OpsMetrics) -> SessionStore:
+    return RedisStore(config, metrics) if config.state.backend == "redis" else MemoryStore()
