@@ -52,7 +52,7 @@ def test_values_are_yaml_scalars_typed_by_the_field() -> None:
 
 @pytest.mark.parametrize(("variable", "value", "message"), [
     ("SPECGATE_POLICY__NOPE", "1", "SPECGATE_POLICY__NOPE: unknown key 'policy.nope'; known: acceptance_floor"),
-    ("SPECGATE_NOPE__PORT", "1", "SPECGATE_NOPE__PORT: unknown config section 'nope'; known: auth, model, policy"),
+    ("SPECGATE_NOPE__PORT", "1", "SPECGATE_NOPE__PORT: unknown config section 'nope'; known: auth, epp, model, policy"),
     ("SPECGATE_SERVER__PORT", "x", "SPECGATE_SERVER__PORT: server.port: must be a int (got 'x')"),
     ("SPECGATE_POLICY__MAX_BATCH", "0", "SPECGATE_POLICY__MAX_BATCH: policy.max_batch: must be >= 1 (got 0)"),
     ("SPECGATE_POLICY__PROBE_EVERY", "[1", "SPECGATE_POLICY__PROBE_EVERY: invalid YAML"),
