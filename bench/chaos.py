@@ -17,10 +17,16 @@ worker is up); **lost** (no final outcome at all: a cut stream, a hang, a transp
 requests with more than one final outcome; outputs that differ from the undisturbed run, and
 of those the ones longer than it (text duplicated); the longest time from a kill until every
 worker is ready again; hostile requests answered with anything but a 4xx; honest requests
-harmed by a hostile one (failed or wrong while a hostile request was in flight and no kill
-happened during them: 0 expected; "wrong" where the workers serve an exact precision, whose
+harmed by a hostile one (failed or wrong while a hostile request was in flight, with no kill
+during them and no outage: 0 expected; "wrong" where the workers serve an exact precision, whose
 greedy output does not depend on the batch, K or mode; ``exact_precision`` says whether they
-did). For a failed run's reader: each worker's precision before and after the chaos, up to five
+did); **outages**: failures while no worker was ready (the gateway said so, or its
+``/admin/workers``, polled throughout, showed none ready during the request), counted apart
+from harm. Every failure and wrong output is listed in ``failure_reasons`` with the class it was
+counted under and why (``outage``, ``killed``: a kill during it, ``hostile``, ``unexplained``);
+the text output prints one line each. Requests that waited for a ready worker rather than
+failing are ``admission_waited`` (the gateway's ``specgate_admission_waits_total``).
+For a failed run's reader: each worker's precision before and after the chaos, up to five
 mismatched requests (who served them and the reference, the time since the last kill, where the
 texts part) and the gateway log's path. ``--json`` prints one JSON object as the last line.
 """
@@ -92,6 +98,9 @@ class Chaos:
     kills: list[float] = field(default_factory=list)
     recoveries: list[float] = field(default_factory=list)
     hostile: list[tuple[float, float, int]] = field(default_factory=list)  # (start, end, status)
+    # Spans with no worker ready, as /admin/workers showed them: from the last poll that saw one
+    # ready (the change came after it) to the first that saw one again.
+    outages: list[tuple[float, float]] = field(default_factory=list)
     policy_writes: dict[str, int] = field(default_factory=lambda: {"valid": 0, "invalid": 0})
 
 
@@ -206,6 +215,31 @@ async def killer(http: aiohttp.ClientSession, chaos: Chaos, every_s: float, unti
                 break
 
 
+async def watch_readiness(http: aiohttp.ClientSession, chaos: Chaos, until: float, every_s: float = 0.1) -> None:
+    """Polls /admin/workers, recording the spans in which no worker was ready (``Chaos.outages``)."""
+    last_ready = time.monotonic()
+    down_since: float | None = None
+    while True:
+        polled = time.monotonic()
+        try:
+            ready = sum(w["status"] == "ready" for w in await workers(http, chaos.url))
+        except (aiohttp.ClientError, TimeoutError, ValueError, KeyError):
+            ready = None  # no answer: no evidence either way
+        now = time.monotonic()
+        if ready == 0 and down_since is None:
+            down_since = last_ready
+        elif ready and down_since is not None:
+            chaos.outages.append((down_since, now))
+            down_since = None
+        if ready:
+            last_ready = polled
+        if now >= until and (down_since is None or now >= until + 60):  # a span still open after 60 s ends here
+            if down_since is not None:
+                chaos.outages.append((down_since, now))
+            return
+        await asyncio.sleep(every_s)
+
+
 async def rewrite_policy(config: Path, chaos: Chaos, every_s: float, until: float) -> None:
     raw = yaml.safe_load(await asyncio.to_thread(config.read_text))
     valid = True
@@ -276,10 +310,42 @@ def mismatch_sample(chaos: Chaos, pool: list[Variant], variant: Variant, outcome
             "reference_then": variant.reference[common:common + 40], "then": outcome.text[common:common + 40]}
 
 
-def harmed(chaos: Chaos, outcome: Outcome) -> bool:
-    overlaps = any(s < outcome.ended and e > outcome.started for s, e, _ in chaos.hostile)
-    killed = any(outcome.started <= k <= outcome.ended for k in chaos.kills)
-    return overlaps and not killed
+# What the gateway says when no worker can take a request (gateway/proxy.py NoWorkerReady, a
+# migration given up for want of a worker).
+NO_WORKER_MESSAGES = ("no worker is ready", "no worker could take")
+WAITED_SERIES = 'specgate_admission_waits_total{result="served"}'  # requests that waited for a worker, then ran
+
+
+def classify(chaos: Chaos, outcome: Outcome, started: float, wrong: bool = False) -> tuple[str, str]:
+    """Why a failed (or ``wrong``: completed with another text) request is counted where it is:
+    ``outage`` (no worker was ready; a failure only: an outage makes no wrong text), ``killed`` (a
+    worker was killed during it), ``hostile`` (a hostile request was in flight, and neither of
+    those: harm), else ``unexplained``; and the evidence, for a reader."""
+    span = f"{outcome.started - started:.2f}-{outcome.ended - started:.2f}s"
+    down = [(s, e) for s, e in chaos.outages if s < outcome.ended and e > outcome.started]
+    said = next((m for m in NO_WORKER_MESSAGES if m in outcome.detail), None)
+    if not wrong and (down or said):
+        seen = ", ".join(f"{s - started:.2f}-{e - started:.2f}s" for s, e in down)
+        return "outage", (f"no worker ready during it ({span}; none ready {seen})" if down
+                          else f"the gateway said '{said}' ({span})")
+    kills = [k for k in chaos.kills if outcome.started <= k <= outcome.ended]
+    if kills:
+        return "killed", f"a worker was killed at {kills[0] - started:.2f}s, during it ({span})"
+    hostile = sum(s < outcome.ended and e > outcome.started for s, e, _ in chaos.hostile)
+    if hostile:
+        return "hostile", f"{hostile} hostile requests in flight during it ({span}), no kill, no outage"
+    return "unexplained", f"no kill, outage or hostile request during it ({span})"
+
+
+def failure_reasons(chaos: Chaos, counted: list[tuple[Variant, Outcome, str]], started: float,
+                    pool: list[Variant]) -> list[dict[str, Any]]:
+    """Each counted failure (or wrong output): what it was, the class it was counted under, and why."""
+    out = []
+    for variant, outcome, what in counted:
+        cls, why = classify(chaos, outcome, started, wrong=what == "wrong_output")
+        out.append({"what": what, "class": cls, "why": why, "detail": outcome.detail[:200],
+                    "session": outcome.session, "variant": pool.index(variant), "stream": variant.body["stream"]})
+    return out
 
 
 async def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -305,8 +371,9 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                 variant.reference, variant.reference_worker, variant.reference_mode = (
                     reference.text, reference.worker, reference.mode)
             precisions_before = precisions(await workers(http, url))
-            retries0, migrations0 = (await metric(http, url, "specgate_retries_total"),
-                                     await metric(http, url, "specgate_migrations_total"))
+            retries0, migrations0, waited0 = (await metric(http, url, "specgate_retries_total"),
+                                              await metric(http, url, "specgate_migrations_total"),
+                                              await metric(http, url, WAITED_SERIES))
             started = time.monotonic()
             until = started + args.duration
             results: list[tuple[Variant, Outcome]] = []
@@ -314,10 +381,11 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                 *(honest(http, chaos, pool, i, until, random.Random(args.seed + i), results)
                   for i in range(args.sessions)),
                 hostile(http, chaos, until, rng), killer(http, chaos, args.kill_every, until, rng),
-                rewrite_policy(config, chaos, args.policy_every, until))
+                rewrite_policy(config, chaos, args.policy_every, until), watch_readiness(http, chaos, until))
             elapsed = time.monotonic() - started
             retries = await metric(http, url, "specgate_retries_total") - retries0
             migrations = await metric(http, url, "specgate_migrations_total") - migrations0
+            waited = await metric(http, url, WAITED_SERIES) - waited0
             async with http.get(url + "/admin/policy") as response:
                 policy_view = await response.json()
             precisions_after = precisions(await workers(http, url))
@@ -336,6 +404,10 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     exact = bool(reported) and all(reported)
     completed = [(v, o) for v, o in results if o.kind == "completed"]
     mismatched = [(v, o) for v, o in completed if o.text != v.reference]
+    # Failures, and where the precision is exact wrong outputs, each with the class it counts under.
+    counted = [(v, o, o.kind) for v, o in results if o.kind != "completed"]
+    counted += [(v, o, "wrong_output") for v, o in mismatched] if exact else []
+    reasons = failure_reasons(chaos, counted, started, pool)
     return {
         "duration_s": round(elapsed, 1), "sessions": args.sessions, "workers": args.workers,
         "requests_sent": len(results), "completed": len(completed),
@@ -349,13 +421,16 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         "policy_writes_valid": chaos.policy_writes["valid"], "policy_writes_invalid": chaos.policy_writes["invalid"],
         "policy_after": policy_view["policy"].get("num_speculative_tokens"),
         "hostile_sent": len(chaos.hostile), "hostile_not_4xx": sum(not 400 <= s < 500 for _, _, s in chaos.hostile),
-        "honest_harmed_by_hostile": sum(o.kind != "completed" and harmed(chaos, o) for _, o in results)
-        + (sum(harmed(chaos, o) for _, o in mismatched) if exact else 0),
+        "honest_harmed_by_hostile": sum(r["class"] == "hostile" for r in reasons),
+        "outages": sum(r["class"] == "outage" for r in reasons),
+        "outage_spans_s": [round(e - s, 2) for s, e in chaos.outages],
+        "admission_waited": int(waited),
         "exact_precision": exact,
         "gateway_exit_code": exit_code,
         "failures": sorted({o.detail for _, o in results if o.kind != "completed"})[:5],
         "precisions_before": precisions_before, "precisions_after": precisions_after,
         "mismatch_samples": [mismatch_sample(chaos, pool, v, o) for v, o in mismatched[:5]],
+        "failure_reasons": reasons,
         "gateway_log": str(tmp / "gateway.log"),
     }
 
@@ -379,7 +454,10 @@ def main() -> None:
         args.sessions, args.duration, args.kill_every, args.policy_every, args.max_tokens = 4, 30.0, 10.0, 2.0, 24
     result = asyncio.run(run(args))
     for key, value in result.items():
-        print(f"{key:>28}: {value}")
+        if key != "failure_reasons":
+            print(f"{key:>28}: {value}")
+    for reason in result["failure_reasons"]:  # why each counted failure was counted
+        print(f"{reason['what']:>12} {reason['class']:>11}: {reason['why']}; {reason['detail']!r}")
     if args.json:
         print(json.dumps(result))
 

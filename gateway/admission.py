@@ -9,9 +9,10 @@ behind either.
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import time
-from collections.abc import Collection, Mapping
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
@@ -39,6 +40,7 @@ from workers.protocol import (
     MAX_SESSION_ID,
     SESSION_HEADER,
     BadRequest,
+    ClientDisconnected,
     CompletionRequest,
     RequestKind,
     ResumePoint,
@@ -49,7 +51,13 @@ from workers.protocol import (
 )
 
 if TYPE_CHECKING:
+    from gateway.ops_metrics import WaitResult
     from gateway.tracing import AttemptTrace
+
+# A waiting request checks that its client is still there at least this often (aiohttp does not
+# cancel a handler whose client left; a ready worker wakes it at once).
+GONE_CHECK_S = 0.25
+QUEUE_FULL_RETRY_AFTER_S = 1.0
 
 
 @dataclass
@@ -165,6 +173,58 @@ def pick(state: GatewayState, session: Session, req: CompletionRequest, policy: 
     handle, _ = routed
     session.worker_id = handle.worker_id
     return routed
+
+
+async def pick_ready(state: GatewayState, session: Session, req: CompletionRequest, policy: PolicyConfig,
+                     tried: Collection[str] = (), exclude: Collection[str] = (), resume: ResumePoint | None = None,
+                     allowed: Collection[str] | None = None, *,
+                     gone: Callable[[], bool] = lambda: False) -> tuple[WorkerHandle, Decision]:
+    """``pick``, waiting up to ``server.admission_wait_s`` for a worker when none is ready.
+
+    Only ``NoWorkerReady`` waits: a request that every worker failed (``NoWorkerLeft``) fails
+    at once. At most ``server.admission_queue`` requests wait at a time; beyond that, a 503 at
+    once. The wait ends when a worker becomes ready (the fleet's event), when ``gone()`` says
+    the client left (checked every ``GONE_CHECK_S``: ``ClientDisconnected``), or when the task
+    is cancelled (the drain deadline, a caller that left); after ``admission_wait_s``, the
+    503 ``pick`` raises. Each wait is counted by how it ended (``specgate_admission_waits_total``).
+    """
+    try:
+        return pick(state, session, req, policy, tried, exclude, resume, allowed)
+    except NoWorkerReady:
+        server = state.config.server
+        if server.admission_wait_s <= 0:
+            raise
+    fleet, metrics = state.fleet, state.fleet.admission_waits
+    if fleet.waiting >= server.admission_queue:
+        metrics.record("queue_full", None)
+        raise NoWorkerReady(f"no worker is ready, and {fleet.waiting} requests already wait for one "
+                            "(server.admission_queue)", code="admission_queue_full",
+                            retry_after_s=QUEUE_FULL_RETRY_AFTER_S)
+    loop = asyncio.get_running_loop()
+    started = loop.time()
+    deadline = started + server.admission_wait_s
+    result: WaitResult = "cancelled"
+    fleet.waiting += 1
+    metrics.waiting.inc()
+    try:
+        while True:
+            if gone():
+                result = "client_gone"
+                raise ClientDisconnected("client disconnected while waiting for a ready worker")
+            await fleet.wait_ready(max(0.0, min(deadline - loop.time(), GONE_CHECK_S)))
+            try:
+                picked = pick(state, session, req, policy, tried, exclude, resume, allowed)
+            except NoWorkerReady:  # none yet, or the one that came cannot take this request
+                if loop.time() >= deadline:
+                    result = "timeout"
+                    raise
+                continue
+            result = "served"
+            return picked
+    finally:
+        fleet.waiting -= 1
+        metrics.waiting.dec()
+        metrics.record(result, loop.time() - started)
 
 
 def commit(state: GatewayState, session: Session, handle: WorkerHandle, decision: Decision,

@@ -29,6 +29,7 @@ from prometheus_client import multiprocess
 from gateway.config import GatewayConfig, RemoteProtocol, RemoteWorker
 from gateway.draft_mix import DraftMix
 from gateway.metrics import GatewayMetrics
+from gateway.ops_metrics import AdmissionWaitMetrics
 from gateway.routing import Candidate
 from gateway.worker_http import Endpoint, WorkerHttp
 from gateway.worker_output import MAX_LINE_BYTES, StreamName, relay_output
@@ -119,6 +120,12 @@ class Fleet:
         self._tasks: list[asyncio.Task[None]] = []
         self._tmpdir: tempfile.TemporaryDirectory[str] | None = None
         self._stopping = False
+        # Requests waiting for a ready worker (gateway/admission.py ``pick_ready``): how many, the
+        # event that wakes them (set, and replaced by a fresh one, whenever a worker becomes
+        # ready), and their metrics.
+        self.waiting = 0
+        self._ready_event = asyncio.Event()
+        self.admission_waits = AdmissionWaitMetrics.create(metrics.registry)
 
     # -- lifecycle ----------------------------------------------------------------------------------
     async def start(self) -> None:
@@ -198,6 +205,24 @@ class Fleet:
     def ready_count(self) -> int:
         return sum(1 for h in self.workers.values() if h.status == "ready")
 
+    async def wait_ready(self, timeout_s: float) -> bool:
+        """Waits until a worker becomes ready, at most ``timeout_s``; whether one did. The
+        worker may not suit the waiter (a resume needs specgate's protocol): it picks again."""
+        event = self._ready_event
+        try:
+            async with asyncio.timeout(timeout_s):
+                await event.wait()
+        except TimeoutError:
+            return False
+        return True
+
+    def _became_ready(self, handle: WorkerHandle) -> None:
+        handle.status = "ready"
+        self.metrics.worker_up.labels(model=self.metrics.model, worker=handle.worker_id).set(1)
+        # Wakes every request waiting now; later ones wait on the fresh event.
+        woken, self._ready_event = self._ready_event, asyncio.Event()
+        woken.set()
+
     # -- local workers ------------------------------------------------------------------------------
     def _command(self, handle: WorkerHandle) -> list[str]:
         cfg, wc = self.config, self.config.workers
@@ -229,8 +254,7 @@ class Fleet:
             handle.process = await self._spawn(handle)
             healthy = await self._wait_healthy(handle, wc.startup_timeout_s)
             if healthy:
-                handle.status = "ready"
-                self.metrics.worker_up.labels(model=self.metrics.model, worker=handle.worker_id).set(1)
+                self._became_ready(handle)
                 log.info("%s ready (pid %d)", handle.worker_id, handle.process.pid)
                 await handle.process.wait()
                 _kill_group(handle.process.pid)  # a worker killed -9 leaves its engine's processes behind
@@ -368,8 +392,7 @@ class Fleet:
             if ok:
                 unhealthy_since = None
                 if handle.status != "ready":
-                    handle.status = "ready"
-                    self.metrics.worker_up.labels(model=self.metrics.model, worker=handle.worker_id).set(1)
+                    self._became_ready(handle)
             else:
                 if handle.status == "ready":
                     log.warning("%s failed its health check: %s", handle.worker_id, handle.last_error)

@@ -1,4 +1,5 @@
-"""Gateway counters for resilience and access: retries, migrations, drain, key reloads.
+"""Gateway counters for resilience and access: retries, migrations, drain, key reloads, and
+requests waiting for a ready worker.
 
 Kept apart from gateway/metrics.py's dashboard metrics; registered in the same registry, so
 ``/metrics`` shows them all.
@@ -7,9 +8,10 @@ Kept apart from gateway/metrics.py's dashboard metrics; registered in the same r
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal
 
 from aiohttp import web
-from prometheus_client import CollectorRegistry, Counter, Gauge
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 
 @dataclass(frozen=True)
@@ -57,3 +59,40 @@ class OpsMetrics:
 
 
 OPS_KEY = web.AppKey("ops_metrics", OpsMetrics)
+
+# How a request that found no worker ready ended its wait (gateway/admission.py ``pick_ready``):
+# a worker took it; ``server.admission_wait_s`` passed; the wait queue was full
+# (``server.admission_queue``: refused at once, not waited); its client left; its task was
+# cancelled (the drain deadline, or an endpoint-picker caller that left).
+WaitResult = Literal["served", "timeout", "queue_full", "client_gone", "cancelled"]
+WAIT_RESULTS: tuple[WaitResult, ...] = ("served", "timeout", "queue_full", "client_gone", "cancelled")
+WAIT_BUCKETS_S = (0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 4.0, 8.0, 15.0, 30.0, 60.0, 120.0)
+
+
+@dataclass(frozen=True)
+class AdmissionWaitMetrics:
+    """Requests that waited for a ready worker; created with the fleet, which holds the wait."""
+
+    waits: Counter
+    wait_seconds: Histogram
+    waiting: Gauge
+
+    @classmethod
+    def create(cls, registry: CollectorRegistry) -> AdmissionWaitMetrics:
+        metrics = cls(
+            waits=Counter("specgate_admission_waits", "Requests that found no worker ready, by how their wait "
+                          "ended", ["result"], registry=registry),
+            wait_seconds=Histogram("specgate_admission_wait_seconds", "How long requests waited for a ready "
+                                   "worker (queue_full: not waited, not observed)", buckets=WAIT_BUCKETS_S,
+                                   registry=registry),
+            waiting=Gauge("specgate_admission_waiting", "Requests waiting for a ready worker now",
+                          multiprocess_mode="livesum", registry=registry),
+        )
+        for result in WAIT_RESULTS:  # at zero from the start
+            metrics.waits.labels(result=result)
+        return metrics
+
+    def record(self, result: WaitResult, waited_s: float | None) -> None:
+        self.waits.labels(result=result).inc()
+        if waited_s is not None:
+            self.wait_seconds.observe(waited_s)

@@ -5,13 +5,13 @@ from __future__ import annotations
 import functools
 import logging
 import time
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Callable
 from typing import Any
 
 import orjson
 from aiohttp import web
 
-from gateway.admission import Admission, account_chunk, pick, record, session_id_of
+from gateway.admission import Admission, account_chunk, pick, pick_ready, record, session_id_of
 from gateway.auth import scope_of
 from gateway.drain import DRAIN_KEY, InFlight
 from gateway.migration import MigratingStream
@@ -53,18 +53,23 @@ Received = tuple[float, Admission, list[RawChunk]]
 
 
 async def _admit(state: GatewayState, session: Session, req: CompletionRequest, exclude: frozenset[str] = frozenset(),
-                 resume: ResumePoint | None = None, *,
-                 trace: RequestTrace | None = None) -> tuple[Admission, WorkerResponse]:
+                 resume: ResumePoint | None = None, *, trace: RequestTrace | None = None,
+                 gone: Callable[[], bool] | None = None) -> tuple[Admission, WorkerResponse]:
     """Routes, decides and opens the worker stream, retrying on other workers before the first chunk.
 
     ``resume`` continues a generation another worker began (gateway/migration.py): only
     workers that speak specgate's protocol can take it. ``trace`` gets a child span per attempt.
+    With ``gone`` (whether the client left), a request that finds no worker ready waits for one
+    (``pick_ready``); without, it fails at once (a migration waits in its own way).
     """
     trace = trace or RequestTrace(None, None, False)  # tracing off: every method a no-op
     policy = state.policy.active
     tried: set[str] = set(exclude)
     while True:
-        handle, decision = pick(state, session, req, policy, tried, exclude, resume)
+        if gone is None:
+            handle, decision = pick(state, session, req, policy, tried, exclude, resume)
+        else:
+            handle, decision = await pick_ready(state, session, req, policy, tried, exclude, resume, gone=gone)
         worker_id = handle.worker_id
         # A non-streaming client sees no chunk: its worker may send them a few at a time.
         coalesce_s = 0.0 if req.stream else state.config.server.coalesce_s
@@ -95,6 +100,10 @@ async def _admit(state: GatewayState, session: Session, req: CompletionRequest, 
             raise
         record(state, session, decision, policy)
         return Admission(session, handle, decision, policy, attempt, len(tried - exclude)), response
+
+
+def _client_gone(request: web.Request) -> bool:
+    return request.transport is None or request.transport.is_closing()
 
 
 def _worth_sending(kind: RequestKind, chunk: dict[str, Any]) -> bool:
@@ -238,7 +247,8 @@ async def _relay(request: web.Request, kind: RequestKind, state: GatewayState, t
     await state.store.load(session)
     session.requests += 1
     session_var.set(session.session_id)
-    admission, response = await drain.guard(_admit(state, session, req, trace=trace))
+    admission, response = await drain.guard(_admit(state, session, req, trace=trace, gone=functools.partial(
+        _client_gone, request)))
     if admission.retries:
         ops.retries.inc(admission.retries)
     trace.admitted(session.session_id, admission.handle.worker_id, admission.decision,

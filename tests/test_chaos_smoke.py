@@ -11,7 +11,8 @@ from tests.harness import REPO
 
 CHAOS_FIGURES = {"requests_sent", "completed", "retried_transparently", "migrated_mid_stream", "failed_clear_error",
                  "lost", "multiple_outcomes", "duplicated_outputs", "max_kill_to_ready_s", "honest_harmed_by_hostile",
-                 "hostile_sent", "hostile_not_4xx", "kills", "exact_precision", "mismatch_samples"}
+                 "hostile_sent", "hostile_not_4xx", "kills", "exact_precision", "mismatch_samples", "outages",
+                 "failure_reasons", "admission_waited"}
 
 
 def test_bench_chaos_quick_json() -> None:
@@ -29,6 +30,10 @@ def test_bench_chaos_quick_json() -> None:
     assert result["completed"] + result["failed_clear_error"] == result["requests_sent"], whole
     assert result["duplicated_outputs"] == 0 and result["honest_harmed_by_hostile"] == 0, whole
     assert result["hostile_not_4xx"] == 0, whole
+    # Every failure is listed with the class it was counted under and why.
+    failures = [r for r in result["failure_reasons"] if r["what"] != "wrong_output"]
+    assert len(failures) == result["failed_clear_error"] + result["lost"], whole
+    assert all(r["class"] in ("outage", "killed", "hostile", "unexplained") and r["why"] for r in failures), whole
     # The workers stay up in turn (a kill waits until all are ready): nothing should fail.
     assert result["failed_clear_error"] == 0, whole
     assert result["gateway_exit_code"] == 0
