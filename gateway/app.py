@@ -58,7 +58,10 @@ async def count_requests(request: web.Request, handler: Handler) -> web.StreamRe
             metrics.series(metrics.e2e_latency, route).observe(time.monotonic() - started)
 
 
-def create_app(config: GatewayConfig, metrics: GatewayMetrics | None = None) -> web.Application:
+def create_app(config: GatewayConfig, metrics: GatewayMetrics | None = None,
+               openai_routes: bool = True) -> web.Application:
+    """The gateway; without ``openai_routes`` (the endpoint picker, gateway/epp.py) Envoy sends
+    the OpenAI requests to the model servers and this app serves the rest."""
     # authenticate runs inside openai_errors, so a refusal is an OpenAI error object.
     app = web.Application(middlewares=[count_requests, openai_errors, authenticate],
                           client_max_size=config.server.max_body_bytes)
@@ -87,9 +90,10 @@ def create_app(config: GatewayConfig, metrics: GatewayMetrics | None = None) -> 
     app.cleanup_ctx.append(_background)
     if busy_poll is not None:
         app.cleanup_ctx.append(_busy_poll)
-    app.router.add_post("/v1/chat/completions", _chat_completions)
-    app.router.add_post("/v1/completions", _completions)
-    app.router.add_get("/v1/models", _models)
+    if openai_routes:
+        app.router.add_post("/v1/chat/completions", _chat_completions)
+        app.router.add_post("/v1/completions", _completions)
+        app.router.add_get("/v1/models", _models)
     app.router.add_get("/health", health)
     app.router.add_get("/ready", _ready)
     app.router.add_get("/metrics", _metrics)

@@ -14,7 +14,7 @@ import openai
 import pytest
 
 from bench.procs import free_port, start_sim_worker, stop
-from gateway.envoy_config import epp_bootstrap
+from gateway.envoy_config import BodyMode, epp_bootstrap
 from tests.envoy_harness import Envoy, start_envoy
 from tests.epp_harness import Epp, start_epp
 
@@ -22,7 +22,7 @@ from tests.epp_harness import Epp, start_epp
 SIM = {"time_scale": 0.002, "seed": 1, "acceptance": {"math": [[None, 0.2]], "chat": [[None, 0.85]]}}
 POLICY = {"num_speculative_tokens": 4, "min_proposals": 16, "acceptance_floor": 0.6, "acceptance_resume": 0.8,
           "probe_every": 1000, "max_temperature": 0.8}
-BODY_MODES = ("BUFFERED", "FULL_DUPLEX_STREAMED")
+BODY_MODES: tuple[BodyMode, ...] = ("BUFFERED", "FULL_DUPLEX_STREAMED")
 
 
 @dataclass
@@ -87,7 +87,7 @@ def complete(envoy: Envoy, session: str, prompt: str = "def add(a, b):", **field
 
 
 @pytest.mark.parametrize("mode", BODY_MODES)
-def test_completions_through_envoy_streaming_and_not(stack: Stack, mode: str) -> None:
+def test_completions_through_envoy_streaming_and_not(stack: Stack, mode: BodyMode) -> None:
     envoy = stack.envoys[mode]
     decision, worker, completion = complete(envoy, f"plain-{mode}")
     assert decision == "speculative; k=4; reason=default" and worker in ("w0", "w1")
@@ -100,7 +100,7 @@ def test_completions_through_envoy_streaming_and_not(stack: Stack, mode: str) ->
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     usage = chunks[-1].usage
     assert text and usage is not None and usage.completion_tokens == 24
-    assert usage.model_extra["speculative"]["proposed"] > 0
+    assert (usage.model_extra or {})["speculative"]["proposed"] > 0
     record = stack.epp.gateway.get_json(f"/admin/sessions/plain-{mode}")
     assert record["requests"] == 2 and record["evidence_drafted_tokens"] > 0
 
@@ -160,7 +160,8 @@ def fixed_modes(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
         processes.append(plain)
         spec, spec_port = start_sim_worker(tmp, SIM, default_k=4)
         processes.append(spec)
-        remote = [{"url": f"http://127.0.0.1:{plain_port}", "protocol": "openai", "mode": "plain", "name": "plain"},
+        remote: list[dict[str, Any]] = [
+                  {"url": f"http://127.0.0.1:{plain_port}", "protocol": "openai", "mode": "plain", "name": "plain"},
                   {"url": f"http://127.0.0.1:{spec_port}", "protocol": "openai", "mode": "speculative", "max_k": 4,
                    "name": "spec"}]
         built = start_stack(tmp, remote, processes)
