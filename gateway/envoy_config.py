@@ -105,13 +105,15 @@ def _endpoints_cluster(name: str, endpoints: Sequence[tuple[str, int]], **fields
     }
 
 
-def epp_bootstrap(listen_port: int, admin_port: int, epp_host: str, epp_port: int,
+def epp_bootstrap(listen_port: int, admin_port: int, epps: Sequence[tuple[str, int]],
                   body_mode: BodyMode = "BUFFERED", *, listen_host: str = "127.0.0.1",
                   admin_host: str = "127.0.0.1", message_timeout_s: float = 5.0,
-                  max_message_timeout_s: float = 120.0) -> Config:
-    """Envoy asking the endpoint picker at ``epp_host:epp_port`` (ext_proc over gRPC) where each
-    request goes, then proxying it there: the picker sets ``x-gateway-destination-endpoint:
-    ip:port`` and the ORIGINAL_DST cluster connects to that address.
+                  max_message_timeout_s: float = 120.0, health_interval_s: float = 0.5) -> Config:
+    """Envoy asking the endpoint pickers at ``epps`` (ext_proc over gRPC; replicas that share
+    session state through Redis) where each request goes, then proxying it there: the picker
+    sets ``x-gateway-destination-endpoint: ip:port`` and the ORIGINAL_DST cluster connects to
+    that address. A picker that fails its gRPC readiness check (``readiness``: no model server
+    ready, or gone) leaves the picker cluster.
 
     ``body_mode``: BUFFERED sends the whole request body in one message (the picker needs the
     body: model, prompt, session); FULL_DUPLEX_STREAMED streams it, as the Inference Extension's
@@ -149,12 +151,21 @@ def epp_bootstrap(listen_port: int, admin_port: int, epp_host: str, epp_port: in
         "connect_timeout": "2s",
         "original_dst_lb_config": {"use_http_header": True, "http_header_name": DESTINATION_HEADER},
     }
+    if not epps:
+        raise ValueError("epp_bootstrap needs at least one endpoint picker")
+    interval = _duration(health_interval_s)
     epp = _endpoints_cluster(
-        EPP_CLUSTER, [(epp_host, epp_port)],
+        EPP_CLUSTER, epps,
         # gRPC needs HTTP/2 to the picker.
         typed_extension_protocol_options={"envoy.extensions.upstreams.http.v3.HttpProtocolOptions": _typed(
             "envoy.extensions.upstreams.http.v3.HttpProtocolOptions",
             explicit_http_config={"http2_protocol_options": {}})},
+        health_checks=[{
+            "timeout": "2s", "interval": interval, "no_traffic_interval": interval,
+            "unhealthy_threshold": 2, "healthy_threshold": 1,
+            # specgate epp serves gRPC health: "readiness" while a model server is ready.
+            "grpc_health_check": {"service_name": "readiness"},
+        }],
     )
     # Retries go to the same endpoint (the header still names it): they cover a connection the
     # endpoint dropped or refused for a moment, not a dead endpoint; the picker is not asked again.
@@ -251,7 +262,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                                      description="Print an Envoy bootstrap config (YAML) for specgate.")
     modes = parser.add_subparsers(dest="mode", required=True)
     epp = modes.add_parser("epp", help="Envoy asking `specgate epp` (ext_proc) where each request goes")
-    epp.add_argument("--epp", type=_host_port, required=True, help="the endpoint picker's gRPC HOST:PORT")
+    epp.add_argument("--epp", type=_host_port, action="append", required=True,
+                     help="an endpoint picker's gRPC HOST:PORT (repeat the flag for each replica)")
     epp.add_argument("--body-mode", choices=("BUFFERED", "FULL_DUPLEX_STREAMED"), default="BUFFERED")
     ring = modes.add_parser("ring-hash", help="Envoy hashing X-Session-ID over `specgate serve` replicas")
     ring.add_argument("--replica", type=_host_port, action="append", required=True,
@@ -262,8 +274,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     (listen_host, listen_port), (admin_host, admin_port) = args.listen, args.admin
     if args.mode == "epp":
-        epp_host, epp_port = args.epp
-        bootstrap = epp_bootstrap(listen_port, admin_port, epp_host, epp_port, body_mode=args.body_mode,
+        bootstrap = epp_bootstrap(listen_port, admin_port, args.epp, body_mode=args.body_mode,
                                   listen_host=listen_host, admin_host=admin_host)
     else:
         bootstrap = ring_hash_bootstrap(listen_port, admin_port, args.replica,

@@ -127,9 +127,10 @@ def holders(replicas: list[Replica], session_id: str) -> list[int]:
 
 
 @pytest.mark.parametrize("name, bootstrap", [
-    ("epp-buffered", epp_bootstrap(18080, 19901, "127.0.0.1", 9002)),
-    ("epp-full-duplex", epp_bootstrap(18080, 19901, "127.0.0.1", 9002, body_mode="FULL_DUPLEX_STREAMED")),
-    ("epp-dns", epp_bootstrap(18080, 19901, "epp.specgate.svc", 9002)),
+    ("epp-buffered", epp_bootstrap(18080, 19901, [("127.0.0.1", 9002)])),
+    ("epp-full-duplex", epp_bootstrap(18080, 19901, [("127.0.0.1", 9002), ("127.0.0.2", 9002)],
+                                      body_mode="FULL_DUPLEX_STREAMED")),
+    ("epp-dns", epp_bootstrap(18080, 19901, [("epp.specgate.svc", 9002)])),
     ("ring-hash", ring_hash_bootstrap(18080, 19901, [("127.0.0.1", 8001), ("127.0.0.1", 8002)])),
 ])
 def test_envoy_validates_the_rendered_configs(name: str, bootstrap: dict[str, Any], tmp_path: Path) -> None:

@@ -38,7 +38,7 @@ def start_stack(tmp: Path, remote: list[dict[str, Any]], processes: list[subproc
     envoys: dict[str, Envoy] = {}
     try:
         for mode in BODY_MODES:
-            bootstrap = epp_bootstrap(free_port(), free_port(), "127.0.0.1", epp.grpc_port, body_mode=mode)
+            bootstrap = epp_bootstrap(free_port(), free_port(), [("127.0.0.1", epp.grpc_port)], body_mode=mode)
             envoys[mode] = start_envoy(bootstrap, tmp / f"envoy-{mode}.log")
     except BaseException:
         for envoy in envoys.values():
