@@ -1,10 +1,12 @@
 """Envoy bootstrap configs for specgate, as code: Envoy in front of `specgate epp` (the endpoint
-picker, over ext_proc) or in front of several `specgate serve` replicas (ring hash on the session).
+picker, over ext_proc) or in front of several `specgate serve` replicas (ring hash on the session;
+or round robin, which needs the replicas to share session state: ``state.backend: redis``).
 
 The gateway never imports this module; the tests and operators do:
 
     python -m gateway.envoy_config epp --listen 127.0.0.1:8080 --epp 127.0.0.1:9002 --admin 127.0.0.1:9901
     python -m gateway.envoy_config ring-hash --listen 127.0.0.1:8080 --replica 127.0.0.1:8001 --replica 127.0.0.1:8002
+    python -m gateway.envoy_config round-robin --listen 127.0.0.1:8080 --replica 127.0.0.1:8001 --replica 127.0.0.1:8002
 
 print the YAML that `envoy -c FILE` runs (`make install-envoy` installs the binary).
 """
@@ -30,6 +32,7 @@ SESSION_HEADER = "x-session-id"  # what `specgate serve` keys sessions on
 EPP_CLUSTER = "specgate-epp"
 ENDPOINTS_CLUSTER = "specgate-endpoints"
 REPLICAS_CLUSTER = "specgate-replicas"
+ROUND_ROBIN_CLUSTER = "specgate-round-robin"
 # Only reconnects: a reset after the response began cannot be retried (the client has bytes),
 # and retrying a 5xx would run a generation twice.
 RETRY_ON = "connect-failure,reset"
@@ -166,6 +169,22 @@ def epp_bootstrap(listen_port: int, admin_port: int, epps: Sequence[tuple[str, i
             # specgate epp serves gRPC health: "readiness" while a model server is ready.
             "grpc_health_check": {"service_name": "readiness"},
         }],
+        # With two pickers, one failing is half the cluster: Envoy's default panic threshold
+        # (50%) would then send to the failed one too. A failed picker never gets requests.
+        common_lb_config={"healthy_panic_threshold": {"value": 0}},
+        # A picker that refuses a connection is ejected at once, before its health checks fail:
+        # Envoy does not retry an ext_proc stream, so each request sent to a dead picker fails.
+        outlier_detection={
+            "split_external_local_origin_errors": True,
+            "consecutive_local_origin_failure": 1,
+            "enforcing_consecutive_local_origin_failure": 100,
+            "enforcing_consecutive_5xx": 0,
+            "enforcing_consecutive_gateway_failure": 0,
+            "enforcing_success_rate": 0,
+            "enforcing_local_origin_success_rate": 0,
+            "interval": "1s",
+            "base_ejection_time": "5s",
+        },
     )
     # Retries go to the same endpoint (the header still names it): they cover a connection the
     # endpoint dropped or refused for a moment, not a dead endpoint; the picker is not asked again.
@@ -208,10 +227,11 @@ def ring_hash_bootstrap(listen_port: int, admin_port: int, replicas: Sequence[tu
             "http_health_check": {"path": "/ready"},
         }],
         outlier_detection={
-            # Connections refused or reset count; a replica's 5xx answers do not (they are its
-            # own verdicts on requests, e.g. overload), so they never eject it.
+            # One connection refused or reset ejects a replica at once, so that a retry, which the
+            # ring would hash to it again, finds the next one. Its 5xx answers do not count (they
+            # are its own verdicts on requests, e.g. overload), so they never eject it.
             "split_external_local_origin_errors": True,
-            "consecutive_local_origin_failure": 2,
+            "consecutive_local_origin_failure": 1,
             "enforcing_consecutive_local_origin_failure": 100,
             "enforcing_consecutive_5xx": 0,
             "enforcing_consecutive_gateway_failure": 0,
@@ -242,6 +262,37 @@ def ring_hash_bootstrap(listen_port: int, admin_port: int, replicas: Sequence[tu
     }
 
 
+def round_robin_bootstrap(listen_port: int, admin_port: int, endpoints: Sequence[tuple[str, int]], *,
+                          listen_host: str = "127.0.0.1", admin_host: str = "127.0.0.1",
+                          health_path: str | None = "/ready", health_interval_s: float = 0.5) -> Config:
+    """Envoy taking turns over ``endpoints`` (`specgate serve` replicas, or model servers), with
+    no affinity: a session's requests land anywhere, so replicas behind it share session state
+    through Redis (``state.backend: redis``). Also the baseline that bench.scaleout measures the
+    endpoint picker's hop against.
+
+    ``health_path``: checked every ``health_interval_s`` (a replica's ``/ready``; a specgate
+    worker serves ``/health``); None: no health checks. A request an endpoint refused or dropped
+    before answering is retried, on the next endpoint in turn.
+    """
+    if len(endpoints) < 1:
+        raise ValueError("round_robin_bootstrap needs at least one endpoint")
+    fields: Config = {"lb_policy": "ROUND_ROBIN"}
+    if health_path is not None:
+        interval = _duration(health_interval_s)
+        fields["health_checks"] = [{"timeout": "2s", "interval": interval, "no_traffic_interval": interval,
+                                    "unhealthy_threshold": 2, "healthy_threshold": 1,
+                                    "http_health_check": {"path": health_path}}]
+    cluster = _endpoints_cluster(ROUND_ROBIN_CLUSTER, endpoints, **fields)
+    retry_policy = {"retry_on": RETRY_ON, "num_retries": NUM_RETRIES}
+    return {
+        "admin": _admin(admin_host, admin_port),
+        "static_resources": {
+            "listeners": [_listener(listen_host, listen_port, [_route(ROUND_ROBIN_CLUSTER, retry_policy)], [])],
+            "clusters": [cluster],
+        },
+    }
+
+
 def _duration(seconds: float) -> str:
     return f"{seconds:g}s"
 
@@ -268,7 +319,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     ring = modes.add_parser("ring-hash", help="Envoy hashing X-Session-ID over `specgate serve` replicas")
     ring.add_argument("--replica", type=_host_port, action="append", required=True,
                       help="a replica's HOST:PORT (repeat the flag for each)")
-    for sub in (epp, ring):
+    robin = modes.add_parser("round-robin", help="Envoy taking turns over `specgate serve` replicas (no affinity)")
+    robin.add_argument("--replica", type=_host_port, action="append", required=True,
+                       help="a replica's HOST:PORT (repeat the flag for each)")
+    robin.add_argument("--health-path", default="/ready", help="the HTTP health check's path")
+    for sub in (epp, ring, robin):
         sub.add_argument("--listen", type=_host_port, default=("127.0.0.1", 8080), help="HOST:PORT clients use")
         sub.add_argument("--admin", type=_host_port, default=("127.0.0.1", 9901), help="Envoy's admin HOST:PORT")
     args = parser.parse_args(argv)
@@ -276,6 +331,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.mode == "epp":
         bootstrap = epp_bootstrap(listen_port, admin_port, args.epp, body_mode=args.body_mode,
                                   listen_host=listen_host, admin_host=admin_host)
+    elif args.mode == "round-robin":
+        bootstrap = round_robin_bootstrap(listen_port, admin_port, args.replica, listen_host=listen_host,
+                                          admin_host=admin_host, health_path=args.health_path)
     else:
         bootstrap = ring_hash_bootstrap(listen_port, admin_port, args.replica,
                                         listen_host=listen_host, admin_host=admin_host)

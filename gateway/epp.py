@@ -7,7 +7,8 @@ the same session table, policy, routing and metrics as ``specgate serve``
 serving ``/metrics``, ``/health``, ``/ready`` and ``/admin`` on ``server.port``; it starts in a
 cleanup context and stops after it yields. gRPC health answers for liveness (the empty
 service name and ``liveness``), for the ext_proc service, and for ``readiness``, which serves
-only while a model server is ready.
+until the picker drains for shutdown (a picker without a ready model server still takes
+requests: they wait for one, as behind the relay).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import asyncio
 import contextlib
 import ipaddress
 import logging
+import math
 import socket
 from collections.abc import AsyncIterator
 from typing import Any
@@ -25,10 +27,12 @@ import grpc
 from aiohttp import web
 from envoy.service.ext_proc.v3 import external_processor_pb2 as ext_proc
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ext_proc_grpc
+from google.protobuf.duration_pb2 import Duration
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from prometheus_client import CollectorRegistry, Counter
 
 from gateway.auth import AUTH_KEY, AuthStore
+from gateway.drain import DRAIN_KEY
 from gateway.epp_exchange import Exchange
 from gateway.state import STATE_KEY, GatewayState
 
@@ -36,6 +40,7 @@ log = logging.getLogger(__name__)
 EXT_PROC_SERVICE = "envoy.service.ext_proc.v3.ExternalProcessor"
 RESOLVE_EVERY_S = 30.0  # model servers' names (a StatefulSet's pod DNS) are looked up again this often
 HEALTH_EVERY_S = 0.5
+OVERRIDE_MARGIN_S = 5.0  # beyond the admission wait, for the pick and the answer to reach Envoy
 
 
 class EppMetrics:
@@ -55,6 +60,12 @@ class Picker(ext_proc_grpc.ExternalProcessorServicer):
         exchange = Exchange(self.state, self.auth, self.endpoints, self.state.config.epp.max_body_bytes)
         try:
             async for message in request_iterator:
+                if exchange.picks_on(message) and not self.state.fleet.ready_count():
+                    # The pick will wait for a model server (server.admission_wait_s): Envoy's
+                    # per-message timeout must not end the request first. Envoy caps it at the
+                    # filter's max_message_timeout.
+                    wait_s = self.state.config.server.admission_wait_s + OVERRIDE_MARGIN_S
+                    yield ext_proc.ProcessingResponse(override_message_timeout=Duration(seconds=math.ceil(wait_s)))
                 for response in await exchange.handle(message):
                     yield response
         finally:  # the response ended, Envoy closed the stream, or the client left
@@ -115,9 +126,12 @@ async def _grpc_server(app: web.Application) -> AsyncIterator[None]:
 
 
 async def _readiness(app: web.Application, checks: health.aio.HealthServicer) -> None:
-    fleet, serving = app[STATE_KEY].fleet, None
+    # Ready while the picker is up and not draining, with or without a ready model server: a
+    # picker holds requests until one is (server.admission_wait_s), which beats Envoy failing
+    # them at once for want of a ready picker.
+    drain, serving = app[DRAIN_KEY], None
     while True:
-        ready = fleet.ready_count() > 0
+        ready = not drain.draining
         if ready != serving:
             serving = ready
             status = health_pb2.HealthCheckResponse.SERVING if ready else health_pb2.HealthCheckResponse.NOT_SERVING

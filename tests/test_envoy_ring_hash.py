@@ -6,14 +6,8 @@ had already begun, and its sessions move to the survivor."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import json
-import os
-import signal
 import subprocess
 import sys
-import urllib.error
-import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -22,81 +16,14 @@ from typing import Any
 import openai
 import pytest
 
-from bench.procs import free_port, wait_ok
-from gateway.envoy_config import epp_bootstrap, ring_hash_bootstrap
-from tests.envoy_harness import Envoy, start_envoy, validate
-from tests.harness import REPO, write_config
+from bench.procs import free_port
+from gateway.envoy_config import epp_bootstrap, ring_hash_bootstrap, round_robin_bootstrap
+from tests.envoy_harness import Envoy, Replica, start_envoy, start_replica, validate
+from tests.harness import REPO
 
 MODEL = "specgate-demo"
 MAX_TOKENS = 24
 PROMPT = "[code] def flatten(items):\n    "
-READY_TIMEOUT_S = 180.0
-
-
-@dataclass
-class Replica:
-    """One `specgate serve` (a gateway and its sim worker), in its own process group."""
-
-    process: subprocess.Popen[bytes]
-    port: int
-    log_path: Path
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-    def session_requests(self, session_id: str) -> int | None:
-        """How many requests of ``session_id`` this replica served; None if it never saw it."""
-        try:
-            with urllib.request.urlopen(f"{self.url}/admin/sessions/{session_id}", timeout=10) as response:
-                requests: int = json.loads(response.read())["requests"]
-                return requests
-        except urllib.error.HTTPError as error:
-            if error.code == 404:
-                return None
-            raise
-
-    def worker_pids(self) -> list[int]:
-        with urllib.request.urlopen(f"{self.url}/admin/workers", timeout=10) as response:
-            return [w["pid"] for w in json.loads(response.read())["workers"] if w.get("pid")]
-
-    def kill(self) -> None:
-        """SIGKILL, no goodbye: the gateway's process group and each worker's (a worker runs in its
-        own group, so that it would otherwise outlive the gateway until its parent-death signal)."""
-        groups = [self.process.pid, *self.worker_pids()] if self.process.poll() is None else [self.process.pid]
-        for group in groups:
-            with contextlib.suppress(ProcessLookupError):  # gone already
-                os.killpg(group, signal.SIGKILL)
-        self.process.wait()
-
-    def stop(self) -> None:
-        if self.process.poll() is None:
-            self.process.send_signal(signal.SIGINT)
-            try:
-                self.process.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                self.kill()
-
-
-def start_replica(directory: Path) -> Replica:
-    # The sim engine at its modelled speed: a completion takes a fraction of a second, long
-    # enough for a kill to find streams under way, and no model runs on the test's CPUs.
-    directory.mkdir(parents=True, exist_ok=True)
-    config = write_config(directory / "config.yaml", workers={"count": 1, "engine": "sim", "sim": {"time_scale": 1.0}})
-    port = free_port()
-    log_path = directory / "serve.log"
-    environ = {k: v for k, v in os.environ.items() if k != "PROMETHEUS_MULTIPROC_DIR" and not k.startswith("SPECGATE_")}
-    with log_path.open("wb") as log:
-        process = subprocess.Popen([sys.executable, "-m", "gateway.cli", "serve", "--config", str(config),
-                                    "--port", str(port)], cwd=REPO, stdout=log, stderr=subprocess.STDOUT,
-                                   env=environ, start_new_session=True)
-    replica = Replica(process, port, log_path)
-    try:
-        wait_ok(process, replica.url + "/ready", READY_TIMEOUT_S, log_path)
-    except RuntimeError:
-        replica.kill()
-        raise
-    return replica
 
 
 @pytest.fixture
@@ -132,6 +59,7 @@ def holders(replicas: list[Replica], session_id: str) -> list[int]:
                                       body_mode="FULL_DUPLEX_STREAMED")),
     ("epp-dns", epp_bootstrap(18080, 19901, [("epp.specgate.svc", 9002)])),
     ("ring-hash", ring_hash_bootstrap(18080, 19901, [("127.0.0.1", 8001), ("127.0.0.1", 8002)])),
+    ("round-robin", round_robin_bootstrap(18080, 19901, [("127.0.0.1", 8001), ("127.0.0.1", 8002)])),
 ])
 def test_envoy_validates_the_rendered_configs(name: str, bootstrap: dict[str, Any], tmp_path: Path) -> None:
     result = validate(bootstrap, tmp_path)
