@@ -70,17 +70,18 @@ def bench_env(repo: Path = REPO) -> dict[str, str]:
 
 def start_sim_worker(log_dir: Path, sim: dict[str, Any], *, default_k: int = 0, max_slots: int = 256,
                      max_queue: int = 1024, launcher: Sequence[str] = ("-m",),
-                     repo: Path = REPO, port: int | None = None) -> tuple[subprocess.Popen[bytes], int]:
+                     repo: Path = REPO, port: int | None = None,
+                     env: dict[str, str] | None = None) -> tuple[subprocess.Popen[bytes], int]:
     """A sim worker on TCP (``python -m workers --engine sim``): an OpenAI-compatible upstream.
     ``launcher``: what runs the module (bench.timeline: ``-m bench.timeline_probe``); ``repo``:
-    whose code (bench.stacks); ``port``: its port (default: a free one)."""
+    whose code (bench.stacks); ``port``: its port (default: a free one); ``env``: more variables."""
     port = port or free_port()
     with (log_dir / f"sim-worker-{port}.log").open("wb") as log:
         process = subprocess.Popen(
             [sys.executable, *launcher, "workers", "--engine", "sim", "--port", str(port), "--worker-id", f"sim-{port}",
              "--target", str(TOKENIZER_DIR), "--draft", str(TOKENIZER_DIR), "--max-slots", str(max_slots),
              "--max-queue", str(max_queue), "--default-k", str(default_k), "--sim-config", json.dumps(sim)],
-            cwd=repo, stdout=log, stderr=subprocess.STDOUT, env=bench_env(repo))
+            cwd=repo, stdout=log, stderr=subprocess.STDOUT, env={**bench_env(repo), **(env or {})})
     wait_ok(process, f"http://127.0.0.1:{port}/health")
     return process, port
 

@@ -79,6 +79,7 @@ class Picked:
     """Where a request goes and, for an OpenAI request, under which admission."""
 
     endpoint: str  # ip:port
+    handle: WorkerHandle | None  # the model server (None: none, the request is refused)
     admission: Admission | None  # None: a request the policy has no say in (GET /v1/models)
     req: CompletionRequest | None
     body: bytes | None  # the body the model server gets (None: as the client sent it)
@@ -180,7 +181,14 @@ class Exchange:
         headers = [_header(DESTINATION_HEADER, picked.endpoint)]
         if picked.body is not None:
             headers.append(_header("content-length", str(len(picked.body))))
-        return ext_proc.HeaderMutation(set_headers=headers)
+        # The client's API key was checked here and goes no further, as behind the relay; a
+        # specgate worker off loopback wants the gateway's token instead (auth.worker_token).
+        remove = ["authorization"]
+        token = self.state.config.auth.worker_token
+        if token and picked.handle is not None and picked.handle.speaks_specgate:
+            headers.append(_header("authorization", f"Bearer {token}"))
+            remove = []
+        return ext_proc.HeaderMutation(set_headers=headers, remove_headers=remove)
 
     def _refuse(self, error: ApiError) -> ext_proc.ProcessingResponse:
         self.outcome = "refused" if error.client_fault else ("shed" if isinstance(error, Overloaded) else "unavailable")
@@ -199,7 +207,8 @@ class Exchange:
             ready = [h for h in state.fleet.workers.values() if h.status == "ready" and h.worker_id in allowed]
             if not ready:
                 raise Unavailable("no endpoint is ready", retry_after_s=1.0)
-            return Picked(self.endpoints[min(ready, key=lambda h: h.load).worker_id], None, None, None)
+            handle = min(ready, key=lambda h: h.load)
+            return Picked(self.endpoints[handle.worker_id], handle, None, None, None)
         try:
             raw = loads_json(body)
         except InputRefused as exc:
@@ -219,7 +228,8 @@ class Exchange:
         self._shed_if_full(handle)
         commit(state, session, handle, decision, policy)
         admission = Admission(session, handle, decision, policy, AttemptTrace(None))
-        self.picked = Picked(self.endpoints[handle.worker_id], admission, req, self._body_for(req, handle, admission))
+        self.picked = Picked(self.endpoints[handle.worker_id], handle, admission, req,
+                             self._body_for(req, handle, admission))
         return self.picked
 
     def _allowed(self) -> frozenset[str]:

@@ -183,3 +183,33 @@ def test_fixed_mode_servers_get_the_mode_the_rules_want(fixed_modes: Stack) -> N
     assert (decision, worker) == ("speculative; k=4; reason=default", "spec")
     decision, worker, _ = complete(envoy, "fixed-hot", temperature=1.5)
     assert decision.startswith("plain; ") and worker == "plain"
+
+
+API_KEY = "client-key-0123456789abcdef0123456789"
+WORKER_TOKEN = "worker-token-0123456789abcdef01234567"
+
+
+def test_api_keys_are_checked_by_the_picker_and_workers_get_the_gateway_token(tmp_path: Path) -> None:
+    """The client's key stops at the picker (as at the relay); a specgate worker that serves its
+    gateway only gets the gateway's token instead."""
+    worker, port = start_sim_worker(tmp_path, SIM, env={"SPECGATE_WORKER_TOKEN": WORKER_TOKEN})
+    remote = [{"url": f"http://127.0.0.1:{port}", "protocol": "specgate", "name": "guarded"}]
+    built: Stack | None = None
+    try:
+        built = start_stack(tmp_path, remote, [],
+                            auth={"api_keys": [API_KEY], "worker_token": WORKER_TOKEN})
+        built.epp.gateway.wait_workers_ready(1)
+        envoy = built.envoys["BUFFERED"]
+        with openai.OpenAI(base_url=envoy.base_url, api_key="wrong-key", max_retries=0) as sdk:
+            with pytest.raises(openai.AuthenticationError):
+                sdk.completions.create(model="specgate-demo", prompt="x", max_tokens=4)
+        with openai.OpenAI(base_url=envoy.base_url, api_key=API_KEY, max_retries=0) as sdk:
+            completion = sdk.completions.create(model="specgate-demo", prompt="def f():", max_tokens=8,
+                                                temperature=0)
+        assert completion.choices[0].text and completion.usage is not None
+    finally:
+        if built is not None:
+            for envoy in built.envoys.values():
+                envoy.stop()
+            built.epp.stop()
+        stop(worker)
