@@ -200,9 +200,9 @@ def test_api_keys_are_checked_by_the_picker_and_workers_get_the_gateway_token(tm
                             auth={"api_keys": [API_KEY], "worker_token": WORKER_TOKEN})
         built.epp.gateway.wait_workers_ready(1)
         envoy = built.envoys["BUFFERED"]
-        with openai.OpenAI(base_url=envoy.base_url, api_key="wrong-key", max_retries=0) as sdk:
-            with pytest.raises(openai.AuthenticationError):
-                sdk.completions.create(model="specgate-demo", prompt="x", max_tokens=4)
+        with openai.OpenAI(base_url=envoy.base_url, api_key="wrong-key", max_retries=0) as sdk, \
+                pytest.raises(openai.AuthenticationError):
+            sdk.completions.create(model="specgate-demo", prompt="x", max_tokens=4)
         with openai.OpenAI(base_url=envoy.base_url, api_key=API_KEY, max_retries=0) as sdk:
             completion = sdk.completions.create(model="specgate-demo", prompt="def f():", max_tokens=8,
                                                 temperature=0)
