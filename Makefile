@@ -27,6 +27,13 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install --quiet --upgrade pip
 	$(BIN)/pip install --quiet torch==2.13.0
 	$(BIN)/pip install --quiet -e '.[dev]'
+	# xds-protos (specgate epp's ext_proc stubs) ships old copies of opentelemetry-proto's and
+	# googleapis-common-protos' modules over theirs, which breaks the OTLP exporter (tracing).
+	# Their own files go back on top; the envoy stubs work with them (tests/test_tracing.py and
+	# tests/test_epp.py run both in one environment).
+	$(BIN)/pip install --quiet --force-reinstall --no-deps \
+		"opentelemetry-proto==$$($(BIN)/python -c 'import importlib.metadata as m; print(m.version("opentelemetry-proto"))')" \
+		"googleapis-common-protos==$$($(BIN)/python -c 'import importlib.metadata as m; print(m.version("googleapis-common-protos"))')"
 	touch $(STAMP)
 
 install-envoy: $(ENVOY_STAMP)
