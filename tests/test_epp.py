@@ -308,3 +308,20 @@ def test_epp_refuses_local_workers(tmp_path: Path) -> None:
                             capture_output=True, text=True, timeout=60)
     assert result.returncode == 2
     assert "workers.count: specgate epp routes to workers.remote only" in result.stderr
+
+
+def test_the_decision_reaches_each_kind_of_model_server_in_its_terms() -> None:
+    """What the picker writes into the body Envoy forwards: the client's request as it sent it
+    (its own ``stream``), plus the directive (specgate) or plugin arguments (vLLM)."""
+    from gateway.proxy import worker_body
+    from workers.protocol import Directive, parse_request
+
+    req = parse_request("completion", orjson.loads(completion_body(stream=True)))
+    directive = Directive(3, 64, 56, step_log=False)
+    specgate = worker_body(req, directive, "specgate", streamed=False)
+    assert specgate["specgate"] == {"k": 3, "max_batch": 64, "batch_resume": 56} and specgate["stream"] is True
+    assert "stream_options" not in specgate  # the client did not ask for usage: Envoy hands it what it asked
+    vllm = worker_body(req, directive, "vllm", streamed=False)
+    assert vllm["vllm_xargs"] == {"spec_k": 3, "spec_max_batch": 64, "spec_batch_resume": 56}
+    assert "specgate" not in vllm
+    assert worker_body(req, directive, "openai", streamed=False) == dict(req.raw)
