@@ -64,6 +64,23 @@ def _admin(host: str, port: int) -> Config:
     return {"address": _socket_address(host, port)}
 
 
+def _eject_on_refused_connection() -> Config:
+    """Outlier detection that ejects a host on its first refused or reset connection (for 5 s).
+    Its 5xx answers do not count: they are its own verdicts on requests (overload, a bad
+    request), so they never eject it."""
+    return {
+        "split_external_local_origin_errors": True,
+        "consecutive_local_origin_failure": 1,
+        "enforcing_consecutive_local_origin_failure": 100,
+        "enforcing_consecutive_5xx": 0,
+        "enforcing_consecutive_gateway_failure": 0,
+        "enforcing_success_rate": 0,
+        "enforcing_local_origin_success_rate": 0,
+        "interval": "1s",
+        "base_ejection_time": "5s",
+    }
+
+
 def _route(cluster: str, retry_policy: Config, hash_policy: list[Config] | None = None) -> Config:
     route: Config = {
         "cluster": cluster,
@@ -174,17 +191,7 @@ def epp_bootstrap(listen_port: int, admin_port: int, epps: Sequence[tuple[str, i
         common_lb_config={"healthy_panic_threshold": {"value": 0}},
         # A picker that refuses a connection is ejected at once, before its health checks fail:
         # Envoy does not retry an ext_proc stream, so each request sent to a dead picker fails.
-        outlier_detection={
-            "split_external_local_origin_errors": True,
-            "consecutive_local_origin_failure": 1,
-            "enforcing_consecutive_local_origin_failure": 100,
-            "enforcing_consecutive_5xx": 0,
-            "enforcing_consecutive_gateway_failure": 0,
-            "enforcing_success_rate": 0,
-            "enforcing_local_origin_success_rate": 0,
-            "interval": "1s",
-            "base_ejection_time": "5s",
-        },
+        outlier_detection=_eject_on_refused_connection(),
     )
     # Retries go to the same endpoint (the header still names it): they cover a connection the
     # endpoint dropped or refused for a moment, not a dead endpoint; the picker is not asked again.
@@ -226,20 +233,9 @@ def ring_hash_bootstrap(listen_port: int, admin_port: int, replicas: Sequence[tu
             # /ready is 503 while a replica drains (SIGTERM) or has no ready worker: it leaves too.
             "http_health_check": {"path": "/ready"},
         }],
-        outlier_detection={
-            # One connection refused or reset ejects a replica at once, so that a retry, which the
-            # ring would hash to it again, finds the next one. Its 5xx answers do not count (they
-            # are its own verdicts on requests, e.g. overload), so they never eject it.
-            "split_external_local_origin_errors": True,
-            "consecutive_local_origin_failure": 1,
-            "enforcing_consecutive_local_origin_failure": 100,
-            "enforcing_consecutive_5xx": 0,
-            "enforcing_consecutive_gateway_failure": 0,
-            "enforcing_success_rate": 0,
-            "enforcing_local_origin_success_rate": 0,
-            "interval": "1s",
-            "base_ejection_time": "5s",
-        },
+        # One connection refused or reset ejects a replica at once, so that a retry, which the
+        # ring would hash to it again, finds the next one.
+        outlier_detection=_eject_on_refused_connection(),
     )
     retry_policy = {
         "retry_on": RETRY_ON,

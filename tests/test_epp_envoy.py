@@ -4,6 +4,7 @@ real sim worker. Both request-body modes Envoy offers the picker are exercised."
 
 from __future__ import annotations
 
+import contextlib
 import subprocess
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -29,47 +30,43 @@ BODY_MODES: tuple[BodyMode, ...] = ("BUFFERED", "FULL_DUPLEX_STREAMED")
 class Stack:
     epp: Epp
     envoys: dict[str, Envoy]  # by request-body mode
-    worker_ports: list[int]
 
 
-def start_stack(tmp: Path, remote: list[dict[str, Any]], processes: list[subprocess.Popen[bytes]],
-                **sections: dict[str, Any]) -> Stack:
-    epp = start_epp(tmp, remote, policy=POLICY, **sections)
+@contextlib.contextmanager
+def running_stack(tmp: Path, workers: list[tuple[dict[str, Any], dict[str, Any]]],
+                  **sections: dict[str, Any]) -> Iterator[Stack]:
+    """Sim workers (each: its ``workers.remote`` entry without the url, and start_sim_worker's
+    keyword arguments), the picker routing to them, and an Envoy per request-body mode."""
+    processes: list[subprocess.Popen[bytes]] = []
     envoys: dict[str, Envoy] = {}
+    epp: Epp | None = None
     try:
+        remote = []
+        for entry, options in workers:
+            process, port = start_sim_worker(tmp, SIM, **options)
+            processes.append(process)
+            remote.append({"url": f"http://127.0.0.1:{port}", **entry})
+        epp = start_epp(tmp, remote, policy=POLICY, **sections)
         for mode in BODY_MODES:
             bootstrap = epp_bootstrap(free_port(), free_port(), [("127.0.0.1", epp.grpc_port)], body_mode=mode)
             envoys[mode] = start_envoy(bootstrap, tmp / f"envoy-{mode}.log")
-    except BaseException:
+        epp.gateway.wait_workers_ready(len(workers))
+        yield Stack(epp, envoys)
+    finally:
         for envoy in envoys.values():
             envoy.stop()
-        epp.stop()
-        raise
-    return Stack(epp, envoys, [])
+        if epp is not None:
+            epp.stop()
+        for process in processes:
+            stop(process)
 
 
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
-    tmp = tmp_path_factory.mktemp("epp-envoy")
-    processes: list[subprocess.Popen[bytes]] = []
-    ports = []
-    try:
-        for _ in range(2):
-            process, port = start_sim_worker(tmp, SIM)
-            processes.append(process)
-            ports.append(port)
-        remote = [{"url": f"http://127.0.0.1:{p}", "protocol": "specgate", "name": f"w{i}"}
-                  for i, p in enumerate(ports)]
-        built = start_stack(tmp, remote, processes)
-        built.worker_ports = ports
-        built.epp.gateway.wait_workers_ready(2)
+    specgate: list[tuple[dict[str, Any], dict[str, Any]]] = [({"protocol": "specgate", "name": f"w{i}"}, {})
+                                                             for i in range(2)]
+    with running_stack(tmp_path_factory.mktemp("epp-envoy"), specgate) as built:
         yield built
-        for envoy in built.envoys.values():
-            envoy.stop()
-        built.epp.stop()
-    finally:
-        for process in processes:
-            stop(process)
 
 
 def client(envoy: Envoy) -> openai.OpenAI:
@@ -153,26 +150,11 @@ def test_bad_input_is_an_openai_error_from_envoy(stack: Stack) -> None:
 @pytest.fixture(scope="module")
 def fixed_modes(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     """Two OpenAI servers of one fixed mode each (the sim workers, spoken to as plain OpenAI)."""
-    tmp = tmp_path_factory.mktemp("epp-fixed")
-    processes: list[subprocess.Popen[bytes]] = []
-    try:
-        plain, plain_port = start_sim_worker(tmp, SIM, default_k=0)
-        processes.append(plain)
-        spec, spec_port = start_sim_worker(tmp, SIM, default_k=4)
-        processes.append(spec)
-        remote: list[dict[str, Any]] = [
-                  {"url": f"http://127.0.0.1:{plain_port}", "protocol": "openai", "mode": "plain", "name": "plain"},
-                  {"url": f"http://127.0.0.1:{spec_port}", "protocol": "openai", "mode": "speculative", "max_k": 4,
-                   "name": "spec"}]
-        built = start_stack(tmp, remote, processes)
-        built.epp.gateway.wait_workers_ready(2)
+    servers: list[tuple[dict[str, Any], dict[str, Any]]] = [
+        ({"protocol": "openai", "mode": "plain", "name": "plain"}, {"default_k": 0}),
+        ({"protocol": "openai", "mode": "speculative", "max_k": 4, "name": "spec"}, {"default_k": 4})]
+    with running_stack(tmp_path_factory.mktemp("epp-fixed"), servers) as built:
         yield built
-        for envoy in built.envoys.values():
-            envoy.stop()
-        built.epp.stop()
-    finally:
-        for process in processes:
-            stop(process)
 
 
 def test_fixed_mode_servers_get_the_mode_the_rules_want(fixed_modes: Stack) -> None:
@@ -192,13 +174,8 @@ WORKER_TOKEN = "worker-token-0123456789abcdef01234567"
 def test_api_keys_are_checked_by_the_picker_and_workers_get_the_gateway_token(tmp_path: Path) -> None:
     """The client's key stops at the picker (as at the relay); a specgate worker that serves its
     gateway only gets the gateway's token instead."""
-    worker, port = start_sim_worker(tmp_path, SIM, env={"SPECGATE_WORKER_TOKEN": WORKER_TOKEN})
-    remote = [{"url": f"http://127.0.0.1:{port}", "protocol": "specgate", "name": "guarded"}]
-    built: Stack | None = None
-    try:
-        built = start_stack(tmp_path, remote, [],
-                            auth={"api_keys": [API_KEY], "worker_token": WORKER_TOKEN})
-        built.epp.gateway.wait_workers_ready(1)
+    guarded = [({"protocol": "specgate", "name": "guarded"}, {"env": {"SPECGATE_WORKER_TOKEN": WORKER_TOKEN}})]
+    with running_stack(tmp_path, guarded, auth={"api_keys": [API_KEY], "worker_token": WORKER_TOKEN}) as built:
         envoy = built.envoys["BUFFERED"]
         with openai.OpenAI(base_url=envoy.base_url, api_key="wrong-key", max_retries=0) as sdk, \
                 pytest.raises(openai.AuthenticationError):
@@ -207,9 +184,3 @@ def test_api_keys_are_checked_by_the_picker_and_workers_get_the_gateway_token(tm
             completion = sdk.completions.create(model="specgate-demo", prompt="def f():", max_tokens=8,
                                                 temperature=0)
         assert completion.choices[0].text and completion.usage is not None
-    finally:
-        if built is not None:
-            for envoy in built.envoys.values():
-                envoy.stop()
-            built.epp.stop()
-        stop(worker)
