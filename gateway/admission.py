@@ -35,7 +35,7 @@ from policies import (
     record_decision,
     worker_acceptance,
 )
-from workers.protocol import (
+from workers.api.protocol import (
     DIRECTIVE_FIELD,
     MAX_SESSION_ID,
     SESSION_HEADER,

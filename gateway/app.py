@@ -33,10 +33,10 @@ from gateway.sessions import SessionTable
 from gateway.state import STATE_KEY, GatewayState
 from gateway.tracing import TRACING_KEY, Tracing
 from policies import PolicyConfigError
-from workers.limits import InputRefused, loads_json
-from workers.logs import RequestLog
-from workers.protocol import BadRequest, NotFound, Unavailable
-from workers.web_common import BODY_TIMEOUT_KEY, Handler, health, model_list, openai_errors, read_body
+from workers.api.limits import InputRefused, loads_json
+from workers.api.logs import RequestLog
+from workers.api.protocol import BadRequest, NotFound, Unavailable
+from workers.api.web_common import BODY_TIMEOUT_KEY, Handler, health, model_list, openai_errors, read_body
 
 log = logging.getLogger(__name__)
 MAX_POLICY_BYTES = 64 << 10  # a policy is nine numbers; YAML beyond this is not a policy

@@ -4,7 +4,7 @@
 The live keys come from the ``auth:`` section of config.yaml (or ``SPECGATE_API_KEYS``), and
 are re-read like the policy: when the file changes, on SIGHUP, and never half-applied (a
 section that fails to validate leaves the running keys in place). Secrets are compared in
-constant time (workers/tokens.py) and never logged or shown: logs and views name a key by
+constant time (workers/api/tokens.py) and never logged or shown: logs and views name a key by
 its fingerprint.
 
 Each request's scope, the fingerprint of the key that made it, keys its session, so one key
@@ -23,7 +23,7 @@ from gateway.auth_config import AuthConfig
 from gateway.config import ConfigError, ServerConfig, load_auth_file
 from gateway.ops_metrics import OpsMetrics
 from gateway.policy_store import ReloadSource, file_stamp
-from workers.tokens import (
+from workers.api.tokens import (
     AUTHORIZATION,
     Forbidden,
     Unauthorized,
@@ -34,7 +34,7 @@ from workers.tokens import (
     matching,
     peer_is_local,
 )
-from workers.web_common import Handler
+from workers.api.web_common import Handler
 
 log = logging.getLogger(__name__)
 PROBES = frozenset({"/metrics", "/health", "/ready"})

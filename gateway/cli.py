@@ -117,7 +117,7 @@ def check(path: Path, kind: str) -> int:
 
 # -- serve -------------------------------------------------------------------------------------------
 def serve(args: argparse.Namespace) -> int:
-    from workers.logs import configure
+    from workers.api.logs import configure
 
     configure(args.log_format or "text", args.log_level)
     # prometheus_client picks its multiprocess value store at import, so the directory must
@@ -138,7 +138,7 @@ def serve(args: argparse.Namespace) -> int:
     from gateway.drain import DRAIN_KEY
     from gateway.env_overrides import load_config_env
     from policies import FieldError
-    from workers.web_runner import run_app
+    from workers.api.web_runner import run_app
 
     picker = args.command == "epp"
     try:

@@ -35,7 +35,7 @@ class ServerConfig:
     max_body_bytes: int = 1 << 20  # larger request bodies get 413
     worker_timeout_s: float = 60.0  # a worker silent this long (first token included) gets a 504
     body_timeout_s: float = 30.0  # a request body not fully received by then gets a 408
-    log_format: Literal["text", "json"] = "text"  # json: one object per line (workers/logs.py)
+    log_format: Literal["text", "json"] = "text"  # json: one object per line (workers/api/logs.py)
     # SIGTERM: in-flight requests get this long to finish before they are ended with an error.
     drain_timeout_s: float = 30.0
     # A generation whose worker dies mid-way resumes on another worker at most this many times...

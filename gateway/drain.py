@@ -7,7 +7,7 @@
    the server is shutting down, a non-streaming request a 503 error object.
 4. Then the app's cleanup runs: the workers are stopped and the process exits 0.
 
-A second signal cuts the wait short (step 3 at once). ``workers/web_runner.py`` calls
+A second signal cuts the wait short (step 3 at once). ``workers/api/web_runner.py`` calls
 ``Drain.drain`` between the signal and the cleanup, while the listener still answers.
 """
 
@@ -23,7 +23,7 @@ from typing import Protocol, TypeVar
 from aiohttp import web
 
 from gateway.ops_metrics import OpsMetrics
-from workers.protocol import Unavailable
+from workers.api.protocol import Unavailable
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")

@@ -33,8 +33,8 @@ from gateway.fleet import WorkerHandle
 from gateway.proxy import StreamTally, worker_body
 from gateway.state import GatewayState
 from gateway.tracing import AttemptTrace
-from workers.limits import InputRefused, loads_json
-from workers.protocol import (
+from workers.api.limits import InputRefused, loads_json
+from workers.api.protocol import (
     GATEWAY_FIELDS,
     SESSION_HEADER,
     ApiError,

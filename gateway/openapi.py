@@ -1,6 +1,6 @@
 """``GET /openapi.json``: an OpenAPI 3.1 document of the gateway's public API.
 
-The schemas come from the pydantic models in workers/api_models.py, the very classes
+The schemas come from the pydantic models in workers/api/schema.py, the very classes
 ``parse_request`` validates with, so the document cannot drift from what is enforced. The
 one refinement is the deployment's model id: ``model`` is documented as the one name this
 gateway serves (others get a 404), which is also what the relay enforces. The admin routes
@@ -15,7 +15,7 @@ from typing import Any
 from pydantic import BaseModel
 from pydantic.json_schema import models_json_schema
 
-from workers.api_models import (
+from workers.api.schema import (
     ChatCompletionBody,
     ChatCompletionResponse,
     CompletionBody,

@@ -21,7 +21,7 @@ import orjson
 from gateway.config import RemoteProtocol
 from gateway.fleet import WorkerHandle
 from gateway.worker_http import WorkerConnectError, WorkerResponse, WorkerStreamError
-from workers.protocol import (
+from workers.api.protocol import (
     ANSWER_BYTES_HEADER,
     DIRECTIVE_FIELD,
     IDS_COMMENT,
@@ -40,7 +40,7 @@ from workers.protocol import (
     WorkerTimeout,
     vllm_xargs,
 )
-from workers.web_common import sse_event
+from workers.api.web_common import sse_event
 
 _STATUS_ERRORS: dict[int, type[ApiError]] = {400: BadRequest, 404: NotFound, 413: PayloadTooLarge, 429: Overloaded,
                                              503: Unavailable, 504: WorkerTimeout}
@@ -142,7 +142,7 @@ class RawChunk:
     # The chunk's JSON as the worker sent it, relayed verbatim; None once the gateway changed
     # the chunk (then it is serialized again).
     payload: bytes | None
-    # The event's ids comment (workers/protocol.py), its JSON unparsed: only a stream that
+    # The event's ids comment (workers/api/protocol.py), its JSON unparsed: only a stream that
     # migrates needs the ids (gateway/migration.py StreamIds).
     ids: bytes | None = None
     report: StepReport | None = None  # the chunk's ``specgate`` step report, parsed once

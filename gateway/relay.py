@@ -21,8 +21,8 @@ from gateway.sessions import Session
 from gateway.state import GatewayState
 from gateway.tracing import TRACING_KEY, RequestTrace
 from gateway.worker_http import WorkerResponse
-from workers.logs import RequestLog, decision_var, request_id_var, session_var
-from workers.protocol import (
+from workers.api.logs import RequestLog, decision_var, request_id_var, session_var
+from workers.api.protocol import (
     GATEWAY_FIELDS,
     REQUEST_ID_HEADER,
     SESSION_HEADER,
@@ -38,10 +38,10 @@ from workers.protocol import (
     chunk_text,
     parse_request,
 )
-from workers.web_common import read_json, sse_event, start_sse
+from workers.api.web_common import read_json, sse_event, start_sse
 
 log = logging.getLogger(__name__)
-# The one line per request, written in batches (workers/logs.py); its task runs in app.py's cleanup context.
+# The one line per request, written in batches (workers/api/logs.py); its task runs in app.py's cleanup context.
 REQUEST_LOG_KEY = web.AppKey("request_log", RequestLog)
 MODE_HEADER = "X-Specgate-Mode"
 WORKER_HEADER = "X-Specgate-Worker"
@@ -231,7 +231,7 @@ async def _relay(request: web.Request, kind: RequestKind, state: GatewayState, t
                  in_flight: InFlight) -> web.StreamResponse:
     started = time.monotonic()
     drain, ops = request.app[DRAIN_KEY], request.app[OPS_KEY]
-    # Tags this request's log lines (workers/logs.py); each aiohttp handler runs in its own task,
+    # Tags this request's log lines (workers/api/logs.py); each aiohttp handler runs in its own task,
     # so these values never leak into another request's context.
     request_id_var.set(state.sessions.random_id())  # 32 hex digits, as uuid4().hex without its object
     req = parse_request(kind, await read_json(request))
@@ -294,7 +294,7 @@ async def _relay(request: web.Request, kind: RequestKind, state: GatewayState, t
         await stream.aclose()
         stream.admission.attempt.end()
         trace.streamed(tally.first_token_at - started if tally.first_token_at is not None else None, tally.tokens)
-        # One line per request (tagged with its id, session and decision by workers/logs.py);
+        # One line per request (tagged with its id, session and decision by workers/api/logs.py);
         # never the body or headers: no prompt text or API key reaches the log.
         request.app[REQUEST_LOG_KEY].info("%s request on %s done in %.3f s", kind, stream.admission.handle.worker_id,
                                           time.monotonic() - started)

@@ -1,7 +1,7 @@
 """A local worker's stdout and stderr, relayed into the gateway's log when logs are JSON.
 
 A worker started with ``--log-format json`` writes its log as JSON lines itself
-(workers/logs.py). But a process also writes lines that no logger formats: a C extension's
+(workers/api/logs.py). But a process also writes lines that no logger formats: a C extension's
 warning, an engine's own console output (vLLM logs to stdout in its own format), the
 interpreter's last words when it dies. Inherited as they are, those would break "one JSON
 object per line". So in JSON mode the gateway reads both streams through pipes: a line that
@@ -20,7 +20,7 @@ import json
 import logging
 from typing import Literal
 
-from workers.logs import JSON_LINE_ATTR, STREAM_ATTR, WORKER_ATTR
+from workers.api.logs import JSON_LINE_ATTR, STREAM_ATTR, WORKER_ATTR
 
 log = logging.getLogger("workers.output")
 MAX_LINE_BYTES = 1 << 20  # the pipe reader's limit: a longer line is cut, not the stream

@@ -33,7 +33,7 @@ from gateway.sessions import SessionTable
 from gateway.state import GatewayState
 from gateway.worker_http import Endpoint, WorkerHttp
 from tests.harness import MODELS, REPO, TEST_COST_BUDGET_S, Gateway, cost_cache_dir, write_config
-from workers.protocol import ClientDisconnected, CompletionRequest, parse_request
+from workers.api.protocol import ClientDisconnected, CompletionRequest, parse_request
 
 PROMPT = "def fib(n):\n    "
 BODY = {"model": "specgate-demo", "prompt": PROMPT, "max_tokens": 8, "temperature": 0}

@@ -23,14 +23,14 @@ import yaml
 from aiohttp.test_utils import make_mocked_request
 from prometheus_client import CollectorRegistry
 
-import workers.tokens
+import workers.api.tokens
 from bench.procs import free_port
 from gateway.auth import AuthStore, check_exposure
 from gateway.auth_config import AuthConfig, parse_auth
 from gateway.config import ConfigError, ServerConfig
 from gateway.ops_metrics import OpsMetrics
 from tests.harness import MODELS, REPO, Gateway, start_gateway, start_tcp_worker, write_config
-from workers.tokens import Forbidden, Unauthorized, is_loopback
+from workers.api.tokens import Forbidden, Unauthorized, is_loopback
 
 KEY_A, KEY_B, ADMIN = "sk-alpha-0123456789", "sk-bravo-9876543210", "admin-token-55555555"
 PROMPT = "def add(a, b):\n    "
@@ -185,7 +185,7 @@ def test_sessions_are_scoped_to_their_key(gateway: Gateway) -> None:
     assert status == 400 and error["error"]["param"] == "scope"
     scopes = {}
     for key in (KEY_A, KEY_B):
-        scope = "key-" + workers.tokens.fingerprint(key)
+        scope = "key-" + workers.api.tokens.fingerprint(key)
         status, view = call(gateway.url + f"/admin/sessions/shared-id?scope={scope}", ADMIN)
         assert status == 200 and view["scope"] == scope
         scopes[key] = view["requests"]

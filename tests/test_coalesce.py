@@ -22,9 +22,7 @@ from gateway.config import ConfigError, parse_config
 from gateway.proxy import WorkerLost, read_whole_answer
 from tests.harness import Gateway, start_gateway, start_tcp_worker, write_config
 from tests.test_worker_http import serve
-from workers.coalesce import merge_chunks
-from workers.engine_api import SpecSteps
-from workers.protocol import (
+from workers.api.protocol import (
     ANSWER_BYTES_HEADER,
     DIRECTIVE_FIELD,
     HELD_FIELD,
@@ -33,6 +31,8 @@ from workers.protocol import (
     StepReport,
     WorkerFailed,
 )
+from workers.coalesce import merge_chunks
+from workers.engine_api import SpecSteps
 
 PROMPT = "def fibonacci(n):\n    "
 

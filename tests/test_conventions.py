@@ -203,7 +203,7 @@ def test_json_logs_carry_request_context_and_no_secrets(gateway: Gateway) -> Non
 ])
 def test_worker_output_lines_come_out_as_json(line: bytes, expected: dict[str, Any],
                                               caplog: pytest.LogCaptureFixture) -> None:
-    from workers.logs import JsonFormatter
+    from workers.api.logs import JsonFormatter
 
     with caplog.at_level("INFO", logger="workers.output"):
         relay_line("w-1", "stderr", line)
@@ -236,7 +236,7 @@ def test_a_standalone_worker_logs_json_warnings_and_crashes_included(tmp_path: P
     assert [e["request_id"] for e in entries if e["logger"] == "workers.server"] == ["req-1"]
     assert PROMPT not in log_path.read_text()
     # What Python would print to stderr unformatted: a warning and an uncaught exception.
-    code = ("import sys, warnings; from workers.logs import configure; "
+    code = ("import sys, warnings; from workers.api.logs import configure; "
             "configure('json', name='w', fields={'worker': 'w'}); warnings.warn('careful'); "
             "raise RuntimeError('boom')")
     crashed = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=60,

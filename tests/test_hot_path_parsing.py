@@ -15,10 +15,10 @@ from typing import Any
 import pytest
 
 from gateway.migration import StreamIds
-from workers import protocol
-from workers.limits import MAX_JSON_DEPTH, InputRefused, loads_json
-from workers.logs import JsonFormatter, RequestLog, TextFormatter, decision_var, request_id_var, session_var
-from workers.protocol import StepReport
+from workers.api import protocol
+from workers.api.limits import MAX_JSON_DEPTH, InputRefused, loads_json
+from workers.api.logs import JsonFormatter, RequestLog, TextFormatter, decision_var, request_id_var, session_var
+from workers.api.protocol import StepReport
 
 
 def _standard(raw: bytes) -> Any:

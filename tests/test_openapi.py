@@ -14,7 +14,7 @@ from schemathesis import checks
 from schemathesis.generation import GenerationMode
 
 from tests.harness import Gateway, start_gateway, write_config
-from workers.api_models import ChatCompletionBody, CompletionBody
+from workers.api.schema import ChatCompletionBody, CompletionBody
 
 # Response checks: status codes, content types, bodies and headers as documented, and no 5xx.
 # Not positive_data_acceptance: a valid-looking request can still be refused for what no schema

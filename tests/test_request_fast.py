@@ -1,4 +1,4 @@
-"""workers/request_fast.py: the usual body validated without pydantic accepts only what
+"""workers/api/request_fast.py: the usual body validated without pydantic accepts only what
 pydantic accepts and builds the same request; the bodies clients and the gateway send take it."""
 
 from __future__ import annotations
@@ -9,9 +9,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import workers.protocol
-from workers.protocol import ApiError, CompletionRequest, parse_request
-from workers.request_fast import fast_body
+import workers.api.protocol
+from workers.api.protocol import ApiError, CompletionRequest, parse_request
+from workers.api.request_fast import fast_body
 
 # Values near every limit, of every JSON type, for any field.
 EDGES: list[Any] = [
@@ -55,7 +55,7 @@ KIND_BODY = st.one_of(
     st.tuples(st.just("chat"), _valid({"model": "model", "messages": "messages"}, [*_COMMON, "max_completion_tokens"])),
 )
 _M = 1 << 20
-# Each field's values on either side of its limits (workers/api_models.py).
+# Each field's values on either side of its limits (workers/api/schema.py).
 BOUNDARY: dict[str, list[Any]] = {
     "model": ["", "m"], "prompt": ["", "p"], "max_tokens": [0, 1, _M, _M + 1], "max_completion_tokens": [0, 1, _M + 1],
     "temperature": [-1e-9, 0, 2, 2.0000001, 3], "top_p": [0, 0.0, 1e-9, 1, 1.0000001], "top_k": [-2, -1, _M, _M + 1],
@@ -76,7 +76,7 @@ CHANGE = st.one_of(st.none(), st.sampled_from(list(BOUNDARY)).flatmap(
 
 def _pydantic_only(kind: str, body: Any, monkeypatch: pytest.MonkeyPatch) -> CompletionRequest | ApiError:
     with monkeypatch.context() as patch:
-        patch.setattr(workers.protocol, "fast_body", lambda kind, body: None)
+        patch.setattr(workers.api.protocol, "fast_body", lambda kind, body: None)
         try:
             return parse_request(kind, body)  # type: ignore[arg-type]
         except ApiError as error:

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from workers.protocol import ChatMessage
+from workers.api.protocol import ChatMessage
 from workers.text import TextCodec, TextStream
 
 MODEL_DIR = Path(__file__).resolve().parent.parent / "models" / "demo-target"

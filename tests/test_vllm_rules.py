@@ -1,7 +1,7 @@
 """The vLLM plugin's pure rules and the gateway's reading of vLLM's per-request metrics.
 
 No vLLM needed: ``specgate_vllm.rules`` imports nothing from it, and the wire helpers live
-in ``workers.protocol``. The plugin is a separate distribution (no dependency on specgate),
+in ``workers.api.protocol``. The plugin is a separate distribution (no dependency on specgate),
 so its batch latch restates the policy's; a property test checks the two agree.
 """
 
@@ -18,8 +18,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from policies import step_depth
-from workers.engine_api import SpecSteps
-from workers.protocol import (
+from workers.api.protocol import (
     VLLM_BATCH_RESUME,
     VLLM_MAX_BATCH,
     VLLM_SPEC_K,
@@ -28,6 +27,7 @@ from workers.protocol import (
     vllm_step_report,
     vllm_xargs,
 )
+from workers.engine_api import SpecSteps
 
 RULES_PATH = Path(__file__).resolve().parent.parent / "workers" / "vllm_plugin" / "specgate_vllm" / "rules.py"
 

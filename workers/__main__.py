@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 # Only the standard library before the log format is set (main): a warning raised while the
 # server's modules (aiohttp, prometheus_client) or an engine's (torch, vLLM) are imported
 # then comes out in that format.
-from workers.logs import LOG_FORMATS, WORKER_ATTR, configure
+from workers.api.logs import LOG_FORMATS, WORKER_ATTR, configure
 
 if TYPE_CHECKING:
     from workers.engine_api import Engine
@@ -111,9 +111,9 @@ def main(argv: list[str] | None = None, prog: str = "python -m workers") -> int:
     configure(args.log_format, "INFO", name=args.worker_id, fields={WORKER_ATTR: args.worker_id})
     import uvloop
 
+    from workers.api.tokens import is_loopback
+    from workers.api.web_runner import run_app
     from workers.server import WorkerSettings, create_worker_app
-    from workers.tokens import is_loopback
-    from workers.web_runner import run_app
 
     # From the environment, never the command line, where every user of the machine can read it.
     token = os.environ.get(TOKEN_ENV) or None

@@ -38,7 +38,7 @@ from typing import Any
 import orjson
 from aiohttp import web
 
-from workers.protocol import (
+from workers.api.protocol import (
     ANSWER_BYTES_HEADER,
     DIRECTIVE_FIELD,
     HELD_FIELD,
@@ -49,7 +49,7 @@ from workers.protocol import (
     assemble,
     chunk_text,
 )
-from workers.web_common import SSE_HEADERS, sse_event, start_sse
+from workers.api.web_common import SSE_HEADERS, sse_event, start_sse
 
 # A chunk and the step report behind it (None for the usage chunk).
 Chunk = tuple[dict[str, Any], StepReport | None]

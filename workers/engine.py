@@ -26,9 +26,9 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
+from workers.api.limits import check_sampling
 from workers.engine_api import FinishReason, GenerationRequest, StepEvent
 from workers.kv_cache import CacheBatch, KVCache
-from workers.limits import check_sampling
 from workers.model import LlamaForCausalLM
 from workers.sampling import Verdict, gumbel_max, probabilities, sample, seeded_noise, verify, verify_greedy
 

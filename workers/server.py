@@ -22,19 +22,8 @@ from aiohttp import web
 from aiohttp.typedefs import Middleware
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
-from workers.api_models import FIELD_NAMES
-from workers.coalesce import Chunk, chunk_event, write_coalesced
-from workers.engine_api import (
-    Engine,
-    EngineRequestError,
-    GenerationRequest,
-    SamplingParams,
-    StepCounts,
-    StepStats,
-)
-from workers.logs import RequestLog, request_id_var, session_var
-from workers.metrics import WorkerMetrics
-from workers.protocol import (
+from workers.api.logs import RequestLog, request_id_var, session_var
+from workers.api.protocol import (
     DIRECTIVE_FIELD,
     MAX_SESSION_ID,
     REQUEST_ID_HEADER,
@@ -52,9 +41,20 @@ from workers.protocol import (
     speculative_usage,
     step_log,
 )
+from workers.api.schema import FIELD_NAMES
+from workers.api.tokens import Unauthorized, bearer, matching
+from workers.api.web_common import Handler, health, model_list, openai_errors, read_json, sse_event, start_sse
+from workers.coalesce import Chunk, chunk_event, write_coalesced
+from workers.engine_api import (
+    Engine,
+    EngineRequestError,
+    GenerationRequest,
+    SamplingParams,
+    StepCounts,
+    StepStats,
+)
+from workers.metrics import WorkerMetrics
 from workers.text import TextCodec, TextStream
-from workers.tokens import Unauthorized, bearer, matching
-from workers.web_common import Handler, health, model_list, openai_errors, read_json, sse_event, start_sse
 
 log = logging.getLogger(__name__)
 
@@ -79,7 +79,7 @@ class WorkerContext:
     codec: TextCodec
     metrics: WorkerMetrics
     registry: CollectorRegistry | None
-    request_log: RequestLog  # the one line per request, written in batches (workers/logs.py)
+    request_log: RequestLog  # the one line per request, written in batches (workers/api/logs.py)
 
 
 CONTEXT_KEY = web.AppKey("worker_context", WorkerContext)
@@ -145,7 +145,7 @@ def create_worker_app(settings: WorkerSettings, engine: Engine,
 
 @web.middleware
 async def _tag_logs(request: web.Request, handler: Handler) -> web.StreamResponse:
-    """Tags the log lines of a request with the gateway's request id and session (workers/logs.py).
+    """Tags the log lines of a request with the gateway's request id and session (workers/api/logs.py).
 
     Each aiohttp request runs in its own task, so the values stay with this request. Either
     header from another client is taken as well, if it is printable and not too long: it only

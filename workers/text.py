@@ -15,7 +15,7 @@ from typing import Any
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer
 
-from workers.protocol import ChatMessage
+from workers.api.protocol import ChatMessage
 
 
 class TextCodec:

@@ -15,7 +15,7 @@ from collections.abc import Iterable
 
 from aiohttp import web
 
-from workers.protocol import ApiError
+from workers.api.protocol import ApiError
 
 AUTHORIZATION = "Authorization"
 

@@ -101,7 +101,7 @@ def _depth_within(value: Any, limit: int) -> bool:
 def check_sampling(params: SamplingParams) -> SamplingParams:
     """Raises ValueError for sampling values no kernel should see; makes tiny temperatures greedy.
 
-    The API layer refuses these first (workers/api_models.py); this is the engine's own guard,
+    The API layer refuses these first (workers/api/schema.py); this is the engine's own guard,
     whoever its caller is.
     """
     if not (math.isfinite(params.temperature) and params.temperature >= 0):

@@ -22,7 +22,9 @@ import orjson
 from pydantic import ValidationError
 
 from policies import bounded_repr, bounded_text
-from workers.api_models import (
+from workers.api.limits import GREEDY_BELOW
+from workers.api.request_fast import fast_body
+from workers.api.schema import (
     DEFAULT_ONLY,
     FIELD_NAMES,
     MAX_STOP_SEQUENCES,
@@ -30,8 +32,6 @@ from workers.api_models import (
     CompletionBody,
 )
 from workers.engine_api import SpecSteps, group_steps
-from workers.limits import GREEDY_BELOW
-from workers.request_fast import fast_body
 
 RequestKind = Literal["chat", "completion"]
 DIRECTIVE_FIELD = "specgate"
@@ -53,7 +53,7 @@ HELD_FIELD = "held_s"  # a coalesced chunk's report: how long its first step wai
 # Fields the gateway sets for its workers; a client sending one is refused.
 GATEWAY_FIELDS = (DIRECTIVE_FIELD, VLLM_XARGS_FIELD)
 # The session key clients send the gateway. The gateway also sends it, and its own request id,
-# to specgate workers, which tag their log lines with both (workers/logs.py).
+# to specgate workers, which tag their log lines with both (workers/api/logs.py).
 SESSION_HEADER, REQUEST_ID_HEADER = "X-Session-ID", "X-Request-ID"
 MAX_SESSION_ID = 256  # characters; a longer X-Session-ID is refused (printable only)
 
@@ -260,10 +260,10 @@ _UNION_SHAPES = {
 
 
 def parse_request(kind: RequestKind, body: Any) -> CompletionRequest:
-    """Validates a request body (see workers/api_models.py) into a ``CompletionRequest``."""
+    """Validates a request body (see workers/api/schema.py) into a ``CompletionRequest``."""
     if not isinstance(body, Mapping):
         raise BadRequest("request body must be a JSON object")
-    # The usual body without pydantic (workers/request_fast.py); the rest, and every error, with it.
+    # The usual body without pydantic (workers/api/request_fast.py); the rest, and every error, with it.
     parsed: Any = fast_body(kind, body)
     if parsed is None:
         try:

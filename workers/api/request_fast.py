@@ -7,7 +7,7 @@ call costs warm, a visible share of the gateway's added latency (docs/relay-over
 
 The bodies clients and the gateway send are nearly all alike: a completion with a text prompt
 or a chat of text messages, a few sampling fields, and the gateway's directive. Those are
-checked here field by field, with the limits ``workers/api_models.py`` declares and pydantic's
+checked here field by field, with the limits ``workers/api/schema.py`` declares and pydantic's
 strict rules (no bool for a number, an int for a float is the float). Anything else (another
 field, another type, a value out of range, a prompt of token ids, content parts, a resume)
 returns None and goes to pydantic, which decides as before and words the error. So this path
@@ -20,7 +20,7 @@ from __future__ import annotations
 from types import SimpleNamespace
 from typing import Any, get_args
 
-from workers.api_models import (
+from workers.api.schema import (
     MAX_COALESCE_S,
     MAX_DIRECTIVE_COUNT,
     MAX_DIRECTIVE_K,

@@ -14,8 +14,8 @@ from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
 
 from policies import bounded_text
-from workers.limits import DEFAULT_BODY_TIMEOUT_S, InputRefused, loads_json
-from workers.protocol import (
+from workers.api.limits import DEFAULT_BODY_TIMEOUT_S, InputRefused, loads_json
+from workers.api.protocol import (
     ApiError,
     BadRequest,
     ClientDisconnected,

@@ -28,8 +28,8 @@ from aiohttp.http_exceptions import BadHttpMessage, HttpProcessingError, LineToo
 from aiohttp.web_protocol import RequestHandler
 
 from policies import bounded_text
-from workers.protocol import ApiError, BadRequest, HeadersTooLarge, WorkerTimeout
-from workers.web_common import error_response
+from workers.api.protocol import ApiError, BadRequest, HeadersTooLarge, WorkerTimeout
+from workers.api.web_common import error_response
 
 log = logging.getLogger(__name__)
 MAX_LINE_BYTES = 8190  # aiohttp's defaults, named here so the error message can state them
