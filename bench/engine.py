@@ -32,7 +32,7 @@ import torch
 
 from policies import CostModel, choose_k, gain, tested_drafts
 from workers import rowgemm
-from workers.cost_model import CostReport, OnlineCosts, StepCostRule, catch_up_pays
+from workers.costs.model import CostReport, OnlineCosts, StepCostRule, catch_up_pays
 from workers.costs_measure import MeasureSettings, measure, torch_threads_serving
 from workers.demo_corpus import heldout_prompts
 from workers.engine import GenerationRequest, SpeculativeEngine, native_forward

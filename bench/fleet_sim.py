@@ -33,7 +33,7 @@ from policies import (
     record_decision,
     worker_acceptance,
 )
-from workers.cost_model import StepCostRule
+from workers.costs.model import StepCostRule
 from workers.engines.sim import derived_cost_report
 from workers.engines.sim_model import NO_CAP, BatchStep, SimBatch, SimConfig, SimSeq, StepRule, gain
 

@@ -42,10 +42,10 @@ import torch
 
 from bench.turns import median_in_turns
 from workers import rowgemm
-from workers.cost_cache import cpu_label
+from workers.costs.cache import cpu_label
 from workers.demo_corpus import heldout_prompts
 from workers.engine import GenerationRequest, SpeculativeEngine, native_forward
-from workers.engine_api import SamplingParams
+from workers.engines.interface import SamplingParams
 from workers.kv_cache import KVCache
 from workers.model import LlamaForCausalLM
 from workers.text import TextCodec

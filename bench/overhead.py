@@ -48,7 +48,7 @@ from typing import Any
 import aiohttp
 
 from bench import procs
-from workers.cost_cache import cpu_label
+from workers.costs.cache import cpu_label
 
 # Plain decoding everywhere: the gateway's rules send T=1.0 plain (no shallow-batch waiver).
 GATEWAY_POLICY = {"max_temperature": 0.0, "free_batch": 0}

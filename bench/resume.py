@@ -33,7 +33,7 @@ from typing import Any
 
 import torch
 
-from workers.cost_cache import cpu_label
+from workers.costs.cache import cpu_label
 from workers.costs_measure import verification_bit_identical
 from workers.demo_corpus import heldout_prompts
 from workers.engine import GenerationRequest, SpeculativeEngine

@@ -37,7 +37,7 @@ import aiohttp
 
 from bench import procs
 from bench.overhead import GATEWAY_POLICY, _load
-from workers.cost_cache import cpu_label
+from workers.costs.cache import cpu_label
 
 LOADS = [("c32", 4, False), ("c32_64", 64, False), ("c32_stream4", 4, True)]  # (name, max_tokens, stream)
 

@@ -36,7 +36,7 @@ import aiohttp
 from bench import procs
 from bench.overhead import GATEWAY_POLICY
 from bench.timeline_probe import OUT_ENV
-from workers.cost_cache import cpu_label
+from workers.costs.cache import cpu_label
 
 PROBE = ("-m", "bench.timeline_probe")
 GATEWAY_PHASES = [  # (name, from mark, to mark)

@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from bench import procs
-from workers.cost_cache import cpu_label
+from workers.costs.cache import cpu_label
 
 REQUEST, ANSWER = b"x" * 600, b"y" * 400
 

@@ -58,7 +58,7 @@ from workers.api.protocol import (
     WorkerTimeout,
     chunk_text,
 )
-from workers.engine_api import StepCounts
+from workers.engines.interface import StepCounts
 
 log = logging.getLogger(__name__)
 # (state, session, request, exclude, resume) -> the admission and the worker's open stream

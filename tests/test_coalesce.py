@@ -32,7 +32,7 @@ from workers.api.protocol import (
     WorkerFailed,
 )
 from workers.coalesce import merge_chunks
-from workers.engine_api import SpecSteps
+from workers.engines.interface import SpecSteps
 
 PROMPT = "def fibonacci(n):\n    "
 

@@ -34,7 +34,7 @@ from policies import (
 )
 from policies.speculation import RequestFacts
 from tests.policy_data import COOL, PROPERTY
-from workers.cost_model import StepCostRule, report_from_forward_times
+from workers.costs.model import StepCostRule, report_from_forward_times
 from workers.engines.sim import derived_cost_report
 from workers.engines.sim_model import SimBatch, SimConfig, SimSeq
 

@@ -10,13 +10,13 @@ from pathlib import Path
 import pytest
 import torch
 
-import workers.cost_cache as cost_cache
+import workers.costs.cache as cost_cache
 import workers.costs_engine as costs_engine
 import workers.costs_measure as costs_measure
 from policies import CostModel, whole_step_costs
 from workers import rowgemm
-from workers.cost_cache import CostCache, cpu_label
-from workers.cost_model import (
+from workers.costs.cache import CostCache, cpu_label
+from workers.costs.model import (
     ONLINE_WEIGHT,
     STALE_STEPS,
     CostReport,

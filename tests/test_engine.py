@@ -309,7 +309,7 @@ def plain_for(engine: SpeculativeEngine, max_tokens: int, tokens: int) -> list[S
 
 def test_a_catch_up_rule_keeps_a_lagging_sequence_plain_until_it_pays(target_model: LlamaForCausalLM,
                                                                        draft_model: LlamaForCausalLM) -> None:
-    """K auto prices the draft's catch-up on tokens decoded plain (workers.cost_model.catch_up_pays):
+    """K auto prices the draft's catch-up on tokens decoded plain (workers.costs.model.catch_up_pays):
     the engine asks its rule before a sequence whose draft lags drafts, with the lag, the tokens
     left and the step's K and depth, and decodes the step plain on a no. Output is unchanged."""
     asked: list[tuple[int, int, int, int]] = []

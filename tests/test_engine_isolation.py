@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from workers.engine import GenerationRequest, SpeculativeEngine, StepEvent
-from workers.engine_api import StepStats
+from workers.engines.interface import StepStats
 from workers.model import LlamaForCausalLM
 from workers.runner import EngineRunner
 from workers.sampling import SamplingParams

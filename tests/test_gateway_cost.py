@@ -18,8 +18,8 @@ import pytest
 from policies import CostModel, PolicyConfig, StepMix, choose_k
 from tests.harness import MODELS, Gateway, sdk_client, start_gateway, write_config
 from tests.test_cost_policy import AMX_VERIFY, curve
-from workers.cost_cache import CostCache
-from workers.cost_model import PrecisionCandidate, PrecisionChoice, report_from_forward_times
+from workers.costs.cache import CostCache
+from workers.costs.model import PrecisionCandidate, PrecisionChoice, report_from_forward_times
 from workers.costs_measure import MeasureSettings
 
 CODE_PROMPT = "import os\nimport sys\n\n\ndef main(argv):\n    parser = "

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from workers import rowgemm
-from workers.cost_model import OnlineCosts, report_from_forward_times
+from workers.costs.model import OnlineCosts, report_from_forward_times
 from workers.engine import GenerationRequest, SpeculativeEngine
 from workers.kv_cache import KVCache
 from workers.model import LlamaForCausalLM

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from workers import rowgemm
-from workers.cost_model import CostReport, PrecisionCandidate, PrecisionChoice
+from workers.costs.model import CostReport, PrecisionCandidate, PrecisionChoice
 from workers.costs_measure import MeasureSettings, choose_precision, target_configs, verification_bit_identical
 from workers.model import LlamaForCausalLM
 

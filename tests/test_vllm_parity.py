@@ -17,7 +17,7 @@ from tests.harness import MODELS
 from tests.vllm_harness import VllmServer
 from workers.demo_corpus import heldout_prompts
 from workers.engine import SpeculativeEngine
-from workers.engine_api import GenerationRequest, SamplingParams
+from workers.engines.interface import GenerationRequest, SamplingParams
 from workers.model import LlamaForCausalLM
 from workers.text import TextCodec
 

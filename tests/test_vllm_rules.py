@@ -27,7 +27,7 @@ from workers.api.protocol import (
     vllm_step_report,
     vllm_xargs,
 )
-from workers.engine_api import SpecSteps
+from workers.engines.interface import SpecSteps
 
 RULES_PATH = Path(__file__).resolve().parent.parent / "workers" / "vllm_plugin" / "specgate_vllm" / "rules.py"
 

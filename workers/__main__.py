@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING
 from workers.api.logs import LOG_FORMATS, WORKER_ATTR, configure
 
 if TYPE_CHECKING:
-    from workers.engine_api import Engine
+    from workers.engines.interface import Engine
 
 TOKEN_ENV = "SPECGATE_WORKER_TOKEN"
 

@@ -15,9 +15,9 @@ from dataclasses import dataclass
 
 import torch
 
-from workers.cost_model import interpolate
+from workers.costs.model import interpolate
 from workers.engine import GenerationRequest, SpeculativeEngine
-from workers.engine_api import SamplingParams
+from workers.engines.interface import SamplingParams
 from workers.model import LlamaForCausalLM
 
 # The deeper batch the step overhead is timed at (or max_slots, if smaller): deep enough that

@@ -41,8 +41,8 @@ import torch
 
 from policies.cost import expected_tokens
 from workers import rowgemm
-from workers.cost_cache import CostCache, cache_key, cpu_label
-from workers.cost_model import (
+from workers.costs.cache import CostCache, cache_key, cpu_label
+from workers.costs.model import (
     CostReport,
     PrecisionCandidate,
     PrecisionChoice,
@@ -79,7 +79,7 @@ class MeasureSettings:
     threads: int = 1  # torch intra-op threads the worker runs with
 
     def cache_key(self) -> str:
-        """Everything the figures depend on besides the budget (``workers/cost_cache.py``)."""
+        """Everything the figures depend on besides the budget (``workers/costs/cache.py``)."""
         return cache_key({"target": self.target, "draft": self.draft},
                          {"max_slots": self.max_slots, "max_k": self.max_k, "dtype": self.dtype,
                           "draft_dtype": self.draft_dtype, "exact": self.exact, "threads": self.threads,

@@ -27,7 +27,7 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from workers.api.limits import check_sampling
-from workers.engine_api import FinishReason, GenerationRequest, StepEvent
+from workers.engines.interface import FinishReason, GenerationRequest, StepEvent
 from workers.kv_cache import CacheBatch, KVCache
 from workers.model import LlamaForCausalLM
 from workers.sampling import Verdict, gumbel_max, probabilities, sample, seeded_noise, verify, verify_greedy
@@ -41,7 +41,7 @@ StepDepthRule = Callable[[int, int], int]
 StepCostRule = Callable[[list[int]], int | None]
 # (tokens the draft lags, tokens the sequence has left, the step's K, batch depth) -> whether
 # catching the draft up on those tokens (they were decoded plain) pays before the sequence ends
-# (K auto: workers.cost_model.catch_up_pays); False: the sequence decodes this step plain.
+# (K auto: workers.costs.model.catch_up_pays); False: the sequence decodes this step plain.
 CatchUpRule = Callable[[int, int, int, int], bool]
 # The draft's lag after an ordinary speculative or plain step (1-2 tokens): no catch-up to price.
 ORDINARY_LAG = 2
@@ -161,7 +161,7 @@ class SpeculativeEngine:
         self._batched_row_limit = self.max_k + 2
         # Wall time of the last step's draft proposals and target verification (metrics), of the
         # whole step (what is outside those two is the cost model's per-step overhead), and
-        # their shapes (the cost model's online refinement, workers/cost_model.py).
+        # their shapes (the cost model's online refinement, workers/costs/model.py).
         self.last_draft_s = 0.0
         self.last_target_s = 0.0
         self.last_step_s = 0.0

@@ -17,13 +17,13 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from policies.speculation import step_depth
-from workers.cost_model import CostReport, OnlineCosts, StepCostRule, catch_up_pays
+from workers.costs.model import CostReport, OnlineCosts, StepCostRule, catch_up_pays
 from workers.engine import ORDINARY_LAG, SpeculativeEngine
-from workers.engine_api import EngineTotals, GenerationRequest, StepEvent, StepObserver, StepStats
+from workers.engines.interface import EngineTotals, GenerationRequest, StepEvent, StepObserver, StepStats
 
 log = logging.getLogger(__name__)
 # Steps between rebuilds of the per-step rule's cost model from the online curves: they move
-# slowly (workers/cost_model.py), and the rule runs every step.
+# slowly (workers/costs/model.py), and the rule runs every step.
 COST_TABLE_STEPS = 32
 
 EventSink = Callable[[StepEvent | BaseException], None]
@@ -139,7 +139,7 @@ class EngineRunner:
 
     def _catch_up(self, lag: int, remaining: int, k: int, depth: int) -> bool:
         """Under the cost rule, whether a sequence that decoded ``lag`` tokens plain should catch
-        its draft up and draft now (workers.cost_model.catch_up_pays); True without the rule."""
+        its draft up and draft now (workers.costs.model.catch_up_pays); True without the rule."""
         alpha = self._rule_alpha()
         if alpha is None:
             return True

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-from workers.engine_api import SamplingParams
+from workers.engines.interface import SamplingParams
 
 __all__ = ["SamplingParams", "Verdict", "gumbel_max", "noise_key", "probabilities", "sample", "seeded_noise",
            "verify", "verify_greedy"]

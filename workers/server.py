@@ -45,7 +45,7 @@ from workers.api.schema import FIELD_NAMES
 from workers.api.tokens import Unauthorized, bearer, matching
 from workers.api.web_common import Handler, health, model_list, openai_errors, read_json, sse_event, start_sse
 from workers.coalesce import Chunk, chunk_event, write_coalesced
-from workers.engine_api import (
+from workers.engines.interface import (
     Engine,
     EngineRequestError,
     GenerationRequest,

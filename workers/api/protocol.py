@@ -31,7 +31,7 @@ from workers.api.schema import (
     ChatCompletionBody,
     CompletionBody,
 )
-from workers.engine_api import SpecSteps, group_steps
+from workers.engines.interface import SpecSteps, group_steps
 
 RequestKind = Literal["chat", "completion"]
 DIRECTIVE_FIELD = "specgate"

@@ -17,10 +17,10 @@ from typing import Literal
 import torch
 
 from workers import rowgemm
-from workers.cost_model import CostReport, OnlineCosts
+from workers.costs.model import CostReport, OnlineCosts
 from workers.costs_measure import MeasureSettings, measure_or_load, torch_threads_serving
 from workers.engine import SpeculativeEngine
-from workers.engine_api import (
+from workers.engines.interface import (
     EngineInfo,
     EngineRequestError,
     EngineTotals,
@@ -49,7 +49,7 @@ class EmbeddedSettings:
     # "auto" picks among configurations whose verification is bit-identical to plain decoding
     # (checked at start-up); False admits faster ones that are only close.
     exact: bool = True
-    cost_cache_dir: Path | None = None  # None: ~/.cache/specgate/costs (workers/cost_cache.py)
+    cost_cache_dir: Path | None = None  # None: ~/.cache/specgate/costs (workers/costs/cache.py)
     cost_budget_s: float = 4.0  # start-up measurement's time budget (a cache hit skips it)
 
 

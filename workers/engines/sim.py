@@ -24,8 +24,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from workers.cost_model import CostReport, StepCostRule, depth_grid, report_from_forward_times
-from workers.engine_api import (
+from workers.costs.model import CostReport, StepCostRule, depth_grid, report_from_forward_times
+from workers.engines.interface import (
     EngineInfo,
     EngineRequestError,
     EngineTotals,

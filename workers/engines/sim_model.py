@@ -26,7 +26,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from policies.speculation import step_depth
-from workers.cost_model import AcceptanceEstimate, StepCostRule
+from workers.costs.model import AcceptanceEstimate, StepCostRule
 
 # -- units and published facts ------------------------------------------------------------------------
 GB, TFLOP = 1e9, 1e12

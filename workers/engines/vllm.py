@@ -18,7 +18,7 @@ session switched to plain decoding needs no second pool and no second copy of th
 - Cost model: the stat logger times each engine iteration as the gap since the previous one
   (while requests run, the engine core iterates back to back, so the gap is the step) and folds
   it, by batch depth and mean drafts per running request, into ``StepTimeCosts``
-  (``workers/cost_model.py``): whole steps only, an estimate that appears once a plain and a
+  (``workers/costs/model.py``): whole steps only, an estimate that appears once a plain and a
   speculative step have been seen. The gap also includes scheduling and output processing,
   which a plain step pays too. The per-step cost rule is the plugin's business and not
   applied here (``cost_rule`` is accepted and ignored).
@@ -37,8 +37,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from workers.cost_model import CostReport, StepTimeCosts, depth_grid
-from workers.engine_api import (
+from workers.costs.model import CostReport, StepTimeCosts, depth_grid
+from workers.engines.interface import (
     EngineInfo,
     EngineRequestError,
     EngineTotals,

@@ -14,7 +14,7 @@ from collections.abc import AsyncGenerator, Callable, Iterable, Mapping, Sequenc
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
 
-from workers.cost_model import CostReport
+from workers.costs.model import CostReport
 
 FinishReason = Literal["stop", "length", "abort"]
 EngineKind = Literal["embedded", "vllm", "sim"]
@@ -196,7 +196,7 @@ class Engine(Protocol):
 
     @property
     def cost_model(self) -> CostReport | None:
-        """What a step costs by batch depth and K, live (``workers/cost_model.py``); None while
+        """What a step costs by batch depth and K, live (``workers/costs/model.py``); None while
         the engine cannot tell yet. ``/specgate/worker`` publishes it as ``cost_model``."""
         ...
 
