@@ -10,7 +10,7 @@ Gumbel-max sampling is coupled across modes (same answer in every mode), against
 rule's α at the same temperatures. With ``--json`` the last line printed is one JSON object
 with every figure.
 
-The cost model (``workers/costs_measure.py``): the one a worker with these settings would build
+The cost model (``workers/engines/embedded/measure.py``): the one a worker with these settings would build
 (``cost_model``, with ``max_slots`` the largest batch measured here), the precision it chose
 (``--dtype auto`` serves that), ``predicted_speedup_b1`` (its prediction at the measured α, for
 the same requests: prefills and the draft's catch-up on each prompt included, as in the measured
@@ -31,15 +31,15 @@ from pathlib import Path
 import torch
 
 from policies import CostModel, choose_k, gain, tested_drafts
-from workers import rowgemm
 from workers.costs.model import CostReport, OnlineCosts, StepCostRule, catch_up_pays
-from workers.costs_measure import MeasureSettings, measure, torch_threads_serving
 from workers.demo_corpus import heldout_prompts
-from workers.engine import GenerationRequest, SpeculativeEngine, native_forward
-from workers.kv_cache import CacheBatch, KVCache
-from workers.model import TORCH_DTYPES, LlamaForCausalLM, Products, products_named
-from workers.runner import COST_TABLE_STEPS, fold_step
-from workers.sampling import SamplingParams
+from workers.engines.embedded import rowgemm
+from workers.engines.embedded.engine import GenerationRequest, SpeculativeEngine, native_forward
+from workers.engines.embedded.kv_cache import CacheBatch, KVCache
+from workers.engines.embedded.measure import MeasureSettings, measure, torch_threads_serving
+from workers.engines.embedded.model import TORCH_DTYPES, LlamaForCausalLM, Products, products_named
+from workers.engines.embedded.runner import COST_TABLE_STEPS, fold_step
+from workers.engines.embedded.sampling import SamplingParams
 from workers.text import TextCodec
 
 REPO = Path(__file__).resolve().parent.parent
@@ -182,7 +182,7 @@ def uniform_model(report: CostReport) -> CostModel:
 class AutoK:
     """K auto as the worker runs it, on the live cost model: each sequence's K the one chosen
     at the step's depth (the gateway's choice), the catch-up rule, then the worker's per-step
-    rule on the step's actual mix (``step_cost``, as ``workers.runner`` installs it). The model
+    rule on the step's actual mix (``step_cost``, as ``workers.engines.embedded.runner`` installs it). The model
     is re-read every COST_TABLE_STEPS steps, as the worker's runner re-reads it (every 256
     calls, four steps at batch 64, cost 0.6% of a plain step there), and answers are kept per
     depth until then, as the worker's rule keeps them per step shape (a choice per sequence per

@@ -34,12 +34,12 @@ from typing import Any
 import torch
 
 from workers.costs.cache import cpu_label
-from workers.costs_measure import verification_bit_identical
 from workers.demo_corpus import heldout_prompts
-from workers.engine import GenerationRequest, SpeculativeEngine
-from workers.kv_cache import CacheBatch, KVCache
-from workers.model import TORCH_DTYPES, LlamaForCausalLM
-from workers.sampling import SamplingParams
+from workers.engines.embedded.engine import GenerationRequest, SpeculativeEngine
+from workers.engines.embedded.kv_cache import CacheBatch, KVCache
+from workers.engines.embedded.measure import verification_bit_identical
+from workers.engines.embedded.model import TORCH_DTYPES, LlamaForCausalLM
+from workers.engines.embedded.sampling import SamplingParams
 from workers.text import TextCodec
 
 REPO = Path(__file__).resolve().parent.parent

@@ -15,8 +15,8 @@ from bench.fleet_sim import KINDS
 from bench.overhead import machine_scale
 from bench.policy_real import live_prompt
 from tests.harness import REPO
-from workers import rowgemm
-from workers.model import bf16_prepacking_available
+from workers.engines.embedded import rowgemm
+from workers.engines.embedded.model import bf16_prepacking_available
 from workers.text import TextCodec
 
 REQUIRED = {"alpha_t0", "best_k", "speedup_b1", "bound_b1", "c", "tok_s_plain_b1", "tok_s_spec_b1",
@@ -49,7 +49,8 @@ def test_bench_engine_quick_json() -> None:
     assert set(result["alpha_seeded_coupled_by_temperature"]) == {"0.5", "0.8", "1.0"}
     assert "best K=" in run.stdout
     assert result["greedy_compared_runs"] == 3 * 4
-    # Prepacked: bfloat16 on oneDNN, or float32 on workers/rowgemm.py's kernel, as the measurement chose.
+    # Prepacked: bfloat16 on oneDNN, or float32 on workers/engines/embedded/rowgemm.py's kernel, as the
+    # measurement chose.
     assert result["target_prepacked"] == result["cost_model"]["precision"]["prepacked"]
     if result["dtype"] == "bfloat16":
         assert result["target_prepacked"] == bf16_prepacking_available()
@@ -158,7 +159,8 @@ def test_bench_draft_vocab_quick_json() -> None:
     assert set(agreement) == {"4096", "2048", "1024", "512"} and all(0 < a <= 1 for a in agreement.values())
 
 
-@pytest.mark.skipif(rowgemm.load() is None, reason="workers/rowgemm.py does not build here (no C compiler or AVX2)")
+@pytest.mark.skipif(rowgemm.load() is None,
+                    reason="workers/engines/embedded/rowgemm.py does not build here (no C compiler or AVX2)")
 def test_bench_kernels_quick_json() -> None:
     result, stdout = _json_run("-m", "bench.kernels", "--quick", "--json")
     wide = {"eight_wide"} if rowgemm.wide_tiles() else set()

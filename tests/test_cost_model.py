@@ -11,10 +11,9 @@ import pytest
 import torch
 
 import workers.costs.cache as cost_cache
-import workers.costs_engine as costs_engine
-import workers.costs_measure as costs_measure
+import workers.engines.embedded.measure as costs_measure
+import workers.engines.embedded.measure_steps as costs_engine
 from policies import CostModel, whole_step_costs
-from workers import rowgemm
 from workers.costs.cache import CostCache, cpu_label
 from workers.costs.model import (
     ONLINE_WEIGHT,
@@ -28,7 +27,8 @@ from workers.costs.model import (
     depth_grid,
     report_from_forward_times,
 )
-from workers.costs_measure import MeasureSettings, choose_precision, measure, measure_or_load
+from workers.engines.embedded import rowgemm
+from workers.engines.embedded.measure import MeasureSettings, choose_precision, measure, measure_or_load
 
 MODELS = Path(__file__).resolve().parent.parent / "models"
 

@@ -12,10 +12,10 @@ from dataclasses import dataclass, field
 import pytest
 import torch
 
-from workers.engine import GenerationRequest, SpeculativeEngine, StepDepthRule, StepEvent
-from workers.kv_cache import CacheBatch, KVCache
-from workers.model import LlamaForCausalLM, ModelConfig
-from workers.sampling import SamplingParams, Verdict
+from workers.engines.embedded.engine import GenerationRequest, SpeculativeEngine, StepDepthRule, StepEvent
+from workers.engines.embedded.kv_cache import CacheBatch, KVCache
+from workers.engines.embedded.model import LlamaForCausalLM, ModelConfig
+from workers.engines.embedded.sampling import SamplingParams, Verdict
 
 from .conftest import converted
 
@@ -453,7 +453,7 @@ def test_distribution_harness_rejects_wrong_rule(
     wrong_law = overlap + (1 - overlap.sum()) * p1
     noncentrality = DIST_DRAWS * float(((wrong_law - p1) ** 2 / p1).sum())
     assert noncentrality > 200, noncentrality
-    monkeypatch.setattr("workers.engine.verify", wrong_verify)
+    monkeypatch.setattr("workers.engines.embedded.engine.verify", wrong_verify)
     firsts, _ = first_two_tokens(target_model, far_draft_model, seed0=100_000)
     assert chi_square(firsts, p1) < 1e-6
 

@@ -13,11 +13,11 @@ from typing import Any
 import pytest
 import torch
 
-from workers.engine import GenerationRequest, SpeculativeEngine, StepEvent
+from workers.engines.embedded.engine import GenerationRequest, SpeculativeEngine, StepEvent
+from workers.engines.embedded.model import LlamaForCausalLM
+from workers.engines.embedded.runner import EngineRunner
+from workers.engines.embedded.sampling import SamplingParams
 from workers.engines.interface import StepStats
-from workers.model import LlamaForCausalLM
-from workers.runner import EngineRunner
-from workers.sampling import SamplingParams
 
 GreedyReference = Callable[[Sequence[int], int], list[int]]
 GREEDY = SamplingParams(temperature=0.0)

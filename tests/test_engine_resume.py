@@ -9,11 +9,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from workers.costs_measure import verification_bit_identical
-from workers.engine import GenerationRequest, SpeculativeEngine, StepEvent
-from workers.kv_cache import CacheBatch, KVCache
-from workers.model import LlamaForCausalLM
-from workers.sampling import SamplingParams
+from workers.engines.embedded.engine import GenerationRequest, SpeculativeEngine, StepEvent
+from workers.engines.embedded.kv_cache import CacheBatch, KVCache
+from workers.engines.embedded.measure import verification_bit_identical
+from workers.engines.embedded.model import LlamaForCausalLM
+from workers.engines.embedded.sampling import SamplingParams
 
 from .conftest import VOCAB
 

@@ -14,7 +14,7 @@ import pytest
 
 from gateway.admission import user_session_id
 from tests.harness import Gateway, sdk_client, start_gateway, target_prepacked_expected, write_config
-from workers import rowgemm
+from workers.engines.embedded import rowgemm
 
 CODE_PROMPT = "def read_lines(path):\n    with open(path) as f:\n        return f."
 

@@ -20,7 +20,7 @@ from tests.harness import MODELS, Gateway, sdk_client, start_gateway, write_conf
 from tests.test_cost_policy import AMX_VERIFY, curve
 from workers.costs.cache import CostCache
 from workers.costs.model import PrecisionCandidate, PrecisionChoice, report_from_forward_times
-from workers.costs_measure import MeasureSettings
+from workers.engines.embedded.measure import MeasureSettings
 
 CODE_PROMPT = "import os\nimport sys\n\n\ndef main(argv):\n    parser = "
 AMX_DEPTH_1 = curve(AMX_VERIFY, 0.2)  # the AMX CPU's measured shape (issue #9)

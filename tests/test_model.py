@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from workers import model as model_module
-from workers.model import FrozenLinear, LlamaForCausalLM, ModelConfig, resolve_dtype
+from workers.engines.embedded import model as model_module
+from workers.engines.embedded.model import FrozenLinear, LlamaForCausalLM, ModelConfig, resolve_dtype
 from workers.train_demo import SEQ_LEN, Stage, run_stage
 
 from .conftest import converted, requires_bf16_prepacking

@@ -1,4 +1,4 @@
-"""workers/rowgemm.py's bfloat16 products (AVX512-BF16): the same panels multiplied by inputs
+"""workers/engines/embedded/rowgemm.py's bfloat16 products (AVX512-BF16): the same panels multiplied by inputs
 rounded to bfloat16, summed in float32. What makes them servable: every row's result is the
 same whatever rows are beside it and however the work is split (so verification stays
 bit-identical to plain decoding), and the precision they bring is measured and chosen like
@@ -12,10 +12,15 @@ from pathlib import Path
 import pytest
 import torch
 
-from workers import rowgemm
 from workers.costs.model import CostReport, PrecisionCandidate, PrecisionChoice
-from workers.costs_measure import MeasureSettings, choose_precision, target_configs, verification_bit_identical
-from workers.model import LlamaForCausalLM
+from workers.engines.embedded import rowgemm
+from workers.engines.embedded.measure import (
+    MeasureSettings,
+    choose_precision,
+    target_configs,
+    verification_bit_identical,
+)
+from workers.engines.embedded.model import LlamaForCausalLM
 
 REPO = Path(__file__).resolve().parent.parent
 KERNEL = rowgemm.load()

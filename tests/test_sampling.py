@@ -7,7 +7,15 @@ from collections.abc import Callable, Sequence
 import pytest
 import torch
 
-from workers.sampling import SamplingParams, Verdict, gumbel_max, probabilities, sample, seeded_noise, verify
+from workers.engines.embedded.sampling import (
+    SamplingParams,
+    Verdict,
+    gumbel_max,
+    probabilities,
+    sample,
+    seeded_noise,
+    verify,
+)
 
 ChiSquare = Callable[[Sequence[int], torch.Tensor], float]
 VerifyFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Generator], Verdict]

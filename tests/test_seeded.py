@@ -1,7 +1,7 @@
 """D4: a seeded request's answer does not depend on the decoding mode, K or batch.
 
 Seeded requests are sampled by the Gumbel-max trick with noise keyed by (seed, output position)
-(``workers.sampling.gumbel_max``). The engine's output is compared with a cache-free reference
+(``workers.engines.embedded.sampling.gumbel_max``). The engine's output is compared with a cache-free reference
 that recomputes the whole sequence per token and applies the same rule.
 
 Bit-level honesty: the tiny float32 models here are not verified bit-identically to plain
@@ -19,9 +19,9 @@ from collections.abc import Sequence
 import pytest
 import torch
 
-from workers.engine import GenerationRequest, SpeculativeEngine, StepEvent
-from workers.model import LlamaForCausalLM
-from workers.sampling import SamplingParams, Verdict, noise_key, probabilities, seeded_noise, verify
+from workers.engines.embedded.engine import GenerationRequest, SpeculativeEngine, StepEvent
+from workers.engines.embedded.model import LlamaForCausalLM
+from workers.engines.embedded.sampling import SamplingParams, Verdict, noise_key, probabilities, seeded_noise, verify
 
 from .test_engine import PROMPTS, output_tokens, run_until_idle
 
@@ -129,7 +129,7 @@ def test_seeds_differ_and_unseeded_requests_use_the_standard_rule(
         calls.append(len(drafts))
         return verify(drafts, q, p, gen)
 
-    monkeypatch.setattr("workers.engine.verify", counting)
+    monkeypatch.setattr("workers.engines.embedded.engine.verify", counting)
     engine = SpeculativeEngine(target_model, draft_model, max_slots=2, max_k=MAX_K)
     other = output_tokens(run_until_idle(engine_with(engine, seeded("s", 3, seed=SEED + 1)))["s"])
     assert other != reference and not calls  # seeded: the Gumbel-max rule, not verify

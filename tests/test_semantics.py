@@ -24,8 +24,8 @@ import torch
 
 from gateway.admission import user_session_id
 from tests.harness import MODELS, Gateway, sdk_client, start_gateway, write_config
-from workers.model import TORCH_DTYPES, LlamaForCausalLM, resolve_dtype
-from workers.sampling import SamplingParams
+from workers.engines.embedded.model import TORCH_DTYPES, LlamaForCausalLM, resolve_dtype
+from workers.engines.embedded.sampling import SamplingParams
 from workers.text import TextCodec
 
 from .test_seeded import MIN_MARGIN, gumbel_reference

@@ -85,7 +85,7 @@ def build_engine(args: argparse.Namespace) -> Engine:
                                      config=SimConfig.from_mapping(args.sim_config)))
     import torch
 
-    from workers.engines.embedded import EmbeddedEngine, EmbeddedSettings
+    from workers.engines.embedded.adapter import EmbeddedEngine, EmbeddedSettings
 
     torch.set_num_threads(args.threads)
     return EmbeddedEngine(EmbeddedSettings(target=args.target, draft=args.draft, max_slots=args.max_slots,

@@ -42,7 +42,7 @@ from workers.demo_corpus import (
     heldout_prompts,
     stdlib_sources,
 )
-from workers.model import LlamaForCausalLM, ModelConfig
+from workers.engines.embedded.model import LlamaForCausalLM, ModelConfig
 
 VOCAB_SIZE = 4096
 SEQ_LEN = 256

@@ -1,7 +1,7 @@
 """The one interface every worker engine implements, and the types that cross it. No torch.
 
 A worker's HTTP server, protocol and metrics (``workers/server.py``) drive any engine through
-``Engine``: the embedded PyTorch engine (``workers/engines/embedded.py``), vLLM's ``AsyncLLM``
+``Engine``: the embedded PyTorch engine (``workers/engines/embedded/adapter.py``), vLLM's ``AsyncLLM``
 with specgate's scheduler plugin (``workers/engines/vllm.py``), or the simulated GPU engine.
 The shape follows vLLM's own ``AsyncLLM.generate``: a request in, an async stream of per-step
 deltas out, cancelled by closing the stream. Engines speak token ids only; text, stop strings

@@ -27,10 +27,18 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from workers.api.limits import check_sampling
+from workers.engines.embedded.kv_cache import CacheBatch, KVCache
+from workers.engines.embedded.model import LlamaForCausalLM
+from workers.engines.embedded.sampling import (
+    Verdict,
+    gumbel_max,
+    probabilities,
+    sample,
+    seeded_noise,
+    verify,
+    verify_greedy,
+)
 from workers.engines.interface import FinishReason, GenerationRequest, StepEvent
-from workers.kv_cache import CacheBatch, KVCache
-from workers.model import LlamaForCausalLM
-from workers.sampling import Verdict, gumbel_max, probabilities, sample, seeded_noise, verify, verify_greedy
 
 __all__ = ["CatchUpRule", "GenerationRequest", "SpeculativeEngine", "StepCostRule", "StepDepthRule", "StepEvent"]
 # (requested K, batch depth) -> K for this step. The worker plugs in the policy's batch rule.
@@ -115,7 +123,7 @@ class _Row:
 
 def native_forward(model: LlamaForCausalLM, cache: KVCache, tokens: list[list[int]], slots: list[int],
                    starts: list[int], logit_idx: list[int], row_invariant: bool) -> torch.Tensor | None:
-    """Rows straight into the model's one-call kernel (workers/rowgemm.py), where it serves them
+    """Rows straight into the model's one-call kernel (workers/engines/embedded/rowgemm.py), where it serves them
     as ``forward_cached`` would (row-invariant or short rows), from Python lists: no CacheBatch,
     no torch op per index check (at batch 1 a draft forward's bookkeeping through
     ``forward_cached`` cost about as much as its arithmetic). Logits (N, V) for ``logit_idx``

@@ -1,6 +1,6 @@
-"""The embedded PyTorch engine (``workers/engine.py``) behind the worker's engine interface.
+"""The embedded PyTorch engine (``workers/engines/embedded/engine.py``) behind the worker's engine interface.
 
-The model steps run on the runner's compute thread (``workers/runner.py``); this adapter turns
+The model steps run on the runner's compute thread (``workers/engines/embedded/runner.py``); this adapter turns
 its per-step callbacks into the async event stream ``Engine.generate`` promises.
 """
 
@@ -16,10 +16,12 @@ from typing import Literal
 
 import torch
 
-from workers import rowgemm
 from workers.costs.model import CostReport, OnlineCosts
-from workers.costs_measure import MeasureSettings, measure_or_load, torch_threads_serving
-from workers.engine import SpeculativeEngine
+from workers.engines.embedded import rowgemm
+from workers.engines.embedded.engine import SpeculativeEngine
+from workers.engines.embedded.measure import MeasureSettings, measure_or_load, torch_threads_serving
+from workers.engines.embedded.model import TORCH_DTYPES, LlamaForCausalLM, Products, products_named, resolve_dtype
+from workers.engines.embedded.runner import EngineRunner
 from workers.engines.interface import (
     EngineInfo,
     EngineRequestError,
@@ -28,8 +30,6 @@ from workers.engines.interface import (
     StepEvent,
     StepObserver,
 )
-from workers.model import TORCH_DTYPES, LlamaForCausalLM, Products, products_named, resolve_dtype
-from workers.runner import EngineRunner
 
 log = logging.getLogger(__name__)
 

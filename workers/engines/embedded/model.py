@@ -27,8 +27,8 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from workers import rowgemm
-from workers.kv_cache import CacheBatch, KVCache
+from workers.engines.embedded import rowgemm
+from workers.engines.embedded.kv_cache import CacheBatch, KVCache
 
 
 @dataclass(frozen=True)
@@ -90,7 +90,7 @@ def bf16_prepacking_available() -> bool:
 
 
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}  # config names -> torch dtypes
-# How a float32 model's projections on workers/rowgemm.py's kernels multiply: float32 FMAs of
+# How a float32 model's projections on workers/engines/embedded/rowgemm.py's kernels multiply: float32 FMAs of
 # the bfloat16 weights, or bfloat16 products (inputs rounded to bfloat16, sums in float32: the
 # arithmetic of oneDNN's bfloat16 and of AMX) where the CPU has AVX512-BF16. Both kernels are
 # row-invariant, so either keeps verification bit-identical to plain decoding.
@@ -126,7 +126,7 @@ class FrozenLinear:
         weight = weight.detach().contiguous()
         # Exactly one of the three is kept: a packed copy replaces the plain weight.
         self.packed: torch.Tensor | None = None
-        self.panels: rowgemm.Panels | None = None  # float32 on workers/rowgemm.py's kernel
+        self.panels: rowgemm.Panels | None = None  # float32 on workers/engines/embedded/rowgemm.py's kernel
         self.weight: torch.Tensor | None = weight
         self.dot = False  # the panels multiply as bfloat16 products (``Products``)
         self._rowgemm = rowgemm.load() if packed and weight.dtype == torch.float32 else None
@@ -349,7 +349,7 @@ class LlamaForCausalLM(nn.Module):
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         self.head_frozen: FrozenLinear | None = None
-        # Set by prepare_inference where the float32 forward runs workers/rowgemm.py's kernels.
+        # Set by prepare_inference where the float32 forward runs workers/engines/embedded/rowgemm.py's kernels.
         self.native: rowgemm.RowGemm | None = None
         self.fused: rowgemm.FusedForward | None = None  # the same path in one kernel call
         cos, sin = rotary_tables(cfg, torch.float32)
@@ -390,7 +390,7 @@ class LlamaForCausalLM(nn.Module):
     @classmethod
     def load_draft(cls, directory: Path | str, dtype: torch.dtype = torch.float32,
                    products: Products = "float32") -> LlamaForCausalLM:
-        """A draft as the engine serves it: in float32 on workers/rowgemm.py's kernels (where they
+        """A draft as the engine serves it: in float32 on workers/engines/embedded/rowgemm.py's kernels (where they
         build), from its checkpoint's own bfloat16 weights. int8 projections served it while the
         bfloat16 kernel widened 8 weights at a time; with the paired layout bfloat16 measured as
         fast at one token and 20-25% faster at four (AVX2 CPU, taking turns with the target's
@@ -401,7 +401,7 @@ class LlamaForCausalLM(nn.Module):
     @property
     def prepacked(self) -> bool:
         """Whether the projections run on weights laid out once for a row-invariant kernel:
-        oneDNN's prepacked bfloat16, or float32 panels on workers/rowgemm.py's (see FrozenLinear)."""
+        oneDNN's prepacked bfloat16, or float32 panels on workers/engines/embedded/rowgemm.py's (see FrozenLinear)."""
         head = self.head_frozen
         return head is not None and (head.packed is not None or head.panels is not None)
 
@@ -499,7 +499,7 @@ class LlamaForCausalLM(nn.Module):
 
     def _forward_native(self, kernel: rowgemm.RowGemm, tokens: torch.Tensor, cache: KVCache, batch: CacheBatch,
                         logit_rows: torch.Tensor | None, logit_cols: torch.Tensor | None) -> torch.Tensor:
-        """``forward_cached`` in float32 on workers/rowgemm.py's kernels: one call each for a
+        """``forward_cached`` in float32 on workers/engines/embedded/rowgemm.py's kernels: one call each for a
         norm, a projection, SwiGLU, and rotary + cache write + attention, instead of a dozen
         small torch ops each (at batch 1 a small model's step is mostly their overhead).
 

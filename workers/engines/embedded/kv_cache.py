@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 import torch
 
 if TYPE_CHECKING:
-    from workers.model import ModelConfig
+    from workers.engines.embedded.model import ModelConfig
 
 # Row-invariant attention spans are padded to whole blocks of this many keys (masked), so a
 # token's attention reads the same number of keys whether it is decoded alone or verified
@@ -71,7 +71,7 @@ class CacheBatch:
     # Every token's logits independent of the batch's shape (see _attend_per_query): what a
     # target needs so verification scores exactly what plain decoding would. A draft can skip it.
     row_invariant: bool = True
-    # Each row's (slot, first position, real tokens), for the native kernels (workers/rowgemm.py).
+    # Each row's (slot, first position, real tokens), for the native kernels (workers/engines/embedded/rowgemm.py).
     rows: tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]] = ((), (), ())
 
     @classmethod

@@ -1,4 +1,4 @@
-/* The float32 kernels of workers/rowgemm.py (which compiles this file at first use). */
+/* The float32 kernels of workers/engines/embedded/rowgemm.py (which compiles this file at first use). */
 #include <immintrin.h>
 #include <math.h>
 #include <stdint.h>

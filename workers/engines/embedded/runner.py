@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 from policies.speculation import step_depth
 from workers.costs.model import CostReport, OnlineCosts, StepCostRule, catch_up_pays
-from workers.engine import ORDINARY_LAG, SpeculativeEngine
+from workers.engines.embedded.engine import ORDINARY_LAG, SpeculativeEngine
 from workers.engines.interface import EngineTotals, GenerationRequest, StepEvent, StepObserver, StepStats
 
 log = logging.getLogger(__name__)

@@ -1,4 +1,4 @@
-/* The thread pool of workers/rowgemm.c (included there; workers/rowgemm.py compiles both). */
+/* The thread pool of workers/engines/embedded/rowgemm.c (included there; workers/engines/embedded/rowgemm.py compiles both). */
 #ifndef ROWGEMM_POOL_H
 #define ROWGEMM_POOL_H
 #include <immintrin.h>
@@ -12,7 +12,7 @@
 #include <unistd.h>
 
 /* Work split across threads: projections by output columns, attention by query tiles (the
-   callers in workers/rowgemm.c keep each result one thread's arithmetic, so the split changes
+   callers in workers/engines/embedded/rowgemm.c keep each result one thread's arithmetic, so the split changes
    no bit of any result). The caller posts a job of `parts` ranges and claims parts itself, as
    do the helper threads: a helper that is slow to wake (asleep, or its core busy elsewhere)
    costs the job nothing but its help. Helpers spin a while between jobs (a forward posts ~30
