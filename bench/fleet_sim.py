@@ -34,8 +34,8 @@ from policies import (
     worker_acceptance,
 )
 from workers.costs.model import StepCostRule
-from workers.engines.sim import derived_cost_report
-from workers.engines.sim_model import NO_CAP, BatchStep, SimBatch, SimConfig, SimSeq, StepRule, gain
+from workers.engines.sim.engine import derived_cost_report
+from workers.engines.sim.model import NO_CAP, BatchStep, SimBatch, SimConfig, SimSeq, StepRule, gain
 
 # -- policies -------------------------------------------------------------------------------------------
 

@@ -3,7 +3,7 @@ the simulated GPU's own step times.
 
     python -m bench.kauto_mix [--json]
 
-For the sim engine's derived cost model (workers/engines/sim.py) at α = 0.9, at depths 16, 24
+For the sim engine's derived cost model (workers/engines/sim/engine.py) at α = 0.9, at depths 16, 24
 and 32, where a third of the batch drafts and the rest decode plain (the steady phase of
 ``bench.policy``: only the code sessions speculate), it prints the gain of each K (tokens per
 unit of time relative to plain) three ways:
@@ -13,7 +13,7 @@ unit of time relative to plain) three ways:
 - ``mixed``: as K auto prices it now, the drafting third at K and the rest plain, as the batch's
   goodput per drafting sequence (``policies.cost.gain`` with a ``StepMix``);
 - ``sim``: the same objective on the sim's own step times for that batch
-  (``workers.engines.sim_model.StepCost``), which the mixed price should match.
+  (``workers.engines.sim.model.StepCost``), which the mixed price should match.
 
 Pure arithmetic on the models: no timing, no noise.
 """
@@ -25,8 +25,8 @@ import json
 from typing import Any
 
 from policies.cost import CostModel, StepMix, expected_tokens, gain
-from workers.engines.sim import COST_CONTEXT, derived_cost_report
-from workers.engines.sim_model import SimConfig, StepCost
+from workers.engines.sim.engine import COST_CONTEXT, derived_cost_report
+from workers.engines.sim.model import SimConfig, StepCost
 
 ALPHA = 0.9
 MAX_K = 8

@@ -3,7 +3,7 @@
     python -m bench.policy [--quick] [--json] [--out DIR] [--seed N]   # virtual time (bench/fleet_sim.py)
     python -m bench.policy --real [--quick] [--json]                   # a real gateway over sim workers
 
-Virtual time: two replicas of the simulated deployment (workers/engines/sim_model.py: Llama-3.3-70B
+Virtual time: two replicas of the simulated deployment (workers/engines/sim/model.py: Llama-3.3-70B
 + 1B draft, TP4 on H100s, docs/sim.md), closed-loop sessions of three kinds (code at T=0.2,
 reasoning at T=0.7 with α≈0.6, chat at T=1.0) in phases, the burst phase pushing each replica's
 batch well past 64. Every policy meets the same seeded traffic. Per phase and overall: goodput
@@ -27,7 +27,7 @@ from typing import Any
 
 from bench.fleet_sim import DEFAULT_PHASES, FleetPolicy, FleetResult, FleetSim, PhaseStats, vllm_k_table
 from policies import PolicyConfig, PolicyConfigError
-from workers.engines.sim_model import Facts, SimConfig, alpha_from_rate
+from workers.engines.sim.model import Facts, SimConfig, alpha_from_rate
 
 K = 5  # the deployment's K: every speculative policy drafts this many, so the rules are what differ
 TOLERANCE = 0.03  # "specgate ≥ the best static policy in every phase, within 3%"

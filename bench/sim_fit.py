@@ -3,7 +3,7 @@
     python -m bench.sim_fit [--json]
 
 Fits achieved bandwidth, achieved FLOP/s and the per-forward overhead of the simulated
-deployment (workers/engines/sim_model.py) to the three published facts, prints the fit, the
+deployment (workers/engines/sim/model.py) to the three published facts, prints the fit, the
 per-token α of each acceptance band, speculation's gain by batch depth and α (K=5 and the best
 K), and how the break-even batch moves when each fitted value is off by a factor of two.
 """
@@ -16,7 +16,7 @@ import math
 from dataclasses import replace
 from typing import Any
 
-from workers.engines.sim_model import (
+from workers.engines.sim.model import (
     PUBLISHED_K,
     Facts,
     SimConfig,

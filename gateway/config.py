@@ -81,7 +81,7 @@ class WorkersConfig:
     engine: EngineName = "embedded"  # embedded: PyTorch in this repo; vllm: vLLM's AsyncLLM with specgate's plugin
     python: Path | None = None  # interpreter for local workers (vllm: the vLLM environment's); default: the gateway's
     vllm_args: Mapping[str, Any] = field(default_factory=dict)  # further vLLM engine args (AsyncEngineArgs fields)
-    # engine: sim: the simulated GPU deployment (workers/engines/sim_model.py, docs/sim.md), as given;
+    # engine: sim: the simulated GPU deployment (workers/engines/sim/model.py, docs/sim.md), as given;
     # validated at load so a bad field is refused with its name.
     sim: Mapping[str, Any] = field(default_factory=dict)
     max_slots: int = 16  # sequences one worker batches together
@@ -339,7 +339,7 @@ def _vllm_args(raw: Any, problems: Problems) -> Mapping[str, Any]:
 
 def _sim(raw: Any) -> Mapping[str, Any]:
     # Imported here: the gateway needs the sim model only to validate this section.
-    from workers.engines.sim_model import SimConfig, SimConfigError
+    from workers.engines.sim.model import SimConfig, SimConfigError
 
     if raw is None:
         return {}

@@ -1,7 +1,7 @@
 """K auto priced at the worker's draft mix (policies/cost.py): pure data in, K out; the worker's
 per-step rule; the gateway's bookkeeping of the mix (gateway/draft_mix.py).
 
-The model is the simulated GPU deployment's derived cost model (workers/engines/sim.py: a 70B
+The model is the simulated GPU deployment's derived cost model (workers/engines/sim/engine.py: a 70B
 target with a 1B draft on TP4 H100s), where the mix matters most: a draft forward costs the same
 whatever the batch, so K's price depends on how many sequences share it.
 """
@@ -35,8 +35,8 @@ from policies import (
 from policies.speculation import RequestFacts
 from tests.policy_data import COOL, PROPERTY
 from workers.costs.model import StepCostRule, report_from_forward_times
-from workers.engines.sim import derived_cost_report
-from workers.engines.sim_model import SimBatch, SimConfig, SimSeq
+from workers.engines.sim.engine import derived_cost_report
+from workers.engines.sim.model import SimBatch, SimConfig, SimSeq
 
 SIM = derived_cost_report(SimConfig(), 8, 256).policy_model()
 AUTO = PolicyConfig(num_speculative_tokens="auto")

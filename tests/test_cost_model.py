@@ -270,7 +270,7 @@ def test_online_refinement_moves_the_overhead_toward_step_timings() -> None:
 def test_the_sim_derives_no_overhead_and_vllm_estimates_none() -> None:
     """The sim's steps are its forwards (its fixed cost is per forward, inside them); vLLM's
     whole-step timings already hold the work outside the forwards. Both publish the field."""
-    from workers.engines.sim import SimEngine, SimSettings
+    from workers.engines.sim.engine import SimEngine, SimSettings
 
     sim = SimEngine(SimSettings(MODELS / "demo-target", max_slots=8, max_k=4)).cost_model
     assert sim.step_overhead_ms == sim.draft_overhead_ms == (0.0,) * len(sim.depths)

@@ -14,7 +14,7 @@ import pytest
 
 from gateway.config import ConfigError, parse_config
 from tests.harness import REPO, Gateway, sdk_client, start_gateway, write_config
-from workers.engines.sim_model import (
+from workers.engines.sim.model import (
     PUBLISHED_K,
     AcceptanceTable,
     Facts,

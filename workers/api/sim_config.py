@@ -13,7 +13,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import replace
 from typing import Any, TypeVar
 
-from workers.engines.sim_model import (
+from workers.engines.sim.model import (
     LLAMA_1B,
     AcceptanceTable,
     Bands,

@@ -34,7 +34,7 @@ from workers.engines.interface import (
     StepObserver,
     StepStats,
 )
-from workers.engines.sim_model import SimBatch, SimConfig, SimSeq, StepCost
+from workers.engines.sim.model import SimBatch, SimConfig, SimSeq, StepCost
 from workers.text import TextCodec
 
 COST_CONTEXT = 1024  # cached tokens per sequence the derived cost model assumes

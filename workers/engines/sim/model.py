@@ -1,6 +1,6 @@
 """The simulated GPU deployment: a step-time roofline and an acceptance model. Pure: no clock, no I/O.
 
-One module, two users: the sim worker engine (``workers/engines/sim.py``) sleeps for the step
+One module, two users: the sim worker engine (``workers/engines/sim/engine.py``) sleeps for the step
 times it computes, and ``bench.policy``'s virtual-time fleet advances a simulated clock by them.
 Both step their batches with ``SimBatch`` below, so the live system and the simulation share
 every number. See docs/sim.md for the model, its calibration and its limits.
@@ -175,7 +175,7 @@ class SimConfig:
     @classmethod
     def from_mapping(cls, raw: Mapping[str, Any] | None) -> SimConfig:
         """From config.yaml's ``workers.sim`` (or ``--sim-config``); errors name the field."""
-        from workers.engines.sim_config import parse  # the parser needs this module's types
+        from workers.api.sim_config import parse  # the parser needs this module's types
 
         return parse(raw or {})
 
