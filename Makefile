@@ -87,7 +87,7 @@ bench: install
 
 # Retrains the demo models (about an hour on 2 cores); resumes from models/.train if interrupted.
 models: install
-	$(BIN)/python -m workers.train_demo --out models
+	$(BIN)/python -m workers.demo.train --out models
 
 clean:
 	rm -rf $(VENV) $(VLLM_VENV) $(ENVOY_VENV) .pytest_cache .mypy_cache .ruff_cache .prometheus

@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 
 from bench.turns import median_in_turns
-from workers.demo_corpus import stdlib_sources
+from workers.demo.corpus import stdlib_sources
 from workers.engines.embedded.kv_cache import CacheBatch, KVCache
 from workers.engines.embedded.model import TORCH_DTYPES, FrozenLinear, LlamaForCausalLM
 from workers.text import TextCodec

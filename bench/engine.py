@@ -32,7 +32,7 @@ import torch
 
 from policies import CostModel, choose_k, gain, tested_drafts
 from workers.costs.model import CostReport, OnlineCosts, StepCostRule, catch_up_pays
-from workers.demo_corpus import heldout_prompts
+from workers.demo.corpus import heldout_prompts
 from workers.engines.embedded import rowgemm
 from workers.engines.embedded.engine import GenerationRequest, SpeculativeEngine, native_forward
 from workers.engines.embedded.kv_cache import CacheBatch, KVCache

@@ -42,7 +42,7 @@ import torch
 
 from bench.turns import median_in_turns
 from workers.costs.cache import cpu_label
-from workers.demo_corpus import heldout_prompts
+from workers.demo.corpus import heldout_prompts
 from workers.engines.embedded import rowgemm
 from workers.engines.embedded.engine import GenerationRequest, SpeculativeEngine, native_forward
 from workers.engines.embedded.kv_cache import KVCache

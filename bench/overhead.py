@@ -9,7 +9,7 @@ Upstreams are sim workers (``python -m workers --engine sim``, an OpenAI-compati
 it decides plain, so all paths ask the upstream for the same work. Loads: sequential
 non-streaming requests (latency), 32 concurrent non-streaming, 32 concurrent streaming
 4-token and 256-token completions, and 32 concurrent non-streaming 64-token completions (what a
-worker coalescing a non-streaming answer saves, workers/coalesce.py). With the instant upstream
+worker coalescing a non-streaming answer saves, workers/server/coalesce.py). With the instant upstream
 every load runs in five turns across the paths, pooled per path, so that the machine's drift
 falls on all paths alike. Reported: added p50/p99 latency, requests/s and chunks/s
 ratios, and each proxy's CPU µs per relayed chunk (/proc utime + stime). The path
@@ -195,7 +195,7 @@ ROUNDS = 5  # turns of every instant-upstream load across the paths
 LOADS = [  # (name, concurrency, max_tokens, stream)
     ("sequential", 1, 4, False),
     ("c32", 32, 4, False),
-    ("c32_64", 32, 64, False),  # non-streaming 64-token answers: what coalescing saves (workers/coalesce.py)
+    ("c32_64", 32, 64, False),  # non-streaming 64-token answers: what coalescing saves (workers/server/coalesce.py)
     ("c32_stream4", 32, 4, True),
     ("c32_stream256", 32, 256, True),
 ]

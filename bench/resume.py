@@ -34,7 +34,7 @@ from typing import Any
 import torch
 
 from workers.costs.cache import cpu_label
-from workers.demo_corpus import heldout_prompts
+from workers.demo.corpus import heldout_prompts
 from workers.engines.embedded.engine import GenerationRequest, SpeculativeEngine
 from workers.engines.embedded.kv_cache import CacheBatch, KVCache
 from workers.engines.embedded.measure import verification_bit_identical

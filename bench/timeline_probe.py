@@ -5,7 +5,7 @@ The probes wrap, by name, the functions a request passes through: the gateway's 
 middleware (``gateway.app.count_requests``: in), its worker request
 (``gateway.relay.open_stream``: sent, and the response's head back), the answer ready to
 write (``gateway.relay._answer_response``: out; the gateway writes it next, and accounts it
-after the write: ``gateway.relay._answer``), and the worker's request handler (``workers.server._serve``: in and
+after the write: ``gateway.relay._answer``), and the worker's request handler (``workers.server.app._serve``: in and
 out, its answer then written by aiohttp). ``time.monotonic`` is one clock for every
 process on the machine, so bench.timeline can line the marks of the client, the gateway and the
 worker up per request. A wrapped function that is gone fails the start, not the figures.
@@ -71,9 +71,9 @@ def install(target: str) -> None:
         _probe(gateway.app, "count_requests", "gateway_in", None)
         _probe(gateway.relay, "open_stream", "to_worker", "from_worker")
         _probe_leaving(gateway.relay, "_answer_response", "gateway_out")
-    import workers.server
+    import workers.server.app
 
-    _probe(workers.server, "_serve", "worker_in", "worker_out")
+    _probe(workers.server.app, "_serve", "worker_in", "worker_out")
 
 
 def _dump(target: str) -> None:

@@ -262,7 +262,7 @@ def account_chunk(state: GatewayState, admission: Admission, tally: StreamTally,
         tally.tokens += tokens
         gapped = emitted  # tokens whose gap since the one before is observed
         if tally.first_token_at is None:
-            # A coalesced chunk says how long its worker held it (workers/coalesce.py): the
+            # A coalesced chunk says how long its worker held it (workers/server/coalesce.py): the
             # first token came then, and the chunk's later steps in the time since.
             held = report.held_s if report is not None else 0.0
             tally.first_token_at = tally.last_at = max(started, now - held)

@@ -49,7 +49,7 @@ class ServerConfig:
     # Listening on a non-loopback address without API keys is refused unless this says so.
     allow_unauthenticated: bool = False
     # A non-streaming request's chunks after the first, this long as one from a specgate worker
-    # (workers/coalesce.py): fewer events to relay. 0: a chunk per engine step.
+    # (workers/server/coalesce.py): fewer events to relay. 0: a chunk per engine step.
     coalesce_s: float = 0.05
     # After each request's arrival and end, poll the event loop instead of sleeping this long
     # (gateway/busy_poll.py): a worker's answer finds the gateway awake. 0: off.
@@ -88,7 +88,7 @@ class WorkersConfig:
     max_queue: int = 64  # waiting sequences per worker before 429
     max_k: int = 8  # deepest speculation a worker supports
     threads: int = 1  # compute threads per worker process: torch's and the float32 kernels'
-    dtype: Literal["auto", "float32", "bfloat16"] = "auto"  # the target's (auto: see workers/server.py)
+    dtype: Literal["auto", "float32", "bfloat16"] = "auto"  # the target's (auto: see workers/server/app.py)
     draft_dtype: Literal["float32", "bfloat16"] = "float32"
     # dtype auto: choose only among configurations whose verification is bit-identical to plain
     # decoding on the worker's CPU (checked at start-up); false admits faster, close ones.

@@ -179,7 +179,7 @@ class MigratingStream:
                 await self._resume(exc)
 
     async def whole_answer(self) -> WholeAnswer | None:
-        """The worker's whole answer when it sent one (a non-streaming request's, workers/coalesce.py),
+        """The worker's whole answer when it sent one (a non-streaming request's, workers/server/coalesce.py),
         else None: the chunks then come from ``batches``. A worker lost while sending it had
         sent the client nothing: the request goes to another worker, whose answer may be either."""
         while self.admission.handle.speaks_specgate and is_whole_answer(self._response):  # only when asked

@@ -102,7 +102,7 @@ async def open_stream(handle: WorkerHandle, path: str, body: Mapping[str, Any],
     """POSTs to the worker; returns the streaming response or raises the worker's error.
 
     The worker starts its response with the first chunk (a non-streaming client's: with the
-    first span, workers/coalesce.py), so the read timeout bounds the time to first token as
+    first span, workers/server/coalesce.py), so the read timeout bounds the time to first token as
     well as every later silence.
     """
     try:
@@ -158,7 +158,7 @@ class RawChunk:
 
 @dataclass(frozen=True, slots=True)
 class WholeAnswer:
-    """A worker's whole answer (``Directive.whole_answer``, workers/coalesce.py)."""
+    """A worker's whole answer (``Directive.whole_answer``, workers/server/coalesce.py)."""
 
     answer: bytes  # the OpenAI answer's JSON, relayed as the worker wrote it
     report: StepReport | None  # every step behind it (``then``) and how long the first waited

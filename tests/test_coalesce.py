@@ -1,4 +1,4 @@
-"""A non-streaming client's chunks sent a few at a time (``server.coalesce_s``, workers/coalesce.py).
+"""A non-streaming client's chunks sent a few at a time (``server.coalesce_s``, workers/server/coalesce.py).
 
 The merged chunk must say everything the per-step chunks said: the text, the finish reason,
 every step's report in order and every token id. End to end, a non-streaming answer through
@@ -31,8 +31,8 @@ from workers.api.protocol import (
     StepReport,
     WorkerFailed,
 )
-from workers.coalesce import merge_chunks
 from workers.engines.interface import SpecSteps
+from workers.server.coalesce import merge_chunks
 
 PROMPT = "def fibonacci(n):\n    "
 

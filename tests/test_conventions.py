@@ -178,13 +178,13 @@ def test_json_logs_carry_request_context_and_no_secrets(gateway: Gateway) -> Non
     assert done[0]["level"] == "INFO" and "completion request on" in done[0]["message"]
     assert "worker" not in done[0]
     # The worker's line for the same request: its id, the gateway's request id and the session.
-    finished = [e for e in found if e.get("session") == "log-session" and e["logger"] == "workers.server"]
+    finished = [e for e in found if e.get("session") == "log-session" and e["logger"] == "workers.server.app"]
     assert len(finished) == 1, text
     assert finished[0]["worker"] == "worker-0" and finished[0]["request_id"] == done[0]["request_id"]
     assert completion_id in finished[0]["message"]
     # The worker's start-up lines carry its id too (gateway lines do not: the fleet's are about it).
     worker_loggers = {e["logger"] for e in found if e.get("worker") == "worker-0"}
-    assert {"workers.server", "workers.engines.embedded.measure"} <= worker_loggers, worker_loggers
+    assert {"workers.server.app", "workers.engines.embedded.measure"} <= worker_loggers, worker_loggers
     assert not any(e["logger"].startswith("gateway.") for e in found if "worker" in e)
     # A line no logger wrote is wrapped, not lost.
     stray = [e for e in found if STRAY in e["message"]]
@@ -234,7 +234,7 @@ def test_a_standalone_worker_logs_json_warnings_and_crashes_included(tmp_path: P
         process.wait(timeout=30)
     entries = [json.loads(line) for line in log_path.read_text().splitlines()]
     assert entries and all(e["worker"] == "solo" for e in entries), entries
-    assert [e["request_id"] for e in entries if e["logger"] == "workers.server"] == ["req-1"]
+    assert [e["request_id"] for e in entries if e["logger"] == "workers.server.app"] == ["req-1"]
     assert PROMPT not in log_path.read_text()
     # What Python would print to stderr unformatted: a warning and an uncaught exception.
     code = ("import sys, warnings; from workers.api.logs import configure; "

@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from workers.demo.train import SEQ_LEN, Stage, run_stage
 from workers.engines.embedded import model as model_module
 from workers.engines.embedded.model import FrozenLinear, LlamaForCausalLM, ModelConfig, resolve_dtype
-from workers.train_demo import SEQ_LEN, Stage, run_stage
 
 from .conftest import converted, requires_bf16_prepacking
 

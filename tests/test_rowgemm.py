@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from workers.demo_corpus import heldout_prompts
+from workers.demo.corpus import heldout_prompts
 from workers.engines.embedded import rowgemm
 from workers.engines.embedded.engine import GenerationRequest, SpeculativeEngine
 from workers.engines.embedded.kv_cache import CacheBatch, KVCache

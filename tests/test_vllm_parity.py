@@ -15,7 +15,7 @@ import torch
 
 from tests.harness import MODELS
 from tests.vllm_harness import VllmServer
-from workers.demo_corpus import heldout_prompts
+from workers.demo.corpus import heldout_prompts
 from workers.engines.embedded.engine import SpeculativeEngine
 from workers.engines.embedded.model import LlamaForCausalLM
 from workers.engines.interface import GenerationRequest, SamplingParams

@@ -45,11 +45,11 @@ VLLM_SPEC_K, VLLM_MAX_BATCH, VLLM_BATCH_RESUME = "spec_k", "spec_max_batch", "sp
 # bytes untouched while it keeps the ids (for resuming on another worker, gateway/migration.py).
 TOKEN_IDS_FIELD, PROMPT_IDS_FIELD = "token_ids", "prompt_ids"
 IDS_COMMENT = b": ids "
-# A whole answer (``Directive.whole_answer``, workers/coalesce.py): its body is the OpenAI answer's
+# A whole answer (``Directive.whole_answer``, workers/server/coalesce.py): its body is the OpenAI answer's
 # JSON, then the step report's; this header says where the answer ends.
 WHOLE_ANSWER_TYPE = "application/x-specgate-answer"
 ANSWER_BYTES_HEADER = "X-Specgate-Answer-Bytes"
-HELD_FIELD = "held_s"  # a coalesced chunk's report: how long its first step waited (workers/coalesce.py)
+HELD_FIELD = "held_s"  # a coalesced chunk's report: how long its first step waited (workers/server/coalesce.py)
 # Fields the gateway sets for its workers; a client sending one is refused.
 GATEWAY_FIELDS = (DIRECTIVE_FIELD, VLLM_XARGS_FIELD)
 # The session key clients send the gateway. The gateway also sends it, and its own request id,

@@ -1,7 +1,7 @@
 """Bearer tokens: reading them from a request and checking them in constant time. No torch.
 
 Shared by the gateway's API keys and admin token (gateway/auth.py) and a TCP worker's
-gateway token (workers/server.py). Secrets are compared with ``hmac.compare_digest`` against
+gateway token (workers/server/app.py). Secrets are compared with ``hmac.compare_digest`` against
 every configured value, without stopping at the first match, so neither the position of a
 match nor a common prefix shows in the timing.
 """

@@ -1,6 +1,6 @@
 """The one interface every worker engine implements, and the types that cross it. No torch.
 
-A worker's HTTP server, protocol and metrics (``workers/server.py``) drive any engine through
+A worker's HTTP server, protocol and metrics (``workers/server/app.py``) drive any engine through
 ``Engine``: the embedded PyTorch engine (``workers/engines/embedded/adapter.py``), vLLM's ``AsyncLLM``
 with specgate's scheduler plugin (``workers/engines/vllm.py``), or the simulated GPU engine.
 The shape follows vLLM's own ``AsyncLLM.generate``: a request in, an async stream of per-step
@@ -107,7 +107,7 @@ class StepStats:
 @dataclass
 class StepCounts:
     """What the steps of one generation ran, folded step by step: the worker's usage counts
-    (workers/server.py), and the gateway's for a dead worker's part of a migrated stream."""
+    (workers/server/app.py), and the gateway's for a dead worker's part of a migrated stream."""
 
     proposed: int = 0
     accepted: int = 0

@@ -44,7 +44,6 @@ from workers.api.protocol import (
 from workers.api.schema import FIELD_NAMES
 from workers.api.tokens import Unauthorized, bearer, matching
 from workers.api.web_common import Handler, health, model_list, openai_errors, read_json, sse_event, start_sse
-from workers.coalesce import Chunk, chunk_event, write_coalesced
 from workers.engines.interface import (
     Engine,
     EngineRequestError,
@@ -53,7 +52,8 @@ from workers.engines.interface import (
     StepCounts,
     StepStats,
 )
-from workers.metrics import WorkerMetrics
+from workers.server.coalesce import Chunk, chunk_event, write_coalesced
+from workers.server.metrics import WorkerMetrics
 from workers.text import TextCodec, TextStream
 
 log = logging.getLogger(__name__)
@@ -288,7 +288,7 @@ async def _serve(request: web.Request, kind: RequestKind) -> web.StreamResponse:
                 answer[DIRECTIVE_FIELD] = step_log(report for _, report in items if report is not None)
             return web.json_response(answer)
         coalesce_s = req.directive.coalesce_s if req.directive is not None else 0.0
-        if coalesce_s > 0:  # the gateway's non-streaming client (workers/coalesce.py)
+        if coalesce_s > 0:  # the gateway's non-streaming client (workers/server/coalesce.py)
             return await write_coalesced(request, kind, _prepend(first, chunks), coalesce_s, req.include_usage,
                                          arrived, req.directive is not None and req.directive.whole_answer)
         response = await start_sse(request)

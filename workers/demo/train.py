@@ -3,13 +3,13 @@
 One command, reproducible, resumable (re-run it after an interruption and it continues from
 the last checkpoint in ``--work``):
 
-    python -m workers.train_demo --out models
+    python -m workers.demo.train --out models
 
 The shipped draft alone, distilled further from the shipped target (no tokenizer or target
 training; the teacher is the target exactly as it is served, bfloat16 weights), starting from
 the draft already there:
 
-    python -m workers.train_demo --out models --draft-only --draft-init models/demo-draft \
+    python -m workers.demo.train --out models --draft-only --draft-init models/demo-draft \
         --draft-steps 600 --draft-lr 1e-3 --precision float32
 
 Stages: (1) a byte-level BPE tokenizer, (2) the target on next-token cross-entropy, (3) the
@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
-from workers.demo_corpus import (
+from workers.demo.corpus import (
     ASSISTANT_TOKEN,
     END_TOKEN,
     EOT_TOKEN,
