@@ -33,9 +33,10 @@ from policies import (
     record_decision,
     worker_acceptance,
 )
+from workers.api.sim_config import SimConfig
 from workers.costs.model import StepCostRule
 from workers.engines.sim.engine import derived_cost_report
-from workers.engines.sim.model import NO_CAP, BatchStep, SimBatch, SimConfig, SimSeq, StepRule, gain
+from workers.engines.sim.model import NO_CAP, BatchStep, SimBatch, SimSeq, StepRule, gain
 
 # -- policies -------------------------------------------------------------------------------------------
 

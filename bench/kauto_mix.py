@@ -25,8 +25,9 @@ import json
 from typing import Any
 
 from policies.cost import CostModel, StepMix, expected_tokens, gain
+from workers.api.sim_config import SimConfig
 from workers.engines.sim.engine import COST_CONTEXT, derived_cost_report
-from workers.engines.sim.model import SimConfig, StepCost
+from workers.engines.sim.model import StepCost
 
 ALPHA = 0.9
 MAX_K = 8

@@ -41,13 +41,13 @@ from pathlib import Path
 import torch
 
 from bench.turns import median_in_turns
+from workers.api.generation import SamplingParams
 from workers.costs.cache import cpu_label
 from workers.demo.corpus import heldout_prompts
 from workers.engines.embedded import rowgemm
 from workers.engines.embedded.engine import GenerationRequest, SpeculativeEngine, native_forward
 from workers.engines.embedded.kv_cache import KVCache
 from workers.engines.embedded.model import LlamaForCausalLM
-from workers.engines.interface import SamplingParams
 from workers.text import TextCodec
 
 REPO = Path(__file__).resolve().parent.parent

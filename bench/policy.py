@@ -27,7 +27,7 @@ from typing import Any
 
 from bench.fleet_sim import DEFAULT_PHASES, FleetPolicy, FleetResult, FleetSim, PhaseStats, vllm_k_table
 from policies import PolicyConfig, PolicyConfigError
-from workers.engines.sim.model import Facts, SimConfig, alpha_from_rate
+from workers.api.sim_config import Facts, SimConfig, alpha_from_rate
 
 K = 5  # the deployment's K: every speculative policy drafts this many, so the rules are what differ
 TOLERANCE = 0.03  # "specgate ≥ the best static policy in every phase, within 3%"

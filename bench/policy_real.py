@@ -27,7 +27,7 @@ import aiohttp
 from bench import procs
 from bench.fleet_sim import KINDS, THINK_TIME_S, FleetPolicy, FleetSim, LogHistogram, Phase, SessionKind
 from policies import PolicyConfig
-from workers.engines.sim.model import SimConfig
+from workers.api.sim_config import SimConfig
 
 AGREEMENT = 0.15  # live goodput per phase within ±15% of the virtual-time figure
 POLICY = {"num_speculative_tokens": 5}

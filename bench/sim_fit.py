@@ -16,17 +16,8 @@ import math
 from dataclasses import replace
 from typing import Any
 
-from workers.engines.sim.model import (
-    PUBLISHED_K,
-    Facts,
-    SimConfig,
-    StepCost,
-    alpha_from_rate,
-    expected_tokens,
-    fit_efficiency,
-    gain,
-    vllm_rate,
-)
+from workers.api.sim_config import PUBLISHED_K, Facts, SimConfig, alpha_from_rate, vllm_rate
+from workers.engines.sim.model import StepCost, expected_tokens, fit_efficiency, gain
 
 ALPHAS = (0.6, 0.71, 0.78, 0.86, 0.93, 0.96)
 DEPTHS = (1, 8, 16, 24, 32, 48, 64, 96)

@@ -338,8 +338,9 @@ def _vllm_args(raw: Any, problems: Problems) -> Mapping[str, Any]:
 
 
 def _sim(raw: Any) -> Mapping[str, Any]:
-    # Imported here: the gateway needs the sim model only to validate this section.
-    from workers.engines.sim.model import SimConfig, SimConfigError
+    # Imported here, only to validate this section: workers/api/sim_config.py is the torch-free
+    # contract both sides read (its docstring says why it sits in the layer the gateway imports).
+    from workers.api.sim_config import SimConfig, SimConfigError
 
     if raw is None:
         return {}

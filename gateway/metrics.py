@@ -35,7 +35,7 @@ from prometheus_client.core import GaugeHistogramMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from policies import PolicyConfig, SessionState
-from workers.server.metrics import use_cached_pid
+from workers.api.prometheus import use_cached_pid
 
 use_cached_pid()  # before any metric exists (see there)
 

@@ -46,6 +46,7 @@ from gateway.proxy import (
 from gateway.sessions import Session
 from gateway.state import GatewayState
 from gateway.worker_http import WorkerResponse
+from workers.api.generation import StepCounts
 from workers.api.protocol import (
     DIRECTIVE_FIELD,
     PROMPT_IDS_FIELD,
@@ -58,7 +59,6 @@ from workers.api.protocol import (
     WorkerTimeout,
     chunk_text,
 )
-from workers.engines.interface import StepCounts
 
 log = logging.getLogger(__name__)
 # (state, session, request, exclude, resume) -> the admission and the worker's open stream

@@ -17,8 +17,9 @@ import torch
 from scipy import stats
 
 from tests.vllm_harness import VllmServer, start_vllm_server
+from workers.engines.embedded.config import ModelConfig
 from workers.engines.embedded.measure import verification_bit_identical
-from workers.engines.embedded.model import LlamaForCausalLM, ModelConfig, bf16_prepacking_available
+from workers.engines.embedded.model import LlamaForCausalLM, bf16_prepacking_available
 from workers.engines.embedded.sampling import Verdict, sample
 
 VOCAB = 48

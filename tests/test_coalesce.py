@@ -22,6 +22,7 @@ from gateway.config import ConfigError, parse_config
 from gateway.proxy import WorkerLost, read_whole_answer
 from tests.harness import Gateway, start_gateway, start_tcp_worker, write_config
 from tests.test_worker_http import serve
+from workers.api.generation import SpecSteps
 from workers.api.protocol import (
     ANSWER_BYTES_HEADER,
     DIRECTIVE_FIELD,
@@ -31,7 +32,6 @@ from workers.api.protocol import (
     StepReport,
     WorkerFailed,
 )
-from workers.engines.interface import SpecSteps
 from workers.server.coalesce import merge_chunks
 
 PROMPT = "def fibonacci(n):\n    "

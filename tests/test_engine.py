@@ -12,9 +12,10 @@ from dataclasses import dataclass, field
 import pytest
 import torch
 
+from workers.engines.embedded.config import ModelConfig
 from workers.engines.embedded.engine import GenerationRequest, SpeculativeEngine, StepDepthRule, StepEvent
 from workers.engines.embedded.kv_cache import CacheBatch, KVCache
-from workers.engines.embedded.model import LlamaForCausalLM, ModelConfig
+from workers.engines.embedded.model import LlamaForCausalLM
 from workers.engines.embedded.sampling import SamplingParams, Verdict
 
 from .conftest import converted

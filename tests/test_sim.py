@@ -14,22 +14,16 @@ import pytest
 
 from gateway.config import ConfigError, parse_config
 from tests.harness import REPO, Gateway, sdk_client, start_gateway, write_config
-from workers.engines.sim.model import (
+from workers.api.sim_config import (
     PUBLISHED_K,
     AcceptanceTable,
     Facts,
-    SimBatch,
     SimConfig,
     SimConfigError,
-    SimSeq,
-    StepCost,
     alpha_from_rate,
-    expected_tokens,
-    fit_efficiency,
-    gain,
-    sample_accepted,
     vllm_rate,
 )
+from workers.engines.sim.model import SimBatch, SimSeq, StepCost, expected_tokens, fit_efficiency, gain, sample_accepted
 
 FACTS = Facts()
 

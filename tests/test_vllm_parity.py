@@ -15,10 +15,11 @@ import torch
 
 from tests.harness import MODELS
 from tests.vllm_harness import VllmServer
+from workers.api.generation import SamplingParams
 from workers.demo.corpus import heldout_prompts
 from workers.engines.embedded.engine import SpeculativeEngine
 from workers.engines.embedded.model import LlamaForCausalLM
-from workers.engines.interface import GenerationRequest, SamplingParams
+from workers.engines.interface import GenerationRequest
 from workers.text import TextCodec
 
 pytestmark = pytest.mark.vllm

@@ -18,6 +18,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from policies import step_depth
+from workers.api.generation import SpecSteps
 from workers.api.protocol import (
     VLLM_BATCH_RESUME,
     VLLM_MAX_BATCH,
@@ -27,7 +28,6 @@ from workers.api.protocol import (
     vllm_step_report,
     vllm_xargs,
 )
-from workers.engines.interface import SpecSteps
 
 RULES_PATH = Path(__file__).resolve().parent.parent / "workers" / "vllm_plugin" / "specgate_vllm" / "rules.py"
 

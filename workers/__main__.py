@@ -78,8 +78,8 @@ def build_engine(args: argparse.Namespace) -> Engine:
                                        max_k=args.max_k, dtype=args.dtype, max_model_len=args.max_model_len,
                                        threads=args.threads, engine_args=args.vllm_args))
     if args.engine == "sim":  # imports no torch: the sim runs no model
+        from workers.api.sim_config import SimConfig
         from workers.engines.sim.engine import SimEngine, SimSettings
-        from workers.engines.sim.model import SimConfig
 
         return SimEngine(SimSettings(tokenizer_dir=args.target, max_slots=args.max_slots, max_k=args.max_k,
                                      config=SimConfig.from_mapping(args.sim_config)))

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 import orjson
 
 if TYPE_CHECKING:  # the engine's type; importing it here would pull torch into the gateway
-    from workers.engines.embedded.sampling import SamplingParams
+    from workers.api.generation import SamplingParams
 
 MAX_JSON_DEPTH = 64  # an OpenAI request nests 5 levels (messages[i].content[j].text)
 DEFAULT_BODY_TIMEOUT_S = 30.0  # a body not fully received by then gets a 408

@@ -22,6 +22,7 @@ import orjson
 from pydantic import ValidationError
 
 from policies import bounded_repr, bounded_text
+from workers.api.generation import SpecSteps, group_steps
 from workers.api.limits import GREEDY_BELOW
 from workers.api.request_fast import fast_body
 from workers.api.schema import (
@@ -31,7 +32,6 @@ from workers.api.schema import (
     ChatCompletionBody,
     CompletionBody,
 )
-from workers.engines.interface import SpecSteps, group_steps
 
 RequestKind = Literal["chat", "completion"]
 DIRECTIVE_FIELD = "specgate"

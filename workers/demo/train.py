@@ -42,7 +42,8 @@ from workers.demo.corpus import (
     heldout_prompts,
     stdlib_sources,
 )
-from workers.engines.embedded.model import LlamaForCausalLM, ModelConfig
+from workers.engines.embedded.config import ModelConfig
+from workers.engines.embedded.model import LlamaForCausalLM
 
 VOCAB_SIZE = 4096
 SEQ_LEN = 256

@@ -10,25 +10,15 @@ and usage are the server's, so every engine answers the same request the same wa
 
 from __future__ import annotations
 
-from collections.abc import AsyncGenerator, Callable, Iterable, Mapping, Sequence
+from collections.abc import AsyncGenerator, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
 
+from workers.api.generation import SamplingParams, SpecSteps
 from workers.costs.model import CostReport
 
 FinishReason = Literal["stop", "length", "abort"]
 EngineKind = Literal["embedded", "vllm", "sim"]
-
-
-@dataclass(frozen=True)
-class SamplingParams:
-    temperature: float = 1.0  # 0 means greedy
-    top_p: float = 1.0  # nucleus mass kept, (0, 1]
-    top_k: int = 0  # 0 disables
-    seed: int | None = None  # fixes the request's answer, whatever the decoding mode, K and batch
-    # Output position of the first generated token. A seeded request's noise is keyed by
-    # (seed, position), so a request resumed after n tokens passes n and continues the same noise.
-    position_offset: int = 0
 
 
 @dataclass(frozen=True)
@@ -42,27 +32,6 @@ class GenerationRequest:
     # are output another worker generated. An engine that can computes them as decoding did, not
     # as prompt, so a greedy or seeded continuation is exactly the undisturbed run's.
     resumed_tokens: int = 0
-
-
-@dataclass(frozen=True)
-class SpecSteps:
-    """Speculative steps folded together: ``count`` steps that each drafted ``proposed`` and
-    accepted ``accepted``. Engines that learn acceptance only when a request ends (vLLM's
-    per-request histogram) report it this way; the gateway folds each step into the session."""
-
-    proposed: int
-    accepted: int
-    count: int
-
-
-def group_steps(drafted: Iterable[int], accepted: Iterable[int]) -> tuple[SpecSteps, ...]:
-    """Per-step (drafted, accepted) pairs, in step order, as ``SpecSteps`` groups; steps that
-    drafted nothing (plain) are left out."""
-    counts: dict[tuple[int, int], int] = {}
-    for d, a in zip(drafted, accepted, strict=False):
-        if d > 0:
-            counts[(d, a)] = counts.get((d, a), 0) + 1
-    return tuple(SpecSteps(d, a, c) for (d, a), c in sorted(counts.items()))
 
 
 @dataclass(frozen=True)
@@ -102,31 +71,6 @@ class StepStats:
     queue_length: int  # waiting sequences
     step_s: float  # wall time of the step (0 when the engine does not time its steps)
     verify_s: float  # of which the target's verification forward
-
-
-@dataclass
-class StepCounts:
-    """What the steps of one generation ran, folded step by step: the worker's usage counts
-    (workers/server/app.py), and the gateway's for a dead worker's part of a migrated stream."""
-
-    proposed: int = 0
-    accepted: int = 0
-    steps: int = 0
-    speculative_steps: int = 0
-
-    def add(self, proposed: int, accepted: int, late: Sequence[SpecSteps] = ()) -> None:
-        """One step, and the steps whose acceptance its engine reported late (``late_steps``):
-        a step that drafted is speculative, and so is every late one."""
-        if not late:  # the usual step: no generators
-            self.proposed += proposed
-            self.accepted += accepted
-            self.steps += 1
-            self.speculative_steps += proposed > 0
-            return
-        self.proposed += proposed + sum(g.proposed * g.count for g in late)
-        self.accepted += accepted + sum(g.accepted * g.count for g in late)
-        self.steps += 1
-        self.speculative_steps += int(proposed > 0) + sum(g.count for g in late)
 
 
 @dataclass

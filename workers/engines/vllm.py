@@ -37,6 +37,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from workers.api.generation import SpecSteps, group_steps
 from workers.costs.model import CostReport, StepTimeCosts, depth_grid
 from workers.engines.interface import (
     EngineInfo,
@@ -44,11 +45,9 @@ from workers.engines.interface import (
     EngineTotals,
     FinishReason,
     GenerationRequest,
-    SpecSteps,
     StepEvent,
     StepObserver,
     StepStats,
-    group_steps,
 )
 
 log = logging.getLogger(__name__)

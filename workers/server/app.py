@@ -22,6 +22,7 @@ from aiohttp import web
 from aiohttp.typedefs import Middleware
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
+from workers.api.generation import SamplingParams, StepCounts
 from workers.api.logs import RequestLog, request_id_var, session_var
 from workers.api.protocol import (
     DIRECTIVE_FIELD,
@@ -44,14 +45,7 @@ from workers.api.protocol import (
 from workers.api.schema import FIELD_NAMES
 from workers.api.tokens import Unauthorized, bearer, matching
 from workers.api.web_common import Handler, health, model_list, openai_errors, read_json, sse_event, start_sse
-from workers.engines.interface import (
-    Engine,
-    EngineRequestError,
-    GenerationRequest,
-    SamplingParams,
-    StepCounts,
-    StepStats,
-)
+from workers.engines.interface import Engine, EngineRequestError, GenerationRequest, StepStats
 from workers.server.coalesce import Chunk, chunk_event, write_coalesced
 from workers.server.metrics import WorkerMetrics
 from workers.text import TextCodec, TextStream

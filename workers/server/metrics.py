@@ -7,29 +7,13 @@ so a restarted worker's dead process drops out.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
-from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram, values
+from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram
 
-_pid = [os.getpid()]
+from workers.api.prometheus import use_cached_pid
 
-
-def _remember_pid() -> None:
-    _pid[0] = os.getpid()
-
-
-def use_cached_pid() -> None:
-    """Multiprocess mode's values with the process id cached (refreshed after a fork) instead
-    of a getpid system call on every increment: it was 4% of the gateway's CPU per request
-    (bench.overhead, py-spy). Metrics created after this call use it; idempotent."""
-    if getattr(values.ValueClass, "_multiprocess", False) and not getattr(values.ValueClass, "_cached_pid", False):
-        values.ValueClass = values.MultiProcessValue(lambda: _pid[0])
-        values.ValueClass._cached_pid = True
-
-
-os.register_at_fork(after_in_child=_remember_pid)
-use_cached_pid()
+use_cached_pid()  # before any metric exists (see there)
 
 
 @dataclass(frozen=True)

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 import torch
 
 if TYPE_CHECKING:
-    from workers.engines.embedded.model import ModelConfig
+    from workers.engines.embedded.config import ModelConfig
 
 # Row-invariant attention spans are padded to whole blocks of this many keys (masked), so a
 # token's attention reads the same number of keys whether it is decoded alone or verified

@@ -15,10 +15,10 @@ from dataclasses import dataclass
 
 import torch
 
+from workers.api.generation import SamplingParams
 from workers.costs.model import interpolate
 from workers.engines.embedded.engine import GenerationRequest, SpeculativeEngine
 from workers.engines.embedded.model import LlamaForCausalLM
-from workers.engines.interface import SamplingParams
 
 # The deeper batch the step overhead is timed at (or max_slots, if smaller): deep enough that
 # its per-sequence part stands out of timing noise, shallow enough to be cheap.

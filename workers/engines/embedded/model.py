@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Literal
 
@@ -28,58 +27,8 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from workers.engines.embedded import rowgemm
+from workers.engines.embedded.config import ModelConfig
 from workers.engines.embedded.kv_cache import CacheBatch, KVCache
-
-
-@dataclass(frozen=True)
-class ModelConfig:
-    """The subset of a Hugging Face ``LlamaConfig`` this engine uses."""
-
-    vocab_size: int  # rows of the embedding and the LM head
-    hidden_size: int  # residual stream width
-    intermediate_size: int  # SwiGLU inner width
-    num_hidden_layers: int  # decoder blocks
-    num_attention_heads: int  # query heads
-    num_key_value_heads: int  # key/value heads (grouped-query attention when fewer)
-    max_position_embeddings: int  # longest sequence (prompt + generation) a slot holds
-    rms_norm_eps: float = 1e-5  # RMSNorm epsilon
-    rope_theta: float = 10000.0  # rotary base frequency
-    tie_word_embeddings: bool = True  # LM head shares the embedding matrix
-    bos_token_id: int = 0  # prepended to every prompt
-    eos_token_id: int | list[int] = 0  # generation stops on any of these
-
-    @property
-    def head_dim(self) -> int:
-        return self.hidden_size // self.num_attention_heads
-
-    @property
-    def eos_token_ids(self) -> tuple[int, ...]:
-        ids = self.eos_token_id
-        return tuple(ids) if isinstance(ids, list) else (ids,)
-
-    @classmethod
-    def from_json(cls, path: Path) -> ModelConfig:
-        raw = json.loads(path.read_text())
-        names = set(cls.__dataclass_fields__)
-        required = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
-                    "num_attention_heads", "num_key_value_heads", "max_position_embeddings")
-        missing = [n for n in required if n not in raw]
-        if missing:
-            raise ValueError(f"{path}: missing config fields {sorted(missing)}")
-        return cls(**{k: v for k, v in raw.items() if k in names})
-
-    def to_hf_json(self) -> dict[str, object]:
-        return {
-            "architectures": ["LlamaForCausalLM"],
-            "model_type": "llama",
-            "hidden_act": "silu",
-            "attention_bias": False,
-            "mlp_bias": False,
-            "torch_dtype": "bfloat16",
-            "initializer_range": 0.02,
-            "use_cache": True,
-            **asdict(self),
-        }
 
 
 def bf16_prepacking_available() -> bool:

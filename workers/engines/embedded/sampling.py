@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-from workers.engines.interface import SamplingParams
+from workers.api.generation import SamplingParams
 
 __all__ = ["SamplingParams", "Verdict", "gumbel_max", "noise_key", "probabilities", "sample", "seeded_noise",
            "verify", "verify_greedy"]

@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from workers.api.sim_config import SimConfig
 from workers.costs.model import CostReport, StepCostRule, depth_grid, report_from_forward_times
 from workers.engines.interface import (
     EngineInfo,
@@ -34,7 +35,7 @@ from workers.engines.interface import (
     StepObserver,
     StepStats,
 )
-from workers.engines.sim.model import SimBatch, SimConfig, SimSeq, StepCost
+from workers.engines.sim.model import SimBatch, SimSeq, StepCost, config_summary
 from workers.text import TextCodec
 
 COST_CONTEXT = 1024  # cached tokens per sequence the derived cost model assumes
@@ -123,7 +124,7 @@ class SimEngine:
         specials = [i for i, t in self._codec.tokenizer.get_added_tokens_decoder().items() if t.special]
         self._first_id = max([*specials, *eos_ids, -1]) + 1  # random ids above every special id
         # A live view: the lateness figures change as the engine steps.
-        details: dict[str, Any] = {**self.config.summary()}
+        details: dict[str, Any] = {**config_summary(self.config)}
         details["sim"]["lateness"] = self.lateness.view()
         self._details = details
         self._info = EngineInfo(kind="sim", max_k=self.batch.max_k, max_slots=self.settings.max_slots,

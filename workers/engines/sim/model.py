@@ -19,86 +19,16 @@ from __future__ import annotations
 
 import math
 import random
-import re
 from collections import deque
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
 from policies.speculation import step_depth
+from workers.api.sim_config import Efficiency, Facts, ModelShape, SimConfig, alpha_from_rate
 from workers.costs.model import AcceptanceEstimate, StepCostRule
 
-# -- units and published facts ------------------------------------------------------------------------
-GB, TFLOP = 1e9, 1e12
-PUBLISHED_K = 5  # the deployment's num_speculative_tokens; its acceptance rates are quoted at this K
-
-
-@dataclass(frozen=True)
-class ModelShape:
-    params: float  # parameters
-    bytes_per_param: float = 2.0  # bf16
-    kv_bytes_per_token: float = 0.0  # K and V, all layers
-
-    @property
-    def weight_bytes(self) -> float:
-        return self.params * self.bytes_per_param
-
-
-# Llama-3.3-70B: 80 layers, 8 KV heads of 128 (GQA): 80 × 2 × 8 × 128 × 2 bytes per token.
-LLAMA_70B = ModelShape(70.55e9, 2.0, 80 * 2 * 8 * 128 * 2)
-# Llama-3.2-1B: 16 layers, 8 KV heads of 64.
-LLAMA_1B = ModelShape(1.236e9, 2.0, 16 * 2 * 8 * 64 * 2)
-
-
-@dataclass(frozen=True)
-class Hardware:
-    gpus: int = 4  # tensor parallel degree of one replica (one worker)
-    bandwidth_gb_s: float = 3350.0  # per GPU, datasheet (H100 SXM HBM3)
-    peak_tflops: float = 989.0  # per GPU, datasheet dense bf16 (H100 SXM)
-
-
-@dataclass(frozen=True)
-class Efficiency:
-    """What the deployment achieves of the datasheet. The first three are fitted to the published
-    facts (``fit_efficiency``; python -m bench.sim_fit); ``prefill_flops_fraction`` is assumed."""
-
-    bandwidth_fraction: float = 0.398
-    flops_fraction: float = 0.0936
-    forward_overhead_ms: float = 2.89  # per forward pass: launches, TP all-reduce latency, scheduling
-    # Prefill runs large GEMMs, far closer to peak than the small-token decode path the fit sees.
-    prefill_flops_fraction: float = 0.4
-
-
-@dataclass(frozen=True)
-class Facts:
-    """The published figures the efficiencies are fitted to (docs/sim.md)."""
-
-    plain_tok_s_b1: float = 34.0  # tokens/s per stream, plain, batch 1
-    spec_tok_s_b1: float = 109.0  # tokens/s per stream, K=5, at ``rate``
-    rate: float = 0.814  # the acceptance behind spec_tok_s_b1 (vLLM's accepted/proposed: the code figure)
-    k: int = PUBLISHED_K
-    breakeven_batch: int = 64  # speculation's gain falls to 1.0 here (at ``rate``)
-    context: int = 1024  # tokens in each sequence's KV cache for these figures (assumed)
-
-
-# -- acceptance -------------------------------------------------------------------------------------
-def vllm_rate(alpha: float, k: int) -> float:
-    """vLLM's ``spec_decode_draft_acceptance_rate`` (accepted / proposed) for per-token α at K:
-    E[accepted] = α + α² + … + α^K = α(1 − α^K)/(1 − α), over K proposed."""
-    if alpha >= 1.0:
-        return 1.0
-    return alpha * (1.0 - alpha ** k) / (k * (1.0 - alpha))
-
-
-def alpha_from_rate(rate: float, k: int = PUBLISHED_K) -> float:
-    """Inverts ``vllm_rate`` (increasing in α) by bisection."""
-    if not 0.0 <= rate <= 1.0:
-        raise ValueError(f"acceptance rate must be in [0, 1], got {rate}")
-    lo, hi = 0.0, 1.0
-    for _ in range(60):
-        mid = (lo + hi) / 2
-        lo, hi = (mid, hi) if vllm_rate(mid, k) < rate else (lo, mid)
-    return (lo + hi) / 2
+GB, TFLOP = 1e9, 1e12  # units
 
 
 def expected_tokens(alpha: float, k: int) -> float:
@@ -121,78 +51,20 @@ def sample_accepted(rng: random.Random, log_alpha: float, k: int) -> int:
     return min(k, int(math.log(1.0 - rng.random()) / log_alpha))
 
 
-Bands = tuple[tuple[float, float], ...]  # ((max temperature, per-token α), ...), ascending
-
-
-def _published(low: float, mid: float, high: float) -> Bands:
-    return ((0.3, alpha_from_rate(low)), (0.8, alpha_from_rate(mid)), (math.inf, alpha_from_rate(high)))
-
-
-# Rates (vLLM's accepted/proposed at K=5) → per-token α. Low-temperature json/code/math are the
-# deployment's published figures; "above 0.8, below 0.5" is published for all; the rest assumed
-# (docs/sim.md). Reasoning (math) at mid temperature is set to α = 0.6 directly (issue #10).
-DEFAULT_ACCEPTANCE: Mapping[str, Bands] = {
-    "json": _published(0.882, 0.75, 0.45),
-    "code": _published(0.814, 0.70, 0.45),
-    "math": ((0.3, alpha_from_rate(0.647)), (0.8, 0.60), (math.inf, alpha_from_rate(0.40))),
-    "chat": _published(0.60, 0.50, 0.40),
-}
-
-
-@dataclass(frozen=True)
-class AcceptanceTable:
-    bands: Mapping[str, Bands] = field(default_factory=lambda: dict(DEFAULT_ACCEPTANCE))
-    default_category: str = "chat"  # prompts without a tag
-
-    def alpha(self, category: str, temperature: float) -> float:
-        bands = self.bands.get(category) or self.bands[self.default_category]
-        for max_t, alpha in bands:
-            if temperature <= max_t:
-                return alpha
-        return bands[-1][1]
-
-    def category(self, text: str) -> str:
-        """The first ``[json]``/``[code]``/``[math]``/``[chat]`` tag (any table key) in the prompt's
-        text, else ``default_category``. A chat's text is its rendered messages, so a tag anywhere
-        in a message counts."""
-        match = re.search(r"\[(" + "|".join(map(re.escape, self.bands)) + r")\]", text, re.IGNORECASE)
-        return match.group(1).lower() if match else self.default_category
-
-
-# -- the configuration ------------------------------------------------------------------------------
-@dataclass(frozen=True)
-class SimConfig:
-    target: ModelShape = LLAMA_70B
-    draft: ModelShape | None = LLAMA_1B  # None: the deployment cannot speculate
-    hardware: Hardware = field(default_factory=Hardware)
-    efficiency: Efficiency = field(default_factory=Efficiency)
-    acceptance: AcceptanceTable = field(default_factory=AcceptanceTable)
-    # Real seconds per simulated second: 1 runs at the modelled speed; 0 answers at once.
-    time_scale: float = 1.0
-    seed: int = 0  # output tokens and acceptance draws of requests without their own seed
-    context_window: int = 8192
-
-    @classmethod
-    def from_mapping(cls, raw: Mapping[str, Any] | None) -> SimConfig:
-        """From config.yaml's ``workers.sim`` (or ``--sim-config``); errors name the field."""
-        from workers.api.sim_config import parse  # the parser needs this module's types
-
-        return parse(raw or {})
-
-    def summary(self) -> dict[str, Any]:
-        """What ``/specgate/worker`` shows: the modelled deployment and its calibration."""
-        cost = StepCost(self)
-        return {"sim": {
-            "target_params_b": self.target.params / 1e9,
-            "draft_params_b": self.draft.params / 1e9 if self.draft else None,
-            "gpus": self.hardware.gpus, "bandwidth_gb_s_per_gpu": self.hardware.bandwidth_gb_s,
-            "peak_tflops_per_gpu": self.hardware.peak_tflops,
-            "efficiency": vars(self.efficiency), "time_scale": self.time_scale,
-            "plain_step_ms_b1": round(1000 * cost.step_time([0], [1024])[0], 3),
-            "acceptance": {c: [[t if math.isfinite(t) else None, round(a, 4)] for t, a in b]
-                           for c, b in self.acceptance.bands.items()},
-            "default_category": self.acceptance.default_category,
-        }}
+def config_summary(config: SimConfig) -> dict[str, Any]:
+    """What ``/specgate/worker`` shows: the modelled deployment and its calibration."""
+    cost = StepCost(config)
+    return {"sim": {
+        "target_params_b": config.target.params / 1e9,
+        "draft_params_b": config.draft.params / 1e9 if config.draft else None,
+        "gpus": config.hardware.gpus, "bandwidth_gb_s_per_gpu": config.hardware.bandwidth_gb_s,
+        "peak_tflops_per_gpu": config.hardware.peak_tflops,
+        "efficiency": vars(config.efficiency), "time_scale": config.time_scale,
+        "plain_step_ms_b1": round(1000 * cost.step_time([0], [1024])[0], 3),
+        "acceptance": {c: [[t if math.isfinite(t) else None, round(a, 4)] for t, a in b]
+                       for c, b in config.acceptance.bands.items()},
+        "default_category": config.acceptance.default_category,
+    }}
 
 
 class StepCost:
@@ -390,14 +262,3 @@ class SimBatch:
                 del self.running[seq.request_id]
             results.append(SeqStep(seq, k, accepted, emitted, finished))
         return BatchStep(duration, verify, len(seqs), results)
-
-
-# -- parsing ----------------------------------------------------------------------------------------------
-class SimConfigError(ValueError):
-    """A bad ``workers.sim`` field. ``problems`` lists every bad field of the parse that raised
-    it (this one first), so ``specgate check`` can name them all."""
-
-    def __init__(self, field: str, value: object, problem: str) -> None:
-        super().__init__(f"{field}: {problem} (got {value!r})")
-        self.field, self.value, self.problem = field, value, problem
-        self.problems: list[SimConfigError] = [self]
