@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 
 from bench.fleet_sim import KINDS
-from bench.overhead import machine_scale
+from bench.overhead import target_lines
 from bench.policy_real import live_prompt
 from tests.harness import REPO
 from workers.engines.embedded import rowgemm
@@ -95,28 +95,23 @@ def test_bench_overhead_quick_json() -> None:
     # The polling gateway (server.busy_poll_s) is a path of its own, with its own target line.
     assert "specgate_busy_poll" in result["latency_ms"] and result["busy_poll_gateway_cpu_us_per_request"] > 0
     assert set(result["busy_poll_gateway_cpu_us_per_chunk"]) == {"instant", "paced"}
-    assert "added_p50_le_0.5ms_busy_poll" in result["targets"]
-    # The target read against this machine's speed: the scale is the smallest yardstick measured.
-    scale = result["machine_scale"]
-    assert scale["scale"] == min(v for v in scale["by"].values() if v is not None) and scale["by"]["direct_p50"] > 0
-    assert "added_p50_le_scaled_target" in result["targets"] and "target scaled by the smallest" in stdout
+    # The targets are ratios to vllm-router in the same run; judged only where it ran.
+    assert set(result["targets"]) == {"added_p50_le_2.5x_vllm_router", "stream256_ge_1x_vllm_router"}
+    if result["vllm_router"] is None:
+        assert set(result["targets"].values()) == {None}
+    assert "added p50, specgate / vllm-router" in stdout
     assert result["cpu"] and f"CPU: {result['cpu']}" in stdout
 
 
-def test_overhead_target_scales_with_the_machine() -> None:
-    # The reference run's own figures give the target as written.
-    same = machine_scale(0.32, 5116.0, 0.23)
-    assert same["scale"] == 1.0 and same["added_p50_target_ms"] == 0.5
-    # A machine twice as slow by latency but only 1.6x by throughput: the strictest reading, 1.6.
-    slower = machine_scale(0.64, 5116.0 / 1.6, 0.46)
-    assert slower["by"] == {"direct_p50": 2.0, "direct_rps_c32": 1.6, "vllm_router_added_p50": 2.0}
-    assert slower["scale"] == 1.6 and slower["added_p50_target_ms"] == 0.8
-    # A faster machine makes the target stricter.
-    assert machine_scale(0.16, 10232.0, 0.115)["added_p50_target_ms"] == 0.25
-    # vllm-router absent, or its added latency no latency (below zero on a loaded machine): not a yardstick.
-    for router in (None, -0.02, 0.01):
-        scale = machine_scale(0.64, 5116.0 / 3, router)
-        assert scale["by"]["vllm_router_added_p50"] is None and scale["scale"] == 2.0
+def test_overhead_targets_are_ratios_to_vllm_router() -> None:
+    base = {"added_p50_ms": 0.5, "vllm_router_added_p50_ms": 0.2, "stream256_ratio_vs_vllm_router": 1.0}
+    assert target_lines(base) == {"added_p50_le_2.5x_vllm_router": True, "stream256_ge_1x_vllm_router": True}
+    assert target_lines({**base, "added_p50_ms": 0.51, "stream256_ratio_vs_vllm_router": 0.99}) == {
+        "added_p50_le_2.5x_vllm_router": False, "stream256_ge_1x_vllm_router": False}
+    # vllm-router absent, or its added latency no latency (at or below zero on a loaded machine): not judged.
+    for router in (None, -0.02, 0.0):
+        lines = target_lines({**base, "vllm_router_added_p50_ms": router, "stream256_ratio_vs_vllm_router": None})
+        assert set(lines.values()) == {None}
 
 
 def test_bench_timeline_lines_up_every_hand_off() -> None:
