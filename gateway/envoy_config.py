@@ -30,6 +30,9 @@ DESTINATION_HEADER = "x-gateway-destination-endpoint"
 DESTINATION_METADATA_NAMESPACE = "envoy.lb"
 SESSION_HEADER = "x-session-id"  # what `specgate serve` keys sessions on
 EPP_CLUSTER = "specgate-epp"
+# The picker's dynamic metadata namespace and keys (gateway/epp_exchange.py) -> response header.
+PICKER_METADATA_NAMESPACE = "specgate"
+PICKER_RESPONSE_HEADERS = {SESSION_HEADER: "session", "x-specgate-mode": "mode", "x-specgate-worker": "worker"}
 ENDPOINTS_CLUSTER = "specgate-endpoints"
 REPLICAS_CLUSTER = "specgate-replicas"
 ROUND_ROBIN_CLUSTER = "specgate-round-robin"
@@ -160,8 +163,12 @@ def epp_bootstrap(listen_port: int, admin_port: int, epps: Sequence[tuple[str, i
         failure_mode_allow=False,
         message_timeout=_duration(message_timeout_s),
         max_message_timeout=_duration(max_message_timeout_s),
-        # The picker may skip the response phases of requests it does not track.
+        # The picker skips the response phases of requests that teach it nothing (a plain
+        # decision, a server of one fixed mode, GET /v1/models).
         allow_mode_override=True,
+        # The pick's response headers (session, mode, worker) come as dynamic metadata in the
+        # picker's namespace, which the route copies into the response.
+        metadata_options={"receiving_namespaces": {"untyped": [PICKER_METADATA_NAMESPACE]}},
     )
     endpoints = {
         "name": ENDPOINTS_CLUSTER,
@@ -196,10 +203,17 @@ def epp_bootstrap(listen_port: int, admin_port: int, epps: Sequence[tuple[str, i
     # Retries go to the same endpoint (the header still names it): they cover a connection the
     # endpoint dropped or refused for a moment, not a dead endpoint; the picker is not asked again.
     retry_policy = {"retry_on": RETRY_ON, "num_retries": NUM_RETRIES}
+    route = _route(ENDPOINTS_CLUSTER, retry_policy)
+    # Every OpenAI request's X-Session-ID, X-Specgate-Mode and X-Specgate-Worker, from the pick's
+    # metadata; a request without a decision (GET /v1/models, a refusal) has none, and no header.
+    route["response_headers_to_add"] = [
+        {"header": {"key": header, "value": f"%DYNAMIC_METADATA({PICKER_METADATA_NAMESPACE}:{key})%"},
+         "append_action": "OVERWRITE_IF_EXISTS_OR_ADD", "keep_empty_value": False}
+        for header, key in PICKER_RESPONSE_HEADERS.items()]
     return {
         "admin": _admin(admin_host, admin_port),
         "static_resources": {
-            "listeners": [_listener(listen_host, listen_port, [_route(ENDPOINTS_CLUSTER, retry_policy)],
+            "listeners": [_listener(listen_host, listen_port, [route],
                                     [{"name": "envoy.filters.http.ext_proc", "typed_config": ext_proc}])],
             "clusters": [endpoints, epp],
         },

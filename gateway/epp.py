@@ -48,6 +48,12 @@ class EppMetrics:
         self.requests = Counter("specgate_epp_requests_total", "Requests Envoy asked the endpoint picker about, by "
                                 "outcome (picked, refused: the client's fault, unavailable: no endpoint, shed: "
                                 "every endpoint's queue full)", ["outcome"], registry=registry)
+        self.messages = Counter("specgate_epp_messages_total", "ext_proc messages Envoy sent the endpoint picker, "
+                                "by phase (request_headers, request_body, request_trailers, response_headers, "
+                                "response_body, response_trailers)", ["phase"], registry=registry)
+        self.by_phase = {phase: self.messages.labels(phase=phase) for phase in (
+            "request_headers", "request_body", "request_trailers", "response_headers", "response_body",
+            "response_trailers")}
 
 
 class Picker(ext_proc_grpc.ExternalProcessorServicer):
@@ -60,6 +66,9 @@ class Picker(ext_proc_grpc.ExternalProcessorServicer):
         exchange = Exchange(self.state, self.auth, self.endpoints, self.state.config.epp.max_body_bytes)
         try:
             async for message in request_iterator:
+                phase = self.metrics.by_phase.get(message.WhichOneof("request") or "")
+                if phase is not None:
+                    phase.inc()
                 if exchange.picks_on(message) and not self.state.fleet.ready_count():
                     # The pick will wait for a model server (server.admission_wait_s): Envoy's
                     # per-message timeout must not end the request first. Envoy caps it at the

@@ -6,8 +6,12 @@ each. When the request's body is complete it runs the same admission as the rela
 route, ``decide``: gateway/admission.py), names the chosen endpoint to Envoy in the
 ``x-gateway-destination-endpoint`` header and in the ``envoy.lb`` dynamic metadata (the
 Inference Extension's endpoint-picker protocol), and writes the decision into the body in the
-model server's own terms. The response's step reports fold into the session as the relay
-folds them (gateway/epp_feedback.py).
+model server's own terms; the session, mode and worker go back as ``specgate`` dynamic
+metadata, which the route turns into the response's headers. The response's step reports fold
+into the session as the relay folds them (gateway/epp_feedback.py); a request whose response
+teaches nothing (``Picked.feedback``) has its response phases skipped (``mode_override``) where
+Envoy lets the picker: at the response's headers in BUFFERED, at the pick for a request without
+a body, never in FULL_DUPLEX_STREAMED.
 """
 
 from __future__ import annotations
@@ -56,6 +60,10 @@ SUBSET_NAMESPACE = "envoy.lb.subset_hint"  # filter metadata: the endpoints the 
 SUBSET_KEY = "x-gateway-destination-endpoint-subset"
 MODE_HEADER = "x-specgate-mode"
 WORKER_HEADER = "x-specgate-worker"
+# The picker's own dynamic metadata: the route copies these keys into the response headers
+# (gateway/envoy_config.py epp_bootstrap), for requests whose response phases are skipped too.
+METADATA_NAMESPACE = "specgate"
+RESPONSE_HEADERS = {SESSION_HEADER.lower(): "session", MODE_HEADER: "mode", WORKER_HEADER: "worker"}
 _KINDS: dict[str, RequestKind] = {"/v1/chat/completions": "chat", "/v1/completions": "completion"}
 _OVERWRITE = HeaderValueOption.HeaderAppendAction.OVERWRITE_IF_EXISTS_OR_ADD
 
@@ -83,6 +91,15 @@ class Picked:
     admission: Admission | None  # None: a request the policy has no say in (GET /v1/models)
     req: CompletionRequest | None
     body: bytes | None  # the body the model server gets (None: as the client sent it)
+
+    @property
+    def feedback(self) -> bool:
+        """Whether the response tells the session anything: steps of a speculative decision that
+        a specgate or vLLM server reports. A plain decision, a server of one fixed mode and a
+        request the policy has no say in teach nothing; the picker need not see their responses."""
+        admission = self.admission
+        return (admission is not None and admission.decision.k > 0
+                and admission.handle.protocol != "openai")
 
 
 class Exchange:
@@ -158,18 +175,29 @@ class Exchange:
         common = ext_proc.CommonResponse(header_mutation=self._destination(picked))
         if picked.body is not None:
             common.body_mutation.body = picked.body
+        # Envoy ignores a mode_override on a body's answer: the response phases of a request
+        # that teaches nothing end at the response's headers instead (_response_headers), whose
+        # header mutation the route's headers (from this metadata) make redundant.
         return [ext_proc.ProcessingResponse(request_body=ext_proc.BodyResponse(response=common),
-                                            dynamic_metadata=_lb_metadata(picked.endpoint))]
+                                            dynamic_metadata=_metadata(picked))]
 
     async def _answer_headers_with_pick(self, body: bytes) -> list[ext_proc.ProcessingResponse]:
         try:
             picked = await self._pick(body)
         except ApiError as error:
             return [self._refuse(error)]
-        responses = [ext_proc.ProcessingResponse(
+        first = ext_proc.ProcessingResponse(
             request_headers=ext_proc.HeadersResponse(response=ext_proc.CommonResponse(
                 header_mutation=self._destination(picked))),
-            dynamic_metadata=_lb_metadata(picked.endpoint))]
+            dynamic_metadata=_metadata(picked))
+        if not picked.feedback and not self.streamed_request:
+            # Nothing to learn from the response (here: a request without a body, GET
+            # /v1/models): Envoy sends the picker none of it. Envoy 1.40 ignores a mode_override
+            # in FULL_DUPLEX_STREAMED, on any message: that mode keeps every response phase.
+            first.mode_override.CopyFrom(ProcessingMode(
+                request_header_mode=ProcessingMode.SEND, response_header_mode=ProcessingMode.SKIP,
+                request_body_mode=ProcessingMode.NONE, response_body_mode=ProcessingMode.NONE))
+        responses = [first]
         if self.streamed_request:  # the body goes on as one piece: the client's, or with the decision
             streamed = ext_proc.StreamedBodyResponse(body=picked.body if picked.body is not None else body,
                                                      end_of_stream=True)
@@ -251,8 +279,10 @@ class Exchange:
         if handle.protocol == "openai":
             return None  # a server of one fixed mode: the choice of endpoint was the decision
         policy, decision = admission.policy, admission.decision
+        # A whole answer's step log, for the feedback: a plain decision's would teach nothing, and
+        # its response passes the picker unread (Picked.feedback), so it is not asked for.
         directive = Directive(decision.k, policy.max_batch, policy.batch_resume, policy.max_step_drafts,
-                              cost_rule=policy.auto_k, step_log=not req.stream)
+                              cost_rule=policy.auto_k, step_log=not req.stream and decision.k > 0)
         return orjson.dumps(worker_body(req, directive, handle.protocol, streamed=False))
 
     # -- the response -------------------------------------------------------------------------------
@@ -266,15 +296,17 @@ class Exchange:
         self.reader.headers(status, values.get("content-type", ""))
         response = ext_proc.ProcessingResponse(response_headers=ext_proc.HeadersResponse())
         picked = self.picked
-        if picked is None or picked.admission is None:
+        if picked is None or picked.admission is None or not picked.feedback:
+            # Nothing to learn from the body (the pick, on a body's answer, could not say so): skip it.
+            response.mode_override.response_body_mode = ProcessingMode.NONE
+            if picked is not None and picked.admission is not None:
+                self._add_headers(response, picked.admission)
             if headers.end_of_stream:
                 self.finish()
             return response
         admission = picked.admission
+        self._add_headers(response, admission)
         mutation = response.response_headers.response.header_mutation
-        mutation.set_headers.extend([_header(SESSION_HEADER.lower(), admission.session.session_id),
-                                     _header(MODE_HEADER, admission.decision.header),
-                                     _header(WORKER_HEADER, admission.handle.worker_id)])
         if self.reader.ok and not self.reader.streaming and admission.handle.speaks_specgate:
             # The whole answer at once, so its step log can leave it: its length changes.
             mutation.remove_headers.append("content-length")
@@ -282,6 +314,12 @@ class Exchange:
         if headers.end_of_stream:
             self.finish()
         return response
+
+    @staticmethod
+    def _add_headers(response: ext_proc.ProcessingResponse, admission: Admission) -> None:
+        # The route adds the same from the pick's metadata; set here too, they agree.
+        response.response_headers.response.header_mutation.set_headers.extend(
+            _header(key, value) for key, value in _response_headers(admission).items())
 
     def _response_body(self, body: ext_proc.HttpBody) -> ext_proc.ProcessingResponse:
         response = ext_proc.ProcessingResponse(response_body=ext_proc.BodyResponse())
@@ -330,7 +368,17 @@ def _subset(message: ext_proc.ProcessingRequest) -> frozenset[str] | None:
     return frozenset(str(item).strip() for item in items if str(item).strip())
 
 
-def _lb_metadata(endpoint: str) -> Struct:
+def _response_headers(admission: Admission) -> dict[str, str]:
+    return {SESSION_HEADER.lower(): admission.session.session_id, MODE_HEADER: admission.decision.header,
+            WORKER_HEADER: admission.handle.worker_id}
+
+
+def _metadata(picked: Picked) -> Struct:
+    """The pick as dynamic metadata: the endpoint for Envoy's load balancer, and for an OpenAI
+    request the response headers the route adds (keys of ``METADATA_NAMESPACE``)."""
     metadata = Struct()
-    metadata.update({LB_NAMESPACE: {DESTINATION_HEADER: endpoint}})
+    metadata.update({LB_NAMESPACE: {DESTINATION_HEADER: picked.endpoint}})
+    if picked.admission is not None:
+        values = _response_headers(picked.admission)
+        metadata.update({METADATA_NAMESPACE: {RESPONSE_HEADERS[key]: value for key, value in values.items()}})
     return metadata

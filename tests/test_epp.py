@@ -280,6 +280,24 @@ async def test_a_whole_answer_gives_its_step_log_and_loses_it(pool: Pool, channe
     assert session["evidence_drafted_tokens"] == expected.proposals_seen
 
 
+async def test_a_plain_decision_names_the_headers_and_skips_the_response_body(pool: Pool,
+                                                                           channel: grpc.aio.Channel) -> None:
+    """A plain decision teaches nothing: no step log is asked for, the pick's metadata carries
+    the response headers the route adds, and the response's body is not sent to the picker."""
+    exchange, answer = await pick_buffered(channel, completion_body(temperature=1.5), "plain-skip")
+    try:
+        assert "step_log" not in orjson.loads(answer.request_body.response.body_mutation.body)["specgate"]
+        picked = answer.dynamic_metadata["specgate"]
+        assert picked["session"] == "plain-skip" and picked["mode"] == "plain; reason=high_temperature"
+        assert picked["worker"] in ("w0", "w1")
+        await exchange.send(response_headers_message(200, "application/json"))
+        answer = await exchange.receive()
+        assert answer.mode_override.response_body_mode == ProcessingMode.NONE
+        assert header_values(answer.response_headers.response.header_mutation)["x-session-id"] == "plain-skip"
+    finally:
+        await exchange.close()
+
+
 async def test_grpc_health_answers_liveness_readiness_and_the_service(channel: grpc.aio.Channel) -> None:
     stub: Any = health_pb2_grpc.HealthStub(channel)  # its stub types declare no methods
     for service in ("", "liveness", "readiness", "envoy.service.ext_proc.v3.ExternalProcessor"):

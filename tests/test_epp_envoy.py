@@ -5,7 +5,9 @@ real sim worker. Both request-body modes Envoy offers the picker are exercised."
 from __future__ import annotations
 
 import contextlib
+import re
 import subprocess
+import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -184,3 +186,49 @@ def test_api_keys_are_checked_by_the_picker_and_workers_get_the_gateway_token(tm
             completion = sdk.completions.create(model="specgate-demo", prompt="def f():", max_tokens=8,
                                                 temperature=0)
         assert completion.choices[0].text and completion.usage is not None
+
+
+def _messages(epp: Epp) -> dict[str, float]:
+    """specgate_epp_messages_total by phase: the ext_proc messages Envoy sent the picker so far."""
+    return {m.group(1): float(m.group(2)) for m in
+            re.finditer(r'specgate_epp_messages_total\{phase="(\w+)"\} ([0-9.e+]+)', epp.gateway.metrics())}
+
+
+def _sent(epp: Epp, before: dict[str, float]) -> dict[str, int]:
+    return {phase: int(n - before.get(phase, 0.0)) for phase, n in _messages(epp).items() if n > before.get(phase, 0.0)}
+
+
+@pytest.mark.parametrize("mode", BODY_MODES)
+def test_a_plain_request_gets_the_picks_headers_from_the_route(stack: Stack, mode: BodyMode) -> None:
+    """The route adds X-Session-ID, X-Specgate-Mode and X-Specgate-Worker from the pick's
+    ``specgate`` metadata; a request without a decision gets none of them."""
+    envoy = stack.envoys[mode]
+    with client(envoy) as sdk:
+        raw = sdk.completions.with_raw_response.create(model="specgate-demo", prompt="def f():", max_tokens=8,
+                                                       temperature=1.2, extra_headers={"X-Session-ID": f"bare-{mode}"})
+    assert raw.headers["x-session-id"] == f"bare-{mode}"
+    assert raw.headers["x-specgate-mode"] == "plain; reason=high_temperature"
+    assert raw.headers["x-specgate-worker"] in ("w0", "w1")
+    assert "specgate" not in (raw.parse().model_extra or {})
+    with urllib.request.urlopen(envoy.base_url + "/models", timeout=30) as models:
+        assert models.status == 200 and models.headers.get("x-session-id") is None
+        assert models.headers.get("x-specgate-mode") is None
+
+
+def test_a_plain_request_skips_the_response_phases_a_speculative_one_keeps_them(stack: Stack) -> None:
+    """BUFFERED: a plain decision's response passes the picker after its headers (its body is
+    never sent), a request without a body's not at all; a speculative one still folds its steps."""
+    envoy, epp = stack.envoys["BUFFERED"], stack.epp
+    before = _messages(epp)
+    complete(envoy, "skip-plain", temperature=1.2)
+    assert _sent(epp, before) == {"request_headers": 1, "request_body": 1, "response_headers": 1}
+    before = _messages(epp)
+    with urllib.request.urlopen(envoy.base_url + "/models", timeout=30) as models:
+        models.read()
+    assert _sent(epp, before) == {"request_headers": 1}
+    before = _messages(epp)
+    decision, _, _ = complete(envoy, "skip-speculative")
+    assert decision.startswith("speculative")
+    sent = _sent(epp, before)
+    assert sent["response_headers"] == 1 and sent["response_body"] >= 1, sent
+    assert epp.gateway.get_json("/admin/sessions/skip-speculative")["evidence_drafted_tokens"] > 0
