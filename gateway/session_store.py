@@ -29,7 +29,7 @@ from gateway.sessions import ModeChange, Session
 from policies import REASONS, Decision, SessionState
 
 if TYPE_CHECKING:
-    from redis.asyncio import Redis
+    from gateway.redis_resp import RedisClient
 
 log = logging.getLogger(__name__)
 
@@ -40,6 +40,10 @@ _MODES = ("speculative", "plain")
 
 class CorruptState(ValueError):
     """A stored value that is not this schema's session state (corrupt, foreign or another version)."""
+
+
+class WrongType(CorruptState):
+    """Redis answered WRONGTYPE: the session's key holds another program's value of another type."""
 
 
 # -- the stored form -------------------------------------------------------------------------------
@@ -151,7 +155,7 @@ class RedisStore(SessionStore):
     def __init__(self, config: GatewayConfig, metrics: OpsMetrics) -> None:
         self.state_config, self.metrics = config.state, metrics
         self.ttl_ms = max(1, int(config.sessions.idle_ttl_s * 1000))  # the session table's own idle TTL
-        self.client: Redis | None = None  # made in running(): on the serving loop
+        self.client: RedisClient | None = None  # made in running(): on the serving loop
         self._queued: dict[tuple[str, str], Session] = {}
         self._writing: set[tuple[str, str]] = set()
         # What this process last wrote or read per session (the local object, a hash of the bytes):
@@ -163,8 +167,8 @@ class RedisStore(SessionStore):
         self._wake = asyncio.Event()
         self._down_until = 0.0  # monotonic; Redis untried before this after a failure
         self._up = True
+        # RedisDown (and RedisTimeout) are OSErrors; an error reply is one too, set in running().
         self._errors: tuple[type[BaseException], ...] = (OSError, TimeoutError)
-        self._refusals: tuple[type[BaseException], ...] = ()  # Redis answered, and refused this key
 
     @property
     def up(self) -> bool:
@@ -183,9 +187,8 @@ class RedisStore(SessionStore):
             return  # degraded, or this process's own state is newer than any copy (its write is pending)
         assert self.client is not None
         try:
-            async with asyncio.timeout(self.state_config.timeout_s):
-                raw = await self.client.get(self.key(session))
-        except self._refusals as exc:  # another program's key of another type (WRONGTYPE): not an outage
+            raw = await self.client.get(self.key(session))  # the client bounds it by state.timeout_s
+        except CorruptState as exc:  # another program's key of another type (WRONGTYPE): not an outage
             self._recovered()
             self._corrupt(session, exc)
             return
@@ -214,19 +217,14 @@ class RedisStore(SessionStore):
 
     @contextlib.asynccontextmanager
     async def running(self) -> AsyncIterator[None]:
-        import redis.asyncio  # only with backend redis: the memory store never imports it
-        from redis.asyncio.retry import Retry
-        from redis.backoff import NoBackoff
+        from gateway.redis_resp import RedisClient, RedisReplyError  # only with backend redis
 
-        self._errors = (redis.RedisError, OSError, TimeoutError)
-        self._refusals = (redis.ResponseError,)
-        timeout = self.state_config.timeout_s
-        # One immediate retry: a pooled connection to a Redis that restarted fails once, then reconnects.
-        self.client = redis.asyncio.Redis.from_url(self.state_config.redis_url, socket_timeout=timeout,
-                                                   socket_connect_timeout=timeout, retry=Retry(NoBackoff(), 1))
+        self._errors = (RedisReplyError, OSError, TimeoutError)
+        # One connection; after a failure the next call (retry_s later) connects again. WRONGTYPE
+        # raises CorruptState: to the store, a key of another type is a value it cannot read.
+        self.client = RedisClient(self.state_config.redis_url, self.state_config.timeout_s, wrong_type=WrongType)
         try:
-            async with asyncio.timeout(timeout):
-                await self.client.ping()
+            await self.client.ping()
             log.info("session state in redis (%s*)", self.state_config.key_prefix)
         except self._errors as exc:
             self._failed("ping", exc)
@@ -239,7 +237,7 @@ class RedisStore(SessionStore):
                 await writer
             while self._queued and self._usable():  # the last requests' state, written before exit
                 await self._flush()
-            await self.client.aclose()
+            await self.client.close()
             self.client = None
 
     def describe(self) -> dict[str, Any]:
@@ -260,11 +258,9 @@ class RedisStore(SessionStore):
         assert self.client is not None
         values = {local: dump_session(session) for local, session in batch.items()}
         self._writing.update(batch)
-        try:
-            async with asyncio.timeout(self.state_config.timeout_s), self.client.pipeline(transaction=False) as pipe:
-                for local, session in batch.items():
-                    pipe.set(self.key(session), values[local], px=self.ttl_ms)
-                await pipe.execute()
+        try:  # one write of SET ... PX ttl per session, bounded by state.timeout_s (the client's)
+            await self.client.set_many([(self.key(session), values[local], self.ttl_ms)
+                                        for local, session in batch.items()])
         except asyncio.CancelledError:  # shutdown: back in the queue, for the last flush
             for local, session in batch.items():
                 self._queued.setdefault(local, session)

@@ -42,6 +42,7 @@ class RedisServer:
     directory: Path
     port: int = field(default_factory=free_port)
     process: subprocess.Popen[bytes] | None = None
+    extra_args: tuple[str, ...] = ()  # more redis-server options (a Unix socket, ...)
 
     @property
     def url(self) -> str:
@@ -58,7 +59,7 @@ class RedisServer:
         with self.log_path.open("ab") as log:
             self.process = subprocess.Popen(
                 [require_redis_server(), "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
-                 "--appendonly", "no", "--dir", str(self.directory)],
+                 "--appendonly", "no", "--dir", str(self.directory), *self.extra_args],
                 cwd=self.directory, stdout=log, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + timeout_s
         while not ping(self.port):
@@ -78,7 +79,7 @@ class RedisServer:
                 self.process.wait()
 
 
-def start_redis(directory: Path) -> RedisServer:
-    server = RedisServer(directory)
+def start_redis(directory: Path, extra_args: tuple[str, ...] = ()) -> RedisServer:
+    server = RedisServer(directory, extra_args=extra_args)
     server.start()
     return server
