@@ -30,8 +30,8 @@ from pathlib import Path
 
 import torch
 
-from policies import CostModel, choose_k, gain, tested_drafts
-from workers.costs.model import CostReport, OnlineCosts, StepCostRule, catch_up_pays
+from policies import CostModel, catch_up_pays, choose_k, gain, tested_drafts
+from workers.costs.model import CostReport, OnlineCosts, StepCostRule
 from workers.demo.corpus import heldout_prompts
 from workers.engines.embedded import rowgemm
 from workers.engines.embedded.engine import GenerationRequest, SpeculativeEngine, native_forward
@@ -206,7 +206,7 @@ class AutoK:
 
     def catch_up(self, lag: int, remaining: int, k: int, depth: int) -> bool:
         """The worker's catch-up rule (``SpeculativeEngine.catch_up_rule``) on the same model."""
-        return catch_up_pays(self.model, self.report, self.alpha, k, depth, lag, remaining)
+        return catch_up_pays(self.model, self.alpha, k, depth, remaining, *self.report.catch_up_prices(lag, depth))
 
     def __call__(self, requested_k: int, depth: int) -> int:
         self.calls += 1

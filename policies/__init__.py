@@ -1,4 +1,21 @@
-"""The speculative fallback policy: pure functions, no I/O (see policies/speculation.py)."""
+"""The speculation policy, sans I/O: every rule about whether to speculate, and with which K.
+
+Which K, if any: ``decide(session, worker, request, policy) -> Decision`` is the entry point.
+The gateway calls it at admission, per request and worker, and sends its mode and K to the
+worker (``policies/speculation.py`` reads its rules top to bottom; ``policies/cost.py`` prices
+K under ``num_speculative_tokens: auto``).
+
+Inside a worker, each step may only lower that K, by the per-step rules:
+- ``step_depth``: the batch latch and ``max_step_drafts`` (every engine, every step);
+- ``batch_step_k``: under K auto, the one K the step's drafting sequences draft;
+- ``catch_up_pays``: under K auto, whether a sequence whose draft lags catches it up and drafts
+  now, or decodes this step plain.
+
+What ``decide`` and the per-step rules are built from (``choose_k``, ``objective``, ``gain``,
+``step_k``, the step prices) stays public for the benches and the table-driven tests; nothing
+else should call them to choose a K. After a request, ``record_decision``, ``observe`` and
+``observe_steps`` fold what happened into the session's state.
+"""
 
 from policies.config import FieldError, PolicyConfig, PolicyConfigError, bounded_repr, bounded_text, raise_problems
 from policies.cost import (
@@ -6,6 +23,7 @@ from policies.cost import (
     StepMix,
     StepParts,
     batch_step_k,
+    catch_up_pays,
     choose_k,
     expected_tokens,
     gain,
@@ -59,6 +77,7 @@ __all__ = [
     "batch_step_k",
     "bounded_repr",
     "bounded_text",
+    "catch_up_pays",
     "choose_k",
     "decide",
     "expected_tokens",

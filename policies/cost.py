@@ -4,58 +4,14 @@ Pure, like the rest of ``policies/``: a worker's cost curves come in as a frozen
 (the gateway builds it from the JSON the worker publishes, ``workers/costs/model.py``), the
 acceptance estimate, batch depth and the step's draft mix as numbers, and a K comes out.
 
-**Uniform pricing** (a model with ``step_cost`` only, or no mix known). Per sequence and step,
-relative to a plain step at the same batch depth d:
+Callers do not start here (``policies/__init__.py`` says which function answers what):
+- at admission, ``policies.speculation.decide`` reads ``choose_k`` (and ``objective``, ``gain``);
+- per step, inside a worker under K auto, ``batch_step_k`` gives the step's drafting sequences
+  one K (through ``step_k``), and ``catch_up_pays`` says whether a draft that lags should catch up.
 
-    gain(α, K, d) = E(α, K) / step_cost(d, K),   E(α, K) = (1 − α^(K+1)) / (1 − α)
-
-E is the expected number of tokens a step with K drafts emits (Leviathan et al.);
-``step_cost(d, K)`` is what that whole step costs divided by what a whole plain step costs at
-depth d, so ``step_cost(d, 0) = 1`` and a plain step's gain is 1. "Whole" matters: a step is
-the target verifying K+1 tokens and K draft forwards, plus work outside the forwards (sampling,
-bookkeeping) that plain steps pay too. Leaving that fixed work out prices speculation too high
-wherever forwards are cheap (``whole_step_costs`` says how the parts add up). This prices a
-step of d sequences as if all d drafted K.
-
-**Mixed pricing** (a model with its parts, ``StepParts``, and the worker's ``StepMix``). In a
-real batch only some sequences draft (hot or low-acceptance sessions decode plain next to
-them), and pricing every one of them at K overprices K: at depth 16 with a third drafting, the
-uniform price puts the best K for α = 0.9 at 4 where the step's own cost puts it at 8
-(``python -m bench.kauto_mix``). A step of d sequences with D drafted tokens costs
-
-    target(d, n = 1 + D/d) + first(m) + (F − 1) · draft(m) + overhead(d) + draft_overhead(d) · D/d
-
-the target's forward interpolated on tokens per sequence n, F the draft's sequential forwards
-(the deepest K in the step) over the m drafting sequences, the work outside the forwards as
-``whole_step_costs`` has it (``mixed_step_cost``). The step's first draft forward is priced on
-its own (``StepParts.draft_first``): the target's forward has just streamed its weights through
-the cache, so the draft reads its own back from memory, and it catches up on the last step's
-tokens. In the engine on the AVX2 EPYC it took 0.85 ms at batch 1, each later one 0.22-0.25 ms;
-priced alike, deep K came out dear and K = auto chose one short. With every sequence drafting
-K this is the uniform price again.
-
-**The objective with a mix: the batch's goodput per drafting sequence.** The drafting sequences
-of a step share the draft's forwards (as many as the deepest K), so K is a choice they make
-together: the session priced and the g − 1 others that draft (or would: sent plain for
-``no_gain`` or by the batch latch) are priced drafting the same K, the P others plain:
-
-    gain(K) = [(P + E(α, K) + (g − 1) · E(α_w, K)) / cost(g draft K) − P] / g
-
-α is the session's acceptance, α_w the worker's (the others are not all like this session).
-Plain scores 1; with every sequence drafting (P = 0) and α_w = α it is the uniform gain. The
-alternatives, measured with ``bench.policy`` over six seeds (README "What the policy is
-worth"):
-
-- the session's own speed-up, E(α, K) / cost(K): 1.7% less goodput. A step is shared: one
-  session's drafts make every plain sequence in it wait for the longer step, and counting only
-  its own tokens drafts too deep wherever the batch has plain sequences;
-- one session's marginal batch goodput with the others as they are: a session drafting alone
-  among plain ones never pays for its forwards, and a K deeper than the others' never pays for
-  the forwards it adds, so K stays where it started (plain, or K = 1 after a burst: the
-  recovery phase lost 10% in a first trial).
-
-Plain is credited ``min_gain`` on top: a K must promise at least (1 + min_gain)× plain's
-throughput to be chosen (the cost curves are measurements, not exact).
+The pricing (uniform, or mixed from the model's ``StepParts`` and a ``StepMix``), the objective
+and why it is the batch's goodput per drafting sequence: docs/engine.md, section 5, "How a K is
+priced".
 """
 
 from __future__ import annotations
@@ -213,7 +169,7 @@ def step_cost(model: CostModel, depth: int, k: int) -> float:
 def mixed_step_cost(model: CostModel, depth: int, drafting: int, drafts: int, draft_forwards: int) -> float:
     """Cost of a step of ``depth`` sequences, ``drafting`` of which draft ``drafts`` tokens in
     all in ``draft_forwards`` sequential draft forwards, relative to a plain step at that depth
-    (the module docstring). Needs the model's parts.
+    (docs/engine.md, "How a K is priced"). Needs the model's parts.
 
     Priced at the measured depths around ``depth`` with the same shares (tokens per sequence,
     drafting sequences per sequence) and the ratios interpolated between them, as ``step_cost``
@@ -257,7 +213,7 @@ def gain(model: CostModel, alpha: float, k: int, depth: int, mix: StepMix | None
     ``depth`` counts the session's own sequence. Without a ``mix`` (or a model without its
     parts) every sequence is priced drafting K; with both, the step is priced with the mix's
     drafting sequences and this one at K, the rest plain, and the gain is the batch's per
-    drafting sequence (module docstring)."""
+    drafting sequence (docs/engine.md, "How a K is priced")."""
     tokens = expected_tokens(alpha, k)
     if k == 0:
         return 1.0
@@ -320,3 +276,22 @@ def batch_step_k(model: CostModel, alpha: float, requested: Sequence[int]) -> in
         return 0
     drafting = sum(1 for k in requested if k > 0)
     return step_k(model, alpha, len(requested), deepest, StepMix(len(requested) - 1, drafting - 1))
+
+
+
+def catch_up_pays(model: CostModel, alpha: float, k: int, depth: int, remaining: int, catch_up_s: float | None,
+                  plain_step_s: float, plain_step_depth: int) -> bool:
+    """The worker's catch-up rule under K auto: whether a sequence whose draft lags (it decoded
+    tokens plain) gains back, over its ``remaining`` tokens drafting K at this depth, the
+    draft's catch-up forward on the lag, which costs ``catch_up_s`` (None: not priced).
+
+    The gain is the sequence's share of a step's time (``plain_step_s``, a whole plain step at
+    the measured ``plain_step_depth`` nearest ``depth``, over that depth) times what
+    speculation saves of it. True where the catch-up is not priced (the sim and vLLM engines
+    publish no prefill costs and catch up otherwise)."""
+    if catch_up_s is None:
+        return True
+    speed = gain(model, alpha, k, depth)
+    if speed <= 1.0:
+        return False
+    return remaining * plain_step_s / plain_step_depth * (1.0 - 1.0 / speed) >= catch_up_s

@@ -95,6 +95,11 @@ class RequestFacts:
 
 
 def decide(session: SessionState, worker: WorkerState, request: RequestFacts, policy: PolicyConfig) -> Decision:
+    """Which K, if any: plain or speculative on this worker, with its K and the rule's reason.
+
+    The one entry point for the choice at admission (the rules in the module docstring, in
+    order); a worker's steps may only lower the K (``step_depth``, ``policies.cost.batch_step_k``,
+    ``policies.cost.catch_up_pays``)."""
     decision = _rules(session, worker, request, policy)
     if not worker.serves_plain and worker.max_k > 0:
         # One fixed speculative mode: it runs its own K, whatever the rules wanted.

@@ -13,7 +13,7 @@ import torch
 import workers.costs.cache as cost_cache
 import workers.engines.embedded.measure as costs_measure
 import workers.engines.embedded.measure_steps as costs_engine
-from policies import CostModel, whole_step_costs
+from policies import CostModel, catch_up_pays, whole_step_costs
 from workers.costs.cache import CostCache, cpu_label
 from workers.costs.model import (
     ONLINE_WEIGHT,
@@ -23,7 +23,6 @@ from workers.costs.model import (
     PrecisionCandidate,
     PrecisionChoice,
     StepTimeCosts,
-    catch_up_pays,
     depth_grid,
     report_from_forward_times,
 )
@@ -230,13 +229,13 @@ def test_catch_up_pays_when_the_remaining_tokens_gain_back_the_drafts_catch_up()
     saving = 0.010 * (1 - 1.9 / 2.44)
     catch_up = (8 + 12 * 48 / 96) / 1000  # the draft's prefill of 80 tokens
     needed = catch_up / saving
-    assert catch_up_pays(model, report, alpha, 2, 1, 80, math.ceil(needed))
-    assert not catch_up_pays(model, report, alpha, 2, 1, 80, math.floor(needed))
+    assert catch_up_pays(model, alpha, 2, 1, math.ceil(needed), *report.catch_up_prices(80, 1))
+    assert not catch_up_pays(model, alpha, 2, 1, math.floor(needed), *report.catch_up_prices(80, 1))
     # Where speculation loses (depth 8: verifying 3 tokens costs 3x), nothing pays.
-    assert not catch_up_pays(model, report, alpha, 2, 8, 80, 10_000)
+    assert not catch_up_pays(model, alpha, 2, 8, 10_000, *report.catch_up_prices(80, 8))
     # Without prefill costs (the sim, vLLM) the rule does not hold anything back.
     bare = report_from_forward_times((1,), [[0.010, 0.012, 0.015]], [0.002])
-    assert catch_up_pays(bare.policy_model(), bare, alpha, 2, 1, 500, 1)
+    assert catch_up_pays(bare.policy_model(), alpha, 2, 1, 1, *bare.catch_up_prices(500, 1))
 
 
 def test_online_refinement_moves_the_overhead_toward_step_timings() -> None:

@@ -154,6 +154,13 @@ class CostReport:
             spec_s += prefill + catch_up + decode / speed
         return plain_s / spec_s if spec_s > 0 else None
 
+    def catch_up_prices(self, lag: int, depth: int) -> tuple[float | None, float, int]:
+        """What ``policies.cost.catch_up_pays`` weighs for a draft ``lag`` tokens behind at
+        ``depth``: the catch-up's seconds (the draft's prefill of the lag; None: not measured),
+        and a whole plain step's seconds at the measured depth nearest ``depth``, with that depth."""
+        i = _nearest(self.depths, depth)
+        return self.prefill_s(lag, draft=True), self.plain_step_s(i), self.depths[i]
+
     def plain_step_s(self, i: int) -> float:
         """Seconds of a whole plain step at ``depths[i]``: the target's forward and the work
         outside it."""
@@ -278,23 +285,6 @@ class AcceptanceEstimate:
         return self.value if self.tested >= RULE_EVIDENCE else None
 
 
-def catch_up_pays(model: CostModel, report: CostReport, alpha: float, k: int, depth: int, lag: int,
-                  remaining: int) -> bool:
-    """Whether a sequence that decoded ``lag`` tokens plain gains back, over its ``remaining``
-    tokens drafting K at this depth, the draft's catch-up on them: one draft forward over the
-    lag, priced as the draft's prefill (``CostReport.prefill_s``). The gain is the sequence's
-    share of a step's time (a plain step over the depth) times what speculation saves of it.
-    True where no prefill cost was measured (the sim and vLLM engines catch up otherwise)."""
-    catch_up_s = report.prefill_s(lag, draft=True)
-    if catch_up_s is None:
-        return True
-    speed = gain(model, alpha, k, depth)
-    if speed <= 1.0:
-        return False
-    i = _nearest(report.depths, depth)
-    return remaining * report.plain_step_s(i) / report.depths[i] * (1.0 - 1.0 / speed) >= catch_up_s
-
-
 @dataclass
 class StepCostRule:
     """The worker's per-step K rule under K auto (``policies.cost.batch_step_k``) at the
@@ -407,7 +397,7 @@ class OnlineCosts:
         ``draft_forwards`` draft forwards of up to ``draft_depth`` rows in ``draft_s``; the whole
         step took ``step_s`` (0: not timed) with ``drafts`` drafts over all its sequences.
         ``catch_up``: its first draft forward caught a draft up on a plain spell, which prices
-        no forward the model holds (``catch_up_pays`` prices it from the prefill line): the
+        no forward the model holds (``policies.cost.catch_up_pays`` prices it from the prefill line): the
         draft time is not observed. Observed, K auto's steps after plain spells put the
         catch-up into the later forwards, which then cost more than the first one at depth 16."""
         depths = self.base.depths

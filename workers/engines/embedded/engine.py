@@ -49,7 +49,7 @@ StepDepthRule = Callable[[int, int], int]
 StepCostRule = Callable[[list[int]], int | None]
 # (tokens the draft lags, tokens the sequence has left, the step's K, batch depth) -> whether
 # catching the draft up on those tokens (they were decoded plain) pays before the sequence ends
-# (K auto: workers.costs.model.catch_up_pays); False: the sequence decodes this step plain.
+# (K auto: policies.cost.catch_up_pays); False: the sequence decodes this step plain.
 CatchUpRule = Callable[[int, int, int, int], bool]
 # The draft's lag after an ordinary speculative or plain step (1-2 tokens): no catch-up to price.
 ORDINARY_LAG = 2

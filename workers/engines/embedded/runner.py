@@ -16,8 +16,9 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from policies.cost import catch_up_pays
 from policies.speculation import step_depth
-from workers.costs.model import CostReport, OnlineCosts, StepCostRule, catch_up_pays
+from workers.costs.model import CostReport, OnlineCosts, StepCostRule
 from workers.engines.embedded.engine import ORDINARY_LAG, SpeculativeEngine
 from workers.engines.interface import EngineTotals, GenerationRequest, StepEvent, StepObserver, StepStats
 
@@ -139,13 +140,13 @@ class EngineRunner:
 
     def _catch_up(self, lag: int, remaining: int, k: int, depth: int) -> bool:
         """Under the cost rule, whether a sequence that decoded ``lag`` tokens plain should catch
-        its draft up and draft now (workers.costs.model.catch_up_pays); True without the rule."""
+        its draft up and draft now (policies.cost.catch_up_pays); True without the rule."""
         alpha = self._rule_alpha()
         if alpha is None:
             return True
         rule = self._cost_rule_now()
         assert self._step_report is not None
-        return catch_up_pays(rule.model, self._step_report, alpha, k, depth, lag, remaining)
+        return catch_up_pays(rule.model, alpha, k, depth, remaining, *self._step_report.catch_up_prices(lag, depth))
 
     def _rule_alpha(self) -> float | None:
         """The worker's acceptance estimate, while the cost rule is on and has the evidence."""
