@@ -24,150 +24,25 @@ from __future__ import annotations
 import argparse
 import json
 import random
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from policies import CostModel, catch_up_pays, choose_k, gain, tested_drafts
+from bench.engine_runs import OTHER_PLAIN, RunResult, forward_times, prefill_times, run_batch, run_interleaved
+from policies import CostModel, catch_up_pays, choose_k, gain
 from workers.costs.model import CostReport, OnlineCosts, StepCostRule
 from workers.demo.corpus import heldout_prompts
 from workers.engines.embedded import rowgemm
-from workers.engines.embedded.engine import GenerationRequest, SpeculativeEngine, native_forward
-from workers.engines.embedded.kv_cache import CacheBatch, KVCache
+from workers.engines.embedded.engine import SpeculativeEngine
 from workers.engines.embedded.measure import MeasureSettings, measure, torch_threads_serving
 from workers.engines.embedded.model import TORCH_DTYPES, LlamaForCausalLM, Products, products_named
-from workers.engines.embedded.runner import COST_TABLE_STEPS, fold_step
-from workers.engines.embedded.sampling import SamplingParams
+from workers.engines.embedded.runner import COST_TABLE_STEPS
 from workers.text import TextCodec
 
 REPO = Path(__file__).resolve().parent.parent
 TEMPERATURES = (0.0, 0.5, 0.8, 1.0)
 
-
-@dataclass(frozen=True)
-class RunResult:
-    tokens: int
-    seconds: float
-    proposed: int
-    accepted: int
-    tested: int
-    draft_seconds: float = 0.0  # of ``seconds``, spent proposing drafts
-    target_seconds: float = 0.0  # of ``seconds``, in the target's forwards of decode steps
-    prefill_seconds: float = 0.0  # of ``seconds``, in steps that prefilled a prompt (alike in every mode)
-    steps: int = 0  # decode steps (steps without a prefill)
-
-    def __add__(self, other: RunResult) -> RunResult:
-        return RunResult(self.tokens + other.tokens, self.seconds + other.seconds, self.proposed + other.proposed,
-                         self.accepted + other.accepted, self.tested + other.tested,
-                         self.draft_seconds + other.draft_seconds, self.target_seconds + other.target_seconds,
-                         self.prefill_seconds + other.prefill_seconds, self.steps + other.steps)
-
-    @property
-    def tok_s(self) -> float:
-        return self.tokens / self.seconds
-
-    @property
-    def alpha(self) -> float:
-        return self.accepted / self.tested if self.tested else float("nan")
-
-    @property
-    def draft_share(self) -> float:
-        return self.draft_seconds / self.seconds
-
-    @property
-    def decode_tok_s(self) -> float:
-        """Tokens/s without the prefills' time (a prompt's prefill is the same in every mode)."""
-        return self.tokens / (self.seconds - self.prefill_seconds)
-
-    def per_step_ms(self) -> dict[str, float]:
-        """Where a decode step's time went, in ms a step: the target's forward, the drafts'
-        (with their bookkeeping), the rest; and the prefills' share of all the time."""
-        steps = max(1, self.steps)
-        decode = self.seconds - self.prefill_seconds
-        return {"step": round(1000 * decode / steps, 3), "target": round(1000 * self.target_seconds / steps, 3),
-                "drafts": round(1000 * self.draft_seconds / steps, 3),
-                "rest": round(1000 * (decode - self.target_seconds - self.draft_seconds) / steps, 3),
-                "prefill_share": round(self.prefill_seconds / self.seconds, 3)}
-
-
-def add_group(engine: SpeculativeEngine, prompts: list[list[int]], max_tokens: int, k: int, temperature: float,
-              seed: int | None) -> None:
-    """``seed`` None: unseeded requests (standard speculative sampling; the engine's rng is fixed)."""
-    for i, ids in enumerate(prompts):
-        params = SamplingParams(temperature=temperature, seed=None if seed is None else seed + i)
-        engine.add(GenerationRequest(f"r{i}", ids, max_tokens, params, k=k))
-
-
-def run_batch(engine: SpeculativeEngine, prompts: list[list[int]], max_tokens: int, k: int,
-              temperature: float, seed: int | None = 0) -> RunResult:
-    """All prompts at once (batch = len(prompts)), each to max_tokens or EOS."""
-    return run_interleaved({k: engine}, [prompts], max_tokens, temperature, seed)[0][k]
-
-
-def run_interleaved(engines: dict[int, SpeculativeEngine], groups: list[list[list[int]]], max_tokens: int,
-                    temperature: float, seed: int | None = 0, costs: OnlineCosts | None = None,
-                    drafted: dict[int, dict[int, int]] | None = None, unfolded: frozenset[int] = frozenset(),
-                    ) -> tuple[dict[int, RunResult], dict[int, list[list[int]]]]:
-    """Each group of prompts as one batch, one group after another, under every K at once.
-
-    Each K has its own engine (sharing the models) and the engines take turns a step at a
-    time: next is the one that has emitted the fewest tokens of the group so far, ties broken
-    in a seeded shuffled order. So they move through the group together (at T=0 they emit the
-    same tokens) and finish it together, and a noisy neighbour's slow second, and the cache
-    state the previous engine left, land on all configurations alike: the ratios between them
-    stay meaningful on a shared machine. (With one step each per round, the speculative
-    engines finished a prompt in a quarter of the plain engine's steps, and the plain engine
-    then ran alone, back to back, with more of its weights in the cache. A worker's cost model
-    refined from those steps, ``costs``, took its plain step from that phase and its
-    verifications from the shared one: ``predicted_speedup_b1`` came out 16% over and 12%
-    under the measured speed-up in two runs of the same code.) Prefill is in the first
-    step's time. Returns the totals per K and each K's output tokens per prompt, in order.
-    A negative key is one more plain engine (the noise between two engines doing the same
-    work). ``costs`` hears every step, as a worker's online cost refinement does; ``drafted`` gets,
-    per K, how many sequence-steps drafted each number of tokens (what ran, after every rule).
-    ``unfolded``: keys whose steps ``costs`` does not hear (an engine on another configuration).
-    """
-    totals = {k: RunResult(0, 0.0, 0, 0, 0) for k in engines}
-    outputs: dict[int, list[list[int]]] = {k: [] for k in engines}
-    for g, group in enumerate(groups):
-        for k, engine in engines.items():
-            add_group(engine, group, max_tokens, max(0, k), temperature, None if seed is None else seed + g)
-        produced: dict[int, dict[str, list[int]]] = {k: {f"r{i}": [] for i in range(len(group))} for k in engines}
-        emitted = dict.fromkeys(engines, 0)
-        order = list(engines.items())
-        shuffle = random.Random(g)
-        while any(engine.has_work for engine in engines.values()):
-            # Ties in a fresh order each time: with a fixed order, the engine that always ran
-            # after a speculative one (whose draft evicts part of the target's weights from the
-            # cache) paid for it every step; of two engines doing the same plain work, the one
-            # that followed the speculative engine was up to 10% slower for a whole batched run.
-            shuffle.shuffle(order)
-            k, engine = min(((k, e) for k, e in order if e.has_work), key=lambda item: emitted[item[0]])
-            started = time.perf_counter()
-            events = engine.step()
-            elapsed = time.perf_counter() - started
-            if costs is not None and k not in unfolded:
-                fold_step(costs, engine, events, elapsed)  # as a worker does; the step's whole time
-            counts = drafted.setdefault(k, {}) if drafted is not None else None
-            for event in events:
-                produced[k][event.request_id].extend(event.tokens)
-                emitted[k] += len(event.tokens)
-                if counts is not None:
-                    counts[event.proposed] = counts.get(event.proposed, 0) + 1
-                totals[k] += RunResult(len(event.tokens), 0.0, event.proposed, event.accepted,
-                                       tested_drafts(event.proposed, event.accepted))
-            if engine.last_shape.prefill:
-                totals[k] += RunResult(0, elapsed, 0, 0, 0, prefill_seconds=elapsed)
-            else:
-                totals[k] += RunResult(0, elapsed, 0, 0, 0, engine.last_draft_s, engine.last_target_s, steps=1)
-        for k in engines:
-            outputs[k].extend(produced[k][f"r{i}"] for i in range(len(group)))
-    return totals, outputs
-
-
-OTHER_PLAIN = -2  # run_interleaved's key for plain decoding on the other kernel configuration
 
 
 def live_model(costs: OnlineCosts) -> CostModel:
@@ -220,67 +95,13 @@ class AutoK:
         return k
 
 
-def forward_times(models: dict[str, tuple[LlamaForCausalLM, int]], drafts: tuple[LlamaForCausalLM, ...], reps: int,
-                  context: int = 128) -> dict[str, float]:
-    """Seconds per cached forward at batch 1 after ``context`` tokens, for each (model, new tokens).
-
-    The configurations take turns, one forward each, so machine noise hits them alike. Like the
-    engine, drafts skip row-invariant attention (only the target's rows must be exact).
-    """
-    setups = {}
-    for name, (model, tokens) in models.items():
-        cache = KVCache.allocate(model.cfg, 1, model.lm_head.weight.dtype)
-        setups[name] = (model, cache, torch.zeros((1, tokens), dtype=torch.long), tokens)
-    totals = dict.fromkeys(models, 0.0)
-    with torch.inference_mode():
-        for i in range(reps + 5):
-            for name, (model, cache, new, tokens) in setups.items():
-                started = time.perf_counter()
-                row_invariant = all(model is not d for d in drafts)
-                # As the engine runs a forward: from lists into the one-call kernel where it can.
-                if native_forward(model, cache, [[0] * tokens], [0], [context], list(range(tokens)),
-                                  row_invariant) is None:
-                    batch = CacheBatch.build([0], [context], [tokens], tokens, model.cfg.max_position_embeddings,
-                                             row_invariant=row_invariant)
-                    model.forward_cached(new, cache, batch, torch.zeros(tokens, dtype=torch.long),
-                                         torch.arange(tokens))
-                if i >= 5:  # after warm-up
-                    totals[name] += time.perf_counter() - started
-    return {name: total / reps for name, total in totals.items()}
-
-
-def prefill_times(target: LlamaForCausalLM, prompt_tokens: list[int], reps: int) -> dict[str, dict[str, float]]:
-    """Seconds to prefill a prompt of each length at batch 1 as the engine does (fused, not
-    row-invariant: the one-call kernel up to ``native_attention_max_tokens``, SDPA beyond) and
-    with SDPA attention in the per-op path (what served prefills longer than 16 tokens before),
-    taking turns."""
-    cache = KVCache.allocate(target.cfg, 1, target.lm_head.weight.dtype)
-    served = target.native_attention_max_tokens
-    out: dict[str, dict[str, float]] = {}
-    with torch.inference_mode():
-        for n in prompt_tokens:
-            prompt = torch.randint(5, target.cfg.vocab_size, (1, n), generator=torch.Generator().manual_seed(0))
-            totals = {"served": 0.0, "sdpa": 0.0}
-            for i in range(reps + 1):
-                for name in totals:
-                    target.native_attention_max_tokens = served if name == "served" else 0
-                    started = time.perf_counter()
-                    batch = CacheBatch.build([0], [0], [n], n, target.cfg.max_position_embeddings, row_invariant=False)
-                    target.forward_cached(prompt, cache, batch, torch.zeros(1, dtype=torch.long), torch.tensor([n - 1]))
-                    if i >= 1:
-                        totals[name] += time.perf_counter() - started
-            target.native_attention_max_tokens = served
-            out[str(n)] = {name: total / reps for name, total in totals.items()}
-    return out
-
-
 def speedup_bound(alpha: float, c: float, k: int) -> float:
     if alpha >= 1.0:
         return (k + 1) / (c * k + 1)
     return (1 - alpha ** (k + 1)) / ((1 - alpha) * (c * k + 1))
 
 
-def main() -> None:
+def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--target", type=Path, default=REPO / "models/demo-target")
     parser.add_argument("--draft", type=Path, default=REPO / "models/demo-draft")
@@ -308,10 +129,33 @@ def main() -> None:
     if args.quick:
         args.prompts, args.max_tokens, args.kmax, args.batches, args.batch_max_tokens = 3, 32, 4, "8", 16
         args.alpha_prompts, args.cost_budget_s, args.batch_rounds = 8, 2.0, 1
+    return args
+
+
+def log(message: str) -> None:
+    print(message, flush=True)
+
+
+@dataclass
+class Served:
+    """What a worker with these settings measures and serves, and the batch-1 engines."""
+
+    costs: CostReport  # the start-up measurement
+    startup_model: CostModel
+    online: OnlineCosts  # refined by every step below, as a serving worker's is
+    target: LlamaForCausalLM
+    draft: LlamaForCausalLM
+    prompts: list[list[int]]
+    b1_engines: dict[int, SpeculativeEngine]  # by K, and OTHER_PLAIN where the kernels have another way
+    other_products: Products
+
+
+def load_served(args: argparse.Namespace, batch_sizes: list[int]) -> tuple[Served, SpeculativeEngine]:
+    """The cost measurement, the models as it chose them, the prompts, and the engines: the
+    batch-1 ones (warmed up) in ``Served``, and the one that measures acceptance."""
     torch.set_num_threads(args.threads)  # as a worker sets them: torch's while measuring, and the kernels'
     rowgemm.set_threads(args.threads)
     torch.manual_seed(0)
-    batch_sizes = [int(b) for b in args.batches.split(",") if b]
     # The cost model a worker with these settings builds; "auto" serves the precision it chose.
     costs = measure(MeasureSettings(args.target, args.draft, max([*batch_sizes, 16]), args.kmax, args.dtype,
                                     args.draft_dtype, not args.inexact, args.cost_budget_s, args.threads))
@@ -321,7 +165,7 @@ def main() -> None:
     print(f"cost model ({costs.cpu}): {costs.precision.why}; chose {chose}, measured "
           f"{costs.measured_points}/{costs.total_points} points in {costs.measure_s:.1f}s", flush=True)
     startup_model = CostModel(costs.depths, costs.step_cost)
-    online = OnlineCosts(costs)  # refined by every step below, as a serving worker's is
+    online = OnlineCosts(costs)
     # The configuration the cost model chose, as a worker serves it (a configured bfloat16 may be
     # served as a float32 model with bfloat16 products: costs_measure.target_configs).
     args.dtype = costs.precision.target
@@ -343,12 +187,33 @@ def main() -> None:
         other_target = LlamaForCausalLM.from_pretrained(args.target, TORCH_DTYPES[args.dtype], True, other_products)
         b1_engines[OTHER_PLAIN] = SpeculativeEngine(other_target, draft, max_slots=1, max_k=args.kmax)
     run_interleaved(b1_engines, [prompts[:1]], 8, 0.0)  # warm-up
+    served = Served(costs, startup_model, online, target, draft, prompts, b1_engines, other_products)
+    return served, engine
 
-    def log(message: str) -> None:
-        print(message, flush=True)
 
-    b1 = prompts[:args.prompts]
-    greedy, outputs = run_interleaved(b1_engines, [[ids] for ids in b1], args.max_tokens, 0.0, costs=online,
+@dataclass
+class Batch1:
+    """Batch 1 at T=0, plain against every K."""
+
+    prompts: list[list[int]]
+    outputs: dict[int, list[list[int]]]  # by K: each prompt's output
+    plain: RunResult
+    other_plain: RunResult | None  # plain with the kernels' other products
+    by_k: dict[int, RunResult]
+    best_k: int
+    identical: int  # (prompt, K) runs whose output is plain's, token for token
+    compared: int
+    breakdown: dict[str, dict[str, float]]  # per decode step, plain and the best K
+
+    @property
+    def best(self) -> RunResult:
+        return self.by_k[self.best_k]
+
+
+def measure_batch1(args: argparse.Namespace, served: Served) -> Batch1:
+    b1 = served.prompts[:args.prompts]
+    b1_engines = served.b1_engines
+    greedy, outputs = run_interleaved(b1_engines, [[ids] for ids in b1], args.max_tokens, 0.0, costs=served.online,
                                       unfolded=frozenset({OTHER_PLAIN}))
     other_plain = greedy.pop(OTHER_PLAIN, None)
     b1_engines.pop(OTHER_PLAIN, None)
@@ -360,7 +225,7 @@ def main() -> None:
     log(f"batch 1, T=0, plain: {plain.tok_s:.1f} tok/s; speculative output identical to plain in "
         f"{identical}/{compared} (prompt, K) runs")
     if other_plain is not None:
-        log(f"batch 1, T=0, plain with {other_products} products (the other kernel configuration): "
+        log(f"batch 1, T=0, plain with {served.other_products} products (the other kernel configuration): "
             f"{other_plain.tok_s:.1f} tok/s ({other_plain.tok_s / plain.tok_s:.2f}x the served plain)")
     for k, r in by_k.items():
         log(f"batch 1, T=0, K={k}: {r.tok_s:.1f} tok/s, alpha {r.alpha:.3f}, "
@@ -375,7 +240,28 @@ def main() -> None:
         f"{name}: step {b['step']:.2f}, target forward {b['target']:.2f}, drafts {b['drafts']:.2f}, rest "
         f"{b['rest']:.2f}" for name, b in breakdown.items())
         + f"; prefills {shares[0]:.0f}% of plain's time, {shares[1]:.0f}% of K={best_k}'s")
+    return Batch1(b1, outputs, plain, other_plain, by_k, best_k, identical, compared, breakdown)
+
+
+@dataclass
+class Forwards:
+    """Single forwards at batch 1, in the served dtypes and the other ones, and prefills."""
+
+    timed: dict[str, float]  # seconds, by name: target, draft, verify{n}, and *_alt in the other dtypes
+    other: dict[str, str]  # each dtype's other
+    last: int  # the widest verification, kmax + 1 tokens
+    verify_cost: dict[str, float]  # n tokens / 1
+    alt_verify_cost: float
+    prefill: dict[str, dict[str, float]]  # by prompt tokens: as served, and per-op with SDPA
+
+    @property
+    def c(self) -> float:
+        return self.timed["draft"] / self.timed["target"]
+
+
+def measure_forwards(args: argparse.Namespace, served: Served, batch1: Batch1) -> Forwards:
     reps = 50 if args.quick else 200
+    target, draft = served.target, served.draft
     # The same two models in the other dtype each: what the dtype defaults rest on (docs/engine.md).
     other = {"float32": "bfloat16", "bfloat16": "float32"}
     target_alt = LlamaForCausalLM.from_pretrained(args.target, TORCH_DTYPES[other[args.dtype]])
@@ -390,8 +276,6 @@ def main() -> None:
                             "draft_alt": (draft_alt, 1)}, (draft_alt,), reps)
     target_s, draft_s = timed["target"], timed["draft"]
     c = draft_s / target_s
-    bound = speedup_bound(best.alpha, c, best_k)
-    speedup = best.tok_s / plain.tok_s
     log(f"forward at batch 1: target {1000 * target_s:.2f} ms, draft {1000 * draft_s:.2f} ms, c = {c:.3f}")
     # What the bound leaves out: verifying K+1 tokens is not free on a CPU.
     verify_cost = {str(n): round(timed[f"verify{n}"] / target_s, 3) for n in range(2, args.kmax + 2)}
@@ -402,23 +286,39 @@ def main() -> None:
     prefill = prefill_times(target, [32, 512] if args.quick else [32, 64, 128, 256, 512], 3 if args.quick else 10)
     log("prefill at batch 1, as served / per-op with SDPA attention (ms): " + ", ".join(
         f"{n} tokens {1000 * p['served']:.1f} / {1000 * p['sdpa']:.1f}" for n, p in prefill.items()))
-    fastest_plain = max(plain.tok_s, other_plain.tok_s if other_plain is not None else 0.0)
-    log(f"best K={best_k}: speed-up {speedup:.2f}x, bound S={bound:.2f}, measured/bound {speedup / bound:.2f}; "
-        f"{best.tok_s / fastest_plain:.2f}x the fastest plain configuration")
-    # The cost model's prediction at the measured alpha, for the K it would choose: as measured
-    # at start-up, and after the online refinement from the steps above.
-    refined_report = online.report()
+    return Forwards(timed, other, last, verify_cost, alt_verify_cost, prefill)
+
+
+@dataclass
+class Prediction:
+    """The cost model's prediction at the measured alpha, against what batch 1 measured."""
+
+    k: int  # the K it chooses, from the refined model
+    speedup: float  # of these requests, prefills and catch-ups included
+    decode_speedup: float  # decode steps alone
+    measured_at_k: float
+    decode_at_k: float
+    startup_k: int  # the same from the start-up measurement alone
+    startup_speedup: float
+    overhead_b1: dict[str, float]  # the step's work outside its forwards
+
+
+def predict_b1(args: argparse.Namespace, served: Served, batch1: Batch1) -> Prediction:
+    """The cost model's prediction at the measured alpha, for the K it would choose: as measured
+    at start-up, and after the online refinement from the steps so far."""
+    best, plain, by_k, costs = batch1.best, batch1.plain, batch1.by_k, served.costs
+    refined_report = served.online.report()
     cost_model = uniform_model(refined_report)
     auto_k_b1 = choose_k(cost_model, best.alpha, 1, args.kmax, 0.0, 0.0)
     predicted_decode = gain(cost_model, best.alpha, auto_k_b1, 1)
-    startup_k_b1 = choose_k(startup_model, best.alpha, 1, args.kmax, 0.0, 0.0)
+    startup_k_b1 = choose_k(served.startup_model, best.alpha, 1, args.kmax, 0.0, 0.0)
     # speedup_b1 times whole requests: each prompt's prefill (both modes) and the draft's
     # catch-up on it (speculative) are in it, so the prediction prices them too, from the
     # prefill costs the worker measured at start-up, for these prompts and outputs.
-    requests_b1 = [(len(ids), len(out)) for ids, out in zip(b1, outputs[0], strict=True)]
+    requests_b1 = [(len(ids), len(out)) for ids, out in zip(batch1.prompts, batch1.outputs[0], strict=True)]
     predicted = refined_report.request_speedup(best.alpha, auto_k_b1, requests_b1) or predicted_decode
     predicted_startup = (costs.request_speedup(best.alpha, startup_k_b1, requests_b1)
-                         or gain(startup_model, best.alpha, startup_k_b1, 1))
+                         or gain(served.startup_model, best.alpha, startup_k_b1, 1))
     measured_at = by_k[auto_k_b1].tok_s / plain.tok_s if auto_k_b1 else 1.0
     decode_at = by_k[auto_k_b1].decode_tok_s / plain.decode_tok_s if auto_k_b1 else 1.0
     log(f"decode steps alone (no prefills) at K={auto_k_b1}: {decode_at:.2f}x measured, {predicted_decode:.2f}x "
@@ -434,7 +334,14 @@ def main() -> None:
     log(f"step work outside the forwards at batch 1: {outside_ms:.2f} ms "
         f"({100 * overhead_b1['share_of_plain_step']:.1f}% of a plain step; start-up {overhead_b1['startup_ms']:.2f} "
         f"ms), {overhead_b1['per_draft_refined_ms']:.3f} ms more per draft")
-    # Acceptance needs many drafts, not quiet timing: measure it batched, over more prompts.
+    return Prediction(auto_k_b1, predicted, predicted_decode, measured_at, decode_at, startup_k_b1, predicted_startup,
+                      overhead_b1)
+
+
+def measure_acceptance(args: argparse.Namespace, engine: SpeculativeEngine, prompts: list[list[int]],
+                       best_k: int) -> tuple[dict[str, float], dict[str, float]]:
+    """α per temperature, standard and seeded (coupled): batched, over more prompts, since
+    acceptance needs many drafts, not quiet timing."""
     alpha_prompts = prompts[:args.alpha_prompts]
     alpha_by_t: dict[str, float] = {}
     coupled_by_t: dict[str, float] = {}
@@ -449,64 +356,106 @@ def main() -> None:
             coupled_by_t[str(temperature)] = round(coupled.alpha, 4)
             line += f", seeded (coupled) {coupled.alpha:.3f} over {coupled.tested} tested drafts"
         log(f"{line}; standard over {result.tested} tested drafts")
+    return alpha_by_t, coupled_by_t
+
+
+def compare_at_batch(args: argparse.Namespace, served: Served, batch1: Batch1,
+                     size: int) -> dict[str, float | list[float] | dict[str, int]]:
+    """Plain, the best fixed K, K auto and plain again at batch ``size``, round by round."""
+    prompts, online, best_k = served.prompts, served.online, batch1.best_k
+    group = (prompts * (size // len(prompts) + 1))[:size]
+    # K auto: each step's K from the cost model at that step's depth (what the gateway's
+    # choice and the worker's per-step rule give together), at the measured alpha. Keyed
+    # kmax + 1 (requests ask for the deepest K; the rule cuts it).
+    rule = AutoK(online, batch1.best.alpha, args.kmax)
+    # Four engines (each with its own caches) play plain, fixed K, K auto and plain again,
+    # one role per round, each role moving to the next engine every round: two engines
+    # doing the same plain work differed by up to 15% over a whole round in a one-off run,
+    # so a role tied to one engine carried that engine's luck (its caches, its place in the
+    # turns) into the ratio. Plain again (key -1) is that noise, measured in the same run:
+    # where K auto runs plain throughout, its ratio to plain is no more than that.
+    roles = [0, best_k, args.kmax + 1, -1]
+    engines = [SpeculativeEngine(served.target, served.draft, max_slots=size, max_k=args.kmax) for _ in roles]
+    totals: dict[int, RunResult] = {}
+    auto_ratios, again_ratios = [], []
+    drafted: dict[int, dict[int, int]] = {}
+    for round_index in range(args.batch_rounds):
+        cast = {k: engines[(i + round_index) % len(roles)] for i, k in enumerate(roles)}
+        for k, engine in cast.items():
+            engine.step_depth_rule = rule if k == args.kmax + 1 else None
+            engine.catch_up_rule = rule.catch_up if k == args.kmax + 1 else None
+            engine.step_cost_rule = rule.step_cost if k == args.kmax + 1 else None
+        round_results, _ = run_interleaved(cast, [group], args.batch_max_tokens, 0.0, costs=online, drafted=drafted)
+        auto_ratios.append(round(round_results[args.kmax + 1].tok_s / round_results[0].tok_s, 3))
+        again_ratios.append(round(round_results[-1].tok_s / round_results[0].tok_s, 3))
+        for key, result in round_results.items():
+            totals[key] = totals[key] + result if key in totals else result
+    del engines
     batched: dict[str, float | list[float] | dict[str, int]] = {}
+    p, s, a = totals[0], totals[best_k], totals[args.kmax + 1]
+    batched[f"tok_s_b{size}_plain"], batched[f"tok_s_b{size}_spec"] = round(p.tok_s, 1), round(s.tok_s, 1)
+    batched[f"tok_s_b{size}_auto"] = round(a.tok_s, 1)
+    batched[f"auto_ratio_by_round_b{size}"] = auto_ratios
+    batched[f"tok_s_b{size}_plain_again"] = round(totals[-1].tok_s, 1)
+    batched[f"plain_again_ratio_by_round_b{size}"] = again_ratios
+    # What K auto's sequences drafted, step by step, after every rule (the depth rule's own
+    # choices: auto_k_chosen_b*; the catch-up and per-step rules may cut them).
+    ran = drafted.get(args.kmax + 1, {})
+    batched[f"auto_k_sequence_steps_b{size}"] = {str(k): n for k, n in sorted(ran.items())}
+    batched[f"auto_k_chosen_b{size}"] = {str(k): n for k, n in sorted(rule.chosen.items())}
+    batched[f"draft_share_b{size}_spec"] = round(s.draft_share, 3)
+    log(f"batch {size}, T=0, {args.batch_rounds} rounds: plain {p.tok_s:.1f} tok/s, speculative K={best_k} "
+        f"{s.tok_s:.1f} tok/s ({s.tok_s / p.tok_s:.2f}x), alpha {s.alpha:.3f}, drafting "
+        f"{100 * s.draft_share:.0f}% of its time; K auto "
+        f"(K={choose_k(live_model(online), batch1.best.alpha, size, args.kmax, 0.05, 0.0)} at depth {size}) "
+        f"{a.tok_s:.1f} tok/s ({a.tok_s / p.tok_s:.2f}x; by round {auto_ratios}); sequence-steps by K drafted "
+        f"{dict(sorted(ran.items()))} (by K chosen at the depth {dict(sorted(rule.chosen.items()))}); plain again "
+        f"{totals[-1].tok_s:.1f} tok/s ({totals[-1].tok_s / p.tok_s:.2f}x plain; by round {again_ratios})")
+    return batched
+
+
+def main() -> None:
+    args = parse_args()
+    batch_sizes = [int(b) for b in args.batches.split(",") if b]
+    served, engine = load_served(args, batch_sizes)
+    batch1 = measure_batch1(args, served)
+    plain, other_plain, best_k, best = batch1.plain, batch1.other_plain, batch1.best_k, batch1.best
+    forwards = measure_forwards(args, served, batch1)
+    bound = speedup_bound(best.alpha, forwards.c, best_k)
+    speedup = best.tok_s / plain.tok_s
+    fastest_plain = max(plain.tok_s, other_plain.tok_s if other_plain is not None else 0.0)
+    log(f"best K={best_k}: speed-up {speedup:.2f}x, bound S={bound:.2f}, measured/bound {speedup / bound:.2f}; "
+        f"{best.tok_s / fastest_plain:.2f}x the fastest plain configuration")
+    prediction = predict_b1(args, served, batch1)
+    alpha_by_t, coupled_by_t = measure_acceptance(args, engine, served.prompts, best_k)
     del engine  # its caches; the batched runs get a plain and a speculative engine of their own
+    batched: dict[str, float | list[float] | dict[str, int]] = {}
     for size in batch_sizes:
-        group = (prompts * (size // len(prompts) + 1))[:size]
-        # K auto: each step's K from the cost model at that step's depth (what the gateway's
-        # choice and the worker's per-step rule give together), at the measured alpha. Keyed
-        # kmax + 1 (requests ask for the deepest K; the rule cuts it).
-        rule = AutoK(online, best.alpha, args.kmax)
-        # Four engines (each with its own caches) play plain, fixed K, K auto and plain again,
-        # one role per round, each role moving to the next engine every round: two engines
-        # doing the same plain work differed by up to 15% over a whole round in a one-off run,
-        # so a role tied to one engine carried that engine's luck (its caches, its place in the
-        # turns) into the ratio. Plain again (key -1) is that noise, measured in the same run:
-        # where K auto runs plain throughout, its ratio to plain is no more than that.
-        roles = [0, best_k, args.kmax + 1, -1]
-        engines = [SpeculativeEngine(target, draft, max_slots=size, max_k=args.kmax) for _ in roles]
-        totals: dict[int, RunResult] = {}
-        auto_ratios, again_ratios = [], []
-        drafted: dict[int, dict[int, int]] = {}
-        for round_index in range(args.batch_rounds):
-            cast = {k: engines[(i + round_index) % len(roles)] for i, k in enumerate(roles)}
-            for k, engine in cast.items():
-                engine.step_depth_rule = rule if k == args.kmax + 1 else None
-                engine.catch_up_rule = rule.catch_up if k == args.kmax + 1 else None
-                engine.step_cost_rule = rule.step_cost if k == args.kmax + 1 else None
-            round_results, _ = run_interleaved(cast, [group], args.batch_max_tokens, 0.0, costs=online, drafted=drafted)
-            auto_ratios.append(round(round_results[args.kmax + 1].tok_s / round_results[0].tok_s, 3))
-            again_ratios.append(round(round_results[-1].tok_s / round_results[0].tok_s, 3))
-            for key, result in round_results.items():
-                totals[key] = totals[key] + result if key in totals else result
-        del engines
-        p, s, a = totals[0], totals[best_k], totals[args.kmax + 1]
-        batched[f"tok_s_b{size}_plain"], batched[f"tok_s_b{size}_spec"] = round(p.tok_s, 1), round(s.tok_s, 1)
-        batched[f"tok_s_b{size}_auto"] = round(a.tok_s, 1)
-        batched[f"auto_ratio_by_round_b{size}"] = auto_ratios
-        batched[f"tok_s_b{size}_plain_again"] = round(totals[-1].tok_s, 1)
-        batched[f"plain_again_ratio_by_round_b{size}"] = again_ratios
-        # What K auto's sequences drafted, step by step, after every rule (the depth rule's own
-        # choices: auto_k_chosen_b*; the catch-up and per-step rules may cut them).
-        ran = drafted.get(args.kmax + 1, {})
-        batched[f"auto_k_sequence_steps_b{size}"] = {str(k): n for k, n in sorted(ran.items())}
-        batched[f"auto_k_chosen_b{size}"] = {str(k): n for k, n in sorted(rule.chosen.items())}
-        batched[f"draft_share_b{size}_spec"] = round(s.draft_share, 3)
-        log(f"batch {size}, T=0, {args.batch_rounds} rounds: plain {p.tok_s:.1f} tok/s, speculative K={best_k} "
-            f"{s.tok_s:.1f} tok/s ({s.tok_s / p.tok_s:.2f}x), alpha {s.alpha:.3f}, drafting "
-            f"{100 * s.draft_share:.0f}% of its time; K auto "
-            f"(K={choose_k(live_model(online), best.alpha, size, args.kmax, 0.05, 0.0)} at depth {size}) "
-            f"{a.tok_s:.1f} tok/s ({a.tok_s / p.tok_s:.2f}x; by round {auto_ratios}); sequence-steps by K drafted "
-            f"{dict(sorted(ran.items()))} (by K chosen at the depth {dict(sorted(rule.chosen.items()))}); plain again "
-            f"{totals[-1].tok_s:.1f} tok/s ({totals[-1].tok_s / p.tok_s:.2f}x plain; by round {again_ratios})")
-    summary = {
+        batched |= compare_at_batch(args, served, batch1, size)
+    if args.json:
+        print(json.dumps(summarize(args, served, batch1, forwards, prediction, alpha_by_t, coupled_by_t, batched,
+                                   bound, fastest_plain)))
+
+
+def summarize(args: argparse.Namespace, served: Served, batch1: Batch1, forwards: Forwards, prediction: Prediction,
+              alpha_by_t: dict[str, float], coupled_by_t: dict[str, float],
+              batched: dict[str, float | list[float] | dict[str, int]], bound: float,
+              fastest_plain: float) -> dict[str, object]:
+    """The run's figures, as the one JSON object ``--json`` prints."""
+    costs, target, online = served.costs, served.target, served.online
+    plain, other_plain, best, by_k = batch1.plain, batch1.other_plain, batch1.best, batch1.by_k
+    timed, other, last = forwards.timed, forwards.other, forwards.last
+    assert costs.precision is not None
+    speedup = best.tok_s / plain.tok_s
+    return {
         "bench": "engine", "dtype": args.dtype, "target_prepacked": target.prepacked, "products": target.products,
         "draft_dtype": args.draft_dtype, "threads": args.threads, "kernels": rowgemm.chosen_build(),
-        "prompts": len(b1),
-        "max_tokens": args.max_tokens, "alpha_t0": round(best.alpha, 4), "best_k": best_k,
+        "prompts": len(batch1.prompts),
+        "max_tokens": args.max_tokens, "alpha_t0": round(best.alpha, 4), "best_k": batch1.best_k,
         "acceptance_rate_t0": round(best.accepted / best.proposed, 4),
         "speedup_b1": round(speedup, 3), "bound_b1": round(bound, 3), "speedup_over_bound": round(speedup / bound, 3),
-        "c": round(c, 4), "target_forward_ms": round(1000 * target_s, 3), "draft_forward_ms": round(1000 * draft_s, 3),
+        "c": round(forwards.c, 4), "target_forward_ms": round(1000 * timed["target"], 3),
+        "draft_forward_ms": round(1000 * timed["draft"], 3),
         "tok_s_plain_b1": round(plain.tok_s, 1), "tok_s_spec_b1": round(best.tok_s, 1),
         # Plain decoding with the kernels' other products (None where they have one way), and the
         # speed-up against the faster of the two plain configurations.
@@ -515,26 +464,26 @@ def main() -> None:
         "tok_s_b1_by_k": {str(k): round(r.tok_s, 1) for k, r in by_k.items()},
         "alpha_b1_by_k": {str(k): round(r.alpha, 4) for k, r in by_k.items()},
         "draft_share_b1_spec": round(best.draft_share, 3),
-        "step_breakdown_b1_ms": breakdown,
-        "greedy_identical_runs": identical, "greedy_compared_runs": compared,
-        "verify_cost_by_tokens": verify_cost,
+        "step_breakdown_b1_ms": batch1.breakdown,
+        "greedy_identical_runs": batch1.identical, "greedy_compared_runs": batch1.compared,
+        "verify_cost_by_tokens": forwards.verify_cost,
         "other_dtypes": {"target": other[args.dtype], "target_forward_ms": round(1000 * timed["target_alt"], 3),
-                         f"verify_cost_{last}_tokens": round(alt_verify_cost, 3), "draft": other[args.draft_dtype],
-                         "draft_forward_ms": round(1000 * timed["draft_alt"], 3)},
-        "prefill_by_tokens_ms": {n: {name: round(1000 * s, 1) for name, s in p.items()} for n, p in prefill.items()},
+                         f"verify_cost_{last}_tokens": round(forwards.alt_verify_cost, 3),
+                         "draft": other[args.draft_dtype], "draft_forward_ms": round(1000 * timed["draft_alt"], 3)},
+        "prefill_by_tokens_ms": {n: {name: round(1000 * s, 1) for name, s in p.items()}
+                                 for n, p in forwards.prefill.items()},
         "alpha_by_temperature": alpha_by_t, "alpha_seeded_coupled_by_temperature": coupled_by_t, **batched,
         "cpu": costs.cpu, "precision_choice": {"target": costs.precision.target, "exact": costs.precision.exact,
                                                "why": costs.precision.why},
-        "predicted_speedup_b1": round(predicted, 3), "predicted_k_b1": auto_k_b1,
-        "predicted_decode_speedup_b1": round(predicted_decode, 3),
-        "measured_speedup_at_predicted_k_b1": round(measured_at, 3),
-        "decode_speedup_at_predicted_k_b1": round(decode_at, 3),
-        "predicted_speedup_b1_startup": round(predicted_startup, 3), "predicted_k_b1_startup": startup_k_b1,
-        "step_overhead_b1": overhead_b1,
+        "predicted_speedup_b1": round(prediction.speedup, 3), "predicted_k_b1": prediction.k,
+        "predicted_decode_speedup_b1": round(prediction.decode_speedup, 3),
+        "measured_speedup_at_predicted_k_b1": round(prediction.measured_at_k, 3),
+        "decode_speedup_at_predicted_k_b1": round(prediction.decode_at_k, 3),
+        "predicted_speedup_b1_startup": round(prediction.startup_speedup, 3),
+        "predicted_k_b1_startup": prediction.startup_k,
+        "step_overhead_b1": prediction.overhead_b1,
         "cost_model": costs.to_json(), "cost_model_refined": online.report().to_json(),
     }
-    if args.json:
-        print(json.dumps(summary))
 
 
 if __name__ == "__main__":

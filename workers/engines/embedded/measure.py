@@ -287,43 +287,16 @@ def measure_with_model(settings: MeasureSettings) -> tuple[CostReport, LlamaForC
     deadline = started + settings.budget_s
     max_k = settings.max_k if settings.draft is not None else 0
     width = max_k + 1
-    positions = CONTEXT + width + 64
-    full = settings.max_slots
-    n_plan = sorted({n for n in (1, 2, 4, width) if n <= width})
-    configs = target_configs(settings.dtype)
-    # The draft multiplies as its target does (load_draft): one draft per products among the
-    # candidates, each candidate priced with its own.
-    drafts: dict[str, LlamaForCausalLM] = {}
-    if settings.draft is not None:
-        drafts = {p: LlamaForCausalLM.load_draft(settings.draft, TORCH_DTYPES[settings.draft_dtype], p)
-                  for p in sorted({c[2] for c in configs.values()})}
-    targets = {d: LlamaForCausalLM.from_pretrained(settings.target, TORCH_DTYPES[configs[d][0]], configs[d][1],
-                                                   configs[d][2]) for d in configs}
-    identical = {d: verification_bit_identical(m, max(2, width)) for d, m in targets.items()}
-    caches = {d: _scratch_cache(m, full, positions) for d, m in targets.items()}
-    draft_caches = {p: _scratch_cache(m, full, positions) for p, m in drafts.items()}
-    # Phase 1, every candidate in turn (one forward each per round): batch 1 at a few n, and a
-    # plain step at full batch (capacity under load).
-    runs: dict[tuple[str, int, int], Callable[[], None]] = {}
-    for d, model in targets.items():
-        runs |= {(d, 1, n): _forward(model, caches[d], 1, n, positions, True) for n in n_plan}
-        runs[(d, full, 1)] = _forward(model, caches[d], full, 1, positions, True)
-    for p, model in drafts.items():
-        runs[(f"draft-{p}", 1, 1)] = _forward(model, draft_caches[p], 1, 1, positions, False)
-    times = _time_rounds(runs, started + 0.55 * settings.budget_s, runs.get(("draft-float32", 1, 1)))
-    candidates = []
-    for d, model in targets.items():
-        curve = _fill({n: times[(d, 1, n)] for n in n_plan}, width)
-        tok_s, k = _best_b1(curve, times.get((f"draft-{configs[d][2]}", 1, 1)), REFERENCE_ALPHA)
-        candidates.append(PrecisionCandidate(configs[d][0], model.prepacked, identical[d], round(1000 * curve[0], 3),
-                                             round(1000 * curve[-1], 3), round(tok_s, 1), k,
-                                             round(full / times[(d, full, 1)], 1), model.products))
+    shape = _Shape(width, CONTEXT + width + 64, settings.max_slots, sorted({n for n in (1, 2, 4, width) if n <= width}))
+    loaded = _load_candidates(settings, shape)
+    times = _time_candidates(loaded, shape, started + 0.55 * settings.budget_s)
+    candidates = _rank_candidates(loaded, shape, times)
     chosen, why = choose_precision(candidates, settings)
-    chosen_config = next(d for d, m in targets.items() if configs[d][0] == chosen.target
+    chosen_config = next(d for d, m in loaded.targets.items() if loaded.configs[d][0] == chosen.target
                          and m.prepacked == chosen.prepacked and m.products == chosen.products)
-    target, cache = targets[chosen_config], caches[chosen_config]
-    draft, draft_cache = drafts.get(chosen.products), draft_caches.get(chosen.products)
-    depths = depth_grid(full)
+    target, cache = loaded.targets[chosen_config], loaded.caches[chosen_config]
+    draft, draft_cache = loaded.drafts.get(chosen.products), loaded.draft_caches.get(chosen.products)
+    depths = depth_grid(shape.full)
     engine_times = measure_overheads(target, draft, max_k, depths, started + 0.7 * settings.budget_s)
     prefill_ms, draft_prefill_ms = measure_prefill(target, draft)
     # Phase 2, the chosen target alone: every n at batch 1, then the full batch and the depths
@@ -337,30 +310,127 @@ def measure_with_model(settings: MeasureSettings) -> tuple[CostReport, LlamaForC
     # its 2- and 4-token forwards, run after the draft's, did not; joined through that plain step,
     # verification at batch 1 priced 2 / 3 / 4 tokens at 0.76 / 1.05 / 0.66x a plain step, and
     # the start-up model predicted 2.68x where bench.engine measured 1.69x (docs/measured.md).
-    phase1 = {full: {1: times[(chosen_config, full, 1)]}}
-    phase1[1] = {n: times[(chosen_config, 1, n)] for n in n_plan}  # (full may be 1: the same point)
+    phase1 = {shape.full: {1: times[(chosen_config, shape.full, 1)]}}
+    phase1[1] = {n: times[(chosen_config, 1, n)] for n in shape.n_plan}  # (full may be 1: the same point)
     phase1_draft = times[(f"draft-{chosen.products}", 1, 1)] if draft is not None else None
     measured: dict[int, dict[int, float]] = {}
     draft_measured: dict[int, float] = {}
-    drafting = [0] if draft is not None else []
-    # The plain step at every depth first: it is what every decision at a depth is measured
-    # against, and between depths it is not linear. On the AVX2 CPU a plain step at depth 8 cost
-    # 4.5 ms, as much as at depth 4, where the line from depth 4 to 16 said 6.9 ms; K auto then
-    # decoded batch 8 at K=1 and lost 14% to plain (bench.engine). A depth timed plain only
-    # takes its shape in n from the nearest depth timed at several (_curves).
-    plain_steps = {("target", d, 1): _forward(target, cache, d, 1, positions, True) for d in depths[1:]}
+    _time_plain_steps(target, cache, depths, shape, deadline, measured)
+    _time_depth_groups(target, cache, draft, draft_cache, depths, shape, deadline, measured, draft_measured)
+    for depth, row in phase1.items():  # what the budget left untimed in phase 2
+        if 1 not in measured.get(depth, {}):
+            measured[depth] = dict(row)
+    if phase1_draft is not None:
+        draft_measured.setdefault(1, phase1_draft)
+    measured = {d: row for d, row in measured.items() if 1 in row}
+    target_s, draft_s = _curves(depths, measured, draft_measured, width, draft is not None)
+    draft_first_s, draft_next_s = (draft_split(depths, draft_s, engine_times.draft_phase_s) if draft is not None
+                                   else (None, draft_s))
+    elapsed = time.perf_counter() - started
+    choice = PrecisionChoice(chosen.target, chosen.prepacked, chosen.bit_identical, why, REFERENCE_ALPHA,
+                             tuple(candidates), chosen.products)
+    log.info("cost model measured in %.2fs: %s", elapsed, why)
+    report = report_from_forward_times(depths, target_s, draft_next_s, source="measured", precision=choice,
+                                       overhead_s=engine_times.overhead_s,
+                                       draft_overhead_s=engine_times.draft_overhead_s, draft_first_s=draft_first_s,
+                                       measured_points=sum(len(r) for r in measured.values()),
+                                       total_points=width * len(depths), measure_s=round(elapsed, 3), cpu=cpu_label(),
+                                       prefill_tokens=PREFILL_TOKENS, prefill_ms=prefill_ms,
+                                       draft_prefill_ms=draft_prefill_ms)
+    return report, target
+
+
+@dataclass(frozen=True)
+class _Shape:
+    """The forwards the measurement times."""
+
+    width: int  # tokens per sequence in the widest verification, max_k + 1
+    positions: int  # the scratch caches' length
+    full: int  # the full batch, max_slots
+    n_plan: list[int]  # the tokens per sequence every depth is timed at, when the budget lets it
+
+
+@dataclass(frozen=True)
+class _Candidates:
+    """Every target configuration, loaded and checked, with the drafts and scratch caches."""
+
+    configs: dict[str, tuple[TargetDtype, bool, Products]]  # target_configs
+    targets: dict[str, LlamaForCausalLM]
+    drafts: dict[str, LlamaForCausalLM]  # by products
+    identical: dict[str, bool]  # verification bit-identical to plain decoding
+    caches: dict[str, KVCache]
+    draft_caches: dict[str, KVCache]
+
+
+def _load_candidates(settings: MeasureSettings, shape: _Shape) -> _Candidates:
+    configs = target_configs(settings.dtype)
+    # The draft multiplies as its target does (load_draft): one draft per products among the
+    # candidates, each candidate priced with its own.
+    drafts: dict[str, LlamaForCausalLM] = {}
+    if settings.draft is not None:
+        drafts = {p: LlamaForCausalLM.load_draft(settings.draft, TORCH_DTYPES[settings.draft_dtype], p)
+                  for p in sorted({c[2] for c in configs.values()})}
+    targets = {d: LlamaForCausalLM.from_pretrained(settings.target, TORCH_DTYPES[configs[d][0]], configs[d][1],
+                                                   configs[d][2]) for d in configs}
+    identical = {d: verification_bit_identical(m, max(2, shape.width)) for d, m in targets.items()}
+    caches = {d: _scratch_cache(m, shape.full, shape.positions) for d, m in targets.items()}
+    draft_caches = {p: _scratch_cache(m, shape.full, shape.positions) for p, m in drafts.items()}
+    return _Candidates(configs, targets, drafts, identical, caches, draft_caches)
+
+
+def _time_candidates(loaded: _Candidates, shape: _Shape, until: float) -> dict[tuple[str, int, int], float]:
+    """Phase 1, every candidate in turn (one forward each per round): batch 1 at a few n, and a
+    plain step at full batch (capacity under load)."""
+    runs: dict[tuple[str, int, int], Callable[[], None]] = {}
+    for d, model in loaded.targets.items():
+        runs |= {(d, 1, n): _forward(model, loaded.caches[d], 1, n, shape.positions, True) for n in shape.n_plan}
+        runs[(d, shape.full, 1)] = _forward(model, loaded.caches[d], shape.full, 1, shape.positions, True)
+    for p, model in loaded.drafts.items():
+        runs[(f"draft-{p}", 1, 1)] = _forward(model, loaded.draft_caches[p], 1, 1, shape.positions, False)
+    return _time_rounds(runs, until, runs.get(("draft-float32", 1, 1)))
+
+
+def _rank_candidates(loaded: _Candidates, shape: _Shape,
+                     times: dict[tuple[str, int, int], float]) -> list[PrecisionCandidate]:
+    """Phase 1's timings as what ``choose_precision`` compares."""
+    candidates = []
+    for d, model in loaded.targets.items():
+        curve = _fill({n: times[(d, 1, n)] for n in shape.n_plan}, shape.width)
+        tok_s, k = _best_b1(curve, times.get((f"draft-{loaded.configs[d][2]}", 1, 1)), REFERENCE_ALPHA)
+        candidates.append(PrecisionCandidate(loaded.configs[d][0], model.prepacked, loaded.identical[d],
+                                             round(1000 * curve[0], 3), round(1000 * curve[-1], 3), round(tok_s, 1),
+                                             k, round(shape.full / times[(d, shape.full, 1)], 1), model.products))
+    return candidates
+
+
+def _time_plain_steps(target: LlamaForCausalLM, cache: KVCache, depths: tuple[int, ...], shape: _Shape,
+                      deadline: float, measured: dict[int, dict[int, float]]) -> None:
+    """The plain step at every depth past 1 into ``measured``, first: it is what every decision at
+    a depth is measured against, and between depths it is not linear. On the AVX2 CPU a plain
+    step at depth 8 cost 4.5 ms, as much as at depth 4, where the line from depth 4 to 16 said
+    6.9 ms; K auto then decoded batch 8 at K=1 and lost 14% to plain (bench.engine). A depth
+    timed plain only takes its shape in n from the nearest depth timed at several (_curves)."""
+    plain_steps = {("target", d, 1): _forward(target, cache, d, 1, shape.positions, True) for d in depths[1:]}
     if plain_steps and time.perf_counter() < deadline:
         for (_, depth, _), seconds in _time_rounds(plain_steps, deadline).items():
             measured.setdefault(depth, {})[1] = seconds
-    # Then every n at batch 1; then each deeper depth's draft forward and 2-token verification
-    # (K=1: whether speculation pays there at all; the slope in n, from the plain step), the
-    # full batch's last; then the rest of n_plan at each depth, until the budget ends. The
-    # shape in n at batch 1 said nothing about depth 8, where a 2-token step cost 2.4x a plain
-    # one against 1.4x at batch 1 (bench.engine's refined costs, AVX2 CPU).
+
+
+def _time_depth_groups(target: LlamaForCausalLM, cache: KVCache, draft: LlamaForCausalLM | None,
+                       draft_cache: KVCache | None, depths: tuple[int, ...], shape: _Shape, deadline: float,
+                       measured: dict[int, dict[int, float]], draft_measured: dict[int, float]) -> None:
+    """Every n at batch 1; then each deeper depth's draft forward and 2-token verification (K=1:
+    whether speculation pays there at all; the slope in n, from the plain step), the full
+    batch's last; then the rest of n_plan at each depth, until the budget ends. The shape in n
+    at batch 1 said nothing about depth 8, where a 2-token step cost 2.4x a plain one against
+    1.4x at batch 1 (bench.engine's refined costs, AVX2 CPU). Each depth's points are joined to
+    what it has through its plain step's ratio."""
+    width, full, positions = shape.width, shape.full, shape.positions
+    drafting = [0] if draft is not None else []
     groups: list[tuple[int, list[int]]] = [(1, [*drafting, *range(1, width + 1)])]
     if width > 1:
         groups += [(d, [*drafting, 2]) for d in (*depths[1:-1], full) if d > 1]
-    groups += [(d, drafting + n_plan) for d in (full, *depths[1:-1])]
+    groups += [(d, drafting + shape.n_plan) for d in (full, *depths[1:-1])]
     for depth, planned in groups:
         # What this depth has not been timed at: its draft forward (n = 0), verifications (n > 1).
         done = measured.get(depth, {})
@@ -389,27 +459,6 @@ def measure_with_model(settings: MeasureSettings) -> tuple[CostReport, LlamaForC
                 draft_measured[depth] = seconds * scale
             elif n > 1:
                 row[n] = seconds * scale
-    for depth, row in phase1.items():  # what the budget left untimed in phase 2
-        if 1 not in measured.get(depth, {}):
-            measured[depth] = dict(row)
-    if phase1_draft is not None:
-        draft_measured.setdefault(1, phase1_draft)
-    measured = {d: row for d, row in measured.items() if 1 in row}
-    target_s, draft_s = _curves(depths, measured, draft_measured, width, draft is not None)
-    draft_first_s, draft_next_s = (draft_split(depths, draft_s, engine_times.draft_phase_s) if draft is not None
-                                   else (None, draft_s))
-    elapsed = time.perf_counter() - started
-    choice = PrecisionChoice(chosen.target, chosen.prepacked, chosen.bit_identical, why, REFERENCE_ALPHA,
-                             tuple(candidates), chosen.products)
-    log.info("cost model measured in %.2fs: %s", elapsed, why)
-    report = report_from_forward_times(depths, target_s, draft_next_s, source="measured", precision=choice,
-                                       overhead_s=engine_times.overhead_s,
-                                       draft_overhead_s=engine_times.draft_overhead_s, draft_first_s=draft_first_s,
-                                       measured_points=sum(len(r) for r in measured.values()),
-                                       total_points=width * len(depths), measure_s=round(elapsed, 3), cpu=cpu_label(),
-                                       prefill_tokens=PREFILL_TOKENS, prefill_ms=prefill_ms,
-                                       draft_prefill_ms=draft_prefill_ms)
-    return report, target
 
 
 @torch.inference_mode()
