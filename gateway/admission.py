@@ -14,7 +14,7 @@ import hashlib
 import time
 from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from gateway.fleet import WorkerHandle
 from gateway.metrics import GatewayMetrics
@@ -37,15 +37,18 @@ from policies import (
 )
 from workers.api.protocol import (
     DIRECTIVE_FIELD,
+    GATEWAY_FIELDS,
     MAX_SESSION_ID,
     SESSION_HEADER,
     BadRequest,
     ClientDisconnected,
     CompletionRequest,
+    NotFound,
     RequestKind,
     ResumePoint,
     StepReport,
     chunk_text,
+    parse_request,
     speculative_usage,
     vllm_step_report,
 )
@@ -86,6 +89,19 @@ def session_id_of(headers: Mapping[str, str], req: CompletionRequest) -> str | N
     if req.user:
         return user_session_id(req.user)
     return None
+
+
+def accept_request(state: GatewayState, kind: RequestKind, body: Any) -> CompletionRequest:
+    """A client's parsed request, once it names the served model and leaves speculation to the
+    gateway (the ``specgate`` directive and ``vllm_xargs`` are the gateway's to set)."""
+    req = parse_request(kind, body)
+    if req.model != state.config.model.name:
+        raise NotFound(f"model '{req.model}' does not exist; available: '{state.config.model.name}'",
+                       param="model", code="model_not_found")
+    for name in GATEWAY_FIELDS:
+        if req.raw.get(name) is not None:
+            raise BadRequest(f"'{name}' is set by the gateway, not by clients", param=name)
+    return req
 
 
 def user_session_id(user: str) -> str:

@@ -30,7 +30,7 @@ from envoy.type.v3.http_status_pb2 import HttpStatus
 from google.protobuf.struct_pb2 import Struct
 from multidict import CIMultiDict
 
-from gateway.admission import Admission, account_chunk, commit, pick_ready, session_id_of
+from gateway.admission import Admission, accept_request, account_chunk, commit, pick_ready, session_id_of
 from gateway.auth import AuthStore
 from gateway.epp_feedback import ResponseReader
 from gateway.fleet import WorkerHandle
@@ -39,18 +39,15 @@ from gateway.state import GatewayState
 from gateway.tracing import AttemptTrace
 from workers.api.limits import InputRefused, loads_json
 from workers.api.protocol import (
-    GATEWAY_FIELDS,
     SESSION_HEADER,
     ApiError,
     BadRequest,
     CompletionRequest,
     Directive,
-    NotFound,
     Overloaded,
     PayloadTooLarge,
     RequestKind,
     Unavailable,
-    parse_request,
 )
 
 log = logging.getLogger(__name__)
@@ -241,13 +238,7 @@ class Exchange:
             raw = loads_json(body)
         except InputRefused as exc:
             raise BadRequest(str(exc)) from None
-        req = parse_request(kind, raw)
-        if req.model != state.config.model.name:
-            raise NotFound(f"model '{req.model}' does not exist; available: '{state.config.model.name}'",
-                           param="model", code="model_not_found")
-        for name in GATEWAY_FIELDS:
-            if req.raw.get(name) is not None:
-                raise BadRequest(f"'{name}' is set by the gateway, not by clients", param=name)
+        req = accept_request(state, kind, raw)
         session = state.sessions.touch(session_id_of(self.headers, req), self.started, scope)
         session.requests += 1
         await state.store.load(session)

@@ -11,7 +11,7 @@ from typing import Any
 import orjson
 from aiohttp import web
 
-from gateway.admission import Admission, account_chunk, pick, pick_ready, record, session_id_of
+from gateway.admission import Admission, accept_request, account_chunk, pick, pick_ready, record, session_id_of
 from gateway.auth import scope_of
 from gateway.drain import DRAIN_KEY, InFlight
 from gateway.migration import MigratingStream
@@ -23,20 +23,16 @@ from gateway.tracing import TRACING_KEY, RequestTrace
 from gateway.worker_http import WorkerResponse
 from workers.api.logs import RequestLog, decision_var, request_id_var, session_var
 from workers.api.protocol import (
-    GATEWAY_FIELDS,
     REQUEST_ID_HEADER,
     SESSION_HEADER,
     ApiError,
-    BadRequest,
     ClientDisconnected,
     CompletionRequest,
     Directive,
-    NotFound,
     RequestKind,
     ResumePoint,
     assemble,
     chunk_text,
-    parse_request,
 )
 from workers.api.web_common import read_json, sse_event, start_sse
 
@@ -234,13 +230,7 @@ async def _relay(request: web.Request, kind: RequestKind, state: GatewayState, t
     # Tags this request's log lines (workers/api/logs.py); each aiohttp handler runs in its own task,
     # so these values never leak into another request's context.
     request_id_var.set(state.sessions.random_id())  # 32 hex digits, as uuid4().hex without its object
-    req = parse_request(kind, await read_json(request))
-    if req.model != state.config.model.name:
-        raise NotFound(f"model '{req.model}' does not exist; available: '{state.config.model.name}'",
-                       param="model", code="model_not_found")
-    for name in GATEWAY_FIELDS:  # the specgate directive and vllm_xargs: the gateway decides speculation
-        if req.raw.get(name) is not None:
-            raise BadRequest(f"'{name}' is set by the gateway, not by clients", param=name)
+    req = accept_request(state, kind, await read_json(request))
     # Sessions are scoped to the API key that made them: another key's session id is another session.
     session = state.sessions.touch(session_id_of(request.headers, req), started, scope_of(request))
     # What another replica learned about this session (state.backend: redis); bounded by state.timeout_s.
