@@ -400,32 +400,43 @@ class OnlineCosts:
         no forward the model holds (``policies.cost.catch_up_pays`` prices it from the prefill line): the
         draft time is not observed. Observed, K auto's steps after plain spells put the
         catch-up into the later forwards, which then cost more than the first one at depth 16."""
-        depths = self.base.depths
         with self._lock:
             if depth >= 1 and 1 <= width <= len(self.target_s[0]) and verify_s > 0:
-                i, n = _nearest(depths, depth), width - 1
-                column = [row[n] for row in self.target_s]
-                scaled = verify_s * column[i] / interpolate(depths, column, depth)
-                old = self.target_s[i][n]
-                self.target_s[i][n] += self._weight((i, n + 1)) * (scaled - old)
-                if n == 0 and old > 0:
-                    self._carry(i, self.target_s[i][n] / old)
+                self._observe_verify(depth, width, verify_s)
             if draft_depth >= 1 and draft_forwards >= 1 and draft_s > 0 and not catch_up:
-                i = _nearest(depths, draft_depth)
-                if self.base.draft_first_cost is None:  # a model that prices every forward alike
-                    scaled = draft_s / draft_forwards * _ratio(self.draft_s, i, depths, draft_depth)
-                    self.draft_s[i] += self._weight((i, 0)) * (scaled - self.draft_s[i])
-                elif draft_forwards == 1:
-                    scaled = draft_s * _ratio(self.draft_first_s, i, depths, draft_depth)
-                    self.draft_first_s[i] += self._weight((i, -3)) * (scaled - self.draft_first_s[i])
-                else:
-                    first = interpolate(depths, self.draft_first_s, draft_depth)
-                    later = max(0.0, draft_s - first) / (draft_forwards - 1)
-                    scaled = later * _ratio(self.draft_s, i, depths, draft_depth)
-                    self.draft_s[i] += self._weight((i, 0)) * (scaled - self.draft_s[i])
+                self._observe_draft(draft_depth, draft_forwards, draft_s)
             if step_s > 0 and verify_s > 0 and depth >= 1:
                 self._observe_overhead(depth, step_s - verify_s - max(0.0, draft_s), drafts)
             self.steps += 1
+
+    def _observe_verify(self, depth: int, width: int, verify_s: float) -> None:
+        """The target's forward of ``width`` tokens per row at ``depth``: its nearest grid point
+        (a plain one carries the depth's stale points with it)."""
+        depths = self.base.depths
+        i, n = _nearest(depths, depth), width - 1
+        column = [row[n] for row in self.target_s]
+        scaled = verify_s * column[i] / interpolate(depths, column, depth)
+        old = self.target_s[i][n]
+        self.target_s[i][n] += self._weight((i, n + 1)) * (scaled - old)
+        if n == 0 and old > 0:
+            self._carry(i, self.target_s[i][n] / old)
+
+    def _observe_draft(self, draft_depth: int, draft_forwards: int, draft_s: float) -> None:
+        """The step's ``draft_forwards`` draft forwards over ``draft_depth`` rows: the first
+        forward's point for one forward, the later ones' (less the first's price) for more."""
+        depths = self.base.depths
+        i = _nearest(depths, draft_depth)
+        if self.base.draft_first_cost is None:  # a model that prices every forward alike
+            scaled = draft_s / draft_forwards * _ratio(self.draft_s, i, depths, draft_depth)
+            self.draft_s[i] += self._weight((i, 0)) * (scaled - self.draft_s[i])
+        elif draft_forwards == 1:
+            scaled = draft_s * _ratio(self.draft_first_s, i, depths, draft_depth)
+            self.draft_first_s[i] += self._weight((i, -3)) * (scaled - self.draft_first_s[i])
+        else:
+            first = interpolate(depths, self.draft_first_s, draft_depth)
+            later = max(0.0, draft_s - first) / (draft_forwards - 1)
+            scaled = later * _ratio(self.draft_s, i, depths, draft_depth)
+            self.draft_s[i] += self._weight((i, 0)) * (scaled - self.draft_s[i])
 
     def _observe_overhead(self, depth: int, outside: float, drafts: int) -> None:
         """``outside``: seconds of the step outside its forwards."""
