@@ -21,9 +21,9 @@ from typing import Any
 import openai
 import yaml
 
-from bench.procs import free_port, wait_ok
+from tests.e2e.processes import free_port, wait_ok
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 MODELS = REPO / "models"
 # Workers' start-up cost measurement, kept short in tests (production default: 4 s).
 TEST_COST_BUDGET_S = 1.0

@@ -23,10 +23,10 @@ from typing import Any
 import pytest
 import yaml
 
-from bench.procs import free_port, wait_ok
 from dashboards.observe import DEPLOY, ToolMissing, prometheus_command, tool, write_config
+from tests.e2e.processes import free_port, wait_ok
 
-DASHBOARD = Path(__file__).resolve().parent.parent / "dashboards" / "specgate.json"
+DASHBOARD = Path(__file__).resolve().parents[2] / "dashboards" / "specgate.json"
 
 # What Grafana would put in place of the dashboard's variables, for queries sent straight to Prometheus.
 RATE_INTERVAL = "5s"  # Grafana's $__rate_interval is at least 4 scrape intervals (1 s here)

@@ -10,7 +10,7 @@ import subprocess
 import sys
 from typing import Any
 
-from tests.harness import REPO
+from tests.e2e.harness import REPO
 
 PATHS = {"direct", "relay", "envoy_rr", "envoy_epp"}
 TARGETS = {"epp_added_p50_over_envoy_rr_le_2x_relay_added_p50_over_direct", "goodput_epp_over_relay_ge_0.97",

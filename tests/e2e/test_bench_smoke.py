@@ -14,7 +14,7 @@ import pytest
 from bench.fleet_sim import KINDS
 from bench.overhead import target_lines
 from bench.policy_real import live_prompt
-from tests.harness import REPO
+from tests.e2e.harness import REPO
 from workers.engines.embedded import rowgemm
 from workers.engines.embedded.model import bf16_prepacking_available
 from workers.text import TextCodec

@@ -11,7 +11,7 @@ import pytest
 
 from gateway.busy_poll import BusyPoll
 from gateway.config import ConfigError, parse_config
-from tests.harness import sdk_client, start_gateway, write_config
+from tests.e2e.harness import sdk_client, start_gateway, write_config
 
 
 async def test_the_poller_polls_for_its_window_after_each_touch_then_sleeps() -> None:

@@ -7,7 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from tests.harness import REPO
+from tests.e2e.harness import REPO
 
 CHAOS_FIGURES = {"requests_sent", "completed", "retried_transparently", "migrated_mid_stream", "failed_clear_error",
                  "lost", "multiple_outcomes", "duplicated_outputs", "max_kill_to_ready_s", "honest_harmed_by_hostile",

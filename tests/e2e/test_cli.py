@@ -11,7 +11,7 @@ import pytest
 
 from gateway.cli import build_parser, check_problems
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 CLEAN_ENV = {"PATH": "/usr/bin:/bin", "PYTHONPATH": str(REPO)}  # no SPECGATE_* from the caller
 
 

@@ -20,8 +20,8 @@ import pytest
 
 from gateway.config import ConfigError, parse_config
 from gateway.proxy import WorkerLost, read_whole_answer
-from tests.harness import Gateway, start_gateway, start_tcp_worker, write_config
-from tests.test_worker_http import serve
+from tests.e2e.harness import Gateway, start_gateway, start_tcp_worker, write_config
+from tests.unit.test_worker_http import serve
 from workers.api.generation import SpecSteps
 from workers.api.protocol import (
     ANSWER_BYTES_HEADER,

@@ -29,7 +29,7 @@ from workers.costs.model import (
 from workers.engines.embedded import rowgemm
 from workers.engines.embedded.measure import MeasureSettings, choose_precision, measure, measure_or_load
 
-MODELS = Path(__file__).resolve().parent.parent / "models"
+MODELS = Path(__file__).resolve().parents[2] / "models"
 
 
 def candidate(target: str, tok_s_b1: float, tok_s_full: float, bit_identical: bool,

@@ -17,7 +17,7 @@ import yaml
 
 from dashboards import build
 from dashboards.observe import DEPLOY, REPO, write_config
-from tests.prom_harness import DASHBOARD, alert_exprs, dashboard_targets, metric_names, promtool
+from tests.e2e.prom_harness import DASHBOARD, alert_exprs, dashboard_targets, metric_names, promtool
 
 METRICS_DOC = REPO / "docs" / "metrics.md"
 

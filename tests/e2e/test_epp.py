@@ -23,9 +23,8 @@ import pytest
 from envoy.extensions.filters.http.ext_proc.v3.processing_mode_pb2 import ProcessingMode
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from bench.procs import free_port, start_sim_worker, stop
 from policies import PolicyConfig, SessionState, observe
-from tests.epp_harness import (
+from tests.e2e.epp_harness import (
     Epp,
     Exchange,
     body_message,
@@ -36,6 +35,7 @@ from tests.epp_harness import (
     response_headers_message,
     start_epp,
 )
+from tests.e2e.processes import free_port, start_sim_worker, stop
 
 DESTINATION = "x-gateway-destination-endpoint"
 POLICY = {"num_speculative_tokens": 6, "min_proposals": 16, "acceptance_half_life": 64, "max_temperature": 0.8}
@@ -319,7 +319,7 @@ async def test_the_picker_counts_what_it_answered(pool: Pool, channel: grpc.aio.
 
 
 def test_epp_refuses_local_workers(tmp_path: Path) -> None:
-    from tests.harness import REPO, write_config
+    from tests.e2e.harness import REPO, write_config
 
     config = write_config(tmp_path / "c.yaml", workers={"count": 1})
     result = subprocess.run([sys.executable, "-m", "gateway.cli", "epp", "--config", str(config)], cwd=REPO,

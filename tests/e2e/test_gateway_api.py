@@ -13,7 +13,7 @@ import openai
 import pytest
 
 from gateway.admission import user_session_id
-from tests.harness import Gateway, sdk_client, start_gateway, target_prepacked_expected, write_config
+from tests.e2e.harness import Gateway, sdk_client, start_gateway, target_prepacked_expected, write_config
 from workers.engines.embedded import rowgemm
 
 CODE_PROMPT = "def read_lines(path):\n    with open(path) as f:\n        return f."

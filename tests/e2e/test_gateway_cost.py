@@ -16,8 +16,8 @@ from pathlib import Path
 import pytest
 
 from policies import CostModel, PolicyConfig, StepMix, choose_k
-from tests.harness import MODELS, Gateway, sdk_client, start_gateway, write_config
-from tests.test_cost_policy import AMX_VERIFY, curve
+from tests.e2e.harness import MODELS, Gateway, sdk_client, start_gateway, write_config
+from tests.unit.test_cost_policy import AMX_VERIFY, curve
 from workers.costs.cache import CostCache
 from workers.costs.model import PrecisionCandidate, PrecisionChoice, report_from_forward_times
 from workers.engines.embedded.measure import MeasureSettings

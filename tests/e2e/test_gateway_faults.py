@@ -11,7 +11,7 @@ from pathlib import Path
 
 import aiohttp
 
-from tests.harness import sdk_client, start_gateway, write_config
+from tests.e2e.harness import sdk_client, start_gateway, write_config
 
 PROMPT = "class Config:\n    def __init__(self, path):\n        "
 

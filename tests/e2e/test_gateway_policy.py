@@ -18,7 +18,7 @@ import openai
 import pytest
 import yaml
 
-from tests.harness import Gateway, sdk_client, start_gateway, write_config
+from tests.e2e.harness import Gateway, sdk_client, start_gateway, write_config
 
 CODE_PROMPT = "import os\nimport sys\n\n\ndef main(argv):\n    parser = "
 

@@ -13,7 +13,7 @@ import aiohttp
 import pytest
 from aiohttp import web
 
-from tests.harness import sdk_client, start_gateway, start_tcp_worker, target_prepacked_expected, write_config
+from tests.e2e.harness import sdk_client, start_gateway, start_tcp_worker, target_prepacked_expected, write_config
 
 PROMPT = "import os\nimport sys\n\n\ndef main(argv):\n    "
 

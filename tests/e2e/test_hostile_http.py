@@ -19,7 +19,7 @@ import aiohttp
 import pytest
 
 from gateway.config import ConfigError, load_config
-from tests.harness import Gateway, start_gateway, write_config
+from tests.e2e.harness import Gateway, start_gateway, write_config
 
 MODEL = "specgate-demo"
 PROMPT = "class Config:\n    def __init__(self, path):\n        "

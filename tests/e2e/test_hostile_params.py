@@ -15,7 +15,7 @@ import aiohttp
 import openai
 import pytest
 
-from tests.harness import Gateway, sdk_client, start_gateway, write_config
+from tests.e2e.harness import Gateway, sdk_client, start_gateway, write_config
 
 MODEL = "specgate-demo"
 PROMPT = "import os\n\n\ndef walk(root):\n    "

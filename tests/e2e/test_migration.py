@@ -14,8 +14,8 @@ from typing import Any
 import aiohttp
 import pytest
 
-from bench.procs import sse_data
-from tests.harness import Gateway, start_gateway, write_config
+from tests.e2e.harness import Gateway, start_gateway, write_config
+from tests.e2e.processes import sse_data
 
 PROMPTS = [
     "import os\n\n\ndef list_python_files(root):\n    ",

@@ -25,8 +25,8 @@ from typing import Any
 import openai
 import pytest
 
-from tests.harness import Gateway, sdk_client, start_gateway, write_config
-from tests.prom_harness import (
+from tests.e2e.harness import Gateway, sdk_client, start_gateway, write_config
+from tests.e2e.prom_harness import (
     Prometheus,
     alert_exprs,
     dashboard_targets,
@@ -284,7 +284,7 @@ def test_no_session_id_in_any_series(observed: Observed) -> None:
 
 
 def test_docs_describe_every_metric_prometheus_sees(observed: Observed) -> None:
-    from tests.test_dashboards import base_name, documented_metrics
+    from tests.e2e.test_dashboards import base_name, documented_metrics
 
     exported = {base_name(n) for n in observed.prometheus.metric_names() if n.startswith(("specgate_", "vllm:"))}
     assert len(exported) >= 20

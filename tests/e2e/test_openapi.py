@@ -13,7 +13,7 @@ from hypothesis import HealthCheck, given, settings
 from schemathesis import checks
 from schemathesis.generation import GenerationMode
 
-from tests.harness import Gateway, start_gateway, write_config
+from tests.e2e.harness import Gateway, start_gateway, write_config
 from workers.api.schema import ChatCompletionBody, CompletionBody
 
 # Response checks: status codes, content types, bodies and headers as documented, and no 5xx.

@@ -27,7 +27,7 @@ from gateway.redis_resp import (
     _Connection,
     parse_reply,
 )
-from tests.redis_harness import RedisServer, start_redis
+from tests.e2e.redis_harness import RedisServer, start_redis
 
 
 @pytest.fixture(scope="module")

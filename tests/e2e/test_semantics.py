@@ -23,12 +23,11 @@ import pytest
 import torch
 
 from gateway.admission import user_session_id
-from tests.harness import MODELS, Gateway, sdk_client, start_gateway, write_config
+from tests.e2e.harness import MODELS, Gateway, sdk_client, start_gateway, write_config
+from tests.unit.engine.test_seeded import MIN_MARGIN, gumbel_reference
 from workers.engines.embedded.model import TORCH_DTYPES, LlamaForCausalLM, resolve_dtype
 from workers.engines.embedded.sampling import SamplingParams
 from workers.text import TextCodec
-
-from .test_seeded import MIN_MARGIN, gumbel_reference
 
 FIB = "def fibonacci(n):\n    "
 CODE = "import os\n\n\ndef list_python_files(root):\n    "

@@ -39,8 +39,8 @@ from gateway.session_store import (
 )
 from gateway.sessions import ModeChange, Session
 from policies import Decision, SessionState
-from tests.harness import Gateway, sdk_client, start_gateway, write_config
-from tests.redis_harness import RedisServer, start_redis
+from tests.e2e.harness import Gateway, sdk_client, start_gateway, write_config
+from tests.e2e.redis_harness import RedisServer, start_redis
 
 LOW = "plain; reason=low_acceptance"
 PROMPT = "[chat] tell me something"  # the sim's chat category: acceptance 0.3 in these configs

@@ -24,7 +24,7 @@ from opentelemetry.proto.trace.v1.trace_pb2 import Span
 
 from gateway.config import TracingConfig
 from gateway.tracing import Tracing, enabled_by
-from tests.harness import Gateway, start_gateway, start_tcp_worker, write_config
+from tests.e2e.harness import Gateway, start_gateway, start_tcp_worker, write_config
 
 PROMPT = "PROMPT-SENTINEL-not-in-spans"
 CLIENT_TRACE = "4bf92f3577b34da6a3ce929d0e0e4736"

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 SKIPPED_DIRS = {"models", "build", "dist", "node_modules", "__pycache__"}
 MAX_LINES = 600  # a .py file outside tests/ above this is cut by what it does
 

@@ -23,7 +23,7 @@ from gateway.config import (
 )
 from policies import PolicyConfig, PolicyConfigError
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 CONFIG = REPO / "config.yaml"
 BASE = Path("/srv/specgate")  # parse_config never touches the filesystem: any base will do
 

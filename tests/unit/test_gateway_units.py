@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import os
-
 import pytest
 from prometheus_client import CollectorRegistry, Histogram
 
@@ -11,7 +9,7 @@ from gateway.config import SessionsConfig
 from gateway.fleet import HEALTHY_RUN_S, precision_signature, restart_delay
 from gateway.metrics import TOKEN_GAP_BUCKETS, GatewayMetrics
 from gateway.routing import Candidate, choose_worker
-from gateway.sessions import RandomIds, SessionTable
+from gateway.sessions import SessionTable
 from policies import Decision
 
 
@@ -103,22 +101,6 @@ def test_observe_many_is_n_observations(amount: float, n: int) -> None:
     assert plain.keys() == weighted_samples.keys()
     for key, value in plain.items():  # buckets and count exactly; the sum up to rounding (n additions)
         assert weighted_samples[key] == (pytest.approx(value, rel=1e-12) if key[0].endswith("_sum") else value), key
-
-
-def test_random_ids_are_unique_hex_across_refills_and_forks() -> None:
-    ids = RandomIds()
-    seen = [ids() for _ in range(1000)]  # about four refills of the buffer
-    assert len(set(seen)) == len(seen) and all(len(i) == 32 and int(i, 16) >= 0 for i in seen)
-    reader, writer = os.pipe()
-    child = os.fork()
-    if child == 0:  # the child's next id must not be the parent's
-        os.write(writer, ids().encode())
-        os._exit(0)
-    os.close(writer)
-    os.waitpid(child, 0)
-    child_id = os.read(reader, 64).decode()
-    os.close(reader)
-    assert len(child_id) == 32 and child_id != ids()
 
 
 def test_restart_delay_doubles_per_consecutive_failure_up_to_the_cap() -> None:

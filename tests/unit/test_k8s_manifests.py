@@ -29,9 +29,9 @@ from gateway.config import ConfigError, parse_config
 from tests.schemas.crd_to_jsonschema import convert
 from workers.__main__ import TOKEN_ENV, parse_args
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 K8S = REPO / "deploy" / "k8s"
-SCHEMAS = Path(__file__).resolve().parent / "schemas"
+SCHEMAS = Path(__file__).resolve().parents[1] / "schemas"
 DOC = REPO / "docs" / "scale-out.md"
 KUBERNETES_VERSION = "1.33.0"
 NAMESPACE = "specgate"

@@ -10,7 +10,7 @@ import pytest
 from workers.api.protocol import ChatMessage
 from workers.text import TextCodec, TextStream
 
-MODEL_DIR = Path(__file__).resolve().parent.parent / "models" / "demo-target"
+MODEL_DIR = Path(__file__).resolve().parents[2] / "models" / "demo-target"
 BOS = 0
 
 

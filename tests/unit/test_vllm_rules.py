@@ -29,7 +29,7 @@ from workers.api.protocol import (
     vllm_xargs,
 )
 
-RULES_PATH = Path(__file__).resolve().parent.parent / "workers" / "vllm_plugin" / "specgate_vllm" / "rules.py"
+RULES_PATH = Path(__file__).resolve().parents[2] / "workers" / "vllm_plugin" / "specgate_vllm" / "rules.py"
 
 
 def _load_rules() -> ModuleType:

@@ -21,8 +21,8 @@ from typing import Any
 
 import pytest
 
-from tests.harness import Gateway, start_gateway, write_config
-from tests.vllm_harness import VllmServer
+from tests.e2e.harness import Gateway, start_gateway, write_config
+from tests.e2e.vllm.vllm_harness import VllmServer
 
 pytestmark = pytest.mark.vllm
 

@@ -20,8 +20,8 @@ from typing import Any
 
 import pytest
 
-from tests.harness import Gateway, sdk_client, start_gateway, write_config
-from tests.vllm_harness import ENGINE_K, STARTUP_TIMEOUT_S, VllmServer, vllm_worker_config
+from tests.e2e.harness import Gateway, sdk_client, start_gateway, write_config
+from tests.e2e.vllm.vllm_harness import ENGINE_K, STARTUP_TIMEOUT_S, VllmServer, vllm_worker_config
 
 pytestmark = pytest.mark.vllm
 

@@ -13,8 +13,8 @@ from typing import Any
 import pytest
 import torch
 
-from tests.harness import MODELS
-from tests.vllm_harness import VllmServer
+from tests.e2e.harness import MODELS
+from tests.e2e.vllm.vllm_harness import VllmServer
 from workers.api.generation import SamplingParams
 from workers.demo.corpus import heldout_prompts
 from workers.engines.embedded.engine import SpeculativeEngine

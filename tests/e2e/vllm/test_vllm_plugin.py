@@ -18,7 +18,7 @@ from typing import Any
 import aiohttp
 import pytest
 
-from tests.vllm_harness import ENGINE_K, VllmServer
+from tests.e2e.vllm.vllm_harness import ENGINE_K, VllmServer
 
 pytestmark = pytest.mark.vllm
 

@@ -1,4 +1,5 @@
-"""Shared fixtures: tiny Llama target/draft pairs, a cache-free greedy reference, statistics helpers.
+"""The engine tests' fixtures (torch, scipy): tiny Llama target/draft pairs, a cache-free greedy
+reference, statistics helpers.
 
 The models are random but deliberately peaky (weights scaled up, the LM head more so) so that
 greedy decoding is well defined (no near-ties) and sampled distributions are far from uniform.
@@ -16,7 +17,7 @@ import pytest
 import torch
 from scipy import stats
 
-from tests.vllm_harness import VllmServer, start_vllm_server
+from workers.engines.embedded import rowgemm
 from workers.engines.embedded.config import ModelConfig
 from workers.engines.embedded.measure import verification_bit_identical
 from workers.engines.embedded.model import LlamaForCausalLM, bf16_prepacking_available
@@ -225,19 +226,8 @@ def wrong_verify() -> VerifyFn:
     return verify_resampling_from_p
 
 
-# -- the vLLM lane: real vLLM OpenAI servers, started once per session when a test asks ------------
-@pytest.fixture(scope="session")
-def vllm_plugin_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[VllmServer]:
-    """vLLM with the demo pair (K = 3) and specgate's scheduler plugin, per-step metrics."""
-    server = start_vllm_server(tmp_path_factory.mktemp("vllm-plugin"), speculative=True, plugin=True,
-                               metrics_level="detailed")
-    yield server
-    server.stop()
-
-
-@pytest.fixture(scope="session")
-def vllm_plain_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[VllmServer]:
-    """vLLM with the target alone: the no-speculation reference."""
-    server = start_vllm_server(tmp_path_factory.mktemp("vllm-plain"), speculative=False, plugin=False)
-    yield server
-    server.stop()
+@pytest.fixture(scope="session", autouse=True)
+def _kernels_built() -> None:
+    """Builds the row-invariant kernels (a C compiler run, cached per machine) before any test:
+    a build step, as ``make`` would run it, not a process a unit test starts (tests/unit/conftest.py)."""
+    rowgemm.load()

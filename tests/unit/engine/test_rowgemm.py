@@ -4,7 +4,6 @@ invariance (what makes float32 verification bit-identical), and the fallback wit
 from __future__ import annotations
 
 import functools
-import json
 import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -22,7 +21,7 @@ from workers.engines.embedded.model import LlamaForCausalLM
 from workers.engines.embedded.sampling import SamplingParams
 from workers.text import TextCodec
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[3]
 KERNEL = rowgemm.load()
 needs_kernel = pytest.mark.skipif(KERNEL is None, reason="rowgemm did not build here (no C compiler or no AVX2)")
 
@@ -160,18 +159,6 @@ def test_disabled_kernel_falls_back_to_f_linear(monkeypatch: pytest.MonkeyPatch)
         with torch.inference_mode():
             logits = model.forward_cached(torch.tensor([[5, 6, 7]]), cache, CacheBatch.build([0], [0], [3], 3, 1024))
         assert logits.shape == (1, 3, model.cfg.vocab_size) and torch.isfinite(logits).all()
-    finally:
-        rowgemm.load.cache_clear()
-
-
-@pytest.mark.parametrize("compiler", ["/bin/false", "/nonexistent/cc"])
-def test_failed_or_missing_compiler_falls_back(compiler: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("CC", compiler)
-    monkeypatch.setenv("SPECGATE_ROWGEMM_DIR", str(tmp_path))
-    rowgemm.load.cache_clear()
-    try:
-        assert rowgemm.load() is None
-        assert not LlamaForCausalLM.from_pretrained(REPO / "models/demo-draft", torch.float32).prepacked
     finally:
         rowgemm.load.cache_clear()
 
@@ -451,42 +438,3 @@ def test_sixteen_wide_tiles_are_the_eight_wide_tiles_bits(kernel_threads: Callab
             for m in range(1, 13):
                 assert torch.equal(KERNEL.linear(x[:m], packed), narrow.linear(x[:m], packed)), (n, k, m, threads)
     narrow.set_threads(1)
-
-
-@needs_kernel
-def test_the_build_is_chosen_by_measurement_once_per_machine_and_both_builds_give_the_same_bits(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """load() times the prefetching and the non-prefetching build and keeps the faster; the
-    choice is recorded, so later processes (sibling workers) read it instead of measuring; a
-    torn record is measured again. Prefetching moves data, not arithmetic: the same bits."""
-    monkeypatch.setenv("SPECGATE_ROWGEMM_DIR", str(tmp_path))
-    measured: list[Path] = []
-    measure = rowgemm._measure_choice
-
-    def counted(path: Path) -> tuple[str, ...]:
-        measured.append(path)
-        return measure(path)
-
-    monkeypatch.setattr(rowgemm, "_measure_choice", counted)
-    rowgemm.load.cache_clear()
-    try:
-        kernel = rowgemm.load()
-        assert kernel is not None and len(measured) == 1
-        record = json.loads(measured[0].read_text())
-        assert tuple(record["defines"]) in rowgemm.PREFETCH_CHOICES
-        assert set(record["pass_ms"]) == {" ".join(d) for d in rowgemm.PREFETCH_CHOICES}
-        assert rowgemm.chosen_build() == {"build": kernel.build, **record}
-        rowgemm.load.cache_clear()
-        assert rowgemm.load() is not None and len(measured) == 1  # read, not measured again
-        measured[0].write_text("{")
-        rowgemm.load.cache_clear()
-        assert rowgemm.load() is not None and len(measured) == 2
-    finally:
-        rowgemm.load.cache_clear()
-    builds = [rowgemm.load_variant(d) for d in rowgemm.PREFETCH_CHOICES]
-    assert KERNEL is not None
-    gen = torch.Generator().manual_seed(9)
-    packed = KERNEL.pack(torch.randn(640, 384, generator=gen).to(torch.bfloat16).float())
-    x = torch.randn(9, 384, generator=gen)
-    outputs = [b.linear(x[:m], packed) for b in builds if b is not None for m in (1, 4, 9)]
-    assert len(outputs) == 6 and all(torch.equal(a, b) for a, b in zip(outputs[:3], outputs[3:], strict=True))

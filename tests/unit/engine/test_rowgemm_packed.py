@@ -17,7 +17,7 @@ from workers.engines.embedded.model import LlamaForCausalLM
 from workers.engines.embedded.runner import fold_step
 from workers.engines.embedded.sampling import SamplingParams
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[3]
 needs_kernel = pytest.mark.skipif(rowgemm.load() is None,
                                   reason="rowgemm did not build here (no C compiler or no AVX2)")
 

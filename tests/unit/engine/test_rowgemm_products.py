@@ -22,7 +22,7 @@ from workers.engines.embedded.measure import (
 )
 from workers.engines.embedded.model import LlamaForCausalLM
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[3]
 KERNEL = rowgemm.load()
 needs_products = pytest.mark.skipif(KERNEL is None or not KERNEL.dot_products,
                                     reason="no bfloat16 products here (no AVX512-BF16, no C compiler or no AVX2)")
