@@ -129,21 +129,11 @@ class Fleet:
 
     # -- lifecycle ----------------------------------------------------------------------------------
     async def start(self) -> None:
+        """Starts the local workers' supervisors, and every worker's poll."""
         wc = self.config.workers
-        socket_dir = wc.socket_dir
-        if socket_dir is None:
-            # Unix socket paths are limited to ~100 bytes: keep them short.
-            self._tmpdir = tempfile.TemporaryDirectory(prefix="specgate-")
-            socket_dir = Path(self._tmpdir.name)
-        socket_dir.mkdir(parents=True, exist_ok=True)
-        can_speculate = self.config.model.draft is not None and wc.max_k > 0
+        socket_dir = self._socket_dir()
         for i in range(wc.count):
-            path = socket_dir / f"w{i}.sock"
-            client = aiohttp.ClientSession(connector=aiohttp.UnixConnector(path=str(path)))
-            http = WorkerHttp(Endpoint.from_url("http://worker", unix_path=str(path)))
-            handle = WorkerHandle(f"worker-{i}", "http://worker", client, http,
-                                  frozenset({"speculative", "plain"} if can_speculate else {"plain"}),
-                                  wc.max_k if can_speculate else 0, socket_path=path)
+            handle = self._local_handle(i, socket_dir)
             self.workers[handle.worker_id] = handle
             self._tasks.append(asyncio.create_task(self._supervise(handle), name=f"supervise-{handle.worker_id}"))
         for remote in wc.remote:
@@ -151,6 +141,25 @@ class Fleet:
             self.workers[handle.worker_id] = handle
         for handle in self.workers.values():
             self._tasks.append(asyncio.create_task(self._poll(handle), name=f"poll-{handle.worker_id}"))
+
+    def _socket_dir(self) -> Path:
+        socket_dir = self.config.workers.socket_dir
+        if socket_dir is None:
+            # Unix socket paths are limited to ~100 bytes: keep them short.
+            self._tmpdir = tempfile.TemporaryDirectory(prefix="specgate-")
+            socket_dir = Path(self._tmpdir.name)
+        socket_dir.mkdir(parents=True, exist_ok=True)
+        return socket_dir
+
+    def _local_handle(self, i: int, socket_dir: Path) -> WorkerHandle:
+        wc = self.config.workers
+        can_speculate = self.config.model.draft is not None and wc.max_k > 0
+        path = socket_dir / f"w{i}.sock"
+        client = aiohttp.ClientSession(connector=aiohttp.UnixConnector(path=str(path)))
+        http = WorkerHttp(Endpoint.from_url("http://worker", unix_path=str(path)))
+        return WorkerHandle(f"worker-{i}", "http://worker", client, http,
+                            frozenset({"speculative", "plain"} if can_speculate else {"plain"}),
+                            wc.max_k if can_speculate else 0, socket_path=path)
 
     def _remote_handle(self, remote: RemoteWorker) -> WorkerHandle:
         modes: frozenset[Mode]
@@ -322,19 +331,23 @@ class Fleet:
                     return False
                 handle.last_error = ""
                 if handle.speaks_specgate:
-                    info = await resp.json(loads=_loads)
-                    handle.info = info
-                    handle.cost = self._cost_model(handle, info.get("cost_model"))
-                    handle.reported_depth = int(info.get("batch_depth", 0)) + int(info.get("queue_length", 0))
-                    if handle.remote:
-                        handle.modes = frozenset(m for m in info.get("modes", []) if m in ("speculative", "plain"))
-                        handle.max_k = int(info.get("max_k", 0))
+                    self._read_worker_info(handle, await resp.json(loads=_loads))
             if handle.protocol == "vllm":
                 await self._probe_vllm_depth(handle)
             return True
         except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
             handle.last_error = f"{path}: {exc.__class__.__name__}: {exc}"
             return False
+
+    def _read_worker_info(self, handle: WorkerHandle, info: Any) -> None:
+        """What a specgate worker's ``/specgate/worker`` says: its cost model and depth, and a
+        remote one's modes and max K."""
+        handle.info = info
+        handle.cost = self._cost_model(handle, info.get("cost_model"))
+        handle.reported_depth = int(info.get("batch_depth", 0)) + int(info.get("queue_length", 0))
+        if handle.remote:
+            handle.modes = frozenset(m for m in info.get("modes", []) if m in ("speculative", "plain"))
+            handle.max_k = int(info.get("max_k", 0))
 
     def _cost_model(self, handle: WorkerHandle, raw: Any) -> CostModel | None:
         if raw is None:
@@ -394,18 +407,24 @@ class Fleet:
                 if handle.status != "ready":
                     self._became_ready(handle)
             else:
-                if handle.status == "ready":
-                    log.warning("%s failed its health check: %s", handle.worker_id, handle.last_error)
-                    self._mark_down(handle, "unhealthy")
-                unhealthy_since = unhealthy_since or time.monotonic()
-                process = handle.process
-                # A local process that is alive but does not answer is hung: kill it, and the
-                # supervisor restarts it like any crashed worker.
-                if (process is not None and process.returncode is None
-                        and time.monotonic() - unhealthy_since > hung_after):
-                    log.warning("%s unresponsive for %.0fs; killing pid %d", handle.worker_id, hung_after, process.pid)
-                    process.kill()
-                    unhealthy_since = None
+                unhealthy_since = self._failed_poll(handle, unhealthy_since, hung_after)
+
+    def _failed_poll(self, handle: WorkerHandle, unhealthy_since: float | None, hung_after: float) -> float | None:
+        """A poll the worker failed: down if it was ready, killed if it is a local process hung
+        for ``hung_after``; when it has been unhealthy since (None: a restart starts afresh)."""
+        if handle.status == "ready":
+            log.warning("%s failed its health check: %s", handle.worker_id, handle.last_error)
+            self._mark_down(handle, "unhealthy")
+        unhealthy_since = unhealthy_since or time.monotonic()
+        process = handle.process
+        # A local process that is alive but does not answer is hung: kill it, and the
+        # supervisor restarts it like any crashed worker.
+        if (process is not None and process.returncode is None
+                and time.monotonic() - unhealthy_since > hung_after):
+            log.warning("%s unresponsive for %.0fs; killing pid %d", handle.worker_id, hung_after, process.pid)
+            process.kill()
+            return None
+        return unhealthy_since
 
 
 def precision_signature(info: dict[str, Any]) -> str | None:
