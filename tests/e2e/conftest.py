@@ -8,14 +8,12 @@ ends.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
 
-from tests.e2e.harness import Gateway, start_gateway, write_config
-
-GatewayFactory = Callable[..., Gateway]
+from tests.e2e.harness import Gateway, GatewayFactory, start_gateway, write_config
 
 
 @pytest.fixture(scope="module")

@@ -14,6 +14,7 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -97,6 +98,10 @@ class Gateway:
             except subprocess.TimeoutExpired:
                 self.process.kill()
                 self.process.wait()
+
+
+# conftest.py's gateway_factory: (name, *, env, args, workers_ready, **config sections) -> Gateway.
+GatewayFactory = Callable[..., Gateway]
 
 
 def sdk_client(gateway: Gateway) -> openai.OpenAI:

@@ -59,19 +59,21 @@ async def sse_data(response: aiohttp.ClientResponse) -> AsyncIterator[str]:
 
 
 def start_sim_worker(log_dir: Path, sim: dict[str, Any], *, default_k: int = 0, max_slots: int = 256,
-                     max_queue: int = 1024, port: int | None = None) -> tuple[subprocess.Popen[bytes], int]:
+                     max_queue: int = 1024, port: int | None = None,
+                     env: dict[str, str] | None = None) -> tuple[subprocess.Popen[bytes], int]:
     """A sim worker on TCP (``python -m workers --engine sim``): an OpenAI-compatible upstream;
-    ``port``: its port (default: a free one)."""
+    ``port``: its port (default: a free one); ``env``: more variables."""
     port = port or free_port()
-    env = {k: v for k, v in os.environ.items() if k != "PROMETHEUS_MULTIPROC_DIR"}
-    env["PYTHONPATH"] = str(REPO) + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    environ = {k: v for k, v in os.environ.items() if k != "PROMETHEUS_MULTIPROC_DIR"}
+    environ["PYTHONPATH"] = str(REPO) + (os.pathsep + environ["PYTHONPATH"] if environ.get("PYTHONPATH") else "")
+    environ.update(env or {})
     log_path = log_dir / f"sim-worker-{port}.log"
     with log_path.open("wb") as log:
         process = subprocess.Popen(
             [sys.executable, "-m", "workers", "--engine", "sim", "--port", str(port), "--worker-id", f"sim-{port}",
              "--target", str(TOKENIZER_DIR), "--draft", str(TOKENIZER_DIR), "--max-slots", str(max_slots),
              "--max-queue", str(max_queue), "--default-k", str(default_k), "--sim-config", json.dumps(sim)],
-            cwd=REPO, stdout=log, stderr=subprocess.STDOUT, env=env)
+            cwd=REPO, stdout=log, stderr=subprocess.STDOUT, env=environ)
     wait_ok(process, f"http://127.0.0.1:{port}/health", log_path=log_path)
     return process, port
 

@@ -12,7 +12,6 @@ import sys
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 from unittest import mock
@@ -28,7 +27,7 @@ from gateway.auth import AuthStore, check_exposure
 from gateway.auth_config import AuthConfig, parse_auth
 from gateway.config import ConfigError, ServerConfig
 from gateway.ops_metrics import OpsMetrics
-from tests.e2e.harness import MODELS, REPO, Gateway, start_gateway, start_tcp_worker, write_config
+from tests.e2e.harness import MODELS, REPO, Gateway, GatewayFactory, start_gateway, start_tcp_worker, write_config
 from tests.e2e.processes import free_port
 from workers.api.tokens import Forbidden, Unauthorized, is_loopback
 
@@ -141,14 +140,12 @@ def test_resilience_settings_are_validated() -> None:
 
 # -- a real gateway with keys -----------------------------------------------------------------------
 @pytest.fixture(scope="module")
-def gateway(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Gateway]:
-    tmp = tmp_path_factory.mktemp("auth")
-    config = write_config(tmp / "config.yaml", workers={"count": 1}, auth={"api_keys": [KEY_A], "admin_token": ADMIN})
+def gateway(gateway_factory: GatewayFactory) -> Gateway:
     # The second key comes from the environment alias, which overrides the file's list.
-    gw = start_gateway(config, tmp, env={"SPECGATE_API_KEYS": f"{KEY_A},{KEY_B}"})
+    gw = gateway_factory("auth", workers={"count": 1}, auth={"api_keys": [KEY_A], "admin_token": ADMIN},
+                         env={"SPECGATE_API_KEYS": f"{KEY_A},{KEY_B}"})
     gw.headers = {"Authorization": f"Bearer {ADMIN}"}
-    yield gw
-    gw.stop()
+    return gw
 
 
 def test_api_keys_missing_wrong_right(gateway: Gateway) -> None:

@@ -10,6 +10,8 @@ import subprocess
 import sys
 from typing import Any
 
+import pytest
+
 from tests.e2e.harness import REPO
 
 PATHS = {"direct", "relay", "envoy_rr", "envoy_epp"}
@@ -21,6 +23,7 @@ def positive(value: Any) -> bool:
     return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value) and value > 0
 
 
+@pytest.mark.slow
 def test_bench_scaleout_quick_json() -> None:
     run = subprocess.run([sys.executable, "-m", "bench.scaleout", "--quick", "--json"], cwd=REPO, capture_output=True,
                          text=True, timeout=300, check=False)

@@ -23,6 +23,7 @@ REQUIRED = {"alpha_t0", "best_k", "speedup_b1", "bound_b1", "c", "tok_s_plain_b1
             "alpha_by_temperature", "verify_cost_by_tokens"}
 
 
+@pytest.mark.slow
 def test_bench_engine_quick_json() -> None:
     run = subprocess.run([sys.executable, "-m", "bench.engine", "--quick", "--json"], cwd=REPO, capture_output=True,
                          text=True, timeout=300, check=True)
@@ -68,6 +69,7 @@ def _json_run(*args: str, timeout: int = 240) -> tuple[dict[str, Any], str]:
     return result, run.stdout
 
 
+@pytest.mark.slow
 def test_bench_policy_quick_json(tmp_path: Path) -> None:
     result, stdout = _json_run("-m", "bench.policy", "--quick", "--json", "--out", str(tmp_path))
     policies = {"always", "never", "vllm_rule", "bare_thresholds", "specgate", "specgate_auto", "specgate_cost"}
@@ -81,6 +83,7 @@ def test_bench_policy_quick_json(tmp_path: Path) -> None:
     assert "goodput (output tokens/s" in stdout
 
 
+@pytest.mark.slow
 def test_bench_overhead_quick_json() -> None:
     result, stdout = _json_run("-m", "bench.overhead", "--quick", "--json")
     for key in ("added_p50_ms", "added_p99_ms", "rps_ratio_c32", "stream256_ratio_vs_vllm_router"):

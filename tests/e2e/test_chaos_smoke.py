@@ -7,6 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from tests.e2e.harness import REPO
 
 CHAOS_FIGURES = {"requests_sent", "completed", "retried_transparently", "migrated_mid_stream", "failed_clear_error",
@@ -15,6 +17,7 @@ CHAOS_FIGURES = {"requests_sent", "completed", "retried_transparently", "migrate
                  "failure_reasons", "admission_waited"}
 
 
+@pytest.mark.slow
 def test_bench_chaos_quick_json() -> None:
     run = subprocess.run([sys.executable, "-m", "bench.chaos", "--quick", "--json"], cwd=REPO, capture_output=True,
                          text=True, timeout=900, check=True)

@@ -20,7 +20,7 @@ import pytest
 
 from gateway.config import ConfigError, parse_config
 from gateway.proxy import WorkerLost, read_whole_answer
-from tests.e2e.harness import Gateway, start_gateway, start_tcp_worker, write_config
+from tests.e2e.harness import Gateway, GatewayFactory, start_tcp_worker
 from tests.unit.test_worker_http import serve
 from workers.api.generation import SpecSteps
 from workers.api.protocol import (
@@ -265,13 +265,9 @@ async def test_a_whole_answer_is_checked_and_its_failures_told_apart(body: bytes
 
 
 @pytest.fixture(scope="module")
-def gateway(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Gateway]:
-    tmp = tmp_path_factory.mktemp("coalesce-gw")
+def gateway(gateway_factory: GatewayFactory) -> Gateway:
     # coalesce_s 5: a non-streaming answer's steps after the first all come as one chunk.
-    gw = start_gateway(write_config(tmp / "config.yaml", server={"coalesce_s": 5},
-                                    workers={"count": 1, "max_slots": 4}), tmp)
-    yield gw
-    gw.stop()
+    return gateway_factory("coalesce-gw", server={"coalesce_s": 5}, workers={"count": 1, "max_slots": 4})
 
 
 async def _answer(gateway: Gateway, session: str, stream: bool) -> tuple[str, dict[str, Any]]:

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
+import pytest
 
 from tests.e2e.harness import start_gateway, write_config
 from tests.e2e.processes import sse_data
@@ -53,6 +54,7 @@ def _alive(pid: int) -> bool:
     return True
 
 
+@pytest.mark.slow
 async def test_sigterm_drains_then_ends_what_runs_on_with_a_shutdown_error(tmp_path: Path) -> None:
     # A sim worker at twice its modelled 70B step times: 900 tokens take well over DRAIN_S on any
     # CPU (the embedded engine finished them inside the drain on a fast enough one), 3 take

@@ -82,6 +82,7 @@ def test_the_module_prints_yaml_envoy_accepts(tmp_path: Path) -> None:
         main(["ring-hash", "--replica", "no-port"])
 
 
+@pytest.mark.slow
 def test_ring_hash_keeps_each_session_on_one_replica_and_spreads_sessions(
         fleet: tuple[Envoy, list[Replica]]) -> None:
     envoy, replicas = fleet

@@ -13,20 +13,15 @@ import openai
 import pytest
 
 from gateway.admission import user_session_id
-from tests.e2e.harness import Gateway, sdk_client, start_gateway, target_prepacked_expected, write_config
+from tests.e2e.harness import Gateway, GatewayFactory, sdk_client, target_prepacked_expected
 from workers.engines.embedded import rowgemm
 
 CODE_PROMPT = "def read_lines(path):\n    with open(path) as f:\n        return f."
 
 
 @pytest.fixture(scope="module")
-def gateway(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Gateway]:
-    tmp = tmp_path_factory.mktemp("gw-api")
-    config = write_config(tmp / "config.yaml", workers={"count": 2}, server={"max_body_bytes": 65536})
-    gw = start_gateway(config, tmp)
-    gw.wait_workers_ready(2)
-    yield gw
-    gw.stop()
+def gateway(gateway_factory: GatewayFactory) -> Gateway:
+    return gateway_factory("gw-api", workers={"count": 2}, server={"max_body_bytes": 65536}, workers_ready=2)
 
 
 @pytest.fixture

@@ -10,6 +10,7 @@ import time
 from pathlib import Path
 
 import aiohttp
+import pytest
 
 from tests.e2e.harness import sdk_client, start_gateway, write_config
 
@@ -97,6 +98,7 @@ async def test_overload_answers_429_with_retry_after(tmp_path: Path) -> None:
         gw.stop()
 
 
+@pytest.mark.slow
 def test_hung_worker_is_killed_and_restarted(tmp_path: Path) -> None:
     config = write_config(tmp_path / "config.yaml", workers={"count": 1, "unhealthy_restart_s": 1.0})
     gw = start_gateway(config, tmp_path)

@@ -18,21 +18,17 @@ import openai
 import pytest
 import yaml
 
-from tests.e2e.harness import Gateway, sdk_client, start_gateway, write_config
+from tests.e2e.harness import Gateway, GatewayFactory, sdk_client, start_gateway, write_config
 
 CODE_PROMPT = "import os\nimport sys\n\n\ndef main(argv):\n    parser = "
 
 
 @pytest.fixture(scope="module")
-def gateway(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Gateway]:
-    tmp = tmp_path_factory.mktemp("gw-policy")
+def gateway(gateway_factory: GatewayFactory) -> Gateway:
     # Floor and resume sit between what the demo models' draft achieves on held-out code at
     # T=0 (alpha ~0.84, bench.engine) and on random bytes (~0.5): operators set them per model pair.
-    config = write_config(tmp / "config.yaml", policy={"probe_every": 3, "min_proposals": 32,
-                                                       "acceptance_floor": 0.7, "acceptance_resume": 0.8})
-    gw = start_gateway(config, tmp)
-    yield gw
-    gw.stop()
+    return gateway_factory("gw-policy", policy={"probe_every": 3, "min_proposals": 32,
+                                                "acceptance_floor": 0.7, "acceptance_resume": 0.8})
 
 
 @pytest.fixture
@@ -149,6 +145,11 @@ def _set_policy_file(path: Path, **policy: Any) -> None:
     _replace_file(path, yaml.safe_dump(config, sort_keys=False))
 
 
+# The config watcher applies an edit within about a second (its poll); the tests wait for the
+# outcome up to this long, so that a loaded CPU cannot fail them (a 2 s bound did).
+WATCH_DEADLINE_S = 30.0
+
+
 def _replace_file(path: Path, text: str) -> None:
     # As editors do: write aside, rename over. (Written in place, the watcher may catch the file
     # truncated and empty, which is a valid all-defaults policy.)
@@ -174,14 +175,15 @@ def test_policy_file_edit_applies_within_two_seconds(gateway: Gateway, client: o
         _set_policy_file(path, max_temperature=1.5)
         started = time.monotonic()
         while mode_of(complete(client, "edit", CODE_PROMPT, max_tokens=2, temperature=1.0)).startswith("plain"):
-            assert time.monotonic() - started < 2.0, "policy edit not applied within 2 s"
+            assert time.monotonic() - started < WATCH_DEADLINE_S, f"policy edit not applied within {WATCH_DEADLINE_S} s"
             time.sleep(0.05)
         view = gateway.get_json("/admin/policy")
         assert view["policy"]["max_temperature"] == 1.5 and view["source"] == "file"
 
         failed_before = gateway.metric("specgate_policy_reloads_total", result="failed")
         _set_policy_file(path, acceptance_floor=2.0, probe_every=0)
-        _wait_for(lambda: gateway.metric("specgate_policy_reloads_total", result="failed") > failed_before, 2.0)
+        _wait_for(lambda: gateway.metric("specgate_policy_reloads_total", result="failed") > failed_before,
+                  WATCH_DEADLINE_S)
         view = gateway.get_json("/admin/policy")
         assert view["last_error"] == ("policy.acceptance_floor: must be between 0 and 1 (got 2.0); "
                                       "policy.probe_every: must be >= 1 (got 0)")
@@ -190,11 +192,11 @@ def test_policy_file_edit_applies_within_two_seconds(gateway: Gateway, client: o
         assert "keeping the running policy" in gateway.log()
 
         _replace_file(path, "policy: [unclosed")
-        _wait_for(lambda: "invalid YAML" in (gateway.get_json("/admin/policy")["last_error"] or ""), 2.0)
+        _wait_for(lambda: "invalid YAML" in (gateway.get_json("/admin/policy")["last_error"] or ""), WATCH_DEADLINE_S)
         assert gateway.get_json("/admin/policy")["policy"]["max_temperature"] == 1.5
     finally:
         path.write_text(original)
-        _wait_for(lambda: gateway.get_json("/admin/policy")["policy"]["max_temperature"] == 0.8, 2.0)
+        _wait_for(lambda: gateway.get_json("/admin/policy")["policy"]["max_temperature"] == 0.8, WATCH_DEADLINE_S)
 
 
 def test_sighup_reloads_the_file(gateway: Gateway) -> None:
@@ -210,12 +212,12 @@ def test_sighup_reloads_the_file(gateway: Gateway) -> None:
         time.sleep(0.6)
         assert gateway.get_json("/admin/policy")["policy"]["probe_every"] == 3
         gateway.process.send_signal(signal.SIGHUP)
-        _wait_for(lambda: gateway.get_json("/admin/policy")["policy"]["probe_every"] == 5, 2.0)
+        _wait_for(lambda: gateway.get_json("/admin/policy")["policy"]["probe_every"] == 5, WATCH_DEADLINE_S)
         assert gateway.get_json("/admin/policy")["source"] == "sighup"
         assert gateway.metric("specgate_policy_reloads_total", source="sighup", result="ok") >= 1
     finally:
         path.write_text(original)
-        _wait_for(lambda: gateway.get_json("/admin/policy")["policy"]["probe_every"] == 3, 2.0)
+        _wait_for(lambda: gateway.get_json("/admin/policy")["policy"]["probe_every"] == 3, WATCH_DEADLINE_S)
 
 
 def _put_policy(gateway: Gateway, body: bytes, content_type: str) -> tuple[int, Any]:

@@ -8,26 +8,17 @@ import asyncio
 import json
 import urllib.error
 import urllib.request
-from collections.abc import Iterator
 from typing import Any
 
 import aiohttp
 import openai
 import pytest
 
-from tests.e2e.harness import Gateway, sdk_client, start_gateway, write_config
+from tests.e2e.harness import Gateway, sdk_client
 
 MODEL = "specgate-demo"
 PROMPT = "import os\n\n\ndef walk(root):\n    "
 MESSAGES: Any = [{"role": "user", "content": "Write a Python function `add`."}]
-
-
-@pytest.fixture(scope="module")
-def gateway(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Gateway]:
-    tmp = tmp_path_factory.mktemp("gw-params")
-    gw = start_gateway(write_config(tmp / "config.yaml", workers={"count": 1}), tmp)  # one worker: one batch
-    yield gw
-    gw.stop()
 
 
 def post(gateway: Gateway, path: str, body: dict[str, Any] | bytes) -> tuple[int, dict[str, Any]]:

@@ -7,14 +7,13 @@ import asyncio
 import json
 import os
 import signal
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
 import aiohttp
 import pytest
 
-from tests.e2e.harness import Gateway, start_gateway, write_config
+from tests.e2e.harness import Gateway, GatewayFactory
 from tests.e2e.processes import sse_data
 
 PROMPTS = [
@@ -109,18 +108,13 @@ async def run_one(http: aiohttp.ClientSession, gw: Gateway, path: str, body: dic
 
 
 @pytest.fixture(scope="module")
-def gateway(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Gateway]:
-    tmp = tmp_path_factory.mktemp("migration")
+def gateway(gateway_factory: GatewayFactory) -> Gateway:
     # The default precision (workers.dtype auto, exact): bfloat16 wherever its verification is
     # bit-identical to plain decoding, prepacked or (AVX2 only) not. A resumed prefill computes
     # the prompt fused and the output row-invariant, as the first worker did, so the cache and
     # every logit are the undisturbed run's bit for bit (tests/test_engine_resume.py).
-    config = write_config(tmp / "config.yaml", workers={"count": 2, "max_slots": 16, "restart_backoff_s": 0.2},
-                          server={"worker_timeout_s": 120})
-    gw = start_gateway(config, tmp)
-    gw.wait_workers_ready(2)
-    yield gw
-    gw.stop()
+    return gateway_factory("migration", workers={"count": 2, "max_slots": 16, "restart_backoff_s": 0.2},
+                           server={"worker_timeout_s": 120}, workers_ready=2)
 
 
 async def run_all(gw: Gateway, kill: bool) -> list[Outcome]:

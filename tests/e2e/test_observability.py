@@ -175,6 +175,7 @@ def observed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Observed]:
         gateway.stop()
 
 
+@pytest.mark.slow
 def test_every_dashboard_query_parses_and_names_real_metrics(observed: Observed) -> None:
     prom = observed.prometheus
     known = prom.metric_names()

@@ -4,7 +4,6 @@ requests (fixed seed, bounded examples) never get a 5xx nor a response the docum
 from __future__ import annotations
 
 import copy
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -13,7 +12,7 @@ from hypothesis import HealthCheck, given, settings
 from schemathesis import checks
 from schemathesis.generation import GenerationMode
 
-from tests.e2e.harness import Gateway, start_gateway, write_config
+from tests.e2e.harness import Gateway
 from workers.api.schema import ChatCompletionBody, CompletionBody
 
 # Response checks: status codes, content types, bodies and headers as documented, and no 5xx.
@@ -24,14 +23,6 @@ RESPONSE_CHECKS = [checks.not_a_server_error, checks.status_code_conformance, ch
                    checks.response_schema_conformance, checks.response_headers_conformance]
 EXAMPLES = 30  # per operation and mode: enough to reach every field, cheap enough for the 2-core CPU
 POST_OPERATIONS = ("/v1/completions", "/v1/chat/completions")
-
-
-@pytest.fixture(scope="module")
-def gateway(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Gateway]:
-    tmp = tmp_path_factory.mktemp("gw-openapi")
-    gw = start_gateway(write_config(tmp / "config.yaml", workers={"count": 1}), tmp)
-    yield gw
-    gw.stop()
 
 
 def cheap(document: dict[str, Any]) -> dict[str, Any]:

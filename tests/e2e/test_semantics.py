@@ -23,7 +23,7 @@ import pytest
 import torch
 
 from gateway.admission import user_session_id
-from tests.e2e.harness import MODELS, Gateway, sdk_client, start_gateway, write_config
+from tests.e2e.harness import MODELS, Gateway, sdk_client
 from tests.unit.engine.test_seeded import MIN_MARGIN, gumbel_reference
 from workers.engines.embedded.model import TORCH_DTYPES, LlamaForCausalLM, resolve_dtype
 from workers.engines.embedded.sampling import SamplingParams
@@ -33,14 +33,6 @@ FIB = "def fibonacci(n):\n    "
 CODE = "import os\n\n\ndef list_python_files(root):\n    "
 SHORT = "import os\n"  # fewer tokens than ride in a decode step: its first step already drafts
 MAX_K = 8  # the worker's (config default)
-
-
-@pytest.fixture(scope="module")
-def gateway(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Gateway]:
-    tmp = tmp_path_factory.mktemp("gw-semantics")
-    gw = start_gateway(write_config(tmp / "config.yaml", workers={"count": 1, "max_slots": 16}), tmp)
-    yield gw
-    gw.stop()
 
 
 @pytest.fixture

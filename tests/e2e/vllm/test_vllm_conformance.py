@@ -22,7 +22,7 @@ from typing import Any
 import pytest
 
 from tests.e2e.harness import Gateway, start_gateway, write_config
-from tests.e2e.vllm.vllm_harness import VllmServer
+from tests.e2e.vllm.vllm_harness import STARTUP_TIMEOUT_S, VllmServer
 
 pytestmark = pytest.mark.vllm
 
@@ -58,15 +58,23 @@ PATHS = {"completion": "/v1/completions", "chat": "/v1/chat/completions"}
 @pytest.fixture(scope="module")
 def plain_gateway(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Gateway]:
     tmp = tmp_path_factory.mktemp("conformance")
-    config = write_config(tmp / "config.yaml", model={"draft": None}, workers={"count": 1, "dtype": "float32"})
+    # On a small machine vLLM's processes next door can hold the CPU for many seconds, and the
+    # gateway's 2-second health probe then fails: with the defaults the worker counts as
+    # unhealthy, is killed as hung after 10 s and restarted, and a request finding no ready worker
+    # within 15 s is a 503. Here a slow probe is a busy CPU, not a hung worker: the worker is not
+    # killed, and a request waits for it as long as vLLM is given to start.
+    config = write_config(tmp / "config.yaml", model={"draft": None},
+                          workers={"count": 1, "dtype": "float32", "unhealthy_restart_s": STARTUP_TIMEOUT_S},
+                          server={"admission_wait_s": STARTUP_TIMEOUT_S})
     gateway = start_gateway(config, tmp)
+    gateway.wait_workers_ready(1)
     yield gateway
     gateway.stop()
 
 
 def post(url: str, body: dict[str, Any]) -> Any:
     request = urllib.request.Request(url, json.dumps(body).encode(), {"Content-Type": "application/json"})
-    with urllib.request.urlopen(request, timeout=120) as response:
+    with urllib.request.urlopen(request, timeout=STARTUP_TIMEOUT_S + 120) as response:
         raw = response.read().decode()
     if not body.get("stream"):
         return json.loads(raw)
