@@ -29,8 +29,8 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install --quiet -e '.[dev]'
 	# xds-protos (specgate epp's ext_proc stubs) ships old copies of opentelemetry-proto's and
 	# googleapis-common-protos' modules over theirs, which breaks the OTLP exporter (tracing).
-	# Their own files go back on top; the envoy stubs work with them (tests/test_tracing.py and
-	# tests/test_epp.py run both in one environment).
+	# Their own files go back on top; the envoy stubs work with them (tests/e2e/test_tracing.py and
+	# tests/e2e/test_epp.py run both in one environment).
 	$(BIN)/pip install --quiet --force-reinstall --no-deps \
 		"opentelemetry-proto==$$($(BIN)/python -c 'import importlib.metadata as m; print(m.version("opentelemetry-proto"))')" \
 		"googleapis-common-protos==$$($(BIN)/python -c 'import importlib.metadata as m; print(m.version("googleapis-common-protos"))')"

@@ -1,4 +1,4 @@
-"""Starting real gateway and worker processes on loopback for the benches (as tests/harness.py does)."""
+"""Starting real gateway and worker processes on loopback for the benches (as tests/e2e/harness.py does)."""
 
 from __future__ import annotations
 

@@ -3,7 +3,7 @@ an Envoy endpoint picker), ``worker`` (a standalone worker) and ``check`` (valid
 policy file without starting anything).
 
 ``check`` imports only the config parser, the safe YAML loader and the pure policy module: no
-torch, no aiohttp, so it runs anywhere an operator edits a file (tests/test_cli.py checks).
+torch, no aiohttp, so it runs anywhere an operator edits a file (tests/e2e/test_cli.py checks).
 """
 
 from __future__ import annotations

@@ -11,7 +11,7 @@ Every series carries a ``model`` label (the one model this gateway serves), so o
 can watch several gateways and the dashboard can pick one. No series carries a session id:
 what the session table knows is exported as bounded aggregates (``LiveStateCollector``).
 
-docs/metrics.md describes every metric; tests/test_observability.py checks it stays complete.
+docs/metrics.md describes every metric; tests/e2e/test_observability.py checks it stays complete.
 """
 
 from __future__ import annotations
@@ -157,7 +157,7 @@ class GatewayMetrics:
         gap (a coalesced chunk's 63 were 63 observations, two multiprocess-file writes each).
 
         prometheus_client has no weighted observe: this adds n to the one bucket and n x amount
-        to the sum, as n ``observe`` calls would (tests/test_gateway_units.py holds it to that);
+        to the sum, as n ``observe`` calls would (tests/unit/test_gateway_units.py holds it to that);
         a client without those attributes gets the n calls.
         """
         if n > 1:  # one token a chunk (a plain stream) is the hot case: no lookups for it

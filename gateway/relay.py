@@ -166,7 +166,7 @@ async def _answer(request: web.Request, state: GatewayState, stream: MigratingSt
     it (bench.overhead's added p50: a short completion is one read). It runs before this task
     yields to the loop again (``write_eof`` waits only while the socket's buffer is full, and
     then the client does not have the whole answer yet), so a session's next request still
-    sees it (tests/test_sim.py). A read that restates usage from the tally is accounted first.
+    sees it (tests/e2e/test_sim.py). A read that restates usage from the tally is accounted first.
     Each read is accounted with the time it came and the admission it came under (a migrated
     stream has several); one held when the request fails is accounted before the failure
     leaves.

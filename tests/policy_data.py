@@ -20,7 +20,7 @@ from policies import (
 
 # floor 0.60, resume 0.70, min_proposals 32, half-life 64, batch 64/56, T 0.8, probe 8; K 4 (explicit);
 # the shallow-batch waiver and the per-step draft limit off, so each rule is tested on its own
-# (tests/test_policy.py tests those two).
+# (tests/unit/test_policy.py tests those two).
 POLICY = PolicyConfig(num_speculative_tokens=4, free_batch=0, max_step_drafts=0)
 
 

@@ -1,6 +1,6 @@
 """Starts a real ``specgate epp`` process on loopback, and speaks Envoy's side of ext_proc to it.
 
-The Envoy tests put the real Envoy in front (tests/envoy_harness.py); the tests here that
+The Envoy tests put the real Envoy in front (tests/e2e/envoy_harness.py); the tests here that
 need exact control over what the picker receives (a malformed exchange, a subset hint, a
 response split mid-event) speak ext_proc themselves, as Envoy would.
 """

@@ -116,7 +116,7 @@ def write_config(path: Path, **sections: dict[str, Any]) -> Path:
         "workers": {"count": 1, "max_slots": 16, "poll_interval_s": 0.2, "restart_backoff_s": 0.2,
                     "cost_cache_dir": str(cost_cache_dir()), "cost_budget_s": TEST_COST_BUDGET_S},
         # The GPU-oriented shallow-batch waiver and per-step draft limit off (the defaults too):
-        # these tests exercise each rule on its own (tests/test_sim.py and test_policy.py cover them).
+        # these tests exercise each rule on its own (tests/e2e/test_sim.py and test_policy.py cover them).
         "policy": {"free_batch": 0, "max_step_drafts": 0},
     }
     for name, values in sections.items():

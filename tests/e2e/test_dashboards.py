@@ -1,7 +1,7 @@
 """The dashboard as code, the deploy/ files and the docs, without a gateway running.
 
 The live half (every query against a real Prometheus scraping a real gateway) is in
-tests/test_observability.py.
+tests/e2e/test_observability.py.
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 A real picker process routes to real sim workers on loopback and to a pool member that is not
 a model server. The exchanges are exact where Envoy's are not repeatable: a malformed request,
-a subset hint, a response cut in the middle of an SSE event. tests/test_epp_envoy.py puts the
+a subset hint, a response cut in the middle of an SSE event. tests/e2e/test_epp_envoy.py puts the
 real Envoy in front.
 """
 

@@ -120,7 +120,7 @@ def test_worker_ignores_fields_other_routers_add(tcp_worker: int) -> None:
 
 def test_eos_is_counted_as_vllm_counts_it(tcp_worker: int) -> None:
     """An answer that ends at EOS: ``completion_tokens`` includes the EOS token, as vLLM's usage
-    does (tests/test_vllm_conformance.py compares the two), though no text or token id carries it."""
+    does (tests/e2e/vllm/test_vllm_conformance.py compares the two), though no text or token id carries it."""
     body = {"model": "specgate-demo", "messages": [{"role": "user", "content": "Hello"}], "max_tokens": 200,
             "temperature": 0, "stream": True, "stream_options": {"include_usage": True}}
     request = urllib.request.Request(f"http://127.0.0.1:{tcp_worker}/v1/chat/completions", json.dumps(body).encode(),

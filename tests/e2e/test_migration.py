@@ -112,7 +112,7 @@ def gateway(gateway_factory: GatewayFactory) -> Gateway:
     # The default precision (workers.dtype auto, exact): bfloat16 wherever its verification is
     # bit-identical to plain decoding, prepacked or (AVX2 only) not. A resumed prefill computes
     # the prompt fused and the output row-invariant, as the first worker did, so the cache and
-    # every logit are the undisturbed run's bit for bit (tests/test_engine_resume.py).
+    # every logit are the undisturbed run's bit for bit (tests/unit/engine/test_engine_resume.py).
     return gateway_factory("migration", workers={"count": 2, "max_slots": 16, "restart_backoff_s": 0.2},
                            server={"worker_timeout_s": 120}, workers_ready=2)
 

@@ -3,5 +3,5 @@ its fast parser, input limits, the wire protocol between gateway and workers (di
 reports, resume point, the error hierarchy), SSE/HTTP helpers, logs and bearer tokens.
 
 Nothing here imports torch, an engine, the worker's server or the gateway
-(tests/test_architecture.py checks it); it may import ``policies``.
+(tests/unit/test_architecture.py checks it); it may import ``policies``.
 """

@@ -53,7 +53,7 @@ def loads_json(raw: bytes) -> Any:
     orjson first, since every request pays this twice (gateway and worker). Whatever orjson
     refuses (a byte order mark, UTF-16, a lone surrogate, NaN, a number that overflows to
     inf, invalid UTF-8) and bodies with long digit runs go to the standard parser, which
-    decides as before (tests/test_hot_path_parsing.py holds the two to the same answers).
+    decides as before (tests/unit/test_hot_path_parsing.py holds the two to the same answers).
     """
     # Fewer brackets than the limit cannot nest deeper than it (in any encoding, every "[" and
     # "{" holds its byte): the usual request skips the walk, which cost more than its parse.

@@ -142,7 +142,7 @@ class TextFormatter(logging.Formatter):
     """``<time> <name> <level> <logger>: <message>``, the line ``logging.Formatter`` writes for
     ``%(asctime)s <name> %(levelname)s %(name)s: %(message)s``, with the time's text made once
     a second instead of a strftime per line (the gateway and its workers write a line per
-    request); tests/test_hot_path_parsing.py holds it to the generic formatter's output."""
+    request); tests/unit/test_hot_path_parsing.py holds it to the generic formatter's output."""
 
     def __init__(self, name: str) -> None:
         super().__init__()

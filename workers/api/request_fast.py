@@ -11,7 +11,7 @@ checked here field by field, with the limits ``workers/api/schema.py`` declares 
 strict rules (no bool for a number, an int for a float is the float). Anything else (another
 field, another type, a value out of range, a prompt of token ids, content parts, a resume)
 returns None and goes to pydantic, which decides as before and words the error. So this path
-only accepts what pydantic accepts, and builds what it builds: tests/test_request_fast.py
+only accepts what pydantic accepts, and builds what it builds: tests/unit/test_request_fast.py
 holds the two to the same answers over generated bodies.
 """
 

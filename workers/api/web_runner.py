@@ -10,7 +10,7 @@ and logs client faults at INFO.
 
 aiohttp has no public hook to choose the connection handler class: ``Server.__call__`` builds
 ``RequestHandler`` from the server's own keyword arguments, so ``_OpenAIServer`` overrides
-``__call__`` and the runner hands out that server. tests/test_hostile_http.py pins the
+``__call__`` and the runner hands out that server. tests/e2e/test_hostile_http.py pins the
 behaviour with a raw socket, so an aiohttp upgrade that moves these internals fails loudly.
 """
 

@@ -165,7 +165,7 @@ def test_disabled_kernel_falls_back_to_f_linear(monkeypatch: pytest.MonkeyPatch)
 
 @needs_kernel
 def test_engine_test_models_run_the_kernels(target_model: LlamaForCausalLM) -> None:
-    """So the engine's parity tests (tests/test_engine.py) cover the native path where it builds."""
+    """So the engine's parity tests (tests/unit/engine/test_engine.py) cover the native path where it builds."""
     assert target_model.native is not None
 
 

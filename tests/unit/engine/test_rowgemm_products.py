@@ -86,7 +86,7 @@ def test_products_need_bfloat16_panels() -> None:
 @needs_products
 def test_a_model_with_products_verifies_bit_identically(product_models: dict[str, LlamaForCausalLM]) -> None:
     """The start-up check's finding; the fused forward is the per-op path with products too
-    (tests/test_rowgemm.py), and greedy speculative output is plain output."""
+    (tests/unit/engine/test_rowgemm.py), and greedy speculative output is plain output."""
     target = product_models["target"]
     assert target.products == "bfloat16" and target.prepacked and target.fused is not None
     assert verification_bit_identical(target, 9) and verification_bit_identical(target, 4)

@@ -348,7 +348,7 @@ class SpeculativeEngine:
         decode steps, row-invariant. The fused kernel's blocking depends on the number of
         queries, so output computed fused rounds differently (in bfloat16, often enough to flip a
         later near-tie). Split the same way, cache and logits are the undisturbed run's, bit for
-        bit, wherever verification is (tests/test_engine_resume.py).
+        bit, wherever verification is (tests/unit/engine/test_engine_resume.py).
         """
         if seq.target_len > 0:
             return 0

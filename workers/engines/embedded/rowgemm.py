@@ -12,7 +12,7 @@ bfloat16, so it always is for them): half the bytes to stream, and every product
 float32 FMA of the same values. Every output element accumulates over K in the same order with
 the same instructions whatever the number of rows, so a token's logits in a (K+1)-token
 verification are those of the same token decoded alone, bit for bit (``verification_bit_identical``
-checks it at start-up, and ``tests/test_rowgemm.py`` here).
+checks it at start-up, and ``tests/unit/engine/test_rowgemm.py`` here).
 
 The C source is compiled with the system C compiler (``cc``, or ``$CC``) into
 ``~/.cache/specgate/rowgemm`` (``SPECGATE_ROWGEMM_DIR``) once per source and compiler, about a
@@ -94,7 +94,7 @@ class RowGemm:
     def set_threads(self, threads: int) -> None:
         """Projections split their output columns, and attention its query tiles, across
         ``threads`` (``workers.threads``; 1 at load). Each output is still one thread's FMA
-        chain: the split changes no bit (tests/test_rowgemm.py)."""
+        chain: the split changes no bit (tests/unit/engine/test_rowgemm.py)."""
         self.threads = self._set_threads(threads)
         self.score_rows = self._score_rows()
 
