@@ -142,8 +142,7 @@ class Exchange:
     # -- the request --------------------------------------------------------------------------------
     async def _request_headers(self, message: ext_proc.ProcessingRequest) -> list[ext_proc.ProcessingResponse]:
         headers = message.request_headers
-        self.headers = CIMultiDict((h.key, h.raw_value.decode("utf-8", "replace") if h.raw_value else h.value)
-                                   for h in headers.headers.headers)
+        self.headers = _header_map(headers)
         self.subset = _subset(message)
         if headers.end_of_stream:  # no body: a GET (models, probes), routed without a decision
             return await self._answer_headers_with_pick(b"")
@@ -278,8 +277,7 @@ class Exchange:
 
     # -- the response -------------------------------------------------------------------------------
     def _response_headers(self, headers: ext_proc.HttpHeaders) -> ext_proc.ProcessingResponse:
-        values = {h.key.lower(): h.raw_value.decode("utf-8", "replace") if h.raw_value else h.value
-                  for h in headers.headers.headers}
+        values = _header_map(headers)
         try:
             status = int(values.get(":status", "0"))
         except ValueError:
@@ -345,6 +343,12 @@ class Exchange:
         if picked is not None and picked.admission is not None:
             picked.admission.handle.draft_mix.remove(picked.admission.decision)
             self.state.store.save(picked.admission.session)
+
+
+def _header_map(headers: ext_proc.HttpHeaders) -> CIMultiDict[str]:
+    """Envoy's headers by name, any case (Envoy sends values in ``raw_value``; older ones in ``value``)."""
+    return CIMultiDict((h.key, h.raw_value.decode("utf-8", "replace") if h.raw_value else h.value)
+                       for h in headers.headers.headers)
 
 
 def _subset(message: ext_proc.ProcessingRequest) -> frozenset[str] | None:
