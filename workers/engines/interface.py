@@ -14,6 +14,7 @@ from collections.abc import AsyncGenerator, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
 
+from policies.tree import StepPath, TreeShape
 from workers.api.generation import SamplingParams, SpecSteps
 from workers.costs.model import CostReport
 
@@ -32,6 +33,9 @@ class GenerationRequest:
     # are output another worker generated. An engine that can computes them as decoding did, not
     # as prompt, so a greedy or seeded continuation is exactly the undisturbed run's.
     resumed_tokens: int = 0
+    # Speculate with this token tree instead of a chain of ``k`` (then ``k`` == its depth); an
+    # engine that serves chains only runs the chain of that depth (``Engine.tree_shapes``).
+    tree: TreeShape | None = None
 
 
 @dataclass(frozen=True)
@@ -53,6 +57,8 @@ class StepEvent:
     # This sequence failed alone (its sampling or its row of a forward raised): it is dropped,
     # its slot freed, and the rest of the batch goes on.
     error: Exception | None = None
+    # A tree step: the tree drafted and the rank accepted at each level tested (policies.tree.StepPath).
+    path: StepPath | None = None
 
 
 class EngineRequestError(ValueError):
@@ -104,6 +110,8 @@ class EngineInfo:
     context_window: int  # prompt + output tokens a request may use
     vocab_size: int
     eos_token_ids: frozenset[int]
+    # The most draft nodes of a token tree it verifies in one step (policies.tree); 0: chains only.
+    tree_max_nodes: int = 0
     # Engine-specific (precision, vLLM version, the sim's model and its live step lateness, ...).
     details: Mapping[str, Any] = field(default_factory=dict)
 
