@@ -123,6 +123,11 @@ class CostReport:
     prefill_ms: tuple[float, ...] | None = None
     draft_prefill_ms: tuple[float, ...] | None = None
     draft_first_cost: tuple[float, ...] | None = None  # a step's first draft forward / plain_step_ms
+    # Token trees (policies/tree.py) at batch depth 1, relative to plain_step_ms[0]: the target's
+    # forward of one row of n = 1..T tokens (the root and n - 1 nodes, tree mask), and one draft
+    # forward over n = 1..W nodes (a tree level). None: the engine is not priced for trees.
+    tree_verify_cost: tuple[float, ...] | None = None
+    tree_draft_cost: tuple[float, ...] | None = None
 
     def to_json(self) -> dict[str, Any]:
         out = asdict(self)
@@ -196,7 +201,8 @@ class CostReport:
             draft_overhead_ms=floats(raw.get("draft_overhead_ms")),
             prefill_tokens=None if raw.get("prefill_tokens") is None else tuple(int(n) for n in raw["prefill_tokens"]),
             prefill_ms=floats(raw.get("prefill_ms")), draft_prefill_ms=floats(raw.get("draft_prefill_ms")),
-            draft_first_cost=floats(raw.get("draft_first_cost")))
+            draft_first_cost=floats(raw.get("draft_first_cost")),
+            tree_verify_cost=floats(raw.get("tree_verify_cost")), tree_draft_cost=floats(raw.get("tree_draft_cost")))
 
 
 def report_from_forward_times(depths: Sequence[int], target_s: Sequence[Sequence[float]], draft_s: Sequence[float],
