@@ -20,6 +20,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any, TypeVar
 
+from policies.tree import MAX_TREE_NODES
+
 # -- the deployment it models ---------------------------------------------------------------------
 PUBLISHED_K = 5  # the deployment's num_speculative_tokens; its acceptance rates are quoted at this K
 
@@ -142,6 +144,8 @@ class SimConfig:
     time_scale: float = 1.0
     seed: int = 0  # output tokens and acceptance draws of requests without their own seed
     context_window: int = 8192
+    # The most draft nodes of a token tree a step verifies (policies.tree); 0: chains only.
+    tree_max_nodes: int = MAX_TREE_NODES
 
     @classmethod
     def from_mapping(cls, raw: Mapping[str, Any] | None) -> SimConfig:
@@ -231,7 +235,7 @@ def parse(raw: Mapping[str, Any]) -> SimConfig:
         raise SimConfigError("(section)", raw, "must be a mapping")
     problems = _Problems()
     known = {"target", "draft", "hardware", "efficiency", "acceptance", "default_category", "time_scale", "seed",
-             "context_window"}
+             "context_window", "tree_max_nodes"}
     for key in raw:
         if key not in known:
             problems.add(str(key), raw[key], f"unknown field; known: {', '.join(sorted(known))}")
@@ -258,12 +262,16 @@ def parse(raw: Mapping[str, Any]) -> SimConfig:
         category = acceptance.default_category
     seed = _integer(raw, "seed", 0, problems)
     window = _integer(raw, "context_window", d.context_window, problems, minimum=16)
+    tree_nodes = _integer(raw, "tree_max_nodes", d.tree_max_nodes, problems, minimum=0)
+    if tree_nodes > MAX_TREE_NODES:
+        problems.add("tree_max_nodes", tree_nodes, f"must be at most {MAX_TREE_NODES}")
+        tree_nodes = d.tree_max_nodes
     draft = (None if "draft" in raw and raw["draft"] is None
              else _shape(raw, "draft", LLAMA_1B, problems))
     config = SimConfig(_shape(raw, "target", d.target, problems), draft, hardware, efficiency,
                        replace(acceptance, default_category=category),
                        problems.check(lambda: _number(raw, "time_scale", d.time_scale, "", positive=False),
-                                      d.time_scale), seed, window)
+                                      d.time_scale), seed, window, tree_nodes)
     problems.raise_any()
     return config
 

@@ -130,7 +130,7 @@ class SimEngine:
         self._info = EngineInfo(kind="sim", max_k=self.batch.max_k, max_slots=self.settings.max_slots,
                                 context_window=self.config.context_window,
                                 vocab_size=int(config.get("vocab_size", self._codec.tokenizer.get_vocab_size())),
-                                eos_token_ids=eos_ids, details=details)
+                                eos_token_ids=eos_ids, details=details, tree_max_nodes=self.batch_tree_nodes)
         self._task = asyncio.create_task(self._loop(), name="sim-step-loop")
 
     async def stop(self) -> None:
@@ -138,6 +138,11 @@ class SimEngine:
             self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
+
+    @property
+    def batch_tree_nodes(self) -> int:
+        """The most tree nodes a step verifies: the config's, 0 without a draft."""
+        return self.config.tree_max_nodes if self.batch.max_k > 0 else 0
 
     @property
     def cost_model(self) -> CostReport:
@@ -164,8 +169,10 @@ class SimEngine:
         self._arrivals += 1
         seed = request.params.seed if request.params.seed is not None else self.config.seed * 1_000_003 + self._arrivals
         self._ids[request.request_id] = random.Random(seed)
-        return SimSeq(request.request_id, request.k, table.alpha(category, request.params.temperature),
-                      request.max_tokens, len(request.prompt_ids), random.Random(seed ^ 0x5EED))
+        # A tree this deployment does not verify runs as the chain of its depth (SimBatch.add).
+        k = request.tree.depth if request.tree is not None else request.k
+        return SimSeq(request.request_id, k, table.alpha(category, request.params.temperature),
+                      request.max_tokens, len(request.prompt_ids), random.Random(seed ^ 0x5EED), tree=request.tree)
 
     async def generate(self, request: GenerationRequest) -> AsyncGenerator[StepEvent, None]:
         seq = self._seq(request)
@@ -215,7 +222,7 @@ class SimEngine:
                 tokens = [ids.randint(self._first_id, vocab_hi) for _ in range(r.emitted)]
                 proposed, accepted, emitted = proposed + r.k, accepted + r.accepted, emitted + r.emitted
                 sink.put_nowait(StepEvent(rid, tokens, r.k, r.accepted, step.depth,
-                                          "length" if r.finished else None))
+                                          "length" if r.finished else None, path=r.path))
             stats = StepStats(proposed, accepted, emitted, step.depth, len(self.batch.waiting),
                               step.duration_s * scale, step.verify_s * scale)
             self._totals.add(stats)
@@ -241,4 +248,21 @@ def derived_cost_report(config: SimConfig, max_k: int, max_slots: int) -> CostRe
                         if max_k and config.draft is not None else 0.0
                         for d, ctx, t, dr, o in zip(depths, contexts, target_s, draft_s, overhead_s, strict=True)]
     return report_from_forward_times(depths, target_s, draft_s, source="derived", overhead_s=overhead_s,
-                                     draft_overhead_s=draft_overhead_s)
+                                     draft_overhead_s=draft_overhead_s, **tree_costs(config, max_k))
+
+
+def tree_costs(config: SimConfig, max_k: int) -> dict[str, tuple[float, ...] | None]:
+    """The published tree curves, at batch depth 1 and ``COST_CONTEXT`` cached tokens, relative
+    to a plain step there (``plain_step_ms[0]``): ``tree_verify_cost[n-1]``, the target's forward
+    of one row of n = 1..T tokens (T = tree_max_nodes + 1: the root and every node), and
+    ``tree_draft_cost[n-1]``, one draft forward over n = 1..tree_max_nodes tokens (a level). The
+    roofline's, as the chain's curves are: a row of n tree tokens costs what n chain tokens do
+    (docs/sim.md, "Token trees"). None for both where the deployment runs chains only."""
+    nodes = config.tree_max_nodes
+    if nodes <= 0 or max_k <= 0 or config.draft is None:
+        return {"tree_verify_cost": None, "tree_draft_cost": None}
+    cost = StepCost(config)
+    plain = cost.forward(config.target, 1, COST_CONTEXT)
+    verify = tuple(round(cost.forward(config.target, n, COST_CONTEXT) / plain, 4) for n in range(1, nodes + 2))
+    draft = tuple(round(cost.forward(config.draft, n, COST_CONTEXT) / plain, 4) for n in range(1, nodes + 1))
+    return {"tree_verify_cost": verify, "tree_draft_cost": draft}

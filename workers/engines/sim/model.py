@@ -13,6 +13,9 @@ every number. See docs/sim.md for the model, its calibration and its limits.
 - **Acceptance**: each request has a per-token α, from its prompt's category and its
   temperature (``AcceptanceTable``). A step's accepted drafts are i.i.d. Bernoulli(α) trials
   truncated at the first rejection and capped at K, as speculative sampling produces them.
+- **Token trees** (``trees.py``): a sequence may draft a tree (``SimSeq.tree``); its rank-r
+  children are accepted with the calibrated rank acceptances, its draft forwards run over each
+  level's nodes and the target verifies the root and every node in its row.
 """
 
 from __future__ import annotations
@@ -25,8 +28,21 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from policies.speculation import step_depth
+from policies.tree import StepPath, TreeShape
 from workers.api.sim_config import Efficiency, Facts, ModelShape, SimConfig, alpha_from_rate
 from workers.costs.model import AcceptanceEstimate, StepCostRule
+from workers.engines.sim.trees import (
+    ASSUMED_TREE,
+    CALIBRATED_ALPHA,
+    CHAIN_ACCEPTANCE,
+    RANK_RATIO,
+    TREE_ACCEPTANCE,
+    betas_for,
+    fed_widths,
+    rank1_tests,
+    sample_path,
+    truncated,
+)
 
 GB, TFLOP = 1e9, 1e12  # units
 
@@ -64,6 +80,9 @@ def config_summary(config: SimConfig) -> dict[str, Any]:
         "acceptance": {c: [[t if math.isfinite(t) else None, round(a, 4)] for t, a in b]
                        for c, b in config.acceptance.bands.items()},
         "default_category": config.acceptance.default_category,
+        "trees": {"max_nodes": config.tree_max_nodes, "rank_ratio": round(RANK_RATIO, 4),
+                  "calibration": {"chain": CHAIN_ACCEPTANCE, "tree": TREE_ACCEPTANCE, "tree_shape": str(ASSUMED_TREE),
+                                  "alpha": round(CALIBRATED_ALPHA, 4)}},
     }}
 
 
@@ -83,11 +102,16 @@ class StepCost:
         compute = 2 * shape.params * (tokens / self.flops + prefill_tokens / self.prefill_flops)
         return self.overhead + max(memory, compute)
 
-    def step_time(self, ks: Sequence[int], contexts: Sequence[int], prefill_tokens: int = 0) -> tuple[float, float]:
+    def step_time(self, ks: Sequence[int], contexts: Sequence[int], prefill_tokens: int = 0,
+                  trees: Sequence[TreeShape | None] | None = None) -> tuple[float, float]:
         """(step seconds, of which the target's verification) for sequences with K_i drafts and
-        context_i cached tokens; ``prefill_tokens`` prompt tokens processed alongside."""
+        context_i cached tokens; ``prefill_tokens`` prompt tokens processed alongside. ``trees``
+        (one per sequence, None for a chain): a sequence's token tree of depth K_i, whose draft
+        forward d runs over its level d - 1 nodes and whose nodes all ride in the verification."""
         if not ks and not prefill_tokens:
             return 0.0, 0.0
+        if trees is not None and any(t is not None for t in trees):
+            return self._tree_step_time(ks, contexts, prefill_tokens, trees)
         kmax = max(ks, default=0)
         draft_s = 0.0
         if kmax > 0 and self.draft is not None:
@@ -102,6 +126,24 @@ class StepCost:
                 n, kv = n + count[j], kv + ctx[j]
                 draft_s += self.forward(self.draft, n, kv)
         verify_s = self.forward(self.target, sum(ks) + len(ks), sum(contexts), prefill_tokens)
+        return draft_s + verify_s, verify_s
+
+    def _tree_step_time(self, ks: Sequence[int], contexts: Sequence[int], prefill_tokens: int,
+                        trees: Sequence[TreeShape | None]) -> tuple[float, float]:
+        kmax = max(ks, default=0)
+        tokens = [0] * kmax  # draft forward j+1: tokens it runs over, and their sequences' cache
+        kv = [0] * kmax
+        verified = 0
+        for k, c, tree in zip(ks, contexts, trees, strict=True):
+            shape = tree if tree is not None and k > 0 else None
+            verified += 1 + (shape.nodes if shape is not None else k)
+            for j, width in enumerate(fed_widths(shape, k)):
+                tokens[j] += width
+                kv[j] += c
+        draft_s = 0.0
+        if self.draft is not None:
+            draft_s = sum(self.forward(self.draft, n, c) for n, c in zip(tokens, kv, strict=True))
+        verify_s = self.forward(self.target, verified, sum(contexts), prefill_tokens)
         return draft_s + verify_s, verify_s
 
 
@@ -158,10 +200,17 @@ class SimSeq:
     prefill: int  # prompt tokens not yet in the cache (processed in its first step)
     rng: random.Random
     context: int = 0  # tokens in its cache
+    # Draft this token tree instead of a chain (``k`` is then its depth); steps that cap K cut
+    # it to its top levels.
+    tree: TreeShape | None = None
     log_alpha: float = field(init=False)
+    betas: tuple[float, ...] = field(init=False)  # its rank acceptances (trees.betas_for)
 
     def __post_init__(self) -> None:
         self.log_alpha = math.log(self.alpha) if self.alpha > 0 else -math.inf
+        self.betas = betas_for(self.alpha)
+        if self.tree is not None:
+            self.k = self.tree.depth
 
 
 @dataclass(frozen=True)
@@ -171,6 +220,7 @@ class SeqStep:
     accepted: int
     emitted: int  # tokens emitted this step
     finished: bool
+    path: StepPath | None = None  # a tree step's verification, level by level
 
 
 @dataclass(frozen=True)
@@ -216,6 +266,9 @@ class SimBatch:
 
     def add(self, seq: SimSeq) -> None:
         seq.k = max(0, min(seq.k, self.max_k))
+        if seq.tree is not None:  # a tree the deployment cannot verify runs as the chain of its depth
+            tree = truncated(seq.tree, seq.k)
+            seq.tree = tree if tree is not None and tree.nodes <= self.config.tree_max_nodes else None
         self.waiting.append(seq)
 
     def abort(self, request_id: str) -> None:
@@ -248,11 +301,20 @@ class SimBatch:
             ks = [common if k > 0 else 0 for k in ks]
         # Never more drafts than could be emitted.
         ks = [min(k, seq.remaining - 1) for k, seq in zip(ks, seqs, strict=True)]
-        duration, verify = self.cost.step_time(ks, contexts, prefill)
+        trees = [truncated(seq.tree, k) if seq.tree is not None else None for seq, k in zip(seqs, ks, strict=True)]
+        duration, verify = self.cost.step_time(ks, contexts, prefill, trees)
         results = []
-        for seq, k in zip(seqs, ks, strict=True):
-            accepted = sample_accepted(seq.rng, seq.log_alpha, k)
-            self.acceptance.add(k, accepted)
+        for seq, k, tree in zip(seqs, ks, trees, strict=True):
+            path = None
+            if tree is not None:
+                path = sample_path(seq.rng, tree, seq.betas)
+                accepted = path.accepted
+                tested, passed = rank1_tests(path)  # the α evidence: rank-1 tests only
+                for i in range(tested):
+                    self.acceptance.add(1, 1 if i < passed else 0)
+            else:
+                accepted = sample_accepted(seq.rng, seq.log_alpha, k)
+                self.acceptance.add(k, accepted)
             emitted = min(accepted + 1, seq.remaining)
             seq.context += seq.prefill + emitted
             seq.prefill = 0
@@ -260,5 +322,5 @@ class SimBatch:
             finished = seq.remaining <= 0
             if finished:
                 del self.running[seq.request_id]
-            results.append(SeqStep(seq, k, accepted, emitted, finished))
+            results.append(SeqStep(seq, k, accepted, emitted, finished, path))
         return BatchStep(duration, verify, len(seqs), results)
