@@ -2,6 +2,7 @@
 
     python -m bench.policy [--quick] [--json] [--out DIR] [--seed N]   # virtual time (bench/fleet_sim.py)
     python -m bench.policy --real [--quick] [--json]                   # a real gateway over sim workers
+    python -m bench.policy --trees-only [--quick] [--json]             # where token trees pay (bench/policy_trees.py)
 
 Virtual time: two replicas of the simulated deployment (workers/engines/sim/model.py: Llama-3.3-70B
 + 1B draft, TP4 on H100s, docs/sim.md), closed-loop sessions of three kinds (code at T=0.2,
@@ -11,7 +12,9 @@ batch well past 64. Every policy meets the same seeded traffic. Per phase and ov
 steps, and mode switches (a session's decision changing mode between requests). A PNG of
 goodput over time goes into ``--out``. ``--json``: the last line is one JSON object.
 
-Adding a policy is one entry in ``policies()``.
+Adding a policy is one entry in ``policies()``. ``--trees`` adds, and ``--trees-only`` runs alone,
+K auto with token trees against K auto with chains only (bench/policy_trees.py, docs/trees.md):
+the JSON's ``trees`` object, with its own ``targets``.
 """
 
 from __future__ import annotations
@@ -175,17 +178,27 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--out", default="bench-out", help="where the PNG goes")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--scale", type=float, default=None, help="phase durations × this (default 1, quick 0.1)")
+    parser.add_argument("--trees", action="store_true", help="also: trees vs chains only (bench/policy_trees.py)")
+    parser.add_argument("--trees-only", action="store_true", help="only the trees vs chains comparison")
     parser.add_argument("--time-scale", type=float, default=2.0,
                         help="--real: wall seconds per simulated second (slower than the GPUs: fewer chunks/s)")
     args = parser.parse_args(argv)
     if args.scale is None:
         args.scale = 0.1 if args.quick else 1.0
-    if args.real:
+    if args.trees_only:
+        from bench.policy_trees import run_trees
+
+        result = {"mode": "trees", "seed": args.seed, "scale": args.scale, **run_trees(args)}
+    elif args.real:
         from bench.policy_real import run_real
 
         result = run_real(args)
     else:
         result = run_virtual(args)
+        if args.trees:
+            from bench.policy_trees import run_trees
+
+            result["trees"] = run_trees(args)
     if args.json:
         print(json.dumps(result))
 

@@ -30,7 +30,7 @@ from policies import PolicyConfig
 from workers.api.sim_config import SimConfig
 
 AGREEMENT = 0.15  # live goodput per phase within ±15% of the virtual-time figure
-POLICY = {"num_speculative_tokens": 5}
+POLICY: dict[str, Any] = {"num_speculative_tokens": 5}
 
 
 # One token each with the demo tokenizer, so a prompt of n of them is n tokens after BOS and

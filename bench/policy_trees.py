@@ -1,0 +1,289 @@
+"""``python -m bench.policy --trees``: where token trees pay on the simulated GPU fleet.
+
+Three figures (docs/trees.md):
+
+- **table**: the best tree's modelled gain over the best chain, by the session's per-token α
+  (band midpoints) and the batch depth, every sequence of the batch running the same plan, on
+  the sim's own step times (``StepCost``) and its calibrated rank acceptances (``trees.py``).
+  Every tree of at most ``tree_max_nodes`` nodes and depth ``MAX_TREE_DEPTH`` competes against
+  chains of K = 1..8. Pure arithmetic: no fleet, no noise.
+- **mixed**: bench.policy's mixed workload (its phases and session kinds), policy K auto with
+  trees against K auto with chains only (``tree_shapes: []``). Target: trees ≥ 0.99 × chains.
+- **must_win**: middling acceptance (the three kinds at α 0.78 / 0.62 / 0.70, every
+  temperature, ``max_temperature`` 1.0) at shallow batches (1, 2 and 4 sessions per kind over
+  two replicas). Target: trees > chains.
+
+How a tree is chosen: where ``policies`` prices trees (``Decision.tree``, ``observe_path``:
+policies/tree_choice.py), ``decide`` chooses, told the worker's ``tree_max_nodes``, and every
+tree step's path is folded with ``observe_path``. Otherwise a **bench-local stand-in** (marked
+``LOCAL PRICING``) picks a tree after ``decide``'s chain where it promises ``LOCAL_MARGIN`` more:
+expected tokens from ``policies.tree.expected_tree_tokens`` at the session's α and a fixed prior
+ratio for lower ranks, step times from the sim's roofline (the curves its cost model publishes).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import random
+from collections.abc import Iterator, Sequence
+from dataclasses import replace
+from functools import cache
+from typing import Any
+
+import policies
+import policies.speculation as speculation
+from bench.fleet_sim import DEFAULT_PHASES, FleetPolicy, FleetResult, FleetSim, Phase, _Replica, _Request, _Session
+from gateway.routing import Candidate, choose_worker
+from policies import Decision, PolicyConfig, RequestFacts, WorkerState, batch_latch, decide, record_decision
+from policies.tree import MAX_BRANCHING, MAX_TREE_DEPTH, TreeShape, expected_tree_tokens
+from workers.api.sim_config import AcceptanceTable, SimConfig
+from workers.engines.sim.engine import COST_CONTEXT
+from workers.engines.sim.model import BatchStep, SimSeq, StepCost, expected_tokens
+from workers.engines.sim.trees import betas_for, rank1_tests, rank_betas
+
+ALPHA_BANDS = ((0.5, 0.6), (0.6, 0.7), (0.7, 0.8), (0.8, 0.9), (0.9, 1.0))
+TABLE_DEPTHS = (1, 2, 4, 8, 16, 32, 64)
+MAX_K = 8
+MIXED_TARGET = 0.99
+NATIVE = "tree" in {f.name for f in dataclasses.fields(Decision)} and hasattr(speculation, "observe_path")
+# LOCAL PRICING (only without policies' own): candidates, the lower-rank prior, the margin.
+LOCAL_SHAPES = ("2+3", "2x2+2", "3+4", "2x2+4")
+LOCAL_RANK_PRIOR = 0.5
+LOCAL_MARGIN = 0.05
+
+
+# -- the table ------------------------------------------------------------------------------------------
+def all_shapes(max_nodes: int) -> Iterator[TreeShape]:
+    """Every tree (not chain) of branching 2..MAX_BRANCHING on top, a chain below, within bounds."""
+    for top in range(1, MAX_TREE_DEPTH + 1):
+        for factors in itertools.product(range(2, MAX_BRANCHING + 1), repeat=top):
+            for chain in range(0, MAX_TREE_DEPTH - top + 1):
+                shape = TreeShape((*factors, *([1] * chain))) if _fits(factors, chain, max_nodes) else None
+                if shape is not None:
+                    yield shape
+
+
+def _fits(factors: Sequence[int], chain: int, max_nodes: int) -> bool:
+    width, nodes = 1, 0
+    for k in factors:
+        width *= k
+        nodes += width
+    return nodes + chain * width <= max_nodes
+
+
+class Gains:
+    """Gain over plain of a batch of ``depth`` sequences all running one plan, on the sim's step times."""
+
+    def __init__(self, sim: SimConfig) -> None:
+        self.cost = StepCost(sim)
+
+    @cache  # noqa: B019 - one instance per run, a few hundred keys
+    def step(self, depth: int, k: int, shape: TreeShape | None) -> float:
+        contexts = [COST_CONTEXT] * depth
+        return self.cost.step_time([k] * depth, contexts, 0, None if shape is None else [shape] * depth)[0]
+
+    def chain(self, alpha: float, depth: int, k: int) -> float:
+        return expected_tokens(alpha, k) * self.step(depth, 0, None) / self.step(depth, k, None)
+
+    def tree(self, betas: Sequence[float], depth: int, shape: TreeShape) -> float:
+        tokens = expected_tree_tokens(shape, [betas])
+        return tokens * self.step(depth, 0, None) / self.step(depth, shape.depth, shape)
+
+
+def tree_table(sim: SimConfig) -> dict[str, Any]:
+    """Per α band × depth: the best chain and best tree, their gains over plain, and the ratio."""
+    gains = Gains(sim)
+    shapes = list(all_shapes(sim.tree_max_nodes))
+    rows: dict[str, dict[str, Any]] = {}
+    for lo, hi in ALPHA_BANDS:
+        alpha = (lo + hi) / 2
+        betas = betas_for(alpha)
+        row: dict[str, Any] = {}
+        for depth in TABLE_DEPTHS:
+            k = max(range(1, MAX_K + 1), key=lambda k: gains.chain(alpha, depth, k))
+            shape = max(shapes, key=lambda s: gains.tree(betas, depth, s))
+            chain_gain, tree_gain = gains.chain(alpha, depth, k), gains.tree(betas, depth, shape)
+            winner = "tree" if tree_gain > max(chain_gain, 1.0) else "chain" if chain_gain > 1.0 else "plain"
+            row[str(depth)] = {"chain_k": k, "chain_gain": round(chain_gain, 3), "tree": str(shape),
+                               "tree_gain": round(tree_gain, 3), "tree_over_chain": round(tree_gain / chain_gain, 3),
+                               "winner": winner}
+        rows[f"{lo:.1f}-{hi:.1f}" if hi < 1.0 else f"{lo:.1f}+"] = row
+    return {"alpha_at": "band midpoint", "depths": list(TABLE_DEPTHS), "shapes_compared": len(shapes),
+            "chains_compared": f"K=1..{MAX_K}", "rows": rows}
+
+
+def print_table(table: dict[str, Any]) -> None:
+    print(f"\nwhere trees win: best tree's gain ÷ best chain's ({table['shapes_compared']} trees vs "
+          f"{table['chains_compared']}; whole batch on one plan; α at the band's midpoint)")
+    print(f"  {'α band':<9}" + "".join(f"{'b=' + str(d):>15}" for d in table["depths"]))
+    for band, row in table["rows"].items():
+        cells = []
+        for d in table["depths"]:
+            c = row[str(d)]
+            mark = {"tree": "T", "chain": "c", "plain": "-"}[c["winner"]]
+            cells.append(f"{c['tree_over_chain']:>7.3f} {mark} {c['tree']:>5}" if c["winner"] == "tree"
+                         else f"{c['tree_over_chain']:>7.3f} {mark} K={c['chain_k']:<3}")
+        print(f"  {band:<9}" + "".join(f"{cell:>15}" for cell in cells))
+    print("  T: the tree shown wins; c: the chain K shown wins; -: plain wins (no plan gains)")
+
+
+# -- the fleet ------------------------------------------------------------------------------------------
+class TreeFleetSim(FleetSim):
+    """The virtual fleet with trees: each request's decision may carry a tree, which its
+    sequence drafts; tree steps are folded into the session by their paths."""
+
+    def __init__(self, config: SimConfig, policy: FleetPolicy, phases: Sequence[Phase], trees: bool,
+                 seed: int = 0) -> None:
+        super().__init__(config, policy, phases, seed=seed)
+        self.trees = trees
+        self.tree_nodes = config.tree_max_nodes if trees else 0
+        self.gains = Gains(config)
+        self.tree_steps = self.tree_requests = 0
+
+    def _request(self, session: _Session) -> None:  # FleetSim._request, with the worker's trees
+        if self.now >= session.retire_at:
+            return
+        replica = self._route(session)
+        kind, config = session.kind, self.policy.config
+        assert config is not None
+        replica.gateway_latch = batch_latch(replica.gateway_latch, replica.in_flight, config)
+        extra: dict[str, Any] = {"tree_max_nodes": self.tree_nodes} if NATIVE else {}
+        worker = WorkerState(replica.in_flight, replica.gateway_latch, replica.batch.max_k, cost=replica.cost,
+                             acceptance=policies.worker_acceptance(replica.acceptance, config),
+                             mix=replica.mix.step_mix(), **extra)
+        decision = decide(session.state, worker, RequestFacts(kind.temperature), config)
+        session.state = record_decision(session.state, decision, config.auto_k)
+        tree: TreeShape | None = getattr(decision, "tree", None)
+        if not NATIVE and self.trees and decision.mode == "speculative" and decision.reason == "default":
+            tree = self._local_tree(session, replica.in_flight + 1)  # LOCAL PRICING
+        self.tree_requests += tree is not None
+        stats = self.stats[self._phase_at(self.now)]
+        if session.last_mode is not None and session.last_mode != decision.mode:
+            stats.switches += 1
+            self.overall.switches += 1
+        session.last_mode = decision.mode
+        stats.requests += 1
+        self.overall.requests += 1
+        rng = session.rng
+        self.next_rid += 1
+        rid = f"r{self.next_rid}"
+        seq = SimSeq(rid, decision.k, self.config.acceptance.alpha(kind.category, kind.temperature),
+                     rng.randint(*kind.max_tokens), rng.randint(*kind.prompt_tokens),
+                     random.Random(rng.getrandbits(64)), tree=tree)
+        self.requests[rid] = _Request(session, self.now, replica.name, decision)
+        replica.in_flight += 1
+        replica.mix.add(decision)
+        replica.batch.add(seq)
+        if not replica.busy:
+            self._start_step(replica)
+
+    def _route(self, session: _Session) -> _Replica:
+        candidates = [Candidate(r.name, True, r.in_flight, frozenset({"speculative", "plain"}))
+                      for r in self.replicas.values()]
+        worker_id = choose_worker(session.worker, candidates)
+        assert worker_id is not None
+        session.worker = worker_id
+        return self.replicas[worker_id]
+
+    def _local_tree(self, session: _Session, depth: int) -> TreeShape | None:
+        """LOCAL PRICING, until policies prices trees: the best of ``LOCAL_SHAPES`` where it beats
+        the best chain by ``LOCAL_MARGIN`` at the session's α, whole batch on one plan."""
+        alpha = session.state.acceptance_ewma
+        if alpha is None:
+            return None
+        alpha = round(alpha, 2)
+        betas = rank_betas(alpha, LOCAL_RANK_PRIOR)
+        chain = max(self.gains.chain(alpha, depth, k) for k in range(1, MAX_K + 1))
+        shapes = [s for s in map(TreeShape.parse, LOCAL_SHAPES) if s.nodes <= self.tree_nodes]
+        best = max(shapes, key=lambda s: self.gains.tree(betas, depth, s), default=None)
+        if best is None or self.gains.tree(betas, depth, best) <= chain * (1 + LOCAL_MARGIN):
+            return None
+        return best
+
+    def _step_done(self, replica: _Replica, step: BatchStep) -> None:
+        """Tree steps fold by their path (rank-1 tests into α); FleetSim then counts them as
+        steps that drafted nothing, so their tokens are added to its speculative share here."""
+        config = self.policy.config
+        assert config is not None
+        results = []
+        for r in step.results:
+            if r.path is None:
+                results.append(r)
+                continue
+            self.tree_steps += 1
+            session = self.requests[r.seq.request_id].session
+            if NATIVE:
+                session.state = speculation.observe_path(session.state, r.path, config)
+                replica.acceptance = speculation.observe_path(replica.acceptance, r.path, config)
+            else:
+                tested, passed = rank1_tests(r.path)
+                groups = [(1, 1, passed), (1, 0, tested - passed)]
+                session.state = policies.observe_steps(session.state, groups, config)
+                replica.acceptance = policies.observe_steps(replica.acceptance, groups, config)
+            self.stats[self._phase_at(self.now)].spec_tokens += r.emitted
+            self.overall.spec_tokens += r.emitted
+            results.append(replace(r, k=0, accepted=0))
+        super()._step_done(replica, replace(step, results=results))
+
+
+MUST_WIN_ACCEPTANCE = {"code": ((float("inf"), 0.78),), "math": ((float("inf"), 0.62),),
+                       "chat": ((float("inf"), 0.70),)}
+MUST_WIN_PHASES = (Phase("b1", 300, 1), Phase("b2", 300, 2), Phase("b4", 300, 4))
+
+
+def _policy(trees: bool, **fields: Any) -> FleetPolicy:
+    mapping: dict[str, Any] = {"num_speculative_tokens": "auto", **fields}
+    if not trees and NATIVE:
+        mapping["tree_shapes"] = []
+    return FleetPolicy("K auto, trees" if trees else "K auto, chains only", PolicyConfig.from_mapping(mapping))
+
+
+def run_pair(sim: SimConfig, phases: Sequence[Phase], seed: int, **fields: Any) -> dict[str, Any]:
+    """Chains only, then trees, on the same seeded traffic: goodput per phase and the ratio."""
+    out: dict[str, Any] = {}
+    results: dict[str, FleetResult] = {}
+    for trees in (False, True):
+        fleet = TreeFleetSim(sim, _policy(trees, **fields), phases, trees, seed=seed)
+        results["trees" if trees else "chains"] = fleet.run()
+        out["tree_requests" if trees else "chain_tree_requests"] = fleet.tree_requests
+        if trees:
+            out["tree_steps"] = fleet.tree_steps
+    goodput = {key: {name: round(r.phases[name].tokens / (hi - lo), 1) for name, lo, hi in r.phase_bounds}
+               | {"overall": round(r.overall.tokens / r.phase_bounds[-1][2], 1)} for key, r in results.items()}
+    out["goodput"] = goodput
+    out["ratio"] = {p: round(goodput["trees"][p] / goodput["chains"][p], 4) if goodput["chains"][p] else None
+                    for p in goodput["chains"]}
+    return out
+
+
+def run_trees(args: Any) -> dict[str, Any]:
+    """The table, the mixed workload and the must-win workload; printed, and returned for --json."""
+    sim = SimConfig()
+    print(f"trees: {'policies/tree_choice.py (decide)' if NATIVE else 'LOCAL PRICING (bench stand-in)'} "
+          f"chooses trees; sim tree_max_nodes {sim.tree_max_nodes}")
+    table = tree_table(sim)
+    print_table(table)
+    scale = args.scale
+    mixed = run_pair(sim, [replace(p, duration_s=p.duration_s * scale) for p in DEFAULT_PHASES], args.seed)
+    mid_sim = replace(sim, acceptance=AcceptanceTable(MUST_WIN_ACCEPTANCE, "chat"))
+    must = run_pair(mid_sim, [replace(p, duration_s=p.duration_s * scale) for p in MUST_WIN_PHASES], args.seed,
+                    max_temperature=1.0)
+    for name, pair in (("mixed workload (bench.policy's phases)", mixed),
+                       ("must-win workload (α 0.62-0.78, 1-4 sessions per kind)", must)):
+        print(f"\n{name}: goodput, tokens/s (fleet of 2); tree requests {pair['tree_requests']}, "
+              f"tree steps {pair['tree_steps']}")
+        phases = list(pair["goodput"]["chains"])
+        print(f"  {'policy':<14}" + "".join(f"{p:>10}" for p in phases))
+        for key in ("chains", "trees"):
+            print(f"  {key:<14}" + "".join(f"{pair['goodput'][key][p]:>10.1f}" for p in phases))
+        print(f"  {'trees÷chains':<14}" + "".join(f"{pair['ratio'][p] or 0:>10.4f}" for p in phases))
+    targets = {"mixed_ratio": mixed["ratio"]["overall"], "mixed_target": MIXED_TARGET,
+               "mixed_met": mixed["ratio"]["overall"] >= MIXED_TARGET,
+               "must_win_ratio": must["ratio"]["overall"], "must_win_met": must["ratio"]["overall"] > 1.0}
+    print(f"\n  target mixed: trees ÷ chains {targets['mixed_ratio']} (≥ {MIXED_TARGET}) "
+          f"{'met' if targets['mixed_met'] else 'MISSED'}")
+    print(f"  target must-win: trees ÷ chains {targets['must_win_ratio']} (> 1) "
+          f"{'met' if targets['must_win_met'] else 'MISSED'}")
+    return {"chooser": "policies" if NATIVE else "local", "table": table, "mixed": mixed, "must_win": must,
+            "targets": targets}
