@@ -11,7 +11,11 @@ Inside a worker, each step may only lower that K, by the per-step rules:
 - ``catch_up_pays``: under K auto, whether a sequence whose draft lags catches it up and drafts
   now, or decodes this step plain.
 
-What ``decide`` and the per-step rules are built from (``choose_k``, ``objective``, ``gain``,
+Under K auto a session may get a token tree instead of a chain (``Decision.tree``;
+``policies/tree_choice.py`` prices it, ``policies/tree.py`` defines its shape and notation);
+``observe_path`` folds a tree step's path.
+
+What ``decide`` and the per-step rules are built from (``choose_k``, ``choose_plan``, ``objective``, ``gain``,
 ``step_k``, the step prices) stays public for the benches and the table-driven tests; nothing
 else should call them to choose a K. After a request, ``record_decision``, ``observe`` and
 ``observe_steps`` fold what happened into the session's state.
@@ -22,6 +26,7 @@ from policies.cost import (
     CostModel,
     StepMix,
     StepParts,
+    TreeCosts,
     batch_step_k,
     catch_up_pays,
     choose_k,
@@ -48,15 +53,19 @@ from policies.speculation import (
     batch_latch,
     decide,
     observe,
+    observe_path,
     observe_steps,
     record_decision,
     step_depth,
     tested_drafts,
     worker_acceptance,
 )
+from policies.tree import MAX_TREE_NODES, StepPath, TreeShape, TreeShapeError, expected_tree_tokens, level_pass
+from policies.tree_choice import choose_plan, tree_gain
 
 __all__ = [
     "FIXED_MODE_REASONS",
+    "MAX_TREE_NODES",
     "REASONS",
     "CostModel",
     "Decision",
@@ -70,6 +79,10 @@ __all__ = [
     "StepDepth",
     "StepMix",
     "StepParts",
+    "StepPath",
+    "TreeCosts",
+    "TreeShape",
+    "TreeShapeError",
     "WorkerState",
     "acceptance_for_k",
     "acceptance_latch",
@@ -79,12 +92,16 @@ __all__ = [
     "bounded_text",
     "catch_up_pays",
     "choose_k",
+    "choose_plan",
     "decide",
     "expected_tokens",
+    "expected_tree_tokens",
     "gain",
+    "level_pass",
     "mixed_step_cost",
     "objective",
     "observe",
+    "observe_path",
     "observe_steps",
     "raise_problems",
     "record_decision",
@@ -92,6 +109,7 @@ __all__ = [
     "step_depth",
     "step_k",
     "tested_drafts",
+    "tree_gain",
     "whole_step_costs",
     "worker_acceptance",
 ]

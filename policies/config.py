@@ -8,10 +8,13 @@ and every rule is checked, so an edit with several mistakes gets a message for e
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass, fields
 from typing import Any, Literal
+
+from policies.tree import TreeShape, TreeShapeError
 
 EXCERPT_CHARS = 200  # error messages quote at most this much of a value
 # A summary lists at most this many problems and counts the rest: a hostile body can hold
@@ -110,6 +113,21 @@ class PolicyConfig:
     # max(1, round(max_step_drafts / batch depth)) instead of K, because once the target's
     # verification is compute-bound every draft verified costs time. 0: no limit.
     max_step_drafts: int = 0
+    # auto: the token trees a session may run instead of a chain, in TreeShape's notation
+    # (policies/tree.py); each is priced on the worker's tree costs against every chain K and
+    # plain (policies/tree_choice.py). Branching at the top, where a level is reached most often,
+    # two children (rank 2 is worth most), depths 4-6 around the chain's best K, at most 22
+    # nodes. Empty: chains only.
+    tree_shapes: tuple[str, ...] = ("2+3", "2x2+2", "3+4", "2x2+4")
+    # The prior for a rank r >= 2 the session has no evidence for: beta_r = this x beta_(r-1).
+    # 0.47 turns a chain's 76.2% per-level acceptance into 84.8% for a level of two children
+    # (the published chain -> tree figures of issue #36).
+    tree_rank_prior: float = 0.47
+    # A tree priced on that prior (fewer than min_proposals rank-2 tests) runs at most every Nth request.
+    tree_explore_every: int = 4
+    # auto: a session keeps a chain (or plain) rather than a tree, or its tree rather than a chain or
+    # another tree, unless the other promises (1 + this)x its throughput.
+    tree_switch_gain: float = 0.05
 
     def __post_init__(self) -> None:
         raise_problems(rule_problems(self.as_dict()))
@@ -146,17 +164,34 @@ class PolicyConfig:
         """K is chosen per session from the workers' measured costs (policies/cost.py)."""
         return self.num_speculative_tokens == "auto"
 
-    def as_dict(self) -> dict[str, float | int | str]:
+    @property
+    def trees(self) -> tuple[TreeShape, ...]:
+        """``tree_shapes`` parsed (validated at construction)."""
+        return _shapes(self.tree_shapes)
+
+    def as_dict(self) -> dict[str, float | int | str | tuple[str, ...]]:
         return {f.name: getattr(self, f.name) for f in fields(self)}
 
 
 AUTO_FIELDS = ("num_speculative_tokens", "free_batch")  # integer fields that also take "auto"
+MAX_TREE_SHAPES = 8  # candidates per decision, and the bound on the metrics' tree label
+
+
+@functools.lru_cache(maxsize=64)
+def _shapes(texts: tuple[str, ...]) -> tuple[TreeShape, ...]:
+    return tuple(TreeShape.parse(text) for text in texts)
 
 
 def _typed(key: str, value: Any, expected: str) -> Any:
     """The value as its field's type (an int for a float field becomes a float); raises PolicyConfigError."""
     if key in AUTO_FIELDS and value == "auto":
         return value
+    if key == "tree_shapes":
+        # YAML reads a one-level tree (3) as a number: its notation is its digits.
+        if not isinstance(value, list | tuple) or not all(
+                isinstance(v, str) or (isinstance(v, int) and not isinstance(v, bool)) for v in value):
+            raise PolicyConfigError(key, value, "must be a list of tree shapes like 2x2+3")
+        return tuple(str(v) for v in value)
     if expected == "int" or key in AUTO_FIELDS:
         if isinstance(value, bool) or not isinstance(value, int):
             raise PolicyConfigError(key, value, "must be an integer")
@@ -212,4 +247,29 @@ def rule_problems(values: Mapping[str, Any], bad: Collection[str] = ()) -> list[
     require(free_batch == "auto" or (isinstance(free_batch, int) and free_batch >= 0), "free_batch",
             "must be >= 0 or auto")
     require(values["max_step_drafts"] >= 0, "max_step_drafts", "must be >= 0")
+    require(0.0 <= values["tree_rank_prior"] <= 1.0, "tree_rank_prior", "must be between 0 and 1")
+    require(values["tree_explore_every"] >= 1, "tree_explore_every", "must be >= 1")
+    require(0.0 <= values["tree_switch_gain"] <= 1.0, "tree_switch_gain", "must be between 0 and 1")
+    problem = _tree_shapes_problem(values["tree_shapes"])
+    require(problem is None, "tree_shapes", problem or "")
     return list(found.values())
+
+
+def _tree_shapes_problem(texts: Any) -> str | None:
+    """What is wrong with ``tree_shapes`` (None: nothing)."""
+    if not isinstance(texts, tuple) or not all(isinstance(t, str) for t in texts):
+        return "must be a list of tree shapes like 2x2+3"
+    if len(texts) > MAX_TREE_SHAPES:
+        return f"at most {MAX_TREE_SHAPES} shapes"
+    seen: set[TreeShape] = set()
+    for text in texts:
+        try:
+            shape = TreeShape.parse(text)
+        except TreeShapeError as exc:
+            return str(exc)
+        if shape.is_chain:
+            return f"{text!r:.40} is a chain: chains are chosen by K, list trees only"
+        if shape in seen:
+            return f"{text!r:.40} is listed twice"
+        seen.add(shape)
+    return None

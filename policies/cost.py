@@ -64,12 +64,28 @@ class StepMix:
 
 
 @dataclass(frozen=True)
+class TreeCosts:
+    """What a token tree's forwards cost at batch depth 1, relative to ``plain_step_ms[0]``
+    (the worker's ``tree_verify_cost`` and ``tree_draft_cost``; policies/tree_choice.py prices
+    a tree step from them)."""
+
+    verify: tuple[float, ...]  # [n-1]: the target's forward of one row of n tokens (root + n-1 nodes, tree mask)
+    draft: tuple[float, ...]  # [n-1]: one draft forward over n tokens (one tree level)
+
+    def __post_init__(self) -> None:
+        for name, row in (("tree_verify_cost", self.verify), ("tree_draft_cost", self.draft)):
+            if not row or not all(math.isfinite(c) and c > 0 for c in row):
+                raise ValueError(f"cost model: {name} must be a non-empty list of positive, finite costs (got {row})")
+
+
+@dataclass(frozen=True)
 class CostModel:
     """A worker's step cost by batch depth and K, relative to a plain step at that depth."""
 
     depths: tuple[int, ...]  # batch depths measured, ascending, the first >= 1
     step_cost: tuple[tuple[float, ...], ...]  # [depth index][K], K = 0..max_k; [i][0] == 1.0
     parts: StepParts | None = None  # absent in the old schema (and vLLM's): uniform pricing only
+    tree: TreeCosts | None = None  # absent: the worker is priced for chains only
 
     def __post_init__(self) -> None:
         if not self.depths or len(self.depths) != len(self.step_cost):
@@ -106,7 +122,8 @@ class CostModel:
     def from_json(cls, raw: Mapping[str, Any]) -> CostModel:
         """From the ``cost_model`` object a worker publishes (``depths``, ``step_cost``, and the
         parts when it has them: ``plain_step_ms``, ``verify_cost``, ``draft_cost``, overheads,
-        ``draft_first_cost``)."""
+        ``draft_first_cost``; and a tree's, ``tree_verify_cost`` and ``tree_draft_cost``, both or
+        neither)."""
         depths = tuple(int(d) for d in raw["depths"])
         rows = tuple(tuple(float(c) for c in row) for row in raw["step_cost"])
         parts = None
@@ -120,7 +137,11 @@ class CostModel:
                               tuple(tuple(float(c) for c in row) for row in raw["verify_cost"]),
                               floats("draft_cost"), floats("step_overhead_ms"), floats("draft_overhead_ms"),
                               floats("draft_first_cost") if raw.get("draft_first_cost") is not None else None)
-        return cls(depths, rows, parts)
+        tree = None
+        if raw.get("tree_verify_cost") is not None and raw.get("tree_draft_cost") is not None:
+            tree = TreeCosts(tuple(float(c) for c in raw["tree_verify_cost"]),
+                             tuple(float(c) for c in raw["tree_draft_cost"]))
+        return cls(depths, rows, parts, tree)
 
 
 def whole_step_costs(target_s: Sequence[float], draft_s: float, overhead_s: float = 0.0,

@@ -23,7 +23,10 @@ Rules, in the order ``decide`` applies them (thresholds named as in config.yaml)
    with ``auto``, the K that maximizes expected tokens per unit of time on the worker's cost
    curves, priced at the worker's draft mix (``WorkerState.mix``: how many of its in-flight
    sequences draft), kept unless another K is better by ``k_switch_gain`` (``policies/cost.py``).
-   A worker that publishes no cost model speculates with its own max K.
+   Where the worker runs and prices token trees, each of ``tree_shapes`` competes too, and the
+   session may get a tree (``Decision.tree``, K its depth), kept unless another choice is better
+   by ``tree_switch_gain``; a tree priced on the prior only every ``tree_explore_every``-th
+   request (``policies/tree_choice.py``). A worker that publishes no cost model speculates with its own max K.
 ``free_batch`` (off at 0) exempts shallow batches from rules 2 and 4: at or below that depth a
 GPU step is memory-bound and drafting cheap, so a hot or low-acceptance session still gains
 (reason ``free_batch`` when a rule was waived). ``free_batch: auto`` exempts them wherever the
@@ -41,6 +44,8 @@ from typing import Literal
 
 from policies.config import PolicyConfig
 from policies.cost import CostModel, StepMix, choose_k, gain, objective
+from policies.tree import StepPath, TreeShape
+from policies.tree_choice import Ranks, chain_counts, choose_plan, fold_ranks, path_counts
 
 Mode = Literal["speculative", "plain"]
 Reason = Literal["default", "probe", "worker_plain_only", "worker_speculative_only", "high_temperature",
@@ -54,13 +59,16 @@ FIXED_MODE_REASONS: frozenset[Reason] = frozenset({"worker_plain_only", "worker_
 @dataclass(frozen=True)
 class Decision:
     mode: Mode
-    k: int  # drafts per step; 0 when plain
+    k: int  # drafts per step; 0 when plain; a tree's depth
     reason: Reason
+    tree: TreeShape | None = None  # a token tree instead of a chain of K (K auto, policies/tree_choice.py)
 
     @property
     def header(self) -> str:
         """The ``X-Specgate-Mode`` response header value."""
         if self.mode == "speculative":
+            if self.tree is not None:
+                return f"speculative; tree={self.tree}; reason={self.reason}"
             return f"speculative; k={self.k}; reason={self.reason}"
         return f"plain; reason={self.reason}"
 
@@ -72,6 +80,10 @@ class SessionState:
     low_acceptance: bool = False  # latched: fell below the floor, not yet back above resume
     plain_since_probe: int = 0  # low-acceptance (or no-gain) requests served plain since the last probe
     auto_k: int | None = None  # the K the cost model last chose (0: plain, no_gain); None: never chosen
+    auto_tree: TreeShape | None = None  # ...and the tree, where it chose one (auto_k is then its depth)
+    since_tree: int = 0  # K auto decisions since the last tree: when a tree on the prior may be explored
+    # Rank acceptances by depth with their tests (policies/tree_choice.py); () until the first step.
+    ranks: Ranks = ()
 
 
 @dataclass(frozen=True)
@@ -87,6 +99,7 @@ class WorkerState:
     # a step is priced at its real mix, not as if every sequence drafted (policies/cost.py).
     # None: unknown, priced uniformly.
     mix: StepMix | None = None
+    tree_max_nodes: int = 0  # the most tree nodes its engine verifies in one step; 0: chains only
 
 
 @dataclass(frozen=True)
@@ -105,7 +118,7 @@ def decide(session: SessionState, worker: WorkerState, request: RequestFacts, po
         # One fixed speculative mode: it runs its own K, whatever the rules wanted.
         if decision.mode == "plain":
             return Decision("speculative", worker.max_k, "worker_speculative_only")
-        return replace(decision, k=worker.max_k)
+        return replace(decision, k=worker.max_k, tree=None)
     return decision
 
 
@@ -128,15 +141,17 @@ def _rules(session: SessionState, worker: WorkerState, request: RequestFacts, po
         if probe_due:
             return Decision("speculative", _probe_k(session, worker, policy, k), "probe")
         return Decision("plain", 0, "low_acceptance")
+    tree = None
     if policy.num_speculative_tokens == "auto" and worker.cost is not None:
         alpha = acceptance_for_k(session, worker, policy)
-        k = choose_k(worker.cost, alpha, worker.batch_depth + 1, worker.max_k, policy.min_gain,
-                     policy.k_switch_gain, session.auto_k, _mix(worker))
+        k, tree = choose_plan(worker.cost, alpha, session.ranks, worker.batch_depth + 1, worker.max_k,
+                              worker.tree_max_nodes, policy, session.auto_k, session.auto_tree,
+                              session.since_tree + 1 >= policy.tree_explore_every, _mix(worker))
         if k == 0:
             if probe_due:
                 return Decision("speculative", _probe_k(session, worker, policy, 1), "probe")
             return Decision("plain", 0, "no_gain")
-    return Decision("speculative", k, "default")
+    return Decision("speculative", k, "default", tree)
 
 
 def _free_batch_k(session: SessionState, worker: WorkerState, policy: PolicyConfig, k: int) -> int:
@@ -208,8 +223,12 @@ def record_decision(session: SessionState, decision: Decision, auto_k: bool = Fa
     if decision.reason == "probe":
         return replace(session, plain_since_probe=0)
     if auto_k and decision.reason in ("default", "no_gain"):
-        return replace(session, auto_k=decision.k)
+        since = 0 if decision.tree is not None else min(session.since_tree + 1, _MAX_SINCE)
+        return replace(session, auto_k=decision.k, auto_tree=decision.tree, since_tree=since)
     return session
+
+
+_MAX_SINCE = 1 << 20  # since_tree stops counting here (only "due or not" matters)
 
 
 def observe(session: SessionState, proposed: int, accepted: int, policy: PolicyConfig) -> SessionState:
@@ -225,7 +244,21 @@ def observe(session: SessionState, proposed: int, accepted: int, policy: PolicyC
     if proposed <= 0:
         return session
     accepted = max(0, min(accepted, proposed))
-    return _fold(session, tested_drafts(proposed, accepted), accepted, policy)
+    session = _fold(session, tested_drafts(proposed, accepted), accepted, policy)
+    ranks = fold_ranks(session.ranks, chain_counts(((proposed, accepted, 1),)), policy.acceptance_half_life)
+    return replace(session, ranks=ranks)
+
+
+def observe_path(session: SessionState, path: StepPath, policy: PolicyConfig) -> SessionState:
+    """Folds one tree step (or a chain's, ``StepPath.of_chain``) into the estimates: every child
+    it tested into the rank acceptances, and its rank-1 tests alone into α, which keeps its
+    meaning (a draft's acceptance given its predecessors were accepted), so the acceptance
+    rules see a tree session as they see a chain's."""
+    if not path.ranks:
+        return session
+    # One rank-1 test per level tested, passed where rank 1 was the child taken.
+    session = _fold(session, len(path.ranks), sum(1 for r in path.ranks if r == 1), policy)
+    return replace(session, ranks=fold_ranks(session.ranks, path_counts(path), policy.acceptance_half_life))
 
 
 def observe_steps(session: SessionState, steps: Iterable[tuple[int, int, int]], policy: PolicyConfig) -> SessionState:
@@ -236,6 +269,7 @@ def observe_steps(session: SessionState, steps: Iterable[tuple[int, int, int]], 
     on an arbitrary order (an EWMA started by a run of rejections stays low); the block's own
     rate, weighted by all the drafts it tested, is the same evidence with no order at all.
     """
+    steps = list(steps)  # read twice: α, then the rank table
     tested = accepted = 0
     for proposed, step_accepted, count in steps:
         if proposed <= 0 or count <= 0:
@@ -245,7 +279,8 @@ def observe_steps(session: SessionState, steps: Iterable[tuple[int, int, int]], 
         accepted += count * step_accepted
     if tested == 0:
         return session
-    return _fold(session, tested, accepted, policy)
+    session = _fold(session, tested, accepted, policy)
+    return replace(session, ranks=fold_ranks(session.ranks, chain_counts(steps), policy.acceptance_half_life))
 
 
 def _fold(session: SessionState, tested: int, accepted: int, policy: PolicyConfig) -> SessionState:
