@@ -17,16 +17,17 @@ each with its verification rule, chosen by the request's sampling parameters:
   deterministic proposals; verified by the rule SpecInfer (Miao et al. 2024) gives for
   deterministic proposals, see ``_verify_point_masses``. Exactly the target's distribution.
 
-A level's draft for a batch of nodes is a ``Children``; ``TreeDraft.from_levels`` lays them
-out per node; ``verify_trees`` verifies B sequences sharing a layout, a level at a time, and
-``verify_tree`` one sequence.
+A level's draft for a batch of nodes is a ``Children``; ``TreeDrafts.from_levels`` lays them
+out per node; ``verify_trees`` verifies B sequences sharing a layout, a level at a time. The
+engine's tree steps use the one-sequence form: ``draft_children`` a node at a time, recording
+into ``TreeProposals``, then ``verify_tree``.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
-from typing import Literal
+from dataclasses import dataclass, field
+from typing import Literal, NamedTuple
 
 import torch
 
@@ -34,8 +35,9 @@ from policies.tree import StepPath
 from workers.engines.embedded.sampling import SamplingParams, probabilities, sample
 from workers.engines.embedded.tree import TreeLayout
 
-__all__ = ["Children", "Mode", "NoiseAt", "TreeDraft", "TreeVerdict", "TreeVerdicts", "draft_greedy",
-           "draft_sampled", "draft_seeded", "draft_top_k", "mode_of", "verify_tree", "verify_trees"]
+__all__ = ["Children", "Mode", "NoiseAt", "TreeDrafts", "TreeProposals", "TreeVerdict", "TreeVerdicts",
+           "draft_children", "draft_greedy", "draft_sampled", "draft_seeded", "draft_top_k", "mode_of", "verify_tree",
+           "verify_trees"]
 
 Mode = Literal["greedy", "seeded", "sampled", "point"]
 # noise_at(j): the Gumbel noise of the j-th token from now (j = 0 the first this step emits), (V,)
@@ -127,7 +129,7 @@ def draft_sampled(q: torch.Tensor, k: int, generator: torch.Generator) -> Childr
 
 # -- a tree's drafts, per node -------------------------------------------------------------------
 @dataclass(frozen=True)
-class TreeDraft:
+class TreeDrafts:
     """A tree's drafts for B sequences, per node of the layout (column 0, the root, unused).
 
     ``tokens[b, i]``: node i's token; ``count[b, i]``: the children proposed under node i (the
@@ -140,7 +142,7 @@ class TreeDraft:
     q: torch.Tensor | None = None  # (B, N+1, V) float32
 
     @classmethod
-    def from_levels(cls, tree: TreeLayout, levels: Sequence[Children], batch: int = 1) -> TreeDraft:
+    def from_levels(cls, tree: TreeLayout, levels: Sequence[Children], batch: int = 1) -> TreeDrafts:
         """``levels[d]``: the children drafted under the nodes at depth d, their rows sequence
         major (``batch`` times the level's nodes, in node order), ``branching[d]`` slots each."""
         if len(levels) != tree.shape.depth:
@@ -262,15 +264,11 @@ def _target_token(mode: Mode, logits: torch.Tensor, params: SamplingParams, nois
     return sample(probabilities(logits, params), generator)
 
 
-@dataclass(frozen=True)
-class TreeVerdict:
-    tokens: list[int]  # the accepted children's tokens, then one target token (replacement or bonus)
-    path: StepPath  # the rank accepted per level tested, 0 where the level rejected every child
-    nodes: tuple[int, ...]  # the accepted nodes, root first excluded (``TreeLayout.path_to``)
+class TreeVerdict(NamedTuple):
+    """One sequence's verdict; unpacks as ``tokens, ranks``."""
 
-    @property
-    def accepted(self) -> int:
-        return len(self.nodes)
+    tokens: list[int]  # the accepted children's tokens, then one target token (replacement or bonus)
+    ranks: tuple[int, ...]  # the rank accepted per level tested, 0 where a level rejected every child
 
 
 @dataclass(frozen=True)
@@ -288,11 +286,13 @@ class TreeVerdicts:
 
     def verdict(self, b: int) -> TreeVerdict:
         ranks = tuple(r for r in self.ranks[b].tolist() if r >= 0)
-        tokens = [t for t in self.tokens[b].tolist() if t >= 0]
-        return TreeVerdict(tokens, StepPath(self.tree.shape, ranks), self.tree.path_to(ranks))
+        return TreeVerdict([t for t in self.tokens[b].tolist() if t >= 0], ranks)
+
+    def path(self, b: int) -> StepPath:
+        return StepPath(self.tree.shape, self.verdict(b).ranks)
 
 
-def verify_trees(tree: TreeLayout, draft: TreeDraft, target_logits: torch.Tensor, params: SamplingParams, *,
+def verify_trees(tree: TreeLayout, draft: TreeDrafts, target_logits: torch.Tensor, params: SamplingParams, *,
                  generator: torch.Generator | None = None, noise_at: NoiseAt | None = None) -> TreeVerdicts:
     """Verifies B sequences' trees (one layout): from the root, each node's children are tested
     by the rule ``mode_of(params, draft.q is not None)`` names; on acceptance the walk moves to
@@ -348,12 +348,55 @@ def verify_trees(tree: TreeLayout, draft: TreeDraft, target_logits: torch.Tensor
     return TreeVerdicts(tree, out, ranks)
 
 
-def verify_tree(tree: TreeLayout, draft: TreeDraft, target_logits: torch.Tensor, params: SamplingParams, *,
-                generator: torch.Generator | None = None, noise_at: NoiseAt | None = None) -> TreeVerdict:
-    """One sequence: ``draft`` of batch 1 (or unbatched (N+1,) tokens/counts), target_logits
-    (N+1, V), noise_at(j) -> (V,). See ``verify_trees``."""
-    if draft.tokens.dim() == 1:
-        draft = TreeDraft(draft.tokens[None], draft.count[None], None if draft.q is None else draft.q[None])
-    verdicts = verify_trees(tree, draft, target_logits.reshape(1, *target_logits.shape[-2:]), params,
-                            generator=generator, noise_at=noise_at)
+# -- one sequence, a node at a time (the engine's tree steps) ---------------------------------------
+@dataclass
+class TreeProposals:
+    """One sequence's drafts in a step, per parent node: the ``Children`` (n = 1) drafted under
+    it, as ``draft_children`` records them. ``style``: how an unseeded sampled request drafts,
+    "sampled" (without replacement, Sequoia's rule) or "point" (the top k, point masses)."""
+
+    by_parent: dict[int, Children] = field(default_factory=dict)
+    style: Literal["sampled", "point"] = "sampled"
+
+
+def draft_children(logits: torch.Tensor, k: int, params: SamplingParams, generator: torch.Generator,
+                   noise: torch.Tensor | None, proposals: TreeProposals, parent: int) -> list[int]:
+    """The children of ``parent`` from the draft's logits there (V,), recorded in ``proposals``:
+    greedy at temperature 0, seeded with ``noise`` (the children's position's), else as
+    ``proposals.style`` says. Returns the proposed tokens, rank order (fewer than k only when
+    the draft has fewer tokens of positive mass; the slots left are never accepted)."""
+    if params.temperature <= 0.0:
+        children = draft_greedy(logits, k)
+    elif params.seed is not None:
+        if noise is None:
+            raise ValueError("a seeded request drafts with its noise")
+        children = draft_seeded(logits, params, noise, k)
+    elif proposals.style == "point":
+        children = draft_top_k(probabilities(_rows(logits), params), k)
+    else:
+        children = draft_sampled(probabilities(_rows(logits), params), k, generator)
+    proposals.by_parent[parent] = children
+    return children.tokens[0, :int(children.count[0])].tolist()
+
+
+def verify_tree(tree: TreeLayout, tokens: Sequence[int] | torch.Tensor, target_logits: torch.Tensor,
+                proposals: TreeProposals, params: SamplingParams, generator: torch.Generator | None = None,
+                noise_at: Callable[[int, int], torch.Tensor] | None = None) -> TreeVerdict:
+    """One sequence's tree: ``tokens[i]`` node i's token (the root's unused), target_logits
+    (N+1, V) row i the target's for the token after node i, ``proposals`` as ``draft_children``
+    recorded them (a node without an entry proposed no children), noise_at(j, V) the seeded
+    noise of the j-th token from now. See ``verify_trees``."""
+    vocab = target_logits.shape[-1]
+    node_tokens = torch.as_tensor(tokens, dtype=torch.long).reshape(1, tree.size)
+    count = torch.zeros(1, tree.size, dtype=torch.long)
+    sampled = any(c.q is not None for c in proposals.by_parent.values())
+    q = torch.zeros(1, tree.size, vocab) if sampled else None
+    for parent, children in proposals.by_parent.items():
+        kids = tree.children[parent]
+        count[0, parent] = min(int(children.count[0]), len(kids))
+        if q is not None and children.q is not None:
+            q[0, list(kids)] = children.q[0, :len(kids)]
+    noise = None if noise_at is None else (lambda j: noise_at(j, vocab))
+    verdicts = verify_trees(tree, TreeDrafts(node_tokens, count, q), target_logits.reshape(1, tree.size, vocab),
+                            params, generator=generator, noise_at=noise)
     return verdicts.verdict(0)
