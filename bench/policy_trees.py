@@ -116,15 +116,15 @@ def tree_table(sim: SimConfig) -> dict[str, Any]:
 def print_table(table: dict[str, Any]) -> None:
     print(f"\nwhere trees win: best tree's gain ÷ best chain's ({table['shapes_compared']} trees vs "
           f"{table['chains_compared']}; whole batch on one plan; α at the band's midpoint)")
-    print(f"  {'α band':<9}" + "".join(f"{'b=' + str(d):>15}" for d in table["depths"]))
+    print(f"  {'α band':<9}" + "".join(f"{'b=' + str(d):>17}" for d in table["depths"]))
     for band, row in table["rows"].items():
         cells = []
         for d in table["depths"]:
             c = row[str(d)]
             mark = {"tree": "T", "chain": "c", "plain": "-"}[c["winner"]]
-            cells.append(f"{c['tree_over_chain']:>7.3f} {mark} {c['tree']:>5}" if c["winner"] == "tree"
-                         else f"{c['tree_over_chain']:>7.3f} {mark} K={c['chain_k']:<3}")
-        print(f"  {band:<9}" + "".join(f"{cell:>15}" for cell in cells))
+            cells.append(f"{c['tree_over_chain']:>6.3f} {mark} {c['tree']:>7}" if c["winner"] == "tree"
+                         else f"{c['tree_over_chain']:>6.3f} {mark} {'K=' + str(c['chain_k']):>7}")
+        print(f"  {band:<9}" + "".join(f"{cell:>17}" for cell in cells))
     print("  T: the tree shown wins; c: the chain K shown wins; -: plain wins (no plan gains)")
 
 
