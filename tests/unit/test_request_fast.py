@@ -22,6 +22,8 @@ EDGES: list[Any] = [
     {"include_usage": None}, {"other": 1}, {"k": 4, "max_batch": 64, "batch_resume": 48},
     {"k": 65}, {"k": 0, "coalesce_s": 0.05, "whole_answer": True, "cost_rule": True, "max_step_drafts": 8},
     {"k": 1, "resume": {"prompt_ids": [1], "output_ids": []}}, {"k": True}, {"coalesce_s": 61}, {"k": None},
+    {"k": 5, "tree": "2x2+3"}, {"k": 4, "tree": "2x2+3"}, {"k": 1, "tree": "9"}, {"k": 1, "tree": 3},
+    {"k": 0, "tree": None}, {"k": 1, "tree": "+1"}, {"k": 1, "tree": "2" * 50},
     {"role": "user", "content": "hi"}, [{"role": "user", "content": "hi"}],
     [{"role": "developer", "content": "be brief"}, {"role": "user", "content": ""}],
     [{"role": "user", "content": [{"type": "text", "text": "hi"}]}], [{"role": "user"}],
@@ -36,7 +38,7 @@ VALID: dict[str, list[Any]] = {
     "stream_options": [{"include_usage": True}, {}, {"include_usage": None, "include_obfuscation": True}],
     "user": ["u", ""], "messages": [[{"role": "user", "content": "hi"}]],
     "specgate": [{"k": 4, "max_batch": 64, "batch_resume": 48}, {"k": 0, "coalesce_s": 0.05, "whole_answer": True},
-                 {"cost_rule": True, "max_step_drafts": 8}, {}],
+                 {"cost_rule": True, "max_step_drafts": 8}, {}, {"k": 4, "tree": "2+3", "cost_rule": True}],
 }
 
 

@@ -180,6 +180,8 @@ class Directive:
     # relays it): the answer carries its steps' drafts, in order, in ``specgate.steps``, so the
     # picker folds the session's acceptance exactly as the relay folds a stream's reports.
     step_log: bool = False
+    # A token tree instead of a chain (its notation, policies/tree.py: "2x2+3"); ``k`` is then its depth.
+    tree: str | None = None
 
     def to_json(self) -> dict[str, Any]:
         out: dict[str, Any] = {"k": self.k, "max_batch": self.max_batch, "batch_resume": self.batch_resume}
@@ -195,6 +197,8 @@ class Directive:
             out["whole_answer"] = True
         if self.step_log:
             out["step_log"] = True
+        if self.tree is not None:  # absent unless set, as the fields above
+            out["tree"] = self.tree
         return out
 
 
@@ -301,7 +305,7 @@ def parse_request(kind: RequestKind, body: Any) -> CompletionRequest:
         directive=None if directive is None else Directive(directive.k, directive.max_batch, directive.batch_resume,
                                                        directive.max_step_drafts, resume, directive.cost_rule,
                                                        directive.coalesce_s, directive.whole_answer,
-                                                       directive.step_log),
+                                                       directive.step_log, directive.tree),
         raw=body)
 
 
@@ -329,6 +333,11 @@ class StepReport:
     # A coalesced chunk: how long its first step waited in the worker before it was sent (the
     # gateway's time to first token counts from when the token was made, not relayed).
     held_s: float = 0.0
+    # A tree step: the tree's notation, and the rank accepted at each level tested (0: every child
+    # of that level rejected; policies.tree.StepPath). ``proposed`` is then the tree's depth and
+    # ``accepted`` the levels passed. None for chains and plain steps.
+    tree: str | None = None
+    path: tuple[int, ...] | None = None
 
     def steps(self) -> tuple[StepReport, ...]:
         """Every step behind the chunk, in order."""
@@ -343,6 +352,8 @@ class StepReport:
             out["then"] = [step.to_json() for step in self.then]
         if self.held_s:
             out[HELD_FIELD] = self.held_s
+        if self.tree is not None and self.path is not None:
+            out["tree"], out["path"] = self.tree, list(self.path)
         return out
 
     def ids_comment(self) -> bytes:
@@ -375,7 +386,9 @@ class StepReport:
         if not isinstance(raw, dict) or "late_steps" in raw:
             return cls._step(raw)
         try:
-            key = (raw["proposed"], raw["accepted"], raw["batch_depth"], raw["k"], raw["tokens"])
+            path = raw.get("path")
+            key = (raw["proposed"], raw["accepted"], raw["batch_depth"], raw["k"], raw["tokens"], raw.get("tree"),
+                   tuple(path) if type(path) is list else path)
             step = _LATER_STEPS.get(key)
         except (KeyError, TypeError):  # a missing field, or a value that cannot be a key
             return cls._step(raw)
@@ -395,10 +408,25 @@ class StepReport:
         try:
             late_raw = raw.get("late_steps")
             late = tuple(SpecSteps(int(p), int(a), int(c)) for p, a, c in late_raw) if late_raw else ()
+            tree, path = _tree_path(raw.get("tree"), raw.get("path"))
             return cls(int(raw["proposed"]), int(raw["accepted"]), int(raw["batch_depth"]), int(raw["k"]),
-                       int(raw["tokens"]), late, then=then, held_s=held_s)
+                       int(raw["tokens"]), late, then=then, held_s=held_s, tree=tree, path=path)
         except (KeyError, TypeError, ValueError):
             return None
+
+
+MAX_PATH = 64  # levels in a reported path (a tree is at most policies.tree.MAX_TREE_DEPTH deep)
+
+
+def _tree_path(tree: Any, path: Any) -> tuple[str | None, tuple[int, ...] | None]:
+    """A tree step's shape and path as reported, both or neither (the gateway checks them
+    against each other, policies.tree.StepPath); anything malformed reads as a chain step."""
+    if tree is None or path is None:
+        return None, None
+    if (not isinstance(tree, str) or len(tree) > 40 or not isinstance(path, list) or len(path) > MAX_PATH
+            or not all(type(r) is int and r >= 0 for r in path)):
+        return None, None
+    return tree, tuple(path)
 
 
 # Later steps' reports by their five fields (bounded: batch depths and K values are few in practice).
@@ -431,13 +459,17 @@ def vllm_step_report(chunk: Mapping[str, Any], k: int) -> StepReport | None:
 
 def step_log(reports: Iterable[StepReport]) -> dict[str, Any]:
     """A non-streaming answer's ``specgate`` field (``Directive.step_log``): each speculative
-    step's [proposed, accepted] in order, and the [proposed, accepted, count] groups of steps
-    the engine learned late. Plain steps change no estimate and are left out."""
-    steps: list[list[int]] = []
+    step's [proposed, accepted] in order ([proposed, accepted, tree, path] for a tree step), and
+    the [proposed, accepted, count] groups of steps the engine learned late. Plain steps change
+    no estimate and are left out."""
+    steps: list[list[Any]] = []
     late: list[list[int]] = []
     for report in reports:
         if report.proposed > 0:
-            steps.append([report.proposed, report.accepted])
+            if report.tree is not None and report.path is not None:
+                steps.append([report.proposed, report.accepted, report.tree, list(report.path)])
+            else:
+                steps.append([report.proposed, report.accepted])
         late += [[g.proposed, g.accepted, g.count] for g in report.late_steps]
     out: dict[str, Any] = {"steps": steps}
     if late:
@@ -450,11 +482,16 @@ def logged_steps(raw: Any) -> StepReport | None:
     if not isinstance(raw, dict) or not isinstance(raw.get("steps"), list):
         return None
     try:
-        steps = [StepReport(int(p), int(a), 0, int(p), 0) for p, a in raw["steps"]]
+        steps = [_logged_step(*step) for step in raw["steps"]]
         late = tuple(SpecSteps(int(p), int(a), int(c)) for p, a, c in raw.get("late_steps") or ())
     except (TypeError, ValueError):
         return None
     return StepReport(0, 0, 0, 0, 0, late, then=tuple(steps))
+
+
+def _logged_step(proposed: Any, accepted: Any, tree: Any = None, path: Any = None) -> StepReport:
+    tree, checked = _tree_path(tree, path)
+    return StepReport(int(proposed), int(accepted), 0, int(proposed), 0, tree=tree, path=checked)
 
 
 def speculative_usage(proposed: int, accepted: int, mode: str, speculative_steps: int | None = None,

@@ -17,9 +17,11 @@ holds the two to the same answers over generated bodies.
 
 from __future__ import annotations
 
+import functools
 from types import SimpleNamespace
 from typing import Any, get_args
 
+from policies.tree import TreeShape, TreeShapeError
 from workers.api.schema import (
     MAX_COALESCE_S,
     MAX_DIRECTIVE_COUNT,
@@ -28,6 +30,7 @@ from workers.api.schema import (
     MAX_TEMPERATURE,
     MAX_TOKENS_LIMIT,
     MAX_TOP_K,
+    MAX_TREE_TEXT,
     Directive,
     Message,
     StreamOptions,
@@ -101,9 +104,30 @@ def _directive(value: Any) -> SimpleNamespace:
             setattr(out, key, _bool(v))
         elif key == "coalesce_s":
             out.coalesce_s = _float(v, 0, MAX_COALESCE_S)
+        elif key == "tree":
+            out.tree = _tree(v)
         else:
             raise _Refused
+    if out.tree is not None and _tree_depth(out.tree) != out.k:
+        raise _Refused  # pydantic words the error
     return out
+
+
+@functools.lru_cache(maxsize=64)
+def _tree_depth(text: str) -> int:
+    return TreeShape.parse(text).depth
+
+
+def _tree(value: Any) -> str | None:
+    if value is None:
+        return None
+    if type(value) is not str or len(value) > MAX_TREE_TEXT:
+        raise _Refused
+    try:
+        _tree_depth(value)
+    except TreeShapeError:
+        raise _Refused from None
+    return value
 
 
 def _message(value: Any) -> SimpleNamespace:

@@ -21,8 +21,10 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
 from pydantic.json_schema import SkipJsonSchema
+
+from policies.tree import TreeShape, TreeShapeError
 
 MAX_STOP_SEQUENCES = 4
 MAX_TOKENS_LIMIT = 1 << 20  # beyond any context window; the worker checks the real one
@@ -33,6 +35,16 @@ MAX_TEMPERATURE = 2
 MAX_DIRECTIVE_K = 64
 MAX_DIRECTIVE_COUNT = 1 << 20  # a directive's batch depths and drafts per step
 MAX_COALESCE_S = 60
+MAX_TREE_TEXT = 40  # characters of a directive's tree notation
+
+
+def _tree_shape(value: str) -> str:
+    """A tree shape's notation, checked (policies/tree.py bounds it)."""
+    try:
+        TreeShape.parse(value)
+    except TreeShapeError as exc:
+        raise ValueError(str(exc)) from None
+    return value
 
 
 def _false(value: bool) -> bool:
@@ -116,6 +128,15 @@ class Directive(_Strict):
     coalesce_s: Annotated[float, Field(ge=0, le=MAX_COALESCE_S)] = 0.0
     whole_answer: bool = False  # with coalesce_s: a first span that ends the answer may come whole
     step_log: bool = False  # a non-streaming answer lists its steps' drafts (the endpoint picker's feedback)
+    # A token tree instead of a chain of k (policies/tree.py's notation, "2x2+3"); k is its depth.
+    tree: Annotated[str, Field(max_length=MAX_TREE_TEXT), AfterValidator(_tree_shape)] | None = None
+
+    @model_validator(mode="after")
+    def _tree_depth(self) -> Directive:
+        if self.tree is not None and TreeShape.parse(self.tree).depth != self.k:
+            raise ValueError(f"a tree's k is its depth ({TreeShape.parse(self.tree).depth} for {self.tree}; "
+                             f"got k={self.k})")
+        return self
 
 
 class _RequestBody(_Strict):
