@@ -7,13 +7,18 @@ by position (a rejected draft is undone by moving the position back, never by co
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
 
+from workers.engines.embedded.tree_attention import check_tree, logical_keys
+
 if TYPE_CHECKING:
     from workers.engines.embedded.config import ModelConfig
+    from workers.engines.embedded.tree import TreeRow
 
 # Row-invariant attention spans are padded to whole blocks of this many keys (masked), so a
 # token's attention reads the same number of keys whether it is decoded alone or verified
@@ -73,10 +78,37 @@ class CacheBatch:
     row_invariant: bool = True
     # Each row's (slot, first position, real tokens), for the native kernels (workers/engines/embedded/rowgemm.py).
     rows: tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]] = ((), (), ())
+    # Token trees (issue #36): each row's TreeRow or None; None when no row has one. Then
+    # ``positions`` are the tokens' logical positions (rotary, mask) while K/V are still written
+    # at start + l, and ``tree_keys`` holds the rows' slots (B,) and, per query, the cache
+    # position of its logical key j (B, L, key_span): its prefix in place, its ancestors mapped.
+    trees: tuple[TreeRow | None, ...] | None = None
+    tree_keys: tuple[torch.Tensor, torch.Tensor] | None = None
 
     @classmethod
     def build(cls, slots: list[int], starts: list[int], lengths: list[int], width: int,
-              max_positions: int, row_invariant: bool = True) -> CacheBatch:
+              max_positions: int, row_invariant: bool = True,
+              trees: Sequence[TreeRow | None] | None = None) -> CacheBatch:
+        batch = cls._build(slots, starts, lengths, width, max_positions, row_invariant)
+        if trees is None or all(t is None for t in trees):
+            return batch
+        if len(trees) != len(slots):
+            raise ValueError(f"{len(trees)} trees for {len(slots)} rows")
+        positions = batch.positions.clone()
+        for b, tree in enumerate(trees):
+            if tree is not None:
+                check_tree(tree, starts[b], lengths[b], max_positions, max_positions)
+                positions[b, :lengths[b]] = torch.tensor(tree.logical, dtype=torch.long)
+        keys = torch.arange(batch.key_span, dtype=torch.long)
+        # Every query masked at its logical position, a plain decoding step's mask there.
+        mask = (keys[None, None, :] <= positions[:, :, None])[:, None]
+        index = logical_keys(trees, starts, lengths, width, batch.key_span, positions)
+        return dataclasses.replace(batch, positions=positions, mask=mask, trees=tuple(trees),
+                                   tree_keys=(torch.tensor(slots, dtype=torch.long), index))
+
+    @classmethod
+    def _build(cls, slots: list[int], starts: list[int], lengths: list[int], width: int,
+               max_positions: int, row_invariant: bool) -> CacheBatch:
         needed = max(start + length for start, length in zip(starts, lengths, strict=True))
         if needed > max_positions:
             raise ValueError(f"sequence needs {needed} positions, cache holds {max_positions}")

@@ -29,6 +29,7 @@ from torch import nn
 from workers.engines.embedded import rowgemm
 from workers.engines.embedded.config import ModelConfig
 from workers.engines.embedded.kv_cache import CacheBatch, KVCache
+from workers.engines.embedded.tree_attention import attend_gathered, gather_keys
 
 
 def bf16_prepacking_available() -> bool:
@@ -177,13 +178,21 @@ class Attention(nn.Module):
             slot, start = batch.single
             k_layer[slot, :, start:start + length] = k[0]
             v_layer[slot, :, start:start + length] = v[0]
-            keys, values = k_layer[slot:slot + 1, :, :span], v_layer[slot:slot + 1, :, :span]
         else:
             sc = batch.scatter
             assert sc is not None
             # Write only the valid (non-padding) tokens, each at its own (slot, position).
             k_layer[sc.write_slots, :, sc.write_positions] = k.transpose(1, 2)[sc.valid_rows, sc.valid_cols]
             v_layer[sc.write_slots, :, sc.write_positions] = v.transpose(1, 2)[sc.valid_rows, sc.valid_cols]
+        if batch.tree_keys is not None:
+            out = self._attend_tree(q, k_layer, v_layer, batch)
+            return self._out(out.transpose(1, 2).reshape(b, length, -1))
+        if batch.single is not None:
+            slot = batch.single[0]
+            keys, values = k_layer[slot:slot + 1, :, :span], v_layer[slot:slot + 1, :, :span]
+        else:
+            sc = batch.scatter
+            assert sc is not None
             if sc.contiguous_slots is not None:
                 lo, hi = sc.contiguous_slots
                 keys, values = k_layer[lo:hi, :, :span], v_layer[lo:hi, :, :span]
@@ -195,6 +204,14 @@ class Attention(nn.Module):
         else:
             out = F.scaled_dot_product_attention(q, keys, values, attn_mask=batch.mask, enable_gqa=True)
         return self._out(out.transpose(1, 2).reshape(b, length, -1))
+
+    @staticmethod
+    def _attend_tree(q: torch.Tensor, k_layer: torch.Tensor, v_layer: torch.Tensor, batch: CacheBatch) -> torch.Tensor:
+        """Attention of a batch with token trees (after this forward's K/V are written): each
+        query over its keys gathered into logical order, masked past its logical position."""
+        assert batch.tree_keys is not None and batch.mask is not None
+        slots, index = batch.tree_keys
+        return attend_gathered(q, gather_keys(k_layer, slots, index), gather_keys(v_layer, slots, index), batch.mask)
 
 
 def _attend_per_query(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -440,7 +457,7 @@ class LlamaForCausalLM(nn.Module):
     def _rotary(self, batch: CacheBatch, length: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The rotary tables at the forward's positions, shaped to broadcast over heads. (They
         were cast with the model: buffers follow .to(dtype).)"""
-        if batch.single is not None:
+        if batch.single is not None and batch.trees is None:  # trees: logical positions
             start = batch.single[1]
             return (self.rope_cos[start:start + length][None, :, None],
                     self.rope_sin[start:start + length][None, :, None])
@@ -459,6 +476,8 @@ class LlamaForCausalLM(nn.Module):
         """
         cfg = self.cfg
         length = tokens.shape[1]
+        if batch.trees is not None:
+            return self._forward_trees(tokens, cache, batch, logit_rows, logit_cols)
         native_attention = batch.row_invariant or length <= self.native_attention_max_tokens
         if native_attention:
             cache_shape = cache.k[0].shape
@@ -489,3 +508,17 @@ class LlamaForCausalLM(nn.Module):
             x = x[logit_rows, logit_cols]
         assert self.head_frozen is not None
         return self.head_frozen(kernel.rmsnorm(x.contiguous(), self.model.norm.weight, cfg.rms_norm_eps))
+
+    def _forward_trees(self, tokens: torch.Tensor, cache: KVCache, batch: CacheBatch,
+                       logit_rows: torch.Tensor | None, logit_cols: torch.Tensor | None) -> torch.Tensor:
+        """A native forward with token trees: the one-call kernel's ``forward_tree`` (the per-op
+        path has no tree attention; every model on the kernels has the one-call forward)."""
+        if self.fused is None or batch.trees is None:
+            raise NotImplementedError("token trees on the native kernels need the one-call forward")
+        slots, starts, lengths = batch.rows
+        length = tokens.shape[1]
+        rows = [row[:n] for row, n in zip(tokens.tolist(), lengths, strict=True)]
+        wanted = ((logit_rows * length + logit_cols).tolist() if logit_rows is not None and logit_cols is not None
+                  else list(range(tokens.numel())))
+        logits = self.fused.run_rows(rows, cache.k, cache.v, list(slots), list(starts), wanted, trees=batch.trees)
+        return logits if logit_rows is not None and logit_cols is not None else logits.view(*tokens.shape, -1)

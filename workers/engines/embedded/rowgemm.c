@@ -443,9 +443,19 @@ typedef struct {
   int64_t B, L, H, Hkv, D, P;
   float scale;
   float *out, *scratch;
+  const int64_t* tree; /* NULL, or TREE_STRIDE int64 per packed token (see forward_tree) */
 } attend_t;
 
+/* Token trees (forward_tree): per packed token, its logical position (rotary; it attends to
+   logical + 1 keys), how many of its top logical keys are mapped (0..TREE_DEPTH), and their
+   cache positions (its ancestors, itself last). policies/tree.py's MAX_TREE_DEPTH; rowgemm.py
+   checks it against rowgemm_tree_depth() and checks every index before the call. */
+#define TREE_DEPTH 8
+#define TREE_STRIDE (TREE_DEPTH + 2)
+int64_t rowgemm_tree_depth(void) { return TREE_DEPTH; }
+
 static void attend_part(const void* ctx, int64_t part, int64_t parts);
+static void attend_part_tree(const void* ctx, int64_t part, int64_t parts);
 #define QT 8  /* queries attended together: each key and value row is read once for all of them */
 #define VT 32 /* value rows per pass over a tile's queries (8 KB at D = 64: in L1) */
 
@@ -459,17 +469,19 @@ static void attend_part(const void* ctx, int64_t part, int64_t parts);
    Queries in tiles of up to QT that share a KV head (a sequence's rows and the heads of one
    group), so each key and value row is read once per tile instead of once per query; tiles in
    parts across the pool's threads. Each query's arithmetic is the same whatever its tile, its
-   part and the thread count. scratch holds rowgemm_score_rows() rows of P scores. */
-void rope_attend(const float* qkv, const float* cos_t, const float* sin_t, float* kc, float* vc,
-                 const int64_t* slots, const int64_t* starts, const int64_t* lengths, const int64_t* offs,
-                 int64_t B, int64_t L, int64_t H, int64_t Hkv, int64_t D, int64_t P, float scale, float* out,
-                 float* scratch) {
+   part and the thread count. scratch holds rowgemm_score_rows() rows of P scores.
+   tree (NULL for ordinary forwards): token l is still written at starts[b] + l, but rotated at
+   its logical position, and its keys are read through its map (attend_tree_part). */
+static void rope_attend_impl(const float* qkv, const float* cos_t, const float* sin_t, float* kc, float* vc,
+                             const int64_t* slots, const int64_t* starts, const int64_t* lengths,
+                             const int64_t* offs, int64_t B, int64_t L, int64_t H, int64_t Hkv, int64_t D,
+                             int64_t P, float scale, float* out, float* scratch, const int64_t* tree) {
   int64_t W = (H + 2 * Hkv) * D, half = D / 2;
   for (int64_t b = 0; b < B; ++b)
     for (int64_t l = 0; l < lengths[b]; ++l) {
-      int64_t pos = starts[b] + l;
+      int64_t pos = starts[b] + l, rot = tree ? tree[(offs[b] + l) * TREE_STRIDE] : pos;
       const float* row = qkv + (offs[b] + l) * W;
-      const float* c = cos_t + pos * D; const float* s = sin_t + pos * D;
+      const float* c = cos_t + rot * D; const float* s = sin_t + rot * D;
       for (int64_t h = 0; h < Hkv; ++h) {
         const float* k = row + (H + h) * D; const float* v = row + (H + Hkv + h) * D;
         float* kd = kc + ((slots[b] * Hkv + h) * P + pos) * D;
@@ -481,14 +493,35 @@ void rope_attend(const float* qkv, const float* cos_t, const float* sin_t, float
         for (int64_t i = 0; i < D; ++i) vd[i] = v[i];
       }
     }
-  attend_t a = {qkv, cos_t, sin_t, kc, vc, slots, starts, lengths, offs, B, L, H, Hkv, D, P, scale, out, scratch};
-  parallel_for(attend_part, &a, parts_for(B * Hkv * ((L * (H / Hkv) + QT - 1) / QT)));
+  attend_t a = {qkv, cos_t, sin_t, kc, vc, slots, starts, lengths, offs, B, L, H, Hkv, D, P, scale, out, scratch,
+                tree};
+  parallel_for(tree ? attend_part_tree : attend_part, &a, parts_for(B * Hkv * ((L * (H / Hkv) + QT - 1) / QT)));
+}
+
+void rope_attend(const float* qkv, const float* cos_t, const float* sin_t, float* kc, float* vc,
+                 const int64_t* slots, const int64_t* starts, const int64_t* lengths, const int64_t* offs,
+                 int64_t B, int64_t L, int64_t H, int64_t Hkv, int64_t D, int64_t P, float scale, float* out,
+                 float* scratch) {
+  rope_attend_impl(qkv, cos_t, sin_t, kc, vc, slots, starts, lengths, offs, B, L, H, Hkv, D, P, scale, out, scratch,
+                   NULL);
 }
 
 /* Rows of P scores rope_attend's scratch must hold: QT per part (each part's tile). */
 int64_t rowgemm_score_rows(void) { return parts_for(MAX_PARTS) * QT; }
 
-static void attend_part(const void* ctx, int64_t part, int64_t parts) {
+/* A query's key at logical index j: its cache row, through its map where j is one of its top
+   mapped keys (lo <= j < lo + count), else row j (a prefix key, or one past the query, masked). */
+static inline int64_t key_row(int64_t j, int64_t lo, int64_t count, const int64_t* map) {
+  return j >= lo && j < lo + count ? map[j - lo] : j;
+}
+
+/* attend_part and attend_part_tree: one body, TREE a constant, so the ordinary forward's
+   compiled code is what it was (the tree branches fold away). Keys are scored and summed by
+   logical index j, in the same 8-key blocks and VT-row passes as for an ordinary query at that
+   position: only where key j is read from changes, so a tree node's output is a plain decode
+   step's at its logical position, bit for bit. */
+static inline __attribute__((always_inline)) void attend_impl(const void* ctx, int64_t part, int64_t parts,
+                                                              const int TREE) {
   const attend_t* a = ctx;
   int64_t L = a->L, H = a->H, Hkv = a->Hkv, D = a->D, P = a->P, group = H / Hkv;
   int64_t W = (H + 2 * Hkv) * D, half = D / 2, queries = L * group, per_head = (queries + QT - 1) / QT, lo, hi;
@@ -504,12 +537,21 @@ static void attend_part(const void* ctx, int64_t part, int64_t parts) {
     float q[QT][256]; /* D <= 256 (RowGemm.supports) */
     float* o[QT];
     int64_t keys[QT], padded[QT], n = 0, most = 0;
+    int64_t mlo[QT], mcount[QT]; /* tree: the first mapped logical key and how many are mapped */
+    const int64_t* mmap[QT];
     __m256 vmax[QT], tail[QT];
     for (int64_t i = first; i < last; ++i) {
       int64_t l = i / group, h = g * group + i % group;
       if (l >= a->lengths[b]) continue; /* padding: no query */
       float* out = a->out + (a->offs[b] + l) * H * D + h * D;
       int64_t pos = a->starts[b] + l;
+      if (TREE) {
+        const int64_t* t = a->tree + (a->offs[b] + l) * TREE_STRIDE;
+        pos = t[0];
+        mcount[n] = t[1];
+        mlo[n] = pos - t[1] + 1;
+        mmap[n] = t + 2;
+      }
       const float* qs = a->qkv + (a->offs[b] + l) * W + h * D;
       const float* c = a->cos_t + pos * D; const float* s = a->sin_t + pos * D;
       for (int64_t d = 0; d < half; ++d) {
@@ -533,6 +575,15 @@ static void attend_part(const void* ctx, int64_t part, int64_t parts) {
         /* Eight independent chains, each a key's dot product over d in order. */
         __m256 dots[8];
         for (int64_t k = 0; k < 8; ++k) dots[k] = _mm256_setzero_ps();
+        if (TREE && mcount[t] && j0 + 8 > mlo[t]) {
+          /* A block holding mapped keys: the same FMAs, each key's row read through the map. */
+          const float* kr[8];
+          for (int64_t k = 0; k < 8; ++k) kr[k] = kb + key_row(j0 + k, mlo[t], mcount[t], mmap[t]) * D;
+          for (int64_t d = 0; d < D; d += 8) {
+            __m256 qd = _mm256_loadu_ps(q[t] + d);
+            for (int64_t k = 0; k < 8; ++k) dots[k] = _mm256_fmadd_ps(qd, _mm256_loadu_ps(kr[k] + d), dots[k]);
+          }
+        } else
         for (int64_t d = 0; d < D; d += 8) {
           __m256 qd = _mm256_loadu_ps(q[t] + d);
           for (int64_t k = 0; k < 8; ++k) dots[k] = _mm256_fmadd_ps(qd, _mm256_loadu_ps(kb + (j0 + k) * D + d), dots[k]);
@@ -564,7 +615,8 @@ static void attend_part(const void* ctx, int64_t part, int64_t parts) {
         for (int64_t d = 0; d < D / 8; ++d) acc[d] = _mm256_loadu_ps(o[t] + d * 8);
         for (int64_t j = j1; j < end; ++j) {
           __m256 p = _mm256_set1_ps(scores[t * P + j]);
-          for (int64_t d = 0; d < D / 8; ++d) acc[d] = _mm256_fmadd_ps(p, _mm256_loadu_ps(vb + j * D + d * 8), acc[d]);
+          const float* vr = vb + (TREE ? key_row(j, mlo[t], mcount[t], mmap[t]) : j) * D;
+          for (int64_t d = 0; d < D / 8; ++d) acc[d] = _mm256_fmadd_ps(p, _mm256_loadu_ps(vr + d * 8), acc[d]);
         }
         for (int64_t d = 0; d < D / 8; ++d) _mm256_storeu_ps(o[t] + d * 8, acc[d]);
       }
@@ -574,6 +626,9 @@ static void attend_part(const void* ctx, int64_t part, int64_t parts) {
     }
   }
 }
+
+static void attend_part(const void* ctx, int64_t part, int64_t parts) { attend_impl(ctx, part, parts, 0); }
+static void attend_part_tree(const void* ctx, int64_t part, int64_t parts) { attend_impl(ctx, part, parts, 1); }
 
 /* A projection's panels: weights, panel stride in k-rows, element kind (0 float32, 1 bfloat16). */
 typedef struct { const void* w; int64_t ks; int64_t kind; } lin_t;
@@ -591,12 +646,14 @@ static void add_into(float* x, const float* t, int64_t n) { for (int64_t i = 0; 
    final one; lins: QKV, O, gate/up, down per layer + the head. The same kernels in the same
    order, so the same bits. The rows' real tokens are packed (row b's lengths[b] tokens, then
    the next row's): a step where some sequences verify K + 1 tokens and the others one costs
-   their tokens, not B (K + 1), and every kernel is row-invariant, so packing changes no bit. */
-void forward(const int64_t* tokens, int64_t B, int64_t L, const float* embed, int64_t hid, int64_t inter,
-             int64_t layers, const float* const* norms, const lin_t* lins, float* const* kc, float* const* vc,
-             int64_t P, const float* cos_t, const float* sin_t, const int64_t* slots, const int64_t* starts,
-             const int64_t* lengths, int64_t H, int64_t Hkv, int64_t D, float eps, float scale,
-             const int64_t* logit_idx, int64_t n_logits, int64_t vocab, float* logits, float* scratch) {
+   their tokens, not B (K + 1), and every kernel is row-invariant, so packing changes no bit.
+   tree: NULL, or forward_tree's per-token tree arrays. */
+static void forward_impl(const int64_t* tokens, int64_t B, int64_t L, const float* embed, int64_t hid,
+                         int64_t inter, int64_t layers, const float* const* norms, const lin_t* lins,
+                         float* const* kc, float* const* vc, int64_t P, const float* cos_t, const float* sin_t,
+                         const int64_t* slots, const int64_t* starts, const int64_t* lengths, int64_t H,
+                         int64_t Hkv, int64_t D, float eps, float scale, const int64_t* logit_idx, int64_t n_logits,
+                         int64_t vocab, float* logits, float* scratch, const int64_t* tree) {
   int64_t offs[B + 1], W = (H + 2 * Hkv) * D, cap = B * L; /* the scratch holds B * L rows */
   offs[0] = 0;
   for (int64_t b = 0; b < B; ++b) offs[b + 1] = offs[b] + lengths[b];
@@ -609,7 +666,8 @@ void forward(const int64_t* tokens, int64_t B, int64_t L, const float* embed, in
   for (int64_t l = 0; l < layers; ++l) {
     rmsnorm(x, norms[2 * l], h, M, hid, eps);
     gemm(h, &lins[4 * l], qkv, M, hid, W);
-    rope_attend(qkv, cos_t, sin_t, kc[l], vc[l], slots, starts, lengths, offs, B, L, H, Hkv, D, P, scale, att, sc);
+    rope_attend_impl(qkv, cos_t, sin_t, kc[l], vc[l], slots, starts, lengths, offs, B, L, H, Hkv, D, P, scale, att,
+                     sc, tree);
     gemm(att, &lins[4 * l + 1], tmp, M, H * D, hid);
     add_into(x, tmp, M * hid);
     rmsnorm(x, norms[2 * l + 1], h, M, hid, eps);
@@ -632,6 +690,30 @@ void forward(const int64_t* tokens, int64_t B, int64_t L, const float* embed, in
         for (int64_t v = 0; v < vocab; ++v) logits[r * vocab + v] = 0.0f;
 }
 
+void forward(const int64_t* tokens, int64_t B, int64_t L, const float* embed, int64_t hid, int64_t inter,
+             int64_t layers, const float* const* norms, const lin_t* lins, float* const* kc, float* const* vc,
+             int64_t P, const float* cos_t, const float* sin_t, const int64_t* slots, const int64_t* starts,
+             const int64_t* lengths, int64_t H, int64_t Hkv, int64_t D, float eps, float scale,
+             const int64_t* logit_idx, int64_t n_logits, int64_t vocab, float* logits, float* scratch) {
+  forward_impl(tokens, B, L, embed, hid, inter, layers, norms, lins, kc, vc, P, cos_t, sin_t, slots, starts, lengths,
+               H, Hkv, D, eps, scale, logit_idx, n_logits, vocab, logits, scratch, NULL);
+}
+
+/* forward with token trees (issue #36): tree holds TREE_STRIDE int64 per packed token (row b's
+   lengths[b] tokens, then the next row's): its logical position, the count of mapped keys,
+   then their cache positions (TREE_DEPTH slots, the first count used). An ordinary token is
+   {starts[b] + l, 0}. Each token is written at starts[b] + l as in forward; rotary and
+   attention follow its logical position and map. rowgemm.py checks every index first. */
+void forward_tree(const int64_t* tokens, int64_t B, int64_t L, const float* embed, int64_t hid, int64_t inter,
+                  int64_t layers, const float* const* norms, const lin_t* lins, float* const* kc, float* const* vc,
+                  int64_t P, const float* cos_t, const float* sin_t, const int64_t* slots, const int64_t* starts,
+                  const int64_t* lengths, int64_t H, int64_t Hkv, int64_t D, float eps, float scale,
+                  const int64_t* logit_idx, int64_t n_logits, int64_t vocab, float* logits, float* scratch,
+                  const int64_t* tree) {
+  forward_impl(tokens, B, L, embed, hid, inter, layers, norms, lins, kc, vc, P, cos_t, sin_t, slots, starts, lengths,
+               H, Hkv, D, eps, scale, logit_idx, n_logits, vocab, logits, scratch, tree);
+}
+
 /* Greedy drafting in one call: `steps` forwards of B rows, each row's argmax (the first
    highest logit, as torch.argmax picks) fed back as its one new token in the next forward.
    The first forward is `forward`'s (rows padded to L, a row's logits at idx0[b]); every later
@@ -649,8 +731,8 @@ void draft_greedy(const int64_t* tokens, int64_t B, int64_t L, const float* embe
   for (int64_t b = 0; b < B; ++b) idx[b] = b;
   for (int64_t s = 0; s < steps; ++s) {
     const int64_t* in = s == 0 ? tokens : out + (s - 1) * B;
-    forward(in, B, s == 0 ? L : 1, embed, hid, inter, layers, norms, lins, kc, vc, P, cos_t, sin_t, slots,
-            starts, lengths, H, Hkv, D, eps, scale, s == 0 ? idx0 : idx, B, vocab, logits, scratch);
+    forward_impl(in, B, s == 0 ? L : 1, embed, hid, inter, layers, norms, lins, kc, vc, P, cos_t, sin_t, slots,
+                 starts, lengths, H, Hkv, D, eps, scale, s == 0 ? idx0 : idx, B, vocab, logits, scratch, NULL);
     for (int64_t b = 0; b < B; ++b) {
       const float* row = logits + b * vocab;
       int64_t best = 0;

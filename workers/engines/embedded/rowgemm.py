@@ -42,6 +42,9 @@ from typing import NamedTuple
 
 import torch
 
+from workers.engines.embedded.tree import TreeRow
+from workers.engines.embedded.tree_attention import TREE_STRIDE, pack_trees
+
 log = logging.getLogger(__name__)
 
 # The C sources, next to this module (rowgemm.c includes the pool's header); their text is part
@@ -243,6 +246,13 @@ class FusedForward:
         self._draft.restype = None
         # The 22 arguments both C functions begin with (_forward_args), then draft_greedy's own.
         self._draft.argtypes = [*self._fn.argtypes[:22], ptr, i64, ptr, ptr, i64, ptr]
+        # forward with token trees: forward's arguments, then the per-token tree array.
+        self._tree_fn = kernel._lib.forward_tree
+        self._tree_fn.restype = None
+        self._tree_fn.argtypes = [*self._fn.argtypes, ptr]
+        kernel._lib.rowgemm_tree_depth.restype = i64
+        if kernel._lib.rowgemm_tree_depth() + 2 != TREE_STRIDE:  # the C side's stride is a constant
+            raise ValueError("rowgemm.c's TREE_DEPTH is not policies.tree.MAX_TREE_DEPTH")
         self._keep = (embed, norms, panels, cos, sin)
         self.embed, self.cos, self.sin = embed, cos, sin
         self.norms = (ctypes.c_void_p * len(norms))(*[n.data_ptr() for n in norms])
@@ -281,17 +291,29 @@ class FusedForward:
         return self._run(tokens.contiguous(), k_cache, v_cache, rows, logit_idx.contiguous())
 
     def run_rows(self, tokens: list[list[int]], k_cache: list[torch.Tensor], v_cache: list[torch.Tensor],
-                 slots: list[int], starts: list[int], logit_idx: list[int]) -> torch.Tensor:
+                 slots: list[int], starts: list[int], logit_idx: list[int],
+                 trees: Sequence[TreeRow | None] | None = None) -> torch.Tensor:
         """The same from Python lists: row b's new tokens ``tokens[b]`` (padded to the longest),
         written at ``starts[b]`` of cache slot ``slots[b]``; logits (N, V) for the positions
         ``logit_idx`` (into the padded B x L). Checks every index the C side would use unchecked
         (what ``check_bounds`` and ``__call__`` check), without a torch op per check: at batch 1
-        they cost more than a draft model's forward."""
-        tensor, rows, _ = self._checked_rows(tokens, k_cache, slots, starts, 0)
+        they cost more than a draft model's forward.
+
+        ``trees``: per row, its ``TreeRow`` (token l still written at ``starts[b] + l``, rotated
+        and attending as its logical position and key map say: ``forward_tree`` in the source)
+        or None (an ordinary row); None for all: the ordinary forward, untouched."""
+        tensor, rows, lengths = self._checked_rows(tokens, k_cache, slots, starts, 0)
         b, length = tensor.shape
         if logit_idx:
             _check_logit_rows(min(logit_idx), max(logit_idx), b * length)
-        return self._run(tensor, k_cache, v_cache, rows, torch.tensor(logit_idx, dtype=torch.long))
+        idx = torch.tensor(logit_idx, dtype=torch.long)
+        if trees is None or all(t is None for t in trees):
+            return self._run(tensor, k_cache, v_cache, rows, idx)
+        tree = pack_trees(trees, starts, lengths, self.cos.shape[0], k_cache[0].shape[2])
+        scratch, logits = self._buffers(tensor.numel(), len(logit_idx), k_cache)
+        self._tree_fn(*self._forward_args(tensor, k_cache, v_cache, rows), idx.data_ptr(), len(logit_idx),
+                      self.vocab, logits.data_ptr(), scratch.data_ptr(), tree.data_ptr())
+        return logits
 
     def draft_greedy(self, tokens: list[list[int]], k_cache: list[torch.Tensor], v_cache: list[torch.Tensor],
                      slots: list[int], starts: list[int], steps: int) -> list[list[int]]:
