@@ -204,8 +204,11 @@ class VllmEngine:
         model_config = vllm_config.model_config
         import vllm
 
+        # Chains only (tree_max_nodes 0, the gateway prices it so): vLLM's token trees are an
+        # engine-wide static tree for EAGLE drafts (speculative_token_tree, where a release has
+        # it), never per request, and not for draft_model, the method this worker runs.
         self._info = EngineInfo(
-            kind="vllm", max_k=s.max_k if speculative else 0, max_slots=s.max_slots,
+            kind="vllm", max_k=s.max_k if speculative else 0, max_slots=s.max_slots, tree_max_nodes=0,
             context_window=model_config.max_model_len, vocab_size=model_config.get_vocab_size(),
             eos_token_ids=_eos_ids(s.target),
             details={"precision": {"target": str(model_config.dtype).removeprefix("torch."),

@@ -22,6 +22,7 @@ from aiohttp import web
 from aiohttp.typedefs import Middleware
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
+from policies.tree import TreeShape
 from workers.api.generation import SamplingParams, StepCounts
 from workers.api.logs import RequestLog, request_id_var, session_var
 from workers.api.protocol import (
@@ -169,6 +170,17 @@ def _gateway_only(token: str) -> Middleware:
     return check
 
 
+def _tree_of(ctx: WorkerContext, req: CompletionRequest) -> TreeShape | None:
+    """The directive's token tree, where this engine verifies trees that large; else None (the
+    request runs the chain of the directive's K, its depth): an engine serving chains only
+    publishes ``tree_max_nodes`` 0, and a gateway never asks it for one."""
+    if req.directive is None or req.directive.tree is None:
+        return None
+    shape = TreeShape.parse(req.directive.tree)  # the parser checked it (workers/api/request_fast.py)
+    info = ctx.engine.info
+    return shape if shape.nodes <= info.tree_max_nodes and shape.depth <= info.max_k else None
+
+
 # -- handlers -----------------------------------------------------------------------------------------
 def describe(ctx: WorkerContext) -> dict[str, Any]:
     engine = ctx.engine
@@ -178,7 +190,8 @@ def describe(ctx: WorkerContext) -> dict[str, Any]:
     return {
         "worker_id": ctx.settings.worker_id, "engine": info.kind, "model": ctx.settings.served_model_name,
         "modes": ["speculative", "plain"] if info.max_k > 0 else ["plain"], "max_k": info.max_k,
-        "max_slots": info.max_slots, "context_window": info.context_window, **info.details,
+        "max_slots": info.max_slots, "context_window": info.context_window, "tree_max_nodes": info.tree_max_nodes,
+        **info.details,
         "batch_depth": engine.batch_depth, "queue_length": engine.queue_length, "batch_full": engine.batch_full,
         "stats": {"steps": stats.steps, "draft_tokens": stats.draft_tokens, "accepted_tokens": stats.accepted_tokens,
                   "emitted_tokens": stats.emitted_tokens},
@@ -269,6 +282,7 @@ async def _serve(request: web.Request, kind: RequestKind) -> web.StreamResponse:
     generation = GenerationRequest(
         request_id=("chatcmpl-" if kind == "chat" else "cmpl-") + secrets.token_hex(12), prompt_ids=prompt_ids,
         max_tokens=max_tokens, k=k, resumed_tokens=len(resume.output_ids) if resume is not None else 0,
+        tree=_tree_of(ctx, req),
         params=SamplingParams(temperature=req.temperature, top_p=req.top_p, top_k=req.top_k, seed=req.seed,
                               position_offset=len(resume.output_ids) if resume is not None else 0))
     chunks = _generate(ctx, req, generation)
@@ -368,7 +382,9 @@ async def _generate(ctx: WorkerContext, req: CompletionRequest,
             finished = finish is not None
             report = StepReport(item.proposed, item.accepted, item.batch_depth, item.proposed, kept, late,
                                 token_ids=tuple(item.tokens[:text.last_kept]),
-                                prompt_ids=tuple(prompt_ids) if first_chunk else None)
+                                prompt_ids=tuple(prompt_ids) if first_chunk else None,
+                                tree=None if item.path is None else str(item.path.shape),
+                                path=None if item.path is None else item.path.ranks)
             # A resumed stream continues the client's: its role was sent by the first worker.
             yield chunk(delta, finish, report, first=first_chunk and resume is None), report
             first_chunk = False

@@ -22,11 +22,13 @@ import random
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 
 import torch
 
+from policies.tree import MAX_TREE_NODES
 from workers.api.limits import check_sampling
+from workers.engines.embedded import tree_step
 from workers.engines.embedded.kv_cache import CacheBatch, KVCache
 from workers.engines.embedded.model import LlamaForCausalLM
 from workers.engines.embedded.sampling import (
@@ -34,10 +36,12 @@ from workers.engines.embedded.sampling import (
     gumbel_max,
     probabilities,
     sample,
-    seeded_noise,
     verify,
     verify_greedy,
 )
+from workers.engines.embedded.sequence import Row as _Row
+from workers.engines.embedded.sequence import Sequence as _Sequence
+from workers.engines.embedded.tree import TreeRow, layout
 from workers.engines.interface import FinishReason, GenerationRequest, StepEvent
 
 __all__ = ["CatchUpRule", "GenerationRequest", "SpeculativeEngine", "StepCostRule", "StepDepthRule", "StepEvent"]
@@ -53,38 +57,6 @@ StepCostRule = Callable[[list[int]], int | None]
 CatchUpRule = Callable[[int, int, int, int], bool]
 # The draft's lag after an ordinary speculative or plain step (1-2 tokens): no catch-up to price.
 ORDINARY_LAG = 2
-
-
-@dataclass
-class _Sequence:
-    request: GenerationRequest
-    slot: int
-    tokens: list[int]
-    generator: torch.Generator
-    k: int
-    target_len: int = 0
-    draft_len: int = 0
-    emitted: int = 0
-    step_k: int = 0
-    drafts: list[int] = field(default_factory=list)
-    draft_probs: list[torch.Tensor] = field(default_factory=list)
-    # Seeded requests: Gumbel noise by output position, drawn once, read by draft and target.
-    noise: dict[int, torch.Tensor] = field(default_factory=dict)
-
-    @property
-    def coupled(self) -> bool:
-        """Sampled with a seed: Gumbel-max sampling, the same answer in every mode."""
-        params = self.request.params
-        return params.seed is not None and params.temperature > 0.0
-
-    def noise_at(self, j: int, vocab: int) -> torch.Tensor:
-        """The noise for the j-th token from now (output position emitted + j)."""
-        position = self.request.params.position_offset + self.emitted + j
-        noise = self.noise.get(position)
-        if noise is None:
-            assert self.request.params.seed is not None
-            noise = self.noise[position] = seeded_noise(self.request.params.seed, position, vocab)
-        return noise
 
 
 @dataclass(frozen=True)
@@ -105,24 +77,14 @@ class StepShape:
     # The target's tokens over all rows: below rows x width where rows differ in length (the
     # one-call forward computes only real tokens, so such a step costs less than its width says).
     target_tokens: int = 0
-
-
-@dataclass(frozen=True)
-class _Row:
-    """One sequence's input to a cached forward."""
-
-    slot: int
-    start: int
-    new_tokens: list[int]
-    n_logits: int  # logits wanted for the last n_logits new tokens
-    # Leading new tokens the target may compute with fused attention: a long prompt in its
-    # prefill (see step), bare, in a forward of its own, so computed the same way in every mode.
-    # Tokens after them (a resumed request's output) go row-invariant, as decoding computed them.
-    fused: int = 0
+    # A token tree was drafted and verified: its forwards are not the (depth, n) points the
+    # cost model's curves hold (a level's forward has several rows; nodes attend by the map).
+    tree: bool = False
 
 
 def native_forward(model: LlamaForCausalLM, cache: KVCache, tokens: list[list[int]], slots: list[int],
-                   starts: list[int], logit_idx: list[int], row_invariant: bool) -> torch.Tensor | None:
+                   starts: list[int], logit_idx: list[int], row_invariant: bool,
+                   trees: list[TreeRow | None] | None = None) -> torch.Tensor | None:
     """Rows straight into the model's one-call kernel (workers/engines/embedded/rowgemm.py), where it serves them
     as ``forward_cached`` would (row-invariant or short rows), from Python lists: no CacheBatch,
     no torch op per index check (at batch 1 a draft forward's bookkeeping through
@@ -131,18 +93,21 @@ def native_forward(model: LlamaForCausalLM, cache: KVCache, tokens: list[list[in
     fused = model.fused
     if fused is None or not (row_invariant or max(map(len, tokens)) <= model.native_attention_max_tokens):
         return None
-    return fused.run_rows(tokens, cache.k, cache.v, slots, starts, logit_idx)
+    return fused.run_rows(tokens, cache.k, cache.v, slots, starts, logit_idx, trees=trees)
 
 
 class SpeculativeEngine:
     def __init__(self, target: LlamaForCausalLM, draft: LlamaForCausalLM | None, *, max_slots: int = 8,
                  max_k: int = 8, step_depth_rule: StepDepthRule | None = None,
-                 rng: random.Random | None = None, drafting_in_one_call: bool = True) -> None:
+                 rng: random.Random | None = None, drafting_in_one_call: bool = True,
+                 max_tree_nodes: int = MAX_TREE_NODES) -> None:
         if draft is not None and draft.cfg.vocab_size != target.cfg.vocab_size:
             raise ValueError("draft and target must share a vocabulary")
         self.target = target
         self.draft = draft
         self.max_k = max_k if draft is not None else 0
+        # Token trees: at most this many draft nodes, at most max_k deep (0: chains only).
+        self.max_tree_nodes = max_tree_nodes if self.max_k > 0 else 0
         self.max_slots = max_slots
         self.max_positions = target.cfg.max_position_embeddings
         if draft is not None:
@@ -208,6 +173,7 @@ class SpeculativeEngine:
             raise ValueError(f"token ids must be in 0..{vocab - 1}")
         if request.request_id in self._running or self._waiting_index(request.request_id) is not None:
             raise ValueError(f"duplicate request id {request.request_id}")
+        self._check_tree(request)
         self._waiting.append(request)
 
     def abort(self, request_id: str) -> bool:
@@ -236,6 +202,14 @@ class SpeculativeEngine:
             return True
         return False
 
+    def _check_tree(self, request: GenerationRequest) -> None:
+        shape = request.tree
+        if shape is None:
+            return
+        if shape.nodes > self.max_tree_nodes or shape.depth > self.max_k:
+            raise ValueError(f"token tree {shape} ({shape.nodes} nodes, depth {shape.depth}) is over this engine's "
+                             f"{self.max_tree_nodes} nodes and depth {self.max_k}")
+
     def _waiting_index(self, request_id: str) -> int | None:
         return next((i for i, r in enumerate(self._waiting) if r.request_id == request_id), None)
 
@@ -245,7 +219,8 @@ class SpeculativeEngine:
             seed = request.params.seed if request.params.seed is not None else self._rng.getrandbits(63)
             self._running[request.request_id] = _Sequence(
                 request=request, slot=self._free_slots.pop(0), tokens=list(request.prompt_ids),
-                generator=torch.Generator().manual_seed(seed), k=max(0, min(request.k, self.max_k)))
+                generator=torch.Generator().manual_seed(seed), k=max(0, min(request.k, self.max_k)),
+                tree=None if request.tree is None else layout(request.tree))
 
     # -- one step --------------------------------------------------------------------------
     @torch.inference_mode()
@@ -277,21 +252,25 @@ class SpeculativeEngine:
         common = self.step_cost_rule(requested) if self.step_cost_rule is not None and any(requested) else None
         for seq, k in zip(seqs, requested, strict=True):
             seq.step_k = self._room(seq, common) if common is not None and k > 0 else k
+            # A tree where the step's K reaches its depth (tree_step.plan), else a chain of that K.
+            seq.step_tree = tree_step.plan(self, seq, seq.step_k) if seq.step_k > 0 else None
+            if seq.step_tree is not None:
+                seq.step_k = seq.step_tree.layout.shape.depth
         catch_up = max((len(s.tokens) - s.draft_len for s in seqs if s.step_k > 0), default=0)
         failed: dict[str, Exception] = {}  # one sequence's failure must not end the others
         started = time.perf_counter()
-        self._propose([s for s in seqs if s.step_k > 0], failed)
+        self._propose([s for s in seqs if s.step_k > 0 and s.step_tree is None], failed)
+        tree_step.propose(self, [s for s in seqs if s.step_tree is not None], failed)
         proposed = time.perf_counter()
         seqs = [s for s in seqs if s.request.request_id not in failed]
         prefill = any(self._prefilling(s) for s in seqs)
-        rows = [_Row(s.slot, s.target_len, s.tokens[s.target_len:] + s.drafts, s.step_k + 1, self._fused_prefix(s))
-                for s in seqs]
+        rows = [self._target_row(s) for s in seqs]
         target_logits = self._forward_isolated(self.target, self.target_cache, seqs, rows, failed)
         self.last_draft_s, self.last_target_s = proposed - started, time.perf_counter() - proposed
-        drafting = [s.step_k for s in seqs if s.step_k > 0]
+        drafting = [s.step_k for s in seqs if s.step_k > 0]  # a tree counts its depth (its draft forwards)
         self.last_shape = StepShape(len(rows), max((len(r.new_tokens) for r in rows), default=0),
                                     prefill, len(drafting), max(drafting, default=0), sum(drafting), catch_up,
-                                    sum(len(r.new_tokens) for r in rows))
+                                    sum(len(r.new_tokens) for r in rows), any(s.step_tree is not None for s in seqs))
         events = []
         for seq, logits in zip(seqs, target_logits, strict=True):
             if logits is None:
@@ -328,6 +307,16 @@ class SpeculativeEngine:
                 failed[seq.request.request_id] = exc
                 out.append(None)
         return out
+
+    def _target_row(self, seq: _Sequence) -> _Row:
+        """The sequence's verification row: its pending tokens, then its drafts (chain) or every
+        node of its tree, with logits for the last real token and each draft."""
+        pending = seq.tokens[seq.target_len:]
+        tree = seq.step_tree
+        if tree is None:
+            return _Row(seq.slot, seq.target_len, pending + seq.drafts, seq.step_k + 1, self._fused_prefix(seq))
+        return _Row(seq.slot, seq.target_len, pending + tree.tokens[1:], tree.layout.size, self._fused_prefix(seq),
+                    tree.verification_row(len(pending)))
 
     def _room(self, seq: _Sequence, k: int) -> int:
         """``k`` cut to what the sequence can use: more than remaining - 1 drafts could never be
@@ -421,7 +410,12 @@ class SpeculativeEngine:
 
     def _settle(self, seq: _Sequence, logits: torch.Tensor, depth: int) -> StepEvent:
         before = len(seq.tokens)
-        if seq.request.params.temperature <= 0.0:
+        path = None
+        if seq.step_tree is not None:
+            # A tree: its own rules and its own cache moves (tree_step.settle sets both lengths).
+            tree_tokens, path = tree_step.settle(self, seq, logits)
+            verdict = Verdict(tree_tokens, path.accepted)
+        elif seq.request.params.temperature <= 0.0:
             # Greedy: the general rule with one-hot p and q reduces to comparing argmaxes; doing
             # that directly skips building V-wide distributions on the hot path.
             verdict = verify_greedy(seq.drafts, logits.argmax(dim=-1).tolist())
@@ -437,10 +431,11 @@ class SpeculativeEngine:
             p = probabilities(logits, seq.request.params)
             verdict = Verdict([int(sample(p[0], seq.generator).item())], 0)
         new_tokens, accepted = verdict.tokens, verdict.accepted
-        if seq.step_k > 0:
-            # Rewind: the draft cache holds the prefix plus d_1..d_{K-1}; keep what was accepted.
-            seq.draft_len = before + min(accepted, seq.step_k - 1)
-        seq.target_len = before + accepted  # rewind the target cache to the accepted prefix
+        if seq.step_tree is None:
+            if seq.step_k > 0:
+                # Rewind: the draft cache holds the prefix plus d_1..d_{K-1}; keep what was accepted.
+                seq.draft_len = before + min(accepted, seq.step_k - 1)
+            seq.target_len = before + accepted  # rewind the target cache to the accepted prefix
         emitted: list[int] = []
         finish: FinishReason | None = None
         for token in new_tokens:
@@ -458,14 +453,19 @@ class SpeculativeEngine:
             seq.noise = {pos: g for pos, g in seq.noise.items() if pos >= done}
         if finish is not None:
             self.abort(seq.request.request_id)
-        return StepEvent(seq.request.request_id, emitted, seq.step_k, accepted, depth, finish, eos=finish == "stop")
+        return StepEvent(seq.request.request_id, emitted, seq.step_k, accepted, depth, finish, eos=finish == "stop",
+                         path=path)
 
     def _forward(self, model: LlamaForCausalLM, cache: KVCache, rows: list[_Row]) -> list[torch.Tensor]:
         """Runs rows through a model; returns each row's (n_logits, V) logits in order."""
         out: list[torch.Tensor | None] = [None] * len(rows)
-        short = [i for i, r in enumerate(rows) if len(r.new_tokens) <= self._batched_row_limit]
+        # A tree row rides with the short rows where the one-call kernel serves them; the torch
+        # path verifies a tree in a forward of its own (one row's gathered keys).
+        alone = [len(r.new_tokens) > self._batched_row_limit or (r.tree is not None and model.fused is None)
+                 for r in rows]
+        short = [i for i, r in enumerate(rows) if not alone[i]]
         groups = [short] if short else []
-        groups += [[i] for i, r in enumerate(rows) if len(r.new_tokens) > self._batched_row_limit]
+        groups += [[i] for i in range(len(rows)) if alone[i]]
         for group in groups:
             # The target's rows must score each token exactly as plain decoding would
             # (row-invariant attention), drafts above all, even in a long row (a short prompt
@@ -501,7 +501,8 @@ class SpeculativeEngine:
                 logit_cols += range(n - row.n_logits, n)
             batch = CacheBatch.build([rows[i].slot for i in group], [rows[i].start for i in group],
                                      [len(rows[i].new_tokens) for i in group], width, self.max_positions,
-                                     row_invariant=row_invariant)
+                                     row_invariant=row_invariant,
+                                     trees=[rows[i].tree for i in group] if any(rows[i].tree for i in group) else None)
             logits = model.forward_cached(tokens, cache, batch, torch.tensor(logit_rows), torch.tensor(logit_cols))
             splits = logits.split([rows[i].n_logits for i in group])
             for i, chunk in zip(group, splits, strict=True):
@@ -515,7 +516,8 @@ class SpeculativeEngine:
         if native is not None:
             return native
         n = len(row.new_tokens)
-        batch = CacheBatch.build([row.slot], [row.start], [n], n, self.max_positions, row_invariant=row_invariant)
+        batch = CacheBatch.build([row.slot], [row.start], [n], n, self.max_positions, row_invariant=row_invariant,
+                                 trees=None if row.tree is None else [row.tree])
         wanted = None if row.n_logits == n else torch.arange(n - row.n_logits, n)
         logits = model.forward_cached(torch.tensor([row.new_tokens]), cache, batch,
                                       None if wanted is None else torch.zeros_like(wanted), wanted)
@@ -529,8 +531,9 @@ class SpeculativeEngine:
         width = max(len(r.new_tokens) for r in rows)
         logit_idx = [b * width + col for b, r in enumerate(rows)
                      for col in range(len(r.new_tokens) - r.n_logits, len(r.new_tokens))]
+        trees = [r.tree for r in rows] if any(r.tree is not None for r in rows) else None
         return native_forward(model, cache, [r.new_tokens for r in rows], [r.slot for r in rows],
-                              [r.start for r in rows], logit_idx, row_invariant)
+                              [r.start for r in rows], logit_idx, row_invariant, trees)
 
     # -- convenience ---------------------------------------------------------------------------
     def generate(self, request: GenerationRequest) -> list[StepEvent]:

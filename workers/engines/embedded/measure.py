@@ -40,6 +40,7 @@ from typing import Literal
 import torch
 
 from policies.cost import expected_tokens
+from policies.tree import MAX_TREE_NODES
 from workers.costs.cache import CostCache, cache_key, cpu_label
 from workers.costs.model import (
     CostReport,
@@ -52,6 +53,7 @@ from workers.engines.embedded import rowgemm
 from workers.engines.embedded.engine import native_forward
 from workers.engines.embedded.kv_cache import CacheBatch, KVCache
 from workers.engines.embedded.measure_steps import draft_split, measure_overheads
+from workers.engines.embedded.measure_trees import TREE_LEVEL_WIDTH, measure_tree_costs
 from workers.engines.embedded.model import TORCH_DTYPES, LlamaForCausalLM, Products, bf16_prepacking_available
 
 log = logging.getLogger(__name__)
@@ -299,6 +301,9 @@ def measure_with_model(settings: MeasureSettings) -> tuple[CostReport, LlamaForC
     depths = depth_grid(shape.full)
     engine_times = measure_overheads(target, draft, max_k, depths, started + 0.7 * settings.budget_s)
     prefill_ms, draft_prefill_ms = measure_prefill(target, draft)
+    tree_verify, tree_draft = (measure_tree_costs(target, draft, MAX_TREE_NODES, TREE_LEVEL_WIDTH,
+                                                  started + 0.75 * settings.budget_s)
+                               if draft is not None else (None, None))
     # Phase 2, the chosen target alone: every n at batch 1, then the full batch and the depths
     # between (a sparse n each), until the budget ends. A depth's points are timed together,
     # taking turns with its plain step, and joined to what that depth already has through the
@@ -336,7 +341,8 @@ def measure_with_model(settings: MeasureSettings) -> tuple[CostReport, LlamaForC
                                        measured_points=sum(len(r) for r in measured.values()),
                                        total_points=width * len(depths), measure_s=round(elapsed, 3), cpu=cpu_label(),
                                        prefill_tokens=PREFILL_TOKENS, prefill_ms=prefill_ms,
-                                       draft_prefill_ms=draft_prefill_ms)
+                                       draft_prefill_ms=draft_prefill_ms, tree_verify_cost=tree_verify,
+                                       tree_draft_cost=tree_draft)
     return report, target
 
 

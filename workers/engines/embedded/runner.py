@@ -40,14 +40,21 @@ def fold_step(costs: OnlineCosts, engine: SpeculativeEngine, events: list[StepEv
     # (policies.cost's mixed pricing), so it refines none of them. Where the one-call forward
     # does not serve (F.linear, oneDNN), rows are padded to the widest, which such a step prices.
     ragged = shape.target_tokens < shape.target_rows * shape.target_width and engine.target.fused is not None
+    # A tree step's forwards are priced by the start-up tree curves, not refined online.
     costs.observe_step(shape.target_rows, shape.target_width,
-                       0.0 if shape.prefill or ragged else engine.last_target_s,
-                       shape.draft_rows, shape.draft_forwards, engine.last_draft_s, step_s=step_s,
-                       drafts=shape.drafts, catch_up=shape.catch_up > ORDINARY_LAG)
+                       0.0 if shape.prefill or ragged or shape.tree else engine.last_target_s,
+                       shape.draft_rows, shape.draft_forwards, 0.0 if shape.tree else engine.last_draft_s,
+                       step_s=0.0 if shape.tree else step_s, drafts=shape.drafts,
+                       catch_up=shape.catch_up > ORDINARY_LAG)
     if shape.prefill and shape.target_rows == 1:
         costs.observe_prefill(shape.target_width, engine.last_target_s)
     for event in events:
-        costs.observe_drafts(event.proposed, event.accepted)
+        if event.path is not None:  # a tree: its rank-1 children are what α means (policies/tree.py)
+            for _, rank, accepted in event.path.tests():
+                if rank == 1:  # one test each: a tree's rank-1 outcomes are not a chain's prefix
+                    costs.observe_drafts(1, int(accepted))
+        else:
+            costs.observe_drafts(event.proposed, event.accepted)
 
 
 @dataclass(frozen=True)

@@ -103,7 +103,7 @@ class TreeRow:
         contiguous range of node indices starting right after them, written at ``base + node``).
         The target's verification row is ``real`` tokens then ``range(1, tree.size)``; a draft
         level's row is no real tokens and the level's nodes."""
-        logical = [base - real + 1 + l for l in range(real)]
+        logical = [base - real + 1 + t for t in range(real)]
         keymap: list[tuple[int, ...]] = [() for _ in range(real)]
         for node in nodes:
             logical.append(base + tree.depth[node])
