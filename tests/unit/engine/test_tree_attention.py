@@ -7,6 +7,7 @@ read out of range are refused before any kernel runs."""
 from __future__ import annotations
 
 import functools
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -16,7 +17,7 @@ import torch
 from policies.tree import TreeShape
 from workers.engines.embedded import rowgemm
 from workers.engines.embedded.kv_cache import CacheBatch, KVCache
-from workers.engines.embedded.model import LlamaForCausalLM, bf16_prepacking_available
+from workers.engines.embedded.model import LlamaForCausalLM, Products, bf16_prepacking_available
 from workers.engines.embedded.tree import TreeLayout, TreeRow, layout
 
 REPO = Path(__file__).resolve().parents[3]
@@ -42,7 +43,7 @@ def model_for(variant: str) -> LlamaForCausalLM:
         model = LlamaForCausalLM.from_pretrained(directory, torch.bfloat16)
         assert model.native is None and model.prepacked
         return model
-    products = "bfloat16" if variant == "native-bfloat16-products" else "float32"
+    products: Products = "bfloat16" if variant == "native-bfloat16-products" else "float32"
     model = LlamaForCausalLM.from_pretrained(directory, torch.float32, True, products)
     assert model.fused is not None
     return model
@@ -63,7 +64,7 @@ class Forward:
         return KVCache.allocate(self.model.cfg, slots, dtype)
 
     def rows(self, cache: KVCache, tokens: list[list[int]], slots: list[int], starts: list[int],
-             trees: list[TreeRow | None] | None = None) -> list[torch.Tensor]:
+             trees: Sequence[TreeRow | None] | None = None) -> list[torch.Tensor]:
         """Every token's logits, row by row ((n, V) each)."""
         width = max(map(len, tokens))
         with torch.inference_mode():
@@ -78,7 +79,7 @@ class Forward:
                 rows = torch.tensor([b for b, row in enumerate(tokens) for _ in row])
                 cols = torch.tensor([c for row in tokens for c in range(len(row))])
                 logits = self.model.forward_cached(padded, cache, batch, rows, cols)
-        return list(logits.float().split([len(r) for r in tokens]))
+        return list(torch.split(logits.float(), [len(r) for r in tokens]))
 
 
 def prompt_and_tokens(tree: TreeLayout, seed: int) -> tuple[list[int], list[int]]:
@@ -200,3 +201,63 @@ def test_key_maps_out_of_range_are_refused_before_any_kernel_runs(variant: str) 
             run.rows(cache, [[7, 8]], [0], [5], [row])
             pytest.fail(reason)
     assert all(torch.equal(a, b) for a, b in zip(cache.k, before, strict=True))
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_two_tree_rows_in_one_forward_are_each_alone(variant: str) -> None:
+    """Two sequences' trees of different shapes at different depths of context, in one batch."""
+    run = Forward(model_for(variant))
+    shapes = [layout(TreeShape.parse(s)) for s in ("3x2", "2+2")]
+    (prompt0, tokens0), (prompt1, tokens1) = (prompt_and_tokens(t, seed=11 + i) for i, t in enumerate(shapes))
+    start = run.cache()
+    run.rows(start, [prompt0[:-1], prompt1[:30]], [0, 1], [0, 0])
+    rows = [TreeRow.for_nodes(shapes[0], BASE, 1, range(1, shapes[0].size)),
+            TreeRow.for_nodes(shapes[1], 30, 1, range(1, shapes[1].size))]
+    tokens = [tokens0, [prompt1[30], *tokens1[1:]]]
+    alone = copy(start)
+    each = [run.rows(alone, [tokens[b]], [b], [(BASE, 30)[b]], [rows[b]])[0] for b in range(2)]
+    both = copy(start)
+    together = run.rows(both, tokens, [0, 1], [BASE, 30], rows)
+    assert all(torch.equal(a, b) for a, b in zip(together, each, strict=True))
+    assert all(torch.equal(a, b) for a, b in zip(both.k + both.v, alone.k + alone.v, strict=True))
+
+
+@pytest.mark.parametrize("variant", ["native-float32", "native-bfloat16-products"])
+def test_forward_cached_with_trees_runs_the_one_call_kernel(variant: str) -> None:
+    """A native model's ``forward_cached`` given a batch with trees: ``run_rows``'s bits."""
+    run = Forward(model_for(variant))
+    tree = layout(TreeShape.parse("2x2+1"))
+    prompt, tokens = prompt_and_tokens(tree, seed=5)
+    start = prefilled(run, prompt)
+    row = TreeRow.for_nodes(tree, BASE, 1, range(1, tree.size))
+    via_rows = copy(start)
+    want = run.rows(via_rows, [tokens], [0], [BASE], [row])[0]
+    cache = copy(start)
+    batch = CacheBatch.build([0], [BASE], [tree.size], tree.size, cache.k[0].shape[2], trees=[row])
+    with torch.inference_mode():
+        got = run.model.forward_cached(torch.tensor([tokens]), cache, batch)[0]
+        last = run.model.forward_cached(torch.tensor([tokens]), copy(start), batch, torch.tensor([0, 0]),
+                                        torch.tensor([3, tree.size - 1]))
+    assert torch.equal(got, want) and torch.equal(last, want[[3, tree.size - 1]])
+    assert all(torch.equal(a, b) for a, b in zip(cache.k + cache.v, via_rows.k + via_rows.v, strict=True))
+
+
+@pytest.mark.parametrize("threads", [2, 3])
+def test_a_tree_forward_split_across_threads_is_one_threads_bits(threads: int) -> None:
+    run = Forward(model_for("native-float32"))
+    assert KERNEL is not None
+    tree = layout(TreeShape.parse("2x2x2"))
+    prompt, tokens = prompt_and_tokens(tree, seed=9)
+    start = prefilled(run, prompt)
+    row = TreeRow.for_nodes(tree, BASE, 1, range(1, tree.size))
+    outs = []
+    for n in (1, threads):
+        KERNEL.set_threads(n)
+        try:
+            cache = copy(start)
+            outs.append((run.rows(cache, [tokens, [5, 6, 7]], [0, 1], [BASE, 3], [row, None]), cache))
+        finally:
+            KERNEL.set_threads(1)
+    (one, one_cache), (many, many_cache) = outs
+    assert all(torch.equal(a, b) for a, b in zip(one, many, strict=True))
+    assert all(torch.equal(a, b) for a, b in zip(one_cache.k + one_cache.v, many_cache.k + many_cache.v, strict=True))
