@@ -10,6 +10,7 @@ behind either.
 from __future__ import annotations
 
 import asyncio
+import functools
 import hashlib
 import time
 from collections.abc import Callable, Collection, Mapping
@@ -27,10 +28,14 @@ from policies import (
     Decision,
     PolicyConfig,
     RequestFacts,
+    StepPath,
+    TreeShape,
+    TreeShapeError,
     WorkerState,
     batch_latch,
     decide,
     observe,
+    observe_path,
     observe_steps,
     record_decision,
     worker_acceptance,
@@ -43,6 +48,7 @@ from workers.api.protocol import (
     BadRequest,
     ClientDisconnected,
     CompletionRequest,
+    Directive,
     NotFound,
     RequestKind,
     ResumePoint,
@@ -115,7 +121,7 @@ def decide_on(session: Session, handle: WorkerHandle, req: CompletionRequest, po
     handle.batch_full = batch_latch(handle.batch_full, handle.load, policy)
     worker = WorkerState(handle.load, handle.batch_full, handle.max_k, "speculative" in handle.modes,
                          "plain" in handle.modes, handle.cost, worker_acceptance(handle.acceptance, policy),
-                         handle.draft_mix.step_mix())
+                         handle.draft_mix.step_mix(), handle.tree_max_nodes if handle.speaks_specgate else 0)
     if any_mode:
         fixed_k = 1 if policy.num_speculative_tokens == "auto" else policy.num_speculative_tokens
         worker = replace(worker, max_k=max(handle.max_k, fixed_k), serves_speculative=True, serves_plain=True)
@@ -151,16 +157,28 @@ def route(state: GatewayState, session: Session, candidates: list[Candidate], re
     return handle, decision
 
 
+def directive_for(decision: Decision, policy: PolicyConfig, resume: ResumePoint | None = None, **fields: Any
+                  ) -> Directive:
+    """The ``specgate`` directive a decision sends a specgate or vLLM worker (the relay's and the
+    endpoint picker's): its K, or its tree (K then the tree's depth), and the live batch thresholds."""
+    return Directive(decision.k, policy.max_batch, policy.batch_resume, policy.max_step_drafts, resume,
+                     policy.auto_k, tree=None if decision.tree is None else str(decision.tree), **fields)
+
+
 def record(state: GatewayState, session: Session, decision: Decision, policy: PolicyConfig) -> None:
     metrics = state.metrics
     metrics.series(metrics.decisions, decision.mode, decision.reason).inc()
+    if decision.mode == "speculative":  # "chain" or the tree's shape: bounded by policy.tree_shapes (at most 8)
+        metrics.series(metrics.tree_decisions, "chain" if decision.tree is None else str(decision.tree)).inc()
     if decision.mode == "plain":
         metrics.series(metrics.fallbacks, decision.reason).inc()
     previous = session.last_decision
-    if previous is None or previous.mode != decision.mode:
-        if previous is not None:
+    if previous is None or previous.mode != decision.mode or previous.tree != decision.tree:
+        if previous is not None and previous.mode != decision.mode:
             metrics.mode_switches.labels(model=metrics.model, to=decision.mode, reason=decision.reason).inc()
-        session.history.append(ModeChange(time.time(), decision.mode, decision.reason, decision.k))
+        # A switch between a chain and a tree (or between trees) is kept too: flapping shows.
+        session.history.append(ModeChange(time.time(), decision.mode, decision.reason, decision.k,
+                                          None if decision.tree is None else str(decision.tree)))
     session.last_decision = decision
     session.policy_state = record_decision(session.policy_state, decision, policy.auto_k)
 
@@ -312,8 +330,13 @@ def account_step(metrics: GatewayMetrics, admission: Admission, tally: StreamTal
     if report.proposed <= 0 and not report.late_steps:
         return  # a plain step: no drafts to count (every step of a plain stream comes here)
     session, handle, policy = admission.session, admission.handle, admission.policy
-    session.policy_state = observe(session.policy_state, report.proposed, report.accepted, policy)
-    handle.acceptance = observe(handle.acceptance, report.proposed, report.accepted, policy)
+    path = step_path(report)
+    if path is not None:  # a tree step: its rank-1 tests into α, every test into the rank table
+        session.policy_state = observe_path(session.policy_state, path, policy)
+        handle.acceptance = observe_path(handle.acceptance, path, policy)
+    else:
+        session.policy_state = observe(session.policy_state, report.proposed, report.accepted, policy)
+        handle.acceptance = observe(handle.acceptance, report.proposed, report.accepted, policy)
     tally.proposed += report.proposed
     tally.accepted += report.accepted
     tally.speculative_steps += int(report.proposed > 0) + sum(g.count for g in report.late_steps)
@@ -328,3 +351,17 @@ def account_step(metrics: GatewayMetrics, admission: Admission, tally: StreamTal
             metrics.record_steps(handle.worker_id, group.proposed, group.accepted, group.count)
 
 
+def step_path(report: StepReport) -> StepPath | None:
+    """A tree step's path, checked against its shape; None for a chain step, or for a path that
+    does not fit its tree (a worker's bug: the step is then folded as a chain's drafts)."""
+    if report.tree is None or report.path is None:
+        return None
+    try:
+        return StepPath(_shape(report.tree), report.path)
+    except (TreeShapeError, ValueError):
+        return None
+
+
+@functools.lru_cache(maxsize=64)
+def _shape(text: str) -> TreeShape:
+    return TreeShape.parse(text)

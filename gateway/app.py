@@ -33,13 +33,14 @@ from gateway.sessions import SessionTable
 from gateway.state import STATE_KEY, GatewayState
 from gateway.tracing import TRACING_KEY, Tracing
 from policies import PolicyConfigError
+from policies.tree_choice import view as rank_view
 from workers.api.limits import InputRefused, loads_json
 from workers.api.logs import RequestLog
 from workers.api.protocol import BadRequest, NotFound, Unavailable
 from workers.api.web_common import BODY_TIMEOUT_KEY, Handler, health, model_list, openai_errors, read_body
 
 log = logging.getLogger(__name__)
-MAX_POLICY_BYTES = 64 << 10  # a policy is nine numbers; YAML beyond this is not a policy
+MAX_POLICY_BYTES = 64 << 10  # a policy is a few numbers and shapes; YAML beyond this is not a policy
 OPENAPI_KEY = web.AppKey("openapi", bytes)
 
 @web.middleware
@@ -258,9 +259,14 @@ async def _get_session(request: web.Request) -> web.Response:
         "session_id": session.session_id, "scope": session.scope, "worker": session.worker_id,
         "requests": session.requests,
         "mode": session.mode, "k": decision.k if decision else None, "reason": decision.reason if decision else None,
+        "tree": str(decision.tree) if decision and decision.tree else None,
         "acceptance_estimate": state.acceptance_ewma, "evidence_drafted_tokens": state.proposals_seen,
         "low_acceptance": state.low_acceptance, "plain_since_probe": state.plain_since_probe,
-        "mode_changes": [{"at": _iso(c.at), "mode": c.mode, "k": c.k, "reason": c.reason} for c in session.history],
+        # K auto: the choice hysteresis holds, and the rank acceptances trees are priced with.
+        "auto_k": state.auto_k, "auto_tree": None if state.auto_tree is None else str(state.auto_tree),
+        "since_tree": state.since_tree, "rank_acceptance": rank_view(state.ranks),
+        "mode_changes": [{"at": _iso(c.at), "mode": c.mode, "k": c.k, "tree": c.tree, "reason": c.reason}
+                         for c in session.history],
     })
 
 

@@ -30,7 +30,15 @@ from envoy.type.v3.http_status_pb2 import HttpStatus
 from google.protobuf.struct_pb2 import Struct
 from multidict import CIMultiDict
 
-from gateway.admission import Admission, accept_request, account_chunk, commit, pick_ready, session_id_of
+from gateway.admission import (
+    Admission,
+    accept_request,
+    account_chunk,
+    commit,
+    directive_for,
+    pick_ready,
+    session_id_of,
+)
 from gateway.auth import AuthStore
 from gateway.epp_feedback import ResponseReader
 from gateway.fleet import WorkerHandle
@@ -43,7 +51,6 @@ from workers.api.protocol import (
     ApiError,
     BadRequest,
     CompletionRequest,
-    Directive,
     Overloaded,
     PayloadTooLarge,
     RequestKind,
@@ -271,8 +278,7 @@ class Exchange:
         policy, decision = admission.policy, admission.decision
         # A whole answer's step log, for the feedback: a plain decision's would teach nothing, and
         # its response passes the picker unread (Picked.feedback), so it is not asked for.
-        directive = Directive(decision.k, policy.max_batch, policy.batch_resume, policy.max_step_drafts,
-                              cost_rule=policy.auto_k, step_log=not req.stream and decision.k > 0)
+        directive = directive_for(decision, policy, step_log=not req.stream and decision.k > 0)
         return orjson.dumps(worker_body(req, directive, handle.protocol, streamed=False))
 
     # -- the response -------------------------------------------------------------------------------

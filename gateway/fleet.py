@@ -33,7 +33,7 @@ from gateway.ops_metrics import AdmissionWaitMetrics
 from gateway.routing import Candidate
 from gateway.worker_http import Endpoint, WorkerHttp
 from gateway.worker_output import MAX_LINE_BYTES, StreamName, relay_output
-from policies import CostModel, Mode, SessionState
+from policies import MAX_TREE_NODES, CostModel, Mode, SessionState
 
 log = logging.getLogger(__name__)
 WorkerStatus = Literal["starting", "ready", "unhealthy", "restarting", "stopped"]
@@ -70,6 +70,7 @@ class WorkerHandle:
     last_error: str = ""
     started_at: float = 0.0
     cost: CostModel | None = None  # its published step costs (policy K auto), from its last poll
+    tree_max_nodes: int = 0  # the most token-tree nodes its engine verifies in a step (0: chains only)
     # Acceptance over all the worker's sessions, folded as a session's is: the α a session new
     # to it is costed at (policies.speculation.acceptance_for_k).
     acceptance: SessionState = field(default_factory=SessionState)
@@ -105,9 +106,17 @@ class WorkerHandle:
             "batch_depth": self.info.get("batch_depth", self.in_flight), "queue_length": self.info.get("queue_length"),
             "batch_full": self.batch_full, "precision": self.info.get("precision"), "stats": self.info.get("stats"),
             "cost_model": self.info.get("cost_model"), "acceptance": self.acceptance.acceptance_ewma,
+            "tree_max_nodes": self.tree_max_nodes,
             "draft_mix": self.draft_mix.view(),
             "last_error": self.last_error or None,
         }
+
+
+def _tree_max_nodes(raw: Any) -> int:
+    """A worker's ``tree_max_nodes``: absent, 0 or anything but a count means chains only."""
+    if isinstance(raw, bool) or not isinstance(raw, int) or raw <= 0:
+        return 0
+    return min(raw, MAX_TREE_NODES)
 
 
 class Fleet:
@@ -345,6 +354,7 @@ class Fleet:
         handle.info = info
         handle.cost = self._cost_model(handle, info.get("cost_model"))
         handle.reported_depth = int(info.get("batch_depth", 0)) + int(info.get("queue_length", 0))
+        handle.tree_max_nodes = _tree_max_nodes(info.get("tree_max_nodes"))
         if handle.remote:
             handle.modes = frozenset(m for m in info.get("modes", []) if m in ("speculative", "plain"))
             handle.max_k = int(info.get("max_k", 0))

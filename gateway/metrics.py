@@ -67,6 +67,7 @@ class GatewayMetrics:
     tokens: Counter
     sessions: Gauge
     decisions: Counter
+    tree_decisions: Counter
     fallbacks: Counter
     mode_switches: Counter
     policy_reloads: Counter
@@ -107,6 +108,9 @@ class GatewayMetrics:
             sessions=Gauge("specgate_sessions", "Sessions in the table by current mode", labels("mode"),
                            multiprocess_mode="livemax", registry=reg),
             decisions=Counter("specgate_decisions", "Policy decisions", labels("mode", "reason"), registry=reg),
+            tree_decisions=Counter("specgate_speculation_shapes", "Decisions to speculate by what is drafted: "
+                                   "chain, or a token tree's shape (policy.tree_shapes: at most 8)", labels("shape"),
+                                   registry=reg),
             fallbacks=Counter("specgate_fallbacks", "Decisions to decode plain, by reason", labels("reason"),
                               registry=reg),
             mode_switches=Counter("specgate_mode_switches", "Session mode changes", labels("to", "reason"),

@@ -11,7 +11,16 @@ from typing import Any
 import orjson
 from aiohttp import web
 
-from gateway.admission import Admission, accept_request, account_chunk, pick, pick_ready, record, session_id_of
+from gateway.admission import (
+    Admission,
+    accept_request,
+    account_chunk,
+    directive_for,
+    pick,
+    pick_ready,
+    record,
+    session_id_of,
+)
 from gateway.auth import scope_of
 from gateway.drain import DRAIN_KEY, InFlight
 from gateway.migration import MigratingStream
@@ -28,7 +37,6 @@ from workers.api.protocol import (
     ApiError,
     ClientDisconnected,
     CompletionRequest,
-    Directive,
     RequestKind,
     ResumePoint,
     assemble,
@@ -69,9 +77,8 @@ async def _admit(state: GatewayState, session: Session, req: CompletionRequest, 
         worker_id = handle.worker_id
         # A non-streaming client sees no chunk: its worker may send them a few at a time.
         coalesce_s = 0.0 if req.stream else state.config.server.coalesce_s
-        body = worker_body(req, Directive(decision.k, policy.max_batch, policy.batch_resume, policy.max_step_drafts,
-                                          resume, policy.auto_k, coalesce_s, whole_answer=coalesce_s > 0),
-                           handle.protocol)
+        body = worker_body(req, directive_for(decision, policy, resume, coalesce_s=coalesce_s,
+                                              whole_answer=coalesce_s > 0), handle.protocol)
         handle.draft_mix.add(decision)
         attempt = trace.attempt(worker_id, decision)
         headers = attempt.headers  # the trace context (gateway/tracing.py)

@@ -19,6 +19,7 @@ import time
 import weakref
 from collections import OrderedDict
 from collections.abc import AsyncIterator
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 import orjson
@@ -26,7 +27,8 @@ import orjson
 from gateway.config import GatewayConfig
 from gateway.ops_metrics import OpsMetrics
 from gateway.sessions import ModeChange, Session
-from policies import REASONS, Decision, SessionState
+from policies import REASONS, Decision, SessionState, TreeShape, TreeShapeError
+from policies.tree_choice import CELLS
 
 if TYPE_CHECKING:
     from gateway.redis_resp import RedisClient
@@ -50,14 +52,25 @@ class WrongType(CorruptState):
 def dump_session(session: Session) -> bytes:
     """The controller fields as compact JSON; wall-clock ``at`` only, no monotonic times (per process)."""
     s, d = session.policy_state, session.last_decision
-    return orjson.dumps({
+    out: dict[str, Any] = {
         "v": SCHEMA_VERSION,
         "state": [s.acceptance_ewma, s.proposals_seen, s.low_acceptance, s.plain_since_probe, s.auto_k],
-        "decision": [d.mode, d.k, d.reason] if d is not None else None,
-        "history": [[c.at, c.mode, c.reason, c.k] for c in session.history],
+        "decision": _stored_decision(d.mode, d.k, d.reason, d.tree) if d is not None else None,
+        "history": [[c.at, c.mode, c.reason, c.k, *([c.tree] if c.tree is not None else [])]
+                    for c in session.history],
         "requests": session.requests,
         "worker": session.worker_id,
-    })
+    }
+    # Token trees (K auto): added to the same schema version, absent while there is nothing to
+    # keep, so sessions stored before trees (and by gateways without them) read alike.
+    if s.auto_tree is not None or s.since_tree or s.ranks:
+        out["tree"] = {"auto": None if s.auto_tree is None else str(s.auto_tree), "since": s.since_tree,
+                       "ranks": [[i, beta, tests] for i, (beta, tests) in enumerate(s.ranks) if tests > 0]}
+    return orjson.dumps(out)
+
+
+def _stored_decision(mode: str, k: int, reason: str, tree: TreeShape | str | None) -> list[Any]:
+    return [mode, k, reason] if tree is None else [mode, k, reason, str(tree)]
 
 
 def _int(value: Any, optional: bool = False) -> Any:
@@ -77,10 +90,39 @@ def _float(value: Any, optional: bool = False, unit: bool = False) -> Any:
     return float(value)
 
 
-def _decision(mode: Any, k: Any, reason: Any) -> Decision:
+def _decision(mode: Any, k: Any, reason: Any, tree: Any = None) -> Decision:
     if mode not in _MODES or reason not in REASONS:
         raise CorruptState(f"unknown mode or reason {mode!r}, {reason!r}")
-    return Decision(mode, _int(k), reason)
+    shape = _tree(tree)
+    if shape is not None and (mode != "speculative" or k != shape.depth):
+        raise CorruptState(f"a tree {tree!r} with mode {mode!r} and k {k!r}")
+    return Decision(mode, _int(k), reason, shape)
+
+
+def _tree(text: Any) -> TreeShape | None:
+    if text is None:
+        return None
+    if not isinstance(text, str):
+        raise CorruptState(f"expected a tree shape, got {text!r:.60}")
+    try:
+        return TreeShape.parse(text)
+    except TreeShapeError as exc:
+        raise CorruptState(str(exc)) from None
+
+
+def _tree_state(state: SessionState, raw: Any) -> SessionState:
+    """The session's tree fields (``dump_session``'s "tree"), onto the state read before them."""
+    if raw is None:
+        return state
+    if not isinstance(raw, dict):
+        raise CorruptState(f"tree must be an object, got {raw!r:.60}")
+    cells = [(0.0, 0)] * CELLS
+    for i, beta, tests in raw["ranks"]:
+        if not isinstance(i, int) or isinstance(i, bool) or not 0 <= i < CELLS:
+            raise CorruptState(f"rank cell {i!r:.20} out of range")
+        cells[i] = (_float(beta, unit=True), _int(tests))
+    ranks = tuple(cells) if any(tests for _, tests in cells) else ()
+    return replace(state, auto_tree=_tree(raw["auto"]), since_tree=_int(raw["since"]), ranks=ranks)
 
 
 def parse_session(raw: bytes | str) -> tuple[SessionState, Decision | None, list[ModeChange], int, str | None]:
@@ -97,11 +139,15 @@ def parse_session(raw: bytes | str) -> tuple[SessionState, Decision | None, list
             raise CorruptState(f"low_acceptance must be a bool, got {low!r}")
         state = SessionState(_float(ewma, optional=True, unit=True), _int(seen), low, _int(since_probe),
                              _int(auto_k, optional=True))
+        state = _tree_state(state, data.get("tree"))
         decision = _decision(*data["decision"]) if data["decision"] is not None else None
         history = []
-        for at, mode, reason, k in data["history"]:
-            checked = _decision(mode, k, reason)
-            history.append(ModeChange(_float(at), checked.mode, checked.reason, checked.k))
+        for at, mode, reason, k, *tree in data["history"]:
+            if len(tree) > 1:
+                raise CorruptState(f"a history entry of {4 + len(tree)} fields")
+            checked = _decision(mode, k, reason, *tree)
+            history.append(ModeChange(_float(at), checked.mode, checked.reason, checked.k,
+                                      None if checked.tree is None else str(checked.tree)))
         worker = data["worker"]
         if worker is not None and not isinstance(worker, str):
             raise CorruptState(f"worker must be a string, got {worker!r}")

@@ -53,6 +53,7 @@ class ModeChange:
     mode: Mode
     reason: str
     k: int
+    tree: str | None = None  # a token tree's notation (k its depth); None: a chain of k, or plain
 
 
 @dataclass

@@ -281,7 +281,7 @@ def test_no_session_id_in_any_series(observed: Observed) -> None:
     labels = {name for line in series if "{" in line
               for name in (pair.split("=")[0] for pair in line[line.index("{") + 1:line.rindex("}")].split(","))}
     assert labels <= {"model", "worker", "route", "status", "mode", "reason", "to", "source", "result", "name", "le",
-                      "position"}, labels
+                      "position", "shape"}, labels
 
 
 def test_docs_describe_every_metric_prometheus_sees(observed: Observed) -> None:

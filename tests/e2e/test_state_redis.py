@@ -38,7 +38,7 @@ from gateway.session_store import (
     parse_session,
 )
 from gateway.sessions import ModeChange, Session
-from policies import Decision, SessionState
+from policies import Decision, PolicyConfig, SessionState
 from tests.e2e.harness import Gateway, sdk_client, start_gateway, write_config
 from tests.e2e.redis_harness import RedisServer, start_redis
 
@@ -99,6 +99,35 @@ def test_a_session_round_trips_through_the_serializer() -> None:
     fresh = Session("new", last_seen=0.0)
     apply_session(fresh, dump_session(Session("new", last_seen=5.0)))
     assert controller_fields(fresh) == (SessionState(), None, [], 0, None)
+
+
+def test_a_tree_session_round_trips_and_one_stored_before_trees_still_loads() -> None:
+    from policies import StepPath, TreeShape, observe_path
+    from policies.speculation import record_decision
+
+    source = a_session()
+    tree = TreeShape.parse("2x2+3")
+    state = observe_path(source.policy_state, StepPath(tree, (1, 2, 0)), PolicyConfig())
+    source.policy_state = record_decision(state, Decision("speculative", 5, "default", tree), auto_k=True)
+    source.last_decision = Decision("speculative", 5, "default", tree)
+    source.history.append(ModeChange(1700000002.0, "speculative", "default", 5, "2x2+3"))
+    target = Session("sess-1", last_seen=99.0, history=deque(maxlen=4), scope="k1")
+    apply_session(target, dump_session(source))
+    assert controller_fields(target) == controller_fields(source)
+    assert target.policy_state.auto_tree == tree and target.policy_state.ranks == source.policy_state.ranks
+    # A value written before trees (no "tree", 3-field decisions, 4-field history entries) loads as it did.
+    old = orjson.loads(dump_session(a_session()))
+    assert "tree" not in old
+    target = Session("sess-1", last_seen=99.0, history=deque(maxlen=4), scope="k1")
+    apply_session(target, orjson.dumps(old))
+    assert controller_fields(target) == controller_fields(a_session())
+    for bad in ({**old, "decision": ["speculative", 4, "default", "2x2+3"]},  # k is not the tree's depth
+                {**old, "decision": ["speculative", 5, "default", "9x9"]},
+                {**old, "tree": {"auto": None, "since": 0, "ranks": [[99, 0.5, 3]]}},
+                {**old, "tree": {"auto": None, "since": 0, "ranks": [[0, 1.5, 3]]}},
+                {**old, "tree": {"auto": None, "since": -1, "ranks": []}}):
+        with pytest.raises(CorruptState):
+            apply_session(target, orjson.dumps(bad))
 
 
 GOOD = orjson.loads(dump_session(a_session()))

@@ -312,3 +312,21 @@ def test_the_cost_model_reads_tree_curves_both_or_neither() -> None:
     assert CostModel.from_json({**cost_json(0.01), "tree_draft_cost": None}).tree is None
     with pytest.raises(ValueError, match="tree_verify_cost"):
         CostModel.from_json({**cost_json(0.01), "tree_verify_cost": [1.0, -1.0]})
+
+
+# -- the gateway's side: the directive a decision sends, the path a step reports ---------------------
+def test_the_directive_carries_the_tree_and_a_reported_path_is_checked_against_it() -> None:
+    from gateway.admission import directive_for, step_path
+    from workers.api.protocol import StepReport
+
+    tree = TreeShape.parse("2x2+3")
+    directive = directive_for(Decision("speculative", 5, "default", tree), AUTO, step_log=True)
+    assert directive.to_json() == {"k": 5, "max_batch": 64, "batch_resume": 56, "cost_rule": True, "step_log": True,
+                                   "tree": "2x2+3"}
+    assert "tree" not in directive_for(Decision("speculative", 4, "default"), AUTO).to_json()
+    report = StepReport.from_json({"proposed": 5, "accepted": 2, "batch_depth": 1, "k": 5, "tokens": 3,
+                                   "tree": "2x2+3", "path": [2, 1, 0]})
+    assert report is not None and step_path(report) == StepPath(tree, (2, 1, 0))
+    # A path that does not fit its tree (rank 3 of 2 children), or a chain step: no path (folded as a chain).
+    assert step_path(replace(report, path=(3, 0))) is None
+    assert step_path(replace(report, tree=None, path=None)) is None
