@@ -56,7 +56,8 @@ def _errors(*statuses: str) -> dict[str, Any]:
 def _completion_operation(summary: str, body: type[BaseModel], response: type[BaseModel]) -> dict[str, Any]:
     headers = {name: {"description": description, "schema": {"type": "string"}} for name, description in (
         ("X-Session-ID", "the session key used"), ("X-Specgate-Worker", "the worker that served the request"),
-        ("X-Specgate-Mode", "the decision, e.g. `speculative; k=6; reason=default`"))}
+        ("X-Specgate-Mode", "the decision, e.g. `speculative; k=6; reason=default` "
+                             "or `speculative; tree=2x2+3; reason=default`"))}
     return {
         "summary": summary,
         "parameters": [{"name": "X-Session-ID", "in": "header", "required": False,
