@@ -245,19 +245,20 @@ def test_forward_cached_with_trees_runs_the_one_call_kernel(variant: str) -> Non
 @pytest.mark.parametrize("threads", [2, 3])
 def test_a_tree_forward_split_across_threads_is_one_threads_bits(threads: int) -> None:
     run = Forward(model_for("native-float32"))
-    assert KERNEL is not None
+    kernel = run.model.native  # the model's own (its pool is the library's)
+    assert kernel is not None
     tree = layout(TreeShape.parse("2x2x2"))
     prompt, tokens = prompt_and_tokens(tree, seed=9)
     start = prefilled(run, prompt)
     row = TreeRow.for_nodes(tree, BASE, 1, range(1, tree.size))
     outs = []
     for n in (1, threads):
-        KERNEL.set_threads(n)
+        kernel.set_threads(n)
         try:
             cache = copy(start)
             outs.append((run.rows(cache, [tokens, [5, 6, 7]], [0, 1], [BASE, 3], [row, None]), cache))
         finally:
-            KERNEL.set_threads(1)
+            kernel.set_threads(1)
     (one, one_cache), (many, many_cache) = outs
     assert all(torch.equal(a, b) for a, b in zip(one, many, strict=True))
     assert all(torch.equal(a, b) for a, b in zip(one_cache.k + one_cache.v, many_cache.k + many_cache.v, strict=True))

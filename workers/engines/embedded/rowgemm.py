@@ -92,14 +92,20 @@ class RowGemm:
         self.threads = 1
         self._score_rows = lib.rowgemm_score_rows
         self._score_rows.argtypes, self._score_rows.restype = [], ctypes.c_int64
-        self.score_rows = self._score_rows()  # attention's scratch: rows of scores, one per part
 
     def set_threads(self, threads: int) -> None:
         """Projections split their output columns, and attention its query tiles, across
         ``threads`` (``workers.threads``; 1 at load). Each output is still one thread's FMA
         chain: the split changes no bit (tests/unit/engine/test_rowgemm.py)."""
         self.threads = self._set_threads(threads)
-        self.score_rows = self._score_rows()
+
+    @property
+    def score_rows(self) -> int:
+        """Attention's scratch: rows of scores, one tile per part. Asked of the library each
+        time: its thread pool is one per loaded library, shared by every RowGemm on it (a second
+        load() after a cache_clear), so a count kept here could be stale and the scratch short."""
+        rows: int = self._score_rows()
+        return rows
 
     @staticmethod
     def supports(hidden: int, head_dim: int) -> bool:
