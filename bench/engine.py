@@ -30,6 +30,7 @@ from pathlib import Path
 import torch
 
 from bench.engine_runs import OTHER_PLAIN, RunResult, forward_times, prefill_times, run_batch, run_interleaved
+from bench.engine_trees import measure_trees
 from policies import CostModel, catch_up_pays, choose_k, gain
 from workers.costs.model import CostReport, OnlineCosts, StepCostRule
 from workers.demo.corpus import heldout_prompts
@@ -427,14 +428,35 @@ def main() -> None:
     log(f"best K={best_k}: speed-up {speedup:.2f}x, bound S={bound:.2f}, measured/bound {speedup / bound:.2f}; "
         f"{best.tok_s / fastest_plain:.2f}x the fastest plain configuration")
     prediction = predict_b1(args, served, batch1)
+    trees = measure_trees(args, (served.target, served.draft), served.online, batch1.prompts, best_k)
     alpha_by_t, coupled_by_t = measure_acceptance(args, engine, served.prompts, best_k)
     del engine  # its caches; the batched runs get a plain and a speculative engine of their own
     batched: dict[str, float | list[float] | dict[str, int]] = {}
     for size in batch_sizes:
         batched |= compare_at_batch(args, served, batch1, size)
     if args.json:
-        print(json.dumps(summarize(args, served, batch1, forwards, prediction, alpha_by_t, coupled_by_t, batched,
-                                   bound, fastest_plain)))
+        summary = summarize(args, served, batch1, forwards, prediction, alpha_by_t, coupled_by_t, batched, bound,
+                            fastest_plain)
+        print(json.dumps(summary | {"trees": trees, "targets": tree_targets(trees, batched, batch_sizes)}))
+
+
+def tree_targets(trees: dict[str, object], batched: dict[str, float | list[float] | dict[str, int]],
+                 batch_sizes: list[int]) -> dict[str, dict[str, object]]:
+    """Issue #36's engine targets: K auto with trees at batch 1 against the better fixed
+    configuration, and at each batch size against plain (K auto's run, where the policy with
+    trees allowed chooses no tree there: ``trees.auto_trees_chooses_at_batch``)."""
+    ratio = float(trees["auto_trees_over_better_fixed"])  # type: ignore[arg-type]
+    out: dict[str, dict[str, object]] = {
+        "auto_trees_b1_ge_0.97_better_fixed": {"ratio": ratio, "met": ratio >= 0.97}}
+    chooses = trees["auto_trees_chooses_at_batch"]
+    assert isinstance(chooses, dict)
+    for size in batch_sizes:
+        auto, plain = batched[f"tok_s_b{size}_auto"], batched[f"tok_s_b{size}_plain"]
+        assert isinstance(auto, float) and isinstance(plain, float)
+        no_tree = not str(chooses.get(str(size), "")).startswith("tree")
+        out[f"auto_trees_b{size}_ge_0.97_plain"] = {"ratio": round(auto / plain, 3), "chooses": chooses.get(str(size)),
+                                                    "met": no_tree and auto / plain >= 0.97}
+    return out
 
 
 def summarize(args: argparse.Namespace, served: Served, batch1: Batch1, forwards: Forwards, prediction: Prediction,

@@ -7,13 +7,16 @@ from __future__ import annotations
 
 import random
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
 from policies import tested_drafts
+from policies.tree import TreeShape
 from workers.costs.model import OnlineCosts
-from workers.engines.embedded.engine import GenerationRequest, SpeculativeEngine, native_forward
+from workers.engines.embedded.engine import GenerationRequest, SpeculativeEngine, StepEvent, native_forward
 from workers.engines.embedded.kv_cache import CacheBatch, KVCache
 from workers.engines.embedded.model import LlamaForCausalLM
 from workers.engines.embedded.runner import fold_step
@@ -66,12 +69,22 @@ class RunResult:
                 "prefill_share": round(self.prefill_seconds / self.seconds, 3)}
 
 
+class RequestPlan(Protocol):
+    """How one of run_interleaved's engines asks for each request (a token tree, or K chosen
+    per request by the policy) and hears what its steps did."""
+
+    def request(self, index: int, ids: list[int]) -> tuple[int, TreeShape | None]: ...
+
+    def observe(self, event: StepEvent) -> None: ...
+
+
 def add_group(engine: SpeculativeEngine, prompts: list[list[int]], max_tokens: int, k: int, temperature: float,
-              seed: int | None) -> None:
+              seed: int | None, plan: RequestPlan | None = None) -> None:
     """``seed`` None: unseeded requests (standard speculative sampling; the engine's rng is fixed)."""
     for i, ids in enumerate(prompts):
         params = SamplingParams(temperature=temperature, seed=None if seed is None else seed + i)
-        engine.add(GenerationRequest(f"r{i}", ids, max_tokens, params, k=k))
+        k_i, tree = (k, None) if plan is None else plan.request(i, ids)
+        engine.add(GenerationRequest(f"r{i}", ids, max_tokens, params, k=k_i, tree=tree))
 
 
 def run_batch(engine: SpeculativeEngine, prompts: list[list[int]], max_tokens: int, k: int,
@@ -83,6 +96,7 @@ def run_batch(engine: SpeculativeEngine, prompts: list[list[int]], max_tokens: i
 def run_interleaved(engines: dict[int, SpeculativeEngine], groups: list[list[list[int]]], max_tokens: int,
                     temperature: float, seed: int | None = 0, costs: OnlineCosts | None = None,
                     drafted: dict[int, dict[int, int]] | None = None, unfolded: frozenset[int] = frozenset(),
+                    plans: Mapping[int, RequestPlan] | None = None,
                     ) -> tuple[dict[int, RunResult], dict[int, list[list[int]]]]:
     """Each group of prompts as one batch, one group after another, under every K at once.
 
@@ -102,12 +116,15 @@ def run_interleaved(engines: dict[int, SpeculativeEngine], groups: list[list[lis
     work). ``costs`` hears every step, as a worker's online cost refinement does; ``drafted`` gets,
     per K, how many sequence-steps drafted each number of tokens (what ran, after every rule).
     ``unfolded``: keys whose steps ``costs`` does not hear (an engine on another configuration).
+    ``plans``: keys whose requests a plan makes (trees, the policy's choice), and which hear their steps.
     """
+    plans = plans or {}
     totals = {k: RunResult(0, 0.0, 0, 0, 0) for k in engines}
     outputs: dict[int, list[list[int]]] = {k: [] for k in engines}
     for g, group in enumerate(groups):
         for k, engine in engines.items():
-            add_group(engine, group, max_tokens, max(0, k), temperature, None if seed is None else seed + g)
+            add_group(engine, group, max_tokens, max(0, k), temperature, None if seed is None else seed + g,
+                      plans.get(k))
         produced: dict[int, dict[str, list[int]]] = {k: {f"r{i}": [] for i in range(len(group))} for k in engines}
         emitted = dict.fromkeys(engines, 0)
         order = list(engines.items())
@@ -125,7 +142,10 @@ def run_interleaved(engines: dict[int, SpeculativeEngine], groups: list[list[lis
             if costs is not None and k not in unfolded:
                 fold_step(costs, engine, events, elapsed)  # as a worker does; the step's whole time
             counts = drafted.setdefault(k, {}) if drafted is not None else None
+            plan = plans.get(k)
             for event in events:
+                if plan is not None:
+                    plan.observe(event)
                 produced[k][event.request_id].extend(event.tokens)
                 emitted[k] += len(event.tokens)
                 if counts is not None:

@@ -120,9 +120,10 @@ class PolicyConfig:
     # nodes. Empty: chains only.
     tree_shapes: tuple[str, ...] = ("2+3", "2x2+2", "3+4", "2x2+4")
     # The prior for a rank r >= 2 the session has no evidence for: beta_r = this x beta_(r-1).
-    # 0.47 turns a chain's 76.2% per-level acceptance into 84.8% for a level of two children
+    # 0.70: the published 76.2% (5-token chain) and 84.8% (tree), read as accepted tokens per step / depth,
+    # with the tree assumed 2x2+3: per-token alpha 0.911, and beta_2 = 0.70 x beta_1 (docs/sim.md)
     # (the published chain -> tree figures of issue #36).
-    tree_rank_prior: float = 0.47
+    tree_rank_prior: float = 0.70
     # A tree priced on that prior (fewer than min_proposals rank-2 tests) runs at most every Nth request.
     tree_explore_every: int = 4
     # auto: a session keeps a chain (or plain) rather than a tree, or its tree rather than a chain or

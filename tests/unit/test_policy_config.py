@@ -26,7 +26,7 @@ def test_defaults() -> None:
         "max_batch": 64, "batch_resume": 56, "max_temperature": 0.8, "probe_every": 8, "num_speculative_tokens": 6,
         "min_gain": 0.05, "k_switch_gain": 0.05,
         "free_batch": 0, "max_step_drafts": 0,  # off: the thresholds above are the rules
-        "tree_shapes": ("2+3", "2x2+2", "3+4", "2x2+4"), "tree_rank_prior": 0.47, "tree_explore_every": 4,
+        "tree_shapes": ("2+3", "2x2+2", "3+4", "2x2+4"), "tree_rank_prior": 0.7, "tree_explore_every": 4,
         "tree_switch_gain": 0.05,
     }
 

@@ -229,5 +229,7 @@ def wrong_verify() -> VerifyFn:
 @pytest.fixture(scope="session", autouse=True)
 def _kernels_built() -> None:
     """Builds the row-invariant kernels (a C compiler run, cached per machine) before any test:
-    a build step, as ``make`` would run it, not a process a unit test starts (tests/unit/conftest.py)."""
-    rowgemm.load()
+    a build step, as ``make`` would run it, not a process a unit test starts (tests/unit/conftest.py).
+    The 8-wide build too: test_rowgemm compares the served tiles with it."""
+    if rowgemm.load() is not None:
+        rowgemm.load_variant(("WIDE_TILES=0",))

@@ -387,6 +387,8 @@ def verify_tree(tree: TreeLayout, tokens: Sequence[int] | torch.Tensor, target_l
     recorded them (a node without an entry proposed no children), noise_at(j, V) the seeded
     noise of the j-th token from now. See ``verify_trees``."""
     vocab = target_logits.shape[-1]
+    if params.temperature <= 0.0 or params.seed is not None:
+        return _walk_matching(tree, list(tokens), target_logits, proposals, params, noise_at)
     node_tokens = torch.as_tensor(tokens, dtype=torch.long).reshape(1, tree.size)
     count = torch.zeros(1, tree.size, dtype=torch.long)
     sampled = any(c.q is not None for c in proposals.by_parent.values())
@@ -400,3 +402,33 @@ def verify_tree(tree: TreeLayout, tokens: Sequence[int] | torch.Tensor, target_l
     verdicts = verify_trees(tree, TreeDrafts(node_tokens, count, q), target_logits.reshape(1, tree.size, vocab),
                             params, generator=generator, noise_at=noise)
     return verdicts.verdict(0)
+
+
+def _walk_matching(tree: TreeLayout, tokens: Sequence[int], target_logits: torch.Tensor, proposals: TreeProposals,
+                   params: SamplingParams, noise_at: Callable[[int, int], torch.Tensor] | None) -> TreeVerdict:
+    """Greedy and seeded trees, one sequence, in plain Python along the path: the target's token
+    at each node reached (argmax, or Gumbel-max with the noise of that node's output position)
+    decides, as ``verify_trees`` does for them, without its (B, N+1, V) bookkeeping (which cost
+    a tree step ten times its forwards at batch 1 on the demo models)."""
+    greedy = params.temperature <= 0.0
+    argmax: list[int] = target_logits.argmax(dim=-1).tolist() if greedy else []
+    node, out, ranks = 0, [], []
+    for d in range(tree.shape.depth + 1):
+        if greedy:
+            target = argmax[node]
+        else:
+            assert noise_at is not None
+            noise = noise_at(d, target_logits.shape[-1])
+            target = int((torch.log(probabilities(target_logits[node].float(), params)) + noise).argmax())
+        out.append(target)
+        if d == tree.shape.depth:
+            break
+        children = proposals.by_parent.get(node)
+        count = 0 if children is None else min(int(children.count[0]), len(tree.children[node]))
+        kids = tree.children[node][:count]
+        rank = next((r for r, kid in enumerate(kids, start=1) if tokens[kid] == target), 0)
+        ranks.append(rank)
+        if rank == 0:
+            break
+        node = kids[rank - 1]
+    return TreeVerdict(out, tuple(ranks))
