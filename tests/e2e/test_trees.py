@@ -8,8 +8,7 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from tests.e2e.conftest import GatewayFactory
-from tests.e2e.harness import Gateway, sdk_client
+from tests.e2e.harness import Gateway, GatewayFactory, sdk_client
 
 SIM = {"time_scale": 0.05, "seed": 3}
 # K auto with a tree tried on the prior at once (explore every request) and the low-acceptance
