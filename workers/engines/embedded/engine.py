@@ -501,8 +501,7 @@ class SpeculativeEngine:
                 logit_cols += range(n - row.n_logits, n)
             batch = CacheBatch.build([rows[i].slot for i in group], [rows[i].start for i in group],
                                      [len(rows[i].new_tokens) for i in group], width, self.max_positions,
-                                     row_invariant=row_invariant,
-                                     trees=[rows[i].tree for i in group] if any(rows[i].tree for i in group) else None)
+                                     row_invariant=row_invariant, trees=[rows[i].tree for i in group])
             logits = model.forward_cached(tokens, cache, batch, torch.tensor(logit_rows), torch.tensor(logit_cols))
             splits = logits.split([rows[i].n_logits for i in group])
             for i, chunk in zip(group, splits, strict=True):
@@ -517,7 +516,7 @@ class SpeculativeEngine:
             return native
         n = len(row.new_tokens)
         batch = CacheBatch.build([row.slot], [row.start], [n], n, self.max_positions, row_invariant=row_invariant,
-                                 trees=None if row.tree is None else [row.tree])
+                                 trees=[row.tree])
         wanted = None if row.n_logits == n else torch.arange(n - row.n_logits, n)
         logits = model.forward_cached(torch.tensor([row.new_tokens]), cache, batch,
                                       None if wanted is None else torch.zeros_like(wanted), wanted)
@@ -531,9 +530,8 @@ class SpeculativeEngine:
         width = max(len(r.new_tokens) for r in rows)
         logit_idx = [b * width + col for b, r in enumerate(rows)
                      for col in range(len(r.new_tokens) - r.n_logits, len(r.new_tokens))]
-        trees = [r.tree for r in rows] if any(r.tree is not None for r in rows) else None
         return native_forward(model, cache, [r.new_tokens for r in rows], [r.slot for r in rows],
-                              [r.start for r in rows], logit_idx, row_invariant, trees)
+                              [r.start for r in rows], logit_idx, row_invariant, [r.tree for r in rows])
 
     # -- convenience ---------------------------------------------------------------------------
     def generate(self, request: GenerationRequest) -> list[StepEvent]:

@@ -52,6 +52,7 @@ from workers.costs.model import (
 from workers.engines.embedded import rowgemm
 from workers.engines.embedded.engine import native_forward
 from workers.engines.embedded.kv_cache import CacheBatch, KVCache
+from workers.engines.embedded.measure_common import fill_line, scratch_cache, timed
 from workers.engines.embedded.measure_steps import draft_split, measure_overheads
 from workers.engines.embedded.measure_trees import TREE_LEVEL_WIDTH, measure_tree_costs
 from workers.engines.embedded.model import TORCH_DTYPES, LlamaForCausalLM, Products, bf16_prepacking_available
@@ -93,11 +94,6 @@ def kernel_build() -> str | None:
     """The float32 kernels' build (``workers/engines/embedded/rowgemm.py``), None where they do not run."""
     kernel = rowgemm.load()
     return None if kernel is None else kernel.build
-
-
-def _scratch_cache(model: LlamaForCausalLM, slots: int, positions: int) -> KVCache:
-    cfg = dataclasses.replace(model.cfg, max_position_embeddings=positions)
-    return KVCache.allocate(cfg, slots, model.lm_head.weight.dtype)
 
 
 def _forward(model: LlamaForCausalLM, cache: KVCache, depth: int, n: int, positions: int,
@@ -156,12 +152,6 @@ def measure_prefill(target: LlamaForCausalLM,
     return tuple(ms[("target", 1, n)] for n in PREFILL_TOKENS), drafts
 
 
-def _timed(run: Callable[[], None]) -> float:
-    started = time.perf_counter()
-    run()
-    return time.perf_counter() - started
-
-
 @torch.inference_mode()
 def verification_bit_identical(model: LlamaForCausalLM, n: int) -> bool:
     """Whether this model, on this CPU, scores tokens in an n-token verification, and in a padded
@@ -173,7 +163,7 @@ def verification_bit_identical(model: LlamaForCausalLM, n: int) -> bool:
     # the same batch.
     prompts = [torch.randint(5, model.cfg.vocab_size, (length,), generator=gen).tolist() for length in (60, 7)]
     new = torch.randint(5, model.cfg.vocab_size, (n,), generator=gen).tolist()
-    cache = _scratch_cache(model, 2, positions)
+    cache = scratch_cache(model, 2, positions)
     for slot, prompt in enumerate(prompts):  # a prefill, fused as the engine runs one: same cache either way
         model.forward_cached(torch.tensor([prompt]), cache, CacheBatch.build(
             [slot], [0], [len(prompt)], len(prompt), positions, row_invariant=False),
@@ -203,25 +193,6 @@ def _best_b1(target_s: list[float], draft_s: float | None, alpha: float) -> tupl
     if draft_s is not None:
         options += [(expected_tokens(alpha, k) / (target_s[k] + k * draft_s), k) for k in range(1, len(target_s))]
     return max(options)
-
-
-def _fill(measured: dict[int, float], size: int) -> list[float]:
-    """Seconds for n = 1..size from the n measured: linear between them, extended by the last slope."""
-    ns = sorted(measured)
-    out = []
-    for n in range(1, size + 1):
-        if n in measured:
-            out.append(measured[n])
-            continue
-        lo = max((m for m in ns if m < n), default=ns[0])
-        hi = min((m for m in ns if m > n), default=None)
-        if hi is None:  # beyond the last measured n
-            a, b = (ns[-2], ns[-1]) if len(ns) > 1 else (ns[-1], ns[-1])
-            slope = (measured[b] - measured[a]) / (b - a) if b != a else 0.0
-            out.append(measured[b] + slope * (n - b))
-        else:
-            out.append(measured[lo] + (measured[hi] - measured[lo]) * (n - lo) / (hi - lo))
-    return out
 
 
 def choose_precision(candidates: list[PrecisionCandidate],
@@ -379,8 +350,8 @@ def _load_candidates(settings: MeasureSettings, shape: _Shape) -> _Candidates:
     targets = {d: LlamaForCausalLM.from_pretrained(settings.target, TORCH_DTYPES[configs[d][0]], configs[d][1],
                                                    configs[d][2]) for d in configs}
     identical = {d: verification_bit_identical(m, max(2, shape.width)) for d, m in targets.items()}
-    caches = {d: _scratch_cache(m, shape.full, shape.positions) for d, m in targets.items()}
-    draft_caches = {p: _scratch_cache(m, shape.full, shape.positions) for p, m in drafts.items()}
+    caches = {d: scratch_cache(m, shape.full, shape.positions) for d, m in targets.items()}
+    draft_caches = {p: scratch_cache(m, shape.full, shape.positions) for p, m in drafts.items()}
     return _Candidates(configs, targets, drafts, identical, caches, draft_caches)
 
 
@@ -401,7 +372,7 @@ def _rank_candidates(loaded: _Candidates, shape: _Shape,
     """Phase 1's timings as what ``choose_precision`` compares."""
     candidates = []
     for d, model in loaded.targets.items():
-        curve = _fill({n: times[(d, 1, n)] for n in shape.n_plan}, shape.width)
+        curve = fill_line({n: times[(d, 1, n)] for n in shape.n_plan}, shape.width)
         tok_s, k = _best_b1(curve, times.get((f"draft-{loaded.configs[d][2]}", 1, 1)), REFERENCE_ALPHA)
         candidates.append(PrecisionCandidate(loaded.configs[d][0], model.prepacked, loaded.identical[d],
                                              round(1000 * curve[0], 3), round(1000 * curve[-1], 3), round(tok_s, 1),
@@ -493,7 +464,7 @@ def _time_rounds(runs: dict[tuple[str, int, int], Callable[[], None]], until: fl
                     run()
                 elif before_verify is not None:
                     before_verify()
-            samples[key].append(_timed(run))
+            samples[key].append(timed(run))
     return {key: statistics.median(s) for key, s in samples.items()}
 
 
@@ -503,7 +474,7 @@ def _curves(depths: tuple[int, ...], measured: dict[int, dict[int, float]], draf
     the measured depths around them (the full batch is measured early, so there are two)."""
     # A depth timed at one n only (the budget ran out) keeps its plain step and takes its shape
     # in n from the nearest depth timed at several: one point says nothing about verification.
-    shaped = {d: _fill(r, width) for d, r in measured.items() if len(r) >= 2 or width == 1}
+    shaped = {d: fill_line(r, width) for d, r in measured.items() if len(r) >= 2 or width == 1}
     rows = dict(shaped)
     for d, r in measured.items():
         if d not in shaped and shaped:

@@ -13,16 +13,15 @@ n runs over a sparse plan; the points between are on the line through the measur
 
 from __future__ import annotations
 
-import dataclasses
 import statistics
 import time
 from collections.abc import Callable
 
 import torch
 
-from workers.engines.embedded.config import ModelConfig
 from workers.engines.embedded.engine import native_forward
 from workers.engines.embedded.kv_cache import CacheBatch, KVCache
+from workers.engines.embedded.measure_common import fill_line, scratch_cache, timed
 from workers.engines.embedded.model import LlamaForCausalLM
 from workers.engines.embedded.tree import TreeRow
 
@@ -68,12 +67,6 @@ def _plain(model: LlamaForCausalLM, cache: KVCache) -> Callable[[], None]:
     return _tree_forward(model, cache, 1, 0, CONTEXT, 1, True)
 
 
-def _timed(run: Callable[[], None]) -> float:
-    started = time.perf_counter()
-    run()
-    return time.perf_counter() - started
-
-
 @torch.inference_mode()
 def _relative(runs: dict[int, Callable[[], None]], plain: Callable[[], None], until: float) -> dict[int, float]:
     """Each run's median seconds over the plain step's, the runs taking turns with it."""
@@ -86,21 +79,17 @@ def _relative(runs: dict[int, Callable[[], None]], plain: Callable[[], None], un
             break
         for n, run in runs.items():
             plain()
-            plain_s.append(_timed(plain))
-            samples[n].append(_timed(run))
+            plain_s.append(timed(plain))
+            samples[n].append(timed(run))
     base = statistics.median(plain_s)
     return {n: statistics.median(s) / base for n, s in samples.items()}
 
 
 def _line(measured: dict[int, float], size: int) -> tuple[float, ...]:
-    """Values for n = 1..size on the line through the measured points (flat past the ends),
-    never falling as n grows (a forward of more tokens costs no less)."""
-    points = sorted(measured)
+    """Values for n = 1..size on the line through the measured points (``fill_line``; both ends
+    are measured), never falling as n grows (a forward of more tokens costs no less)."""
     out: list[float] = []
-    for n in range(1, size + 1):
-        lo = max((p for p in points if p <= n), default=points[0])
-        hi = min((p for p in points if p >= n), default=points[-1])
-        value = measured[lo] if hi == lo else measured[lo] + (n - lo) * (measured[hi] - measured[lo]) / (hi - lo)
+    for value in fill_line(measured, size):
         out.append(round(max(value, out[-1] if out else 0.0), 4))
     return tuple(out)
 
@@ -110,8 +99,7 @@ def measure_tree_costs(target: LlamaForCausalLM, draft: LlamaForCausalLM, max_no
     """(tree_verify_cost for n = 1..max_nodes + 1, tree_draft_cost for n = 1..max_width), each
     relative to the target's plain step at batch 1."""
     positions = CONTEXT + max_nodes + 64
-    target_cache = KVCache.allocate(_with_positions(target, positions), 1, target.lm_head.weight.dtype)
-    draft_cache = KVCache.allocate(_with_positions(draft, positions), 1, draft.lm_head.weight.dtype)
+    target_cache, draft_cache = scratch_cache(target, 1, positions), scratch_cache(draft, 1, positions)
     plain = _plain(target, target_cache)
     verify_plan = sorted({n for n in (2, 4, 8, 12, 16, 24, max_nodes + 1) if 2 <= n <= max_nodes + 1})
     verify = {1: 1.0, **_relative({n: _tree_forward(target, target_cache, 1, n - 1, CONTEXT, n, True)
@@ -121,6 +109,3 @@ def measure_tree_costs(target: LlamaForCausalLM, draft: LlamaForCausalLM, max_no
                       plain, until)
     return _line(verify, max_nodes + 1), _line(level, max_width)
 
-
-def _with_positions(model: LlamaForCausalLM, positions: int) -> ModelConfig:
-    return dataclasses.replace(model.cfg, max_position_embeddings=positions)
