@@ -179,13 +179,6 @@ def mode_of(params: SamplingParams, sampled: bool) -> Mode:
     return "sampled" if sampled else "point"
 
 
-def _match(target: torch.Tensor, tokens: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
-    """The rank (1-based) of the child equal to the target's token, 0 if none. Children are
-    distinct, so at most one matches; accepting it is what plain decoding would emit."""
-    hit = (tokens == target[:, None]) & valid
-    return torch.where(hit.any(dim=1), hit.int().argmax(dim=1) + 1, 0)
-
-
 def _verify_sampled(p: torch.Tensor, tokens: torch.Tensor, q: torch.Tensor, valid: torch.Tensor,
                     generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
     """Sequoia's rule for children drawn without replacement, m levels at once.
@@ -307,6 +300,8 @@ def verify_trees(tree: TreeLayout, draft: TreeDrafts, target_logits: torch.Tenso
         raise ValueError("unseeded sampling needs a generator")
     if mode == "seeded" and noise_at is None:
         raise ValueError("seeded sampling needs noise_at")
+    if mode in ("greedy", "seeded"):
+        return _verify_matching(tree, draft, target_logits, params, noise_at)
     batch = draft.tokens.shape[0]
     depth = tree.shape.depth
     out = torch.full((batch, depth + 1), -1, dtype=torch.long)
@@ -318,22 +313,14 @@ def verify_trees(tree: TreeLayout, draft: TreeDrafts, target_logits: torch.Tenso
             break
         at = node[walking]
         logits = target_logits[walking, at].float()
-        noise = None
-        if mode == "seeded":
-            assert noise_at is not None
-            noise = noise_at(d).float()
-            noise = noise[walking] if noise.dim() == 2 else noise
         if d == depth:  # at a leaf: the bonus token
-            out[walking, d] = _target_token(mode, logits, params, noise, generator)
+            out[walking, d] = _target_token(mode, logits, params, None, generator)
             break
         k = tree.shape.branching[d]
         kids = (tree.level_start[d + 1] + (at - tree.level_start[d]) * k)[:, None] + torch.arange(k)
         tokens = draft.tokens[walking[:, None], kids]
         valid = torch.arange(k)[None, :] < draft.count[walking, at][:, None]
-        if mode in ("greedy", "seeded"):
-            target = _target_token(mode, logits, params, noise, generator)
-            rank, emitted = _match(target, tokens, valid), target
-        elif mode == "sampled":
+        if mode == "sampled":
             assert draft.q is not None and generator is not None
             q = draft.q[walking[:, None], kids].float()
             rank, emitted = _verify_sampled(probabilities(logits, params), tokens, q, valid, generator)
@@ -404,28 +391,58 @@ def verify_tree(tree: TreeLayout, tokens: Sequence[int] | torch.Tensor, target_l
     return verdicts.verdict(0)
 
 
+def _verify_matching(tree: TreeLayout, draft: TreeDrafts, target_logits: torch.Tensor, params: SamplingParams,
+                     noise_at: NoiseAt | None) -> TreeVerdicts:
+    """``verify_trees`` for greedy and seeded trees: each sequence's path by ``_match_path``."""
+    batch, depth = draft.tokens.shape[0], tree.shape.depth
+    out = torch.full((batch, depth + 1), -1, dtype=torch.long)
+    ranks = torch.full((batch, depth), -1, dtype=torch.long)
+    for b in range(batch):
+        def noise_of(j: int, b: int = b) -> torch.Tensor:
+            assert noise_at is not None
+            noise = noise_at(j)
+            return noise[b] if noise.dim() == 2 else noise
+        verdict = _match_path(tree, draft.tokens[b].tolist(), draft.count[b].tolist(), target_logits[b], params,
+                              noise_of if noise_at is not None else None)
+        out[b, :len(verdict.tokens)] = torch.tensor(verdict.tokens)
+        ranks[b, :len(verdict.ranks)] = torch.tensor(verdict.ranks, dtype=torch.long)
+    return TreeVerdicts(tree, out, ranks)
+
+
 def _walk_matching(tree: TreeLayout, tokens: Sequence[int], target_logits: torch.Tensor, proposals: TreeProposals,
                    params: SamplingParams, noise_at: Callable[[int, int], torch.Tensor] | None) -> TreeVerdict:
-    """Greedy and seeded trees, one sequence, in plain Python along the path: the target's token
-    at each node reached (argmax, or Gumbel-max with the noise of that node's output position)
-    decides, as ``verify_trees`` does for them, without its (B, N+1, V) bookkeeping (which cost
-    a tree step ten times its forwards at batch 1 on the demo models)."""
-    greedy = params.temperature <= 0.0
-    argmax: list[int] = target_logits.argmax(dim=-1).tolist() if greedy else []
+    """``verify_tree`` for greedy and seeded trees: ``_match_path`` on the proposals' counts."""
+    count = [0] * tree.size
+    for parent, children in proposals.by_parent.items():
+        count[parent] = int(children.count[0])
+    vocab = target_logits.shape[-1]
+    return _match_path(tree, list(tokens), count, target_logits, params,
+                       None if noise_at is None else (lambda j: noise_at(j, vocab)))
+
+
+def _match_path(tree: TreeLayout, tokens: Sequence[int], count: Sequence[int], target_logits: torch.Tensor,
+                params: SamplingParams, noise_of: Callable[[int], torch.Tensor] | None) -> TreeVerdict:
+    """Greedy and seeded, one sequence, in plain Python along the path (the batched level
+    bookkeeping cost a tree step ten times its forwards at batch 1 on the demo models): at each
+    node reached, the token plain decoding emits there (``_target_token``: the argmax, or the
+    Gumbel-max token with the noise of the j-th token from now, ``noise_of(j)``) is accepted if
+    a child equals it (children are distinct: at most one does), else emitted, ending the path;
+    at a leaf it is the bonus. ``count[i]``: the children proposed under node i (``Children``).
+    target_logits (N+1, V)."""
+    mode: Mode = "greedy" if params.temperature <= 0.0 else "seeded"
+    argmax: list[int] = target_logits.argmax(dim=-1).tolist() if mode == "greedy" else []
     node, out, ranks = 0, [], []
     for d in range(tree.shape.depth + 1):
-        if greedy:
+        if mode == "greedy":
             target = argmax[node]
         else:
-            assert noise_at is not None
-            noise = noise_at(d, target_logits.shape[-1])
-            target = int((torch.log(probabilities(target_logits[node].float(), params)) + noise).argmax())
+            assert noise_of is not None
+            target = int(_target_token(mode, target_logits[node:node + 1].float(), params, noise_of(d).float(),
+                                       None)[0])
         out.append(target)
         if d == tree.shape.depth:
             break
-        children = proposals.by_parent.get(node)
-        count = 0 if children is None else min(int(children.count[0]), len(tree.children[node]))
-        kids = tree.children[node][:count]
+        kids = tree.children[node][:count[node]]
         rank = next((r for r, kid in enumerate(kids, start=1) if tokens[kid] == target), 0)
         ranks.append(rank)
         if rank == 0:
