@@ -13,17 +13,12 @@ Three figures (docs/trees.md):
   temperature, ``max_temperature`` 1.0) at shallow batches (1, 2 and 4 sessions per kind over
   two replicas). Target: trees > chains.
 
-How a tree is chosen: where ``policies`` prices trees (``Decision.tree``, ``observe_path``:
-policies/tree_choice.py), ``decide`` chooses, told the worker's ``tree_max_nodes``, and every
-tree step's path is folded with ``observe_path``. Otherwise a **bench-local stand-in** (marked
-``LOCAL PRICING``) picks a tree after ``decide``'s chain where it promises ``LOCAL_MARGIN`` more:
-expected tokens from ``policies.tree.expected_tree_tokens`` at the session's α and a fixed prior
-ratio for lower ranks, step times from the sim's roofline (the curves its cost model publishes).
+How a tree is chosen: ``decide`` prices it (``Decision.tree``, policies/tree_choice.py), told the
+worker's ``tree_max_nodes``, and every tree step's path is folded with ``observe_path``.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 import random
 from collections.abc import Iterator, Sequence
@@ -32,25 +27,19 @@ from functools import cache
 from typing import Any
 
 import policies
-import policies.speculation as speculation
 from bench.fleet_sim import DEFAULT_PHASES, FleetPolicy, FleetResult, FleetSim, Phase, _Replica, _Request, _Session
 from gateway.routing import Candidate, choose_worker
-from policies import Decision, PolicyConfig, RequestFacts, WorkerState, batch_latch, decide, record_decision
+from policies import PolicyConfig, RequestFacts, WorkerState, batch_latch, decide, observe_path, record_decision
 from policies.tree import MAX_BRANCHING, MAX_TREE_DEPTH, TreeShape, expected_tree_tokens
 from workers.api.sim_config import AcceptanceTable, SimConfig
 from workers.engines.sim.engine import COST_CONTEXT
 from workers.engines.sim.model import BatchStep, SimSeq, StepCost, expected_tokens
-from workers.engines.sim.trees import betas_for, rank1_tests, rank_betas
+from workers.engines.sim.trees import betas_for
 
 ALPHA_BANDS = ((0.5, 0.6), (0.6, 0.7), (0.7, 0.8), (0.8, 0.9), (0.9, 1.0))
 TABLE_DEPTHS = (1, 2, 4, 8, 16, 32, 64)
 MAX_K = 8
 MIXED_TARGET = 0.99
-NATIVE = "tree" in {f.name for f in dataclasses.fields(Decision)} and hasattr(speculation, "observe_path")
-# LOCAL PRICING (only without policies' own): candidates, the lower-rank prior, the margin.
-LOCAL_SHAPES = ("2+3", "2x2+2", "3+4", "2x2+4")
-LOCAL_RANK_PRIOR = 0.5
-LOCAL_MARGIN = 0.05
 
 
 # -- the table ------------------------------------------------------------------------------------------
@@ -136,9 +125,7 @@ class TreeFleetSim(FleetSim):
     def __init__(self, config: SimConfig, policy: FleetPolicy, phases: Sequence[Phase], trees: bool,
                  seed: int = 0) -> None:
         super().__init__(config, policy, phases, seed=seed)
-        self.trees = trees
         self.tree_nodes = config.tree_max_nodes if trees else 0
-        self.gains = Gains(config)
         self.tree_steps = self.tree_requests = 0
 
     def _request(self, session: _Session) -> None:  # FleetSim._request, with the worker's trees
@@ -148,15 +135,12 @@ class TreeFleetSim(FleetSim):
         kind, config = session.kind, self.policy.config
         assert config is not None
         replica.gateway_latch = batch_latch(replica.gateway_latch, replica.in_flight, config)
-        extra: dict[str, Any] = {"tree_max_nodes": self.tree_nodes} if NATIVE else {}
         worker = WorkerState(replica.in_flight, replica.gateway_latch, replica.batch.max_k, cost=replica.cost,
                              acceptance=policies.worker_acceptance(replica.acceptance, config),
-                             mix=replica.mix.step_mix(), **extra)
+                             mix=replica.mix.step_mix(), tree_max_nodes=self.tree_nodes)
         decision = decide(session.state, worker, RequestFacts(kind.temperature), config)
         session.state = record_decision(session.state, decision, config.auto_k)
-        tree: TreeShape | None = getattr(decision, "tree", None)
-        if not NATIVE and self.trees and decision.mode == "speculative" and decision.reason == "default":
-            tree = self._local_tree(session, replica.in_flight + 1)  # LOCAL PRICING
+        tree = decision.tree
         self.tree_requests += tree is not None
         stats = self.stats[self._phase_at(self.now)]
         if session.last_mode is not None and session.last_mode != decision.mode:
@@ -186,21 +170,6 @@ class TreeFleetSim(FleetSim):
         session.worker = worker_id
         return self.replicas[worker_id]
 
-    def _local_tree(self, session: _Session, depth: int) -> TreeShape | None:
-        """LOCAL PRICING, until policies prices trees: the best of ``LOCAL_SHAPES`` where it beats
-        the best chain by ``LOCAL_MARGIN`` at the session's α, whole batch on one plan."""
-        alpha = session.state.acceptance_ewma
-        if alpha is None:
-            return None
-        alpha = round(alpha, 2)
-        betas = rank_betas(alpha, LOCAL_RANK_PRIOR)
-        chain = max(self.gains.chain(alpha, depth, k) for k in range(1, MAX_K + 1))
-        shapes = [s for s in map(TreeShape.parse, LOCAL_SHAPES) if s.nodes <= self.tree_nodes]
-        best = max(shapes, key=lambda s: self.gains.tree(betas, depth, s), default=None)
-        if best is None or self.gains.tree(betas, depth, best) <= chain * (1 + LOCAL_MARGIN):
-            return None
-        return best
-
     def _step_done(self, replica: _Replica, step: BatchStep) -> None:
         """Tree steps fold by their path (rank-1 tests into α); FleetSim then counts them as
         steps that drafted nothing, so their tokens are added to its speculative share here."""
@@ -213,14 +182,8 @@ class TreeFleetSim(FleetSim):
                 continue
             self.tree_steps += 1
             session = self.requests[r.seq.request_id].session
-            if NATIVE:
-                session.state = speculation.observe_path(session.state, r.path, config)
-                replica.acceptance = speculation.observe_path(replica.acceptance, r.path, config)
-            else:
-                tested, passed = rank1_tests(r.path)
-                groups = [(1, 1, passed), (1, 0, tested - passed)]
-                session.state = policies.observe_steps(session.state, groups, config)
-                replica.acceptance = policies.observe_steps(replica.acceptance, groups, config)
+            session.state = observe_path(session.state, r.path, config)
+            replica.acceptance = observe_path(replica.acceptance, r.path, config)
             self.stats[self._phase_at(self.now)].spec_tokens += r.emitted
             self.overall.spec_tokens += r.emitted
             results.append(replace(r, k=0, accepted=0))
@@ -234,7 +197,7 @@ MUST_WIN_PHASES = (Phase("b1", 300, 1), Phase("b2", 300, 2), Phase("b4", 300, 4)
 
 def _policy(trees: bool, **fields: Any) -> FleetPolicy:
     mapping: dict[str, Any] = {"num_speculative_tokens": "auto", **fields}
-    if not trees and NATIVE:
+    if not trees:
         mapping["tree_shapes"] = []
     return FleetPolicy("K auto, trees" if trees else "K auto, chains only", PolicyConfig.from_mapping(mapping))
 
@@ -260,8 +223,7 @@ def run_pair(sim: SimConfig, phases: Sequence[Phase], seed: int, **fields: Any) 
 def run_trees(args: Any) -> dict[str, Any]:
     """The table, the mixed workload and the must-win workload; printed, and returned for --json."""
     sim = SimConfig()
-    print(f"trees: {'policies/tree_choice.py (decide)' if NATIVE else 'LOCAL PRICING (bench stand-in)'} "
-          f"chooses trees; sim tree_max_nodes {sim.tree_max_nodes}")
+    print(f"trees: policies/tree_choice.py (decide) chooses trees; sim tree_max_nodes {sim.tree_max_nodes}")
     table = tree_table(sim)
     print_table(table)
     scale = args.scale
@@ -285,5 +247,5 @@ def run_trees(args: Any) -> dict[str, Any]:
           f"{'met' if targets['mixed_met'] else 'MISSED'}")
     print(f"  target must-win: trees ÷ chains {targets['must_win_ratio']} (> 1) "
           f"{'met' if targets['must_win_met'] else 'MISSED'}")
-    return {"chooser": "policies" if NATIVE else "local", "table": table, "mixed": mixed, "must_win": must,
+    return {"chooser": "policies", "table": table, "mixed": mixed, "must_win": must,
             "targets": targets}
