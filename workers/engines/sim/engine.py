@@ -169,9 +169,8 @@ class SimEngine:
         self._arrivals += 1
         seed = request.params.seed if request.params.seed is not None else self.config.seed * 1_000_003 + self._arrivals
         self._ids[request.request_id] = random.Random(seed)
-        # A tree this deployment does not verify runs as the chain of its depth (SimBatch.add).
-        k = request.tree.depth if request.tree is not None else request.k
-        return SimSeq(request.request_id, k, table.alpha(category, request.params.temperature),
+        # A tree's K is its depth (SimSeq); one this deployment does not verify runs as that chain (SimBatch.add).
+        return SimSeq(request.request_id, request.k, table.alpha(category, request.params.temperature),
                       request.max_tokens, len(request.prompt_ids), random.Random(seed ^ 0x5EED), tree=request.tree)
 
     async def generate(self, request: GenerationRequest) -> AsyncGenerator[StepEvent, None]:

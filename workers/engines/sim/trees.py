@@ -83,8 +83,11 @@ def sample_path(rng: random.Random, shape: TreeShape, betas: Sequence[float]) ->
 
 
 def truncated(shape: TreeShape, depth: int) -> TreeShape | None:
-    """The tree's top ``depth`` levels (a step's K cap cuts a tree from below); None at 0."""
-    return TreeShape(shape.branching[:depth]) if depth > 0 else None
+    """The tree's top ``depth`` levels (a step's K cap cuts a tree from below); None at 0. The
+    shape itself where it is no deeper (the step loop's usual case: no new shape per step)."""
+    if depth <= 0:
+        return None
+    return shape if depth >= shape.depth else TreeShape(shape.branching[:depth])
 
 
 def fed_widths(shape: TreeShape | None, k: int) -> tuple[int, ...]:
