@@ -48,9 +48,8 @@ def all_shapes(max_nodes: int) -> Iterator[TreeShape]:
     for top in range(1, MAX_TREE_DEPTH + 1):
         for factors in itertools.product(range(2, MAX_BRANCHING + 1), repeat=top):
             for chain in range(0, MAX_TREE_DEPTH - top + 1):
-                shape = TreeShape((*factors, *([1] * chain))) if _fits(factors, chain, max_nodes) else None
-                if shape is not None:
-                    yield shape
+                if _fits(factors, chain, max_nodes):
+                    yield TreeShape((*factors, *([1] * chain)))
 
 
 def _fits(factors: Sequence[int], chain: int, max_nodes: int) -> bool:
@@ -119,13 +118,12 @@ def print_table(table: dict[str, Any]) -> None:
 
 # -- the fleet ------------------------------------------------------------------------------------------
 class TreeFleetSim(FleetSim):
-    """The virtual fleet with trees: each request's decision may carry a tree, which its
-    sequence drafts; tree steps are folded into the session by their paths."""
+    """The virtual fleet with trees: its workers verify trees of up to ``tree_max_nodes`` nodes,
+    each request's decision may carry a tree, which its sequence drafts; tree steps are folded
+    into the session by their paths. Whether trees are chosen is the policy's (``tree_shapes``)."""
 
-    def __init__(self, config: SimConfig, policy: FleetPolicy, phases: Sequence[Phase], trees: bool,
-                 seed: int = 0) -> None:
+    def __init__(self, config: SimConfig, policy: FleetPolicy, phases: Sequence[Phase], seed: int = 0) -> None:
         super().__init__(config, policy, phases, seed=seed)
-        self.tree_nodes = config.tree_max_nodes if trees else 0
         self.tree_steps = self.tree_requests = 0
 
     def _request(self, session: _Session) -> None:  # FleetSim._request, with the worker's trees
@@ -137,7 +135,7 @@ class TreeFleetSim(FleetSim):
         replica.gateway_latch = batch_latch(replica.gateway_latch, replica.in_flight, config)
         worker = WorkerState(replica.in_flight, replica.gateway_latch, replica.batch.max_k, cost=replica.cost,
                              acceptance=policies.worker_acceptance(replica.acceptance, config),
-                             mix=replica.mix.step_mix(), tree_max_nodes=self.tree_nodes)
+                             mix=replica.mix.step_mix(), tree_max_nodes=self.config.tree_max_nodes)
         decision = decide(session.state, worker, RequestFacts(kind.temperature), config)
         session.state = record_decision(session.state, decision, config.auto_k)
         tree = decision.tree
@@ -207,7 +205,7 @@ def run_pair(sim: SimConfig, phases: Sequence[Phase], seed: int, **fields: Any) 
     out: dict[str, Any] = {}
     results: dict[str, FleetResult] = {}
     for trees in (False, True):
-        fleet = TreeFleetSim(sim, _policy(trees, **fields), phases, trees, seed=seed)
+        fleet = TreeFleetSim(sim, _policy(trees, **fields), phases, seed=seed)
         results["trees" if trees else "chains"] = fleet.run()
         out["tree_requests" if trees else "chain_tree_requests"] = fleet.tree_requests
         if trees:
