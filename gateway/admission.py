@@ -330,13 +330,14 @@ def account_step(metrics: GatewayMetrics, admission: Admission, tally: StreamTal
     if report.proposed <= 0 and not report.late_steps:
         return  # a plain step: no drafts to count (every step of a plain stream comes here)
     session, handle, policy = admission.session, admission.handle, admission.policy
+    # The worker's acceptance is read for α alone: the rank table is the session's.
     path = step_path(report)
     if path is not None:  # a tree step: its rank-1 tests into α, every test into the rank table
         session.policy_state = observe_path(session.policy_state, path, policy)
-        handle.acceptance = observe_path(handle.acceptance, path, policy)
+        handle.acceptance = observe_path(handle.acceptance, path, policy, ranks=False)
     else:
         session.policy_state = observe(session.policy_state, report.proposed, report.accepted, policy)
-        handle.acceptance = observe(handle.acceptance, report.proposed, report.accepted, policy)
+        handle.acceptance = observe(handle.acceptance, report.proposed, report.accepted, policy, ranks=False)
     tally.proposed += report.proposed
     tally.accepted += report.accepted
     tally.speculative_steps += int(report.proposed > 0) + sum(g.count for g in report.late_steps)
@@ -344,7 +345,7 @@ def account_step(metrics: GatewayMetrics, admission: Admission, tally: StreamTal
     if report.late_steps:  # acceptance the engine learned late (vLLM: when the request ended)
         groups = [(g.proposed, g.accepted, g.count) for g in report.late_steps]
         session.policy_state = observe_steps(session.policy_state, groups, policy)
-        handle.acceptance = observe_steps(handle.acceptance, groups, policy)
+        handle.acceptance = observe_steps(handle.acceptance, groups, policy, ranks=False)
         tally.proposed += sum(g.proposed * g.count for g in report.late_steps)
         tally.accepted += sum(g.accepted * g.count for g in report.late_steps)
         for group in report.late_steps:

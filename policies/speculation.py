@@ -45,7 +45,7 @@ from typing import Literal
 from policies.config import PolicyConfig
 from policies.cost import CostModel, StepMix, choose_k, gain, objective
 from policies.tree import StepPath, TreeShape
-from policies.tree_choice import Ranks, chain_counts, choose_plan, fold_ranks, path_counts
+from policies.tree_choice import Counts, Ranks, chain_counts, choose_plan, fold_ranks, path_counts
 
 Mode = Literal["speculative", "plain"]
 Reason = Literal["default", "probe", "worker_plain_only", "worker_speculative_only", "high_temperature",
@@ -231,7 +231,8 @@ def record_decision(session: SessionState, decision: Decision, auto_k: bool = Fa
 _MAX_SINCE = 1 << 20  # since_tree stops counting here (only "due or not" matters)
 
 
-def observe(session: SessionState, proposed: int, accepted: int, policy: PolicyConfig) -> SessionState:
+def observe(session: SessionState, proposed: int, accepted: int, policy: PolicyConfig, *,
+            ranks: bool = True) -> SessionState:
     """Folds one step's drafts into the acceptance estimate and the latch.
 
     Acceptance is the per-token α of Leviathan et al.: the chance a draft is accepted given
@@ -240,16 +241,18 @@ def observe(session: SessionState, proposed: int, accepted: int, policy: PolicyC
     drafts as failures would make α depend on K. The estimate is an exponentially weighted
     average whose weight is measured in tested drafts: evidence ``acceptance_half_life``
     drafts old counts half as much as new evidence.
+
+    ``ranks``: also fold the step into the rank acceptances trees are priced with; False for a
+    worker's acceptance, of which only α is read (``observe_path`` and ``observe_steps`` alike).
     """
     if proposed <= 0:
         return session
     accepted = max(0, min(accepted, proposed))
-    session = _fold(session, tested_drafts(proposed, accepted), accepted, policy)
-    ranks = fold_ranks(session.ranks, chain_counts(((proposed, accepted, 1),)), policy.acceptance_half_life)
-    return replace(session, ranks=ranks)
+    return _fold(session, tested_drafts(proposed, accepted), accepted, policy,
+                 chain_counts(((proposed, accepted, 1),)) if ranks else None)
 
 
-def observe_path(session: SessionState, path: StepPath, policy: PolicyConfig) -> SessionState:
+def observe_path(session: SessionState, path: StepPath, policy: PolicyConfig, *, ranks: bool = True) -> SessionState:
     """Folds one tree step (or a chain's, ``StepPath.of_chain``) into the estimates: every child
     it tested into the rank acceptances, and its rank-1 tests alone into α, which keeps its
     meaning (a draft's acceptance given its predecessors were accepted), so the acceptance
@@ -257,11 +260,12 @@ def observe_path(session: SessionState, path: StepPath, policy: PolicyConfig) ->
     if not path.ranks:
         return session
     # One rank-1 test per level tested, passed where rank 1 was the child taken.
-    session = _fold(session, len(path.ranks), sum(1 for r in path.ranks if r == 1), policy)
-    return replace(session, ranks=fold_ranks(session.ranks, path_counts(path), policy.acceptance_half_life))
+    return _fold(session, len(path.ranks), sum(1 for r in path.ranks if r == 1), policy,
+                 path_counts(path) if ranks else None)
 
 
-def observe_steps(session: SessionState, steps: Iterable[tuple[int, int, int]], policy: PolicyConfig) -> SessionState:
+def observe_steps(session: SessionState, steps: Iterable[tuple[int, int, int]], policy: PolicyConfig, *,
+                  ranks: bool = True) -> SessionState:
     """Folds steps reported together, as (proposed, accepted, count) groups, into one block.
 
     Engines that learn acceptance only when a request ends (vLLM's per-request histogram)
@@ -279,11 +283,12 @@ def observe_steps(session: SessionState, steps: Iterable[tuple[int, int, int]], 
         accepted += count * step_accepted
     if tested == 0:
         return session
-    session = _fold(session, tested, accepted, policy)
-    return replace(session, ranks=fold_ranks(session.ranks, chain_counts(steps), policy.acceptance_half_life))
+    return _fold(session, tested, accepted, policy, chain_counts(steps) if ranks else None)
 
 
-def _fold(session: SessionState, tested: int, accepted: int, policy: PolicyConfig) -> SessionState:
+def _fold(session: SessionState, tested: int, accepted: int, policy: PolicyConfig,
+          counts: Counts | None = None) -> SessionState:
+    """α and the latch, and ``counts`` (None: none) into the rank acceptances."""
     rate = accepted / tested
     if session.acceptance_ewma is None:
         ewma = rate
@@ -293,8 +298,9 @@ def _fold(session: SessionState, tested: int, accepted: int, policy: PolicyConfi
     seen = session.proposals_seen + tested
     latched = acceptance_latch(session.low_acceptance, ewma, seen, policy)
     plain_since_probe = session.plain_since_probe if latched else 0
+    ranks = session.ranks if counts is None else fold_ranks(session.ranks, counts, policy.acceptance_half_life)
     return replace(session, acceptance_ewma=ewma, proposals_seen=seen, low_acceptance=latched,
-                   plain_since_probe=plain_since_probe)
+                   plain_since_probe=plain_since_probe, ranks=ranks)
 
 
 def tested_drafts(proposed: int, accepted: int) -> int:

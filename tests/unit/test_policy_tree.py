@@ -296,6 +296,16 @@ def test_chains_fold_rank_one_by_depth_and_alpha_as_before() -> None:
     assert evidence(grouped.ranks) == 0
 
 
+def test_a_workers_acceptance_folds_alpha_alone() -> None:
+    path = StepPath(TreeShape.parse("2x2+3"), (1, 2, 0))
+    for folded, alone in ((observe(SessionState(), 4, 2, AUTO), observe(SessionState(), 4, 2, AUTO, ranks=False)),
+                          (observe_path(SessionState(), path, AUTO),
+                           observe_path(SessionState(), path, AUTO, ranks=False)),
+                          (observe_steps(SessionState(), [(4, 2, 3)], AUTO),
+                           observe_steps(SessionState(), [(4, 2, 3)], AUTO, ranks=False))):
+        assert folded.ranks and alone == replace(folded, ranks=())
+
+
 def test_policy_tree_fields_are_validated() -> None:
     from policies import PolicyConfigError
 
