@@ -30,6 +30,7 @@ from policies import (
     batch_latch,
     decide,
     observe,
+    observe_path,
     record_decision,
     worker_acceptance,
 )
@@ -199,8 +200,12 @@ class FleetResult:
 class FleetSim:
     def __init__(self, config: SimConfig, policy: FleetPolicy, phases: Sequence[Phase] = DEFAULT_PHASES,
                  replicas: int = 2, max_slots: int = 256, max_k: int = 8, seed: int = 0, bucket_s: float = 10.0,
-                 progress: Callable[[float], None] | None = None) -> None:
+                 progress: Callable[[float], None] | None = None, trees: bool = False) -> None:
         self.config, self.policy, self.phases = config, policy, list(phases)
+        # Whether the workers publish token trees (the sim's tree_max_nodes) for the policy to
+        # choose: bench.policy's main table compares chain policies and runs without them.
+        self.tree_max_nodes = config.tree_max_nodes if trees else 0
+        self.tree_requests = self.tree_steps = 0
         self.rng = random.Random(seed)
         self.replicas = {}
         cost = CostModel.from_json(derived_cost_report(config, max_k, max_slots).to_json())
@@ -285,12 +290,13 @@ class FleetSim:
             replica.gateway_latch = batch_latch(replica.gateway_latch, replica.in_flight, policy.config)
             worker = WorkerState(replica.in_flight, replica.gateway_latch, replica.batch.max_k, cost=replica.cost,
                                  acceptance=worker_acceptance(replica.acceptance, policy.config),
-                                 mix=replica.mix.step_mix())
+                                 mix=replica.mix.step_mix(), tree_max_nodes=self.tree_max_nodes)
             decision = decide(session.state, worker, RequestFacts(temperature), policy.config)
             session.state = record_decision(session.state, decision, policy.config.auto_k)
         else:
             decision = Decision("speculative", policy.k, "default") if policy.k > 0 else Decision("plain", 0, "default")
         k, mode = decision.k, decision.mode
+        self.tree_requests += decision.tree is not None
         stats = self.stats[self._phase_at(self.now)]
         if session.last_mode is not None and session.last_mode != mode:
             stats.switches += 1
@@ -302,7 +308,7 @@ class FleetSim:
         self.next_rid += 1
         rid = f"r{self.next_rid}"
         seq = SimSeq(rid, k, self.config.acceptance.alpha(kind.category, temperature), rng.randint(*kind.max_tokens),
-                     rng.randint(*kind.prompt_tokens), random.Random(rng.getrandbits(64)))
+                     rng.randint(*kind.prompt_tokens), random.Random(rng.getrandbits(64)), tree=decision.tree)
         self.requests[rid] = _Request(session, self.now, worker_id, decision)
         replica.in_flight += 1
         replica.mix.add(decision)
@@ -333,10 +339,15 @@ class FleetSim:
             if r.k > 0:
                 stats.spec_tokens += n
                 overall.spec_tokens += n
+                self.tree_steps += r.path is not None
                 if policy is not None:  # the gateway folds every step report into the session
                     session = request.session
-                    session.state = observe(session.state, r.k, r.accepted, policy)
-                    replica.acceptance = observe(replica.acceptance, r.k, r.accepted, policy)
+                    if r.path is not None:  # a tree step: by its path (rank-1 tests into α)
+                        session.state = observe_path(session.state, r.path, policy)
+                        replica.acceptance = observe_path(replica.acceptance, r.path, policy)
+                    else:
+                        session.state = observe(session.state, r.k, r.accepted, policy)
+                        replica.acceptance = observe(replica.acceptance, r.k, r.accepted, policy)
             if request.first_at is None:
                 request.first_at = now
                 stats.ttft.add(now - request.arrived)

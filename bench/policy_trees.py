@@ -20,20 +20,17 @@ worker's ``tree_max_nodes``, and every tree step's path is folded with ``observe
 from __future__ import annotations
 
 import itertools
-import random
 from collections.abc import Iterator, Sequence
 from dataclasses import replace
 from functools import cache
 from typing import Any
 
-import policies
-from bench.fleet_sim import DEFAULT_PHASES, FleetPolicy, FleetResult, FleetSim, Phase, _Replica, _Request, _Session
-from gateway.routing import Candidate, choose_worker
-from policies import PolicyConfig, RequestFacts, WorkerState, batch_latch, decide, observe_path, record_decision
+from bench.fleet_sim import DEFAULT_PHASES, FleetPolicy, FleetResult, FleetSim, Phase
+from policies import PolicyConfig
 from policies.tree import MAX_BRANCHING, MAX_TREE_DEPTH, TreeShape, expected_tree_tokens
 from workers.api.sim_config import AcceptanceTable, SimConfig
 from workers.engines.sim.engine import COST_CONTEXT
-from workers.engines.sim.model import BatchStep, SimSeq, StepCost, expected_tokens
+from workers.engines.sim.model import StepCost, expected_tokens
 from workers.engines.sim.trees import betas_for
 
 ALPHA_BANDS = ((0.5, 0.6), (0.6, 0.7), (0.7, 0.8), (0.8, 0.9), (0.9, 1.0))
@@ -116,77 +113,6 @@ def print_table(table: dict[str, Any]) -> None:
     print("  T: the tree shown wins; c: the chain K shown wins; -: plain wins (no plan gains)")
 
 
-# -- the fleet ------------------------------------------------------------------------------------------
-class TreeFleetSim(FleetSim):
-    """The virtual fleet with trees: its workers verify trees of up to ``tree_max_nodes`` nodes,
-    each request's decision may carry a tree, which its sequence drafts; tree steps are folded
-    into the session by their paths. Whether trees are chosen is the policy's (``tree_shapes``)."""
-
-    def __init__(self, config: SimConfig, policy: FleetPolicy, phases: Sequence[Phase], seed: int = 0) -> None:
-        super().__init__(config, policy, phases, seed=seed)
-        self.tree_steps = self.tree_requests = 0
-
-    def _request(self, session: _Session) -> None:  # FleetSim._request, with the worker's trees
-        if self.now >= session.retire_at:
-            return
-        replica = self._route(session)
-        kind, config = session.kind, self.policy.config
-        assert config is not None
-        replica.gateway_latch = batch_latch(replica.gateway_latch, replica.in_flight, config)
-        worker = WorkerState(replica.in_flight, replica.gateway_latch, replica.batch.max_k, cost=replica.cost,
-                             acceptance=policies.worker_acceptance(replica.acceptance, config),
-                             mix=replica.mix.step_mix(), tree_max_nodes=self.config.tree_max_nodes)
-        decision = decide(session.state, worker, RequestFacts(kind.temperature), config)
-        session.state = record_decision(session.state, decision, config.auto_k)
-        tree = decision.tree
-        self.tree_requests += tree is not None
-        stats = self.stats[self._phase_at(self.now)]
-        if session.last_mode is not None and session.last_mode != decision.mode:
-            stats.switches += 1
-            self.overall.switches += 1
-        session.last_mode = decision.mode
-        stats.requests += 1
-        self.overall.requests += 1
-        rng = session.rng
-        self.next_rid += 1
-        rid = f"r{self.next_rid}"
-        seq = SimSeq(rid, decision.k, self.config.acceptance.alpha(kind.category, kind.temperature),
-                     rng.randint(*kind.max_tokens), rng.randint(*kind.prompt_tokens),
-                     random.Random(rng.getrandbits(64)), tree=tree)
-        self.requests[rid] = _Request(session, self.now, replica.name, decision)
-        replica.in_flight += 1
-        replica.mix.add(decision)
-        replica.batch.add(seq)
-        if not replica.busy:
-            self._start_step(replica)
-
-    def _route(self, session: _Session) -> _Replica:
-        candidates = [Candidate(r.name, True, r.in_flight, frozenset({"speculative", "plain"}))
-                      for r in self.replicas.values()]
-        worker_id = choose_worker(session.worker, candidates)
-        assert worker_id is not None
-        session.worker = worker_id
-        return self.replicas[worker_id]
-
-    def _step_done(self, replica: _Replica, step: BatchStep) -> None:
-        """Tree steps fold by their path (rank-1 tests into α); FleetSim then counts them as
-        steps that drafted nothing, so their tokens are added to its speculative share here."""
-        config = self.policy.config
-        assert config is not None
-        results = []
-        for r in step.results:
-            if r.path is None:
-                results.append(r)
-                continue
-            self.tree_steps += 1
-            session = self.requests[r.seq.request_id].session
-            session.state = observe_path(session.state, r.path, config)
-            replica.acceptance = observe_path(replica.acceptance, r.path, config)
-            self.stats[self._phase_at(self.now)].spec_tokens += r.emitted
-            self.overall.spec_tokens += r.emitted
-            results.append(replace(r, k=0, accepted=0))
-        super()._step_done(replica, replace(step, results=results))
-
 
 MUST_WIN_ACCEPTANCE = {"code": ((float("inf"), 0.78),), "math": ((float("inf"), 0.62),),
                        "chat": ((float("inf"), 0.70),)}
@@ -205,7 +131,7 @@ def run_pair(sim: SimConfig, phases: Sequence[Phase], seed: int, **fields: Any) 
     out: dict[str, Any] = {}
     results: dict[str, FleetResult] = {}
     for trees in (False, True):
-        fleet = TreeFleetSim(sim, _policy(trees, **fields), phases, seed=seed)
+        fleet = FleetSim(sim, _policy(trees, **fields), phases, seed=seed, trees=True)
         results["trees" if trees else "chains"] = fleet.run()
         out["tree_requests" if trees else "chain_tree_requests"] = fleet.tree_requests
         if trees:
