@@ -10,7 +10,6 @@ behind either.
 from __future__ import annotations
 
 import asyncio
-import functools
 import hashlib
 import time
 from collections.abc import Callable, Collection, Mapping
@@ -29,8 +28,6 @@ from policies import (
     PolicyConfig,
     RequestFacts,
     StepPath,
-    TreeShape,
-    TreeShapeError,
     WorkerState,
     batch_latch,
     decide,
@@ -40,6 +37,7 @@ from policies import (
     record_decision,
     worker_acceptance,
 )
+from policies.tree import parse_shape
 from workers.api.protocol import (
     DIRECTIVE_FIELD,
     GATEWAY_FIELDS,
@@ -358,11 +356,7 @@ def step_path(report: StepReport) -> StepPath | None:
     if report.tree is None or report.path is None:
         return None
     try:
-        return StepPath(_shape(report.tree), report.path)
-    except (TreeShapeError, ValueError):
+        return StepPath(parse_shape(report.tree), report.path)
+    except ValueError:  # TreeShapeError among them
         return None
 
-
-@functools.lru_cache(maxsize=64)
-def _shape(text: str) -> TreeShape:
-    return TreeShape.parse(text)

@@ -28,6 +28,7 @@ from gateway.config import GatewayConfig
 from gateway.ops_metrics import OpsMetrics
 from gateway.sessions import ModeChange, Session
 from policies import REASONS, Decision, SessionState, TreeShape, TreeShapeError
+from policies.tree import parse_shape
 from policies.tree_choice import CELLS
 
 if TYPE_CHECKING:
@@ -105,7 +106,7 @@ def _tree(text: Any) -> TreeShape | None:
     if not isinstance(text, str):
         raise CorruptState(f"expected a tree shape, got {text!r:.60}")
     try:
-        return TreeShape.parse(text)
+        return parse_shape(text)
     except TreeShapeError as exc:
         raise CorruptState(str(exc)) from None
 

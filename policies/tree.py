@@ -16,6 +16,7 @@ and a step emits sum_d prod_{j<=d} a_j accepted tokens plus one (the bonus or re
 
 from __future__ import annotations
 
+import functools
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -96,6 +97,13 @@ class TreeShape:
     def nodes(self) -> int:
         """Draft tokens in the tree (the root, the sequence's last token, not counted)."""
         return sum(self.level_widths)
+
+
+@functools.lru_cache(maxsize=64)
+def parse_shape(text: str) -> TreeShape:
+    """``TreeShape.parse``, remembered: the few shapes a deployment runs come back in every
+    directive, step report and stored session (a text that is no shape raises every time)."""
+    return TreeShape.parse(text)
 
 
 def level_pass(betas: Sequence[float], k: int) -> float:

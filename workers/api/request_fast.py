@@ -17,11 +17,10 @@ holds the two to the same answers over generated bodies.
 
 from __future__ import annotations
 
-import functools
 from types import SimpleNamespace
 from typing import Any, get_args
 
-from policies.tree import TreeShape, TreeShapeError
+from policies.tree import TreeShapeError, parse_shape
 from workers.api.schema import (
     MAX_COALESCE_S,
     MAX_DIRECTIVE_COUNT,
@@ -108,14 +107,9 @@ def _directive(value: Any) -> SimpleNamespace:
             out.tree = _tree(v)
         else:
             raise _Refused
-    if out.tree is not None and _tree_depth(out.tree) != out.k:
+    if out.tree is not None and parse_shape(out.tree).depth != out.k:
         raise _Refused  # pydantic words the error
     return out
-
-
-@functools.lru_cache(maxsize=64)
-def _tree_depth(text: str) -> int:
-    return TreeShape.parse(text).depth
 
 
 def _tree(value: Any) -> str | None:
@@ -124,7 +118,7 @@ def _tree(value: Any) -> str | None:
     if type(value) is not str or len(value) > MAX_TREE_TEXT:
         raise _Refused
     try:
-        _tree_depth(value)
+        parse_shape(value)
     except TreeShapeError:
         raise _Refused from None
     return value

@@ -24,7 +24,7 @@ from typing import Annotated, Any, Literal
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
 from pydantic.json_schema import SkipJsonSchema
 
-from policies.tree import TreeShape, TreeShapeError
+from policies.tree import TreeShapeError, parse_shape
 
 MAX_STOP_SEQUENCES = 4
 MAX_TOKENS_LIMIT = 1 << 20  # beyond any context window; the worker checks the real one
@@ -41,7 +41,7 @@ MAX_TREE_TEXT = 40  # characters of a directive's tree notation
 def _tree_shape(value: str) -> str:
     """A tree shape's notation, checked (policies/tree.py bounds it)."""
     try:
-        TreeShape.parse(value)
+        parse_shape(value)
     except TreeShapeError as exc:
         raise ValueError(str(exc)) from None
     return value
@@ -133,8 +133,8 @@ class Directive(_Strict):
 
     @model_validator(mode="after")
     def _tree_depth(self) -> Directive:
-        if self.tree is not None and TreeShape.parse(self.tree).depth != self.k:
-            raise ValueError(f"a tree's k is its depth ({TreeShape.parse(self.tree).depth} for {self.tree}; "
+        if self.tree is not None and (depth := parse_shape(self.tree).depth) != self.k:
+            raise ValueError(f"a tree's k is its depth ({depth} for {self.tree}; "
                              f"got k={self.k})")
         return self
 
