@@ -35,6 +35,7 @@ from policies import (
     observe_path,
     observe_steps,
     record_decision,
+    tested_drafts,
     worker_acceptance,
 )
 from policies.tree import parse_shape
@@ -319,14 +320,44 @@ def account_chunk(state: GatewayState, admission: Admission, tally: StreamTally,
         # steps gets the gateway's tally, and the plain steps it cannot see stay unknown.
         if "speculative" not in usage:
             usage["speculative"] = speculative_usage(tally.proposed, tally.accepted, admission.decision.mode,
-                                                     tally.speculative_steps if tally.proposed else None)
+                                                     tally.speculative_steps if tally.proposed else None,
+                                                     tested=tally.tested)
         chunk["usage"] = usage
+
+
+def checked_step(metrics: GatewayMetrics, report: StepReport) -> StepReport:
+    """The report with counts no worker could mean (negative, or more accepted than proposed)
+    clamped, each counted in ``specgate_step_reports_clamped_total{reason}``: a worker's bug
+    must not poison a session's estimate, nor pass unseen."""
+    if 0 <= report.accepted <= report.proposed and (report.proposed > 0 or report.accepted == 0) and all(
+            0 <= g.accepted <= g.proposed and g.count >= 0 for g in report.late_steps):
+        return report  # the usual report: nothing built
+    proposed, accepted = _clamped(metrics, report.proposed, report.accepted)
+    late = []
+    for group in report.late_steps:
+        if group.count < 0:
+            metrics.clamped_report("negative")
+            continue
+        late.append(replace(group, **dict(zip(("proposed", "accepted"), _clamped(metrics, group.proposed,
+                                                                                  group.accepted), strict=True))))
+    return replace(report, proposed=proposed, accepted=accepted, late_steps=tuple(late))
+
+
+def _clamped(metrics: GatewayMetrics, proposed: int, accepted: int) -> tuple[int, int]:
+    if proposed < 0 or accepted < 0:
+        metrics.clamped_report("negative")
+        proposed, accepted = max(0, proposed), max(0, accepted)
+    if accepted > proposed:
+        metrics.clamped_report("accepted_over_proposed")
+        accepted = proposed
+    return proposed, accepted
 
 
 def account_step(metrics: GatewayMetrics, admission: Admission, tally: StreamTally, report: StepReport) -> None:
     """One engine step's drafts into the session's and the worker's acceptance, the tally and metrics."""
-    if report.proposed <= 0 and not report.late_steps:
+    if report.proposed == 0 and report.accepted == 0 and not report.late_steps:
         return  # a plain step: no drafts to count (every step of a plain stream comes here)
+    report = checked_step(metrics, report)
     session, handle, policy = admission.session, admission.handle, admission.policy
     # The worker's acceptance is read for α alone: the rank table is the session's.
     path = step_path(report)
@@ -338,6 +369,7 @@ def account_step(metrics: GatewayMetrics, admission: Admission, tally: StreamTal
         handle.acceptance = observe(handle.acceptance, report.proposed, report.accepted, policy, ranks=False)
     tally.proposed += report.proposed
     tally.accepted += report.accepted
+    tally.tested += tested_drafts(report.proposed, report.accepted)
     tally.speculative_steps += int(report.proposed > 0) + sum(g.count for g in report.late_steps)
     metrics.record_steps(handle.worker_id, report.proposed, report.accepted)
     if report.late_steps:  # acceptance the engine learned late (vLLM: when the request ended)
@@ -346,6 +378,7 @@ def account_step(metrics: GatewayMetrics, admission: Admission, tally: StreamTal
         handle.acceptance = observe_steps(handle.acceptance, groups, policy, ranks=False)
         tally.proposed += sum(g.proposed * g.count for g in report.late_steps)
         tally.accepted += sum(g.accepted * g.count for g in report.late_steps)
+        tally.tested += sum(tested_drafts(g.proposed, g.accepted) * g.count for g in report.late_steps)
         for group in report.late_steps:
             metrics.record_steps(handle.worker_id, group.proposed, group.accepted, group.count)
 

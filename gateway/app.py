@@ -32,7 +32,7 @@ from gateway.session_store import create_store
 from gateway.sessions import SessionTable
 from gateway.state import STATE_KEY, GatewayState
 from gateway.tracing import TRACING_KEY, Tracing
-from policies import PolicyConfigError
+from policies import PolicyConfigError, acceptance_view, worker_acceptance
 from policies.tree_choice import view as rank_view
 from workers.api.limits import InputRefused, loads_json
 from workers.api.logs import RequestLog
@@ -254,13 +254,18 @@ async def _get_session(request: web.Request) -> web.Response:
                          f"({', '.join(sorted(s.scope for s in found))})", param="scope")
     session = found[0]
     state = session.policy_state
+    app_state = request.app[STATE_KEY]
+    policy = app_state.policy.active
+    handle = app_state.fleet.workers.get(session.worker_id) if session.worker_id else None
     decision = session.last_decision
     return web.json_response({
         "session_id": session.session_id, "scope": session.scope, "worker": session.worker_id,
         "requests": session.requests,
         "mode": session.mode, "k": decision.k if decision else None, "reason": decision.reason if decision else None,
         "tree": str(decision.tree) if decision and decision.tree else None,
-        "acceptance_estimate": state.acceptance_ewma, "evidence_drafted_tokens": state.proposals_seen,
+        # α, the floor's acceptance, and its evidence; "acceptance" has it all, vLLM's rate beside.
+        "acceptance_estimate": state.acceptance_estimate, "evidence_drafted_tokens": state.proposals_seen,
+        "acceptance": acceptance_view(state, policy, worker_acceptance(handle.acceptance, policy) if handle else None),
         "low_acceptance": state.low_acceptance, "plain_since_probe": state.plain_since_probe,
         # K auto: the choice hysteresis holds, and the rank acceptances trees are priced with.
         "auto_k": state.auto_k, "auto_tree": None if state.auto_tree is None else str(state.auto_tree),

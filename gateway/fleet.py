@@ -105,7 +105,7 @@ class WorkerHandle:
             "modes": sorted(self.modes), "max_k": self.max_k, "restarts": self.restarts, "in_flight": self.in_flight,
             "batch_depth": self.info.get("batch_depth", self.in_flight), "queue_length": self.info.get("queue_length"),
             "batch_full": self.batch_full, "precision": self.info.get("precision"), "stats": self.info.get("stats"),
-            "cost_model": self.info.get("cost_model"), "acceptance": self.acceptance.acceptance_ewma,
+            "cost_model": self.info.get("cost_model"), "acceptance": self.acceptance.acceptance_estimate,
             "tree_max_nodes": self.tree_max_nodes,
             "draft_mix": self.draft_mix.view(),
             "last_error": self.last_error or None,

@@ -34,7 +34,7 @@ from prometheus_client import (
 from prometheus_client.core import GaugeHistogramMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from policies import PolicyConfig, SessionState
+from policies import PolicyConfig, SessionState, tested_drafts
 from workers.api.prometheus import use_cached_pid
 
 use_cached_pid()  # before any metric exists (see there)
@@ -76,6 +76,8 @@ class GatewayMetrics:
     worker_in_flight: Gauge
     drafted_by_position: Counter
     accepted_by_position: Counter
+    tested_drafts: Counter
+    clamped_step_reports: Counter
     # Collectors computed at scrape from live state; kept apart from the multiprocess files,
     # which hold only what processes wrote.
     live: CollectorRegistry = field(default_factory=lambda: CollectorRegistry(auto_describe=True))
@@ -129,6 +131,13 @@ class GatewayMetrics:
             accepted_by_position=Counter("specgate_spec_decode_accepted_by_position",
                                          "Draft tokens accepted at each position of a speculative step",
                                          labels("worker", "position"), registry=reg),
+            tested_drafts=Counter("specgate_spec_decode_tested_drafts",
+                                  "Draft tokens tested: the accepted ones and each step's first rejected one "
+                                  "(accepted / tested is the per-draft acceptance the policy's floor reads)",
+                                  labels("worker"), registry=reg),
+            clamped_step_reports=Counter("specgate_step_reports_clamped",
+                                         "Worker step reports whose draft counts no worker could mean, clamped "
+                                         "before they reached an estimate", labels("reason"), registry=reg),
         )
 
     def series(self, metric: Counter | Histogram, *values: str) -> Any:
@@ -138,6 +147,10 @@ class GatewayMetrics:
         if child is None:
             child = self._series[key] = metric.labels(self.model, *values)
         return child
+
+    def clamped_report(self, reason: str) -> None:
+        """One step report (or late-step group) clamped for ``reason`` (``gateway.admission.checked_step``)."""
+        self.series(self.clamped_step_reports, reason).inc()
 
     def record_steps(self, worker: str, proposed: int, accepted: int, count: int = 1) -> None:
         """``count`` speculative steps that each drafted ``proposed`` and accepted ``accepted``.
@@ -149,6 +162,7 @@ class GatewayMetrics:
         if proposed <= 0 or count <= 0:
             return
         accepted = max(0, min(accepted, proposed))
+        self.series(self.tested_drafts, worker).inc(count * tested_drafts(proposed, accepted))
         for position in range(1, proposed + 1):
             label = str(position)
             self.series(self.drafted_by_position, worker, label).inc(count)
@@ -214,7 +228,7 @@ class LiveStateCollector(Collector):
         judged = below = 0
         total = 0.0
         for state in self.sessions():
-            estimate = state.acceptance_ewma
+            estimate = state.acceptance_estimate
             if estimate is None or state.proposals_seen < policy.min_proposals:
                 continue
             judged += 1

@@ -58,6 +58,7 @@ from workers.api.protocol import (
     WorkerFailed,
     WorkerTimeout,
     chunk_text,
+    speculative_usage,
 )
 
 log = logging.getLogger(__name__)
@@ -239,6 +240,8 @@ class MigratingStream:
                 accepted = int(speculative.get("accepted") or 0) + carried.accepted
                 speculative.update(proposed=proposed, accepted=accepted,
                                    acceptance_rate=round(accepted / proposed, 4) if proposed else None)
+                if speculative.get("tested") is not None:
+                    speculative["tested"] += carried.tested
                 if speculative.get("speculative_steps") is not None:
                     speculative["speculative_steps"] += carried.speculative_steps
                 if speculative.get("plain_steps") is not None:
@@ -253,12 +256,9 @@ class MigratingStream:
             "id": ident, "object": "chat.completion.chunk" if self.kind == "chat" else "text_completion",
             "created": created, "model": self.req.model, "choices": [],
             "usage": {"prompt_tokens": prompt, "completion_tokens": output, "total_tokens": prompt + output,
-                      "speculative": {"proposed": counts.proposed, "accepted": counts.accepted,
-                                      "acceptance_rate": round(counts.accepted / counts.proposed, 4)
-                                      if counts.proposed else None,
-                                      "mode": self.admission.decision.mode,
-                                      "speculative_steps": counts.speculative_steps,
-                                      "plain_steps": counts.steps - counts.speculative_steps}}}
+                      "speculative": speculative_usage(
+                          counts.proposed, counts.accepted, self.admission.decision.mode, counts.speculative_steps,
+                          counts.steps - counts.speculative_steps, counts.tested)}}
         return chunk
 
     def _release(self) -> None:

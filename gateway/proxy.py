@@ -73,6 +73,7 @@ class StreamTally:
 
     proposed: int = 0
     accepted: int = 0
+    tested: int = 0  # drafts tested (α's denominator)
     speculative_steps: int = 0
     first_token_at: float | None = None
     last_at: float = 0.0  # when the last chunk with tokens arrived

@@ -28,15 +28,22 @@ from gateway.config import GatewayConfig
 from gateway.ops_metrics import OpsMetrics
 from gateway.sessions import ModeChange, Session
 from policies import REASONS, Decision, SessionState, TreeShape, TreeShapeError
+from policies.acceptance import legacy_weight
+from policies.config import PolicyConfig
 from policies.tree import parse_shape
-from policies.tree_choice import CELLS
+from policies.tree_choice import CELLS, EMPTY_CELL
 
 if TYPE_CHECKING:
     from gateway.redis_resp import RedisClient
 
 log = logging.getLogger(__name__)
 
-SCHEMA_VERSION = 1  # bumped on any change to the stored layout; other versions read as absent
+# Bumped on any change to the stored layout. 2: the acceptance estimate's weight of evidence and
+# the lifetime proposed/accepted counts (the estimator of policies/acceptance.py); schema 1, whose
+# estimate was a bare EWMA, still reads (``_legacy_state``). Other versions read as absent.
+SCHEMA_VERSION = 2
+LEGACY_SCHEMA = 1
+DEFAULT_HALF_LIFE = PolicyConfig().acceptance_half_life
 WRITE_BATCH = 256  # sessions per pipeline: one batch stays well inside timeout_s on any network
 _MODES = ("speculative", "plain")
 
@@ -55,7 +62,8 @@ def dump_session(session: Session) -> bytes:
     s, d = session.policy_state, session.last_decision
     out: dict[str, Any] = {
         "v": SCHEMA_VERSION,
-        "state": [s.acceptance_ewma, s.proposals_seen, s.low_acceptance, s.plain_since_probe, s.auto_k],
+        "state": [s.acceptance_estimate, s.acceptance_weight, s.proposals_seen, s.drafts_proposed, s.drafts_accepted,
+                  s.low_acceptance, s.plain_since_probe, s.auto_k],
         "decision": _stored_decision(d.mode, d.k, d.reason, d.tree) if d is not None else None,
         "history": [[c.at, c.mode, c.reason, c.k, *([c.tree] if c.tree is not None else [])]
                     for c in session.history],
@@ -66,7 +74,8 @@ def dump_session(session: Session) -> bytes:
     # keep, so sessions stored before trees (and by gateways without them) read alike.
     if s.auto_tree is not None or s.since_tree or s.ranks:
         out["tree"] = {"auto": None if s.auto_tree is None else str(s.auto_tree), "since": s.since_tree,
-                       "ranks": [[i, beta, tests] for i, (beta, tests) in enumerate(s.ranks) if tests > 0]}
+                       "ranks": [[i, beta, weight, tests] for i, (beta, weight, tests) in enumerate(s.ranks)
+                                 if tests > 0]}
     return orjson.dumps(out)
 
 
@@ -111,36 +120,64 @@ def _tree(text: Any) -> TreeShape | None:
         raise CorruptState(str(exc)) from None
 
 
-def _tree_state(state: SessionState, raw: Any) -> SessionState:
-    """The session's tree fields (``dump_session``'s "tree"), onto the state read before them."""
+def _tree_state(state: SessionState, raw: Any, half_life: float, legacy: bool) -> SessionState:
+    """The session's tree fields (``dump_session``'s "tree"), onto the state read before them.
+    ``legacy``: schema 1's cells, [cell, β, tests], whose weight is read off the tests."""
     if raw is None:
         return state
     if not isinstance(raw, dict):
         raise CorruptState(f"tree must be an object, got {raw!r:.60}")
-    cells = [(0.0, 0)] * CELLS
-    for i, beta, tests in raw["ranks"]:
+    cells = [EMPTY_CELL] * CELLS
+    for i, beta, *rest in raw["ranks"]:
         if not isinstance(i, int) or isinstance(i, bool) or not 0 <= i < CELLS:
             raise CorruptState(f"rank cell {i!r:.20} out of range")
-        cells[i] = (_float(beta, unit=True), _int(tests))
-    ranks = tuple(cells) if any(tests for _, tests in cells) else ()
+        if len(rest) != (1 if legacy else 2):
+            raise CorruptState(f"a rank cell of {2 + len(rest)} fields")
+        tests = _int(rest[-1])
+        weight = legacy_weight(tests, half_life) if legacy else _weight(rest[0])
+        cells[i] = (_float(beta, unit=True), weight, tests)
+    ranks = tuple(cells) if any(tests for _, _, tests in cells) else ()
     return replace(state, auto_tree=_tree(raw["auto"]), since_tree=_int(raw["since"]), ranks=ranks)
 
 
-def parse_session(raw: bytes | str) -> tuple[SessionState, Decision | None, list[ModeChange], int, str | None]:
-    """The stored fields, checked field by field; raises ``CorruptState`` for anything else."""
+def _weight(value: Any) -> float:
+    weight = _float(value)
+    if not 0.0 <= weight < 1e12:
+        raise CorruptState(f"expected a weight of evidence, got {value!r}")
+    return float(weight)
+
+
+def _state(fields: Any, half_life: float, legacy: bool) -> SessionState:
+    """The "state" list: schema 2's eight fields, or schema 1's five (a bare EWMA and its lifetime
+    tested drafts, read as ``legacy_weight`` drafts of evidence at that estimate; the lifetime
+    proposed/accepted counts it never kept start at 0)."""
+    if legacy:
+        estimate, seen, low, since_probe, auto_k = fields
+        weight, proposed, accepted = legacy_weight(_int(seen), half_life), 0, 0
+    else:
+        estimate, weight, seen, proposed, accepted, low, since_probe, auto_k = fields
+        weight, proposed, accepted = _weight(weight), _int(proposed), _int(accepted)
+    if not isinstance(low, bool):
+        raise CorruptState(f"low_acceptance must be a bool, got {low!r}")
+    estimate = _float(estimate, optional=True, unit=True)
+    return SessionState(estimate, weight if estimate is not None else 0.0, _int(seen), proposed, accepted, low,
+                        _int(since_probe), _int(auto_k, optional=True))
+
+
+def parse_session(raw: bytes | str, half_life: float = DEFAULT_HALF_LIFE
+                  ) -> tuple[SessionState, Decision | None, list[ModeChange], int, str | None]:
+    """The stored fields, checked field by field; raises ``CorruptState`` for anything else.
+    ``half_life``: the policy's ``acceptance_half_life``, which bounds a schema-1 estimate's weight."""
     try:
         data = orjson.loads(raw)
     except orjson.JSONDecodeError as exc:
         raise CorruptState(f"not JSON: {exc}") from None
-    if not isinstance(data, dict) or data.get("v") != SCHEMA_VERSION:
+    if not isinstance(data, dict) or data.get("v") not in (SCHEMA_VERSION, LEGACY_SCHEMA):
         raise CorruptState("not a session state of this schema version")
+    legacy = data["v"] == LEGACY_SCHEMA
     try:
-        ewma, seen, low, since_probe, auto_k = data["state"]
-        if not isinstance(low, bool):
-            raise CorruptState(f"low_acceptance must be a bool, got {low!r}")
-        state = SessionState(_float(ewma, optional=True, unit=True), _int(seen), low, _int(since_probe),
-                             _int(auto_k, optional=True))
-        state = _tree_state(state, data.get("tree"))
+        state = _state(data["state"], half_life, legacy)
+        state = _tree_state(state, data.get("tree"), half_life, legacy)
         decision = _decision(*data["decision"]) if data["decision"] is not None else None
         history = []
         for at, mode, reason, k, *tree in data["history"]:
@@ -157,9 +194,9 @@ def parse_session(raw: bytes | str) -> tuple[SessionState, Decision | None, list
         raise CorruptState(str(exc)) from None
 
 
-def apply_session(session: Session, raw: bytes | str) -> None:
+def apply_session(session: Session, raw: bytes | str, half_life: float = DEFAULT_HALF_LIFE) -> None:
     """The stored copy into the local session, in place (callers hold this very object)."""
-    state, decision, history, requests, worker = parse_session(raw)
+    state, decision, history, requests, worker = parse_session(raw, half_life)
     session.policy_state, session.last_decision = state, decision
     session.history.clear()  # keeps the deque's maxlen (sessions.history)
     session.history.extend(history)
@@ -201,6 +238,8 @@ class RedisStore(SessionStore):
 
     def __init__(self, config: GatewayConfig, metrics: OpsMetrics) -> None:
         self.state_config, self.metrics = config.state, metrics
+        # Bounds a schema-1 estimate's weight when one is read (the configured, not the live, half-life).
+        self.half_life = config.policy.acceptance_half_life
         self.ttl_ms = max(1, int(config.sessions.idle_ttl_s * 1000))  # the session table's own idle TTL
         self.client: RedisClient | None = None  # made in running(): on the serving loop
         self._queued: dict[tuple[str, str], Session] = {}
@@ -250,7 +289,7 @@ class RedisStore(SessionStore):
         if known is not None and known[0]() is session and known[1] == digest:
             return
         try:
-            apply_session(session, raw)
+            apply_session(session, raw, self.half_life)
         except CorruptState as exc:
             self._corrupt(session, exc)
             return

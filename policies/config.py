@@ -93,7 +93,14 @@ class PolicyConfig:
     acceptance_floor: float = 0.60  # go plain when a session's acceptance estimate falls below this
     acceptance_resume: float = 0.70  # ...and resume speculation only once it is back above this
     min_proposals: int = 32  # drafted tokens of evidence before acceptance can trigger a fallback
-    acceptance_half_life: float = 64.0  # drafted tokens after which old evidence weighs half
+    acceptance_half_life: float = 64.0  # tested drafts after which old evidence weighs half
+    # The latch trips only once the estimate is below the floor by more than this many standard
+    # errors (policies/acceptance.py): at 1.5, under 1% of sessions at α 0.70 are latched by bad
+    # luck within 512 drafts, and 95% at α 0.45 within 96 (docs/policy.md). 0: the bare estimate.
+    acceptance_latch_stderrs: float = 1.5
+    # The cost model reads a session's α shrunk towards the worker's (or acceptance_resume) with
+    # this many pseudo-drafts of weight: a Beta prior, so a session's first drafts move it gently.
+    acceptance_prior_drafts: float = 16.0
     max_batch: int = 64  # plain while a worker's batch depth is above this
     batch_resume: int = 56  # ...and speculative again only once it is below this
     max_temperature: float = 0.8  # plain for requests sampled hotter than this
@@ -230,6 +237,11 @@ def rule_problems(values: Mapping[str, Any], bad: Collection[str] = ()) -> list[
     half_life = values["acceptance_half_life"]
     require(half_life > 0 and math.isfinite(half_life), "acceptance_half_life",
             "must be a positive number of drafted tokens")
+    stderrs = values["acceptance_latch_stderrs"]
+    require(0 <= stderrs <= 10 and math.isfinite(stderrs), "acceptance_latch_stderrs", "must be in 0..10")
+    prior_drafts = values["acceptance_prior_drafts"]
+    require(0 <= prior_drafts <= 1e6 and math.isfinite(prior_drafts), "acceptance_prior_drafts",
+            "must be a number of drafts in 0..1000000")
     max_batch = values["max_batch"]
     require(max_batch >= 1, "max_batch", "must be >= 1")
     if valid("max_batch"):

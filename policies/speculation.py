@@ -12,9 +12,11 @@ Rules, in the order ``decide`` applies them (thresholds named as in config.yaml)
 3. ``batch_full``: the worker's batch depth went above ``max_batch`` and has not yet fallen
    below ``batch_resume`` (hysteresis latch, see ``batch_latch``).
 4. ``low_acceptance`` / ``probe``: the session's acceptance estimate fell below
-   ``acceptance_floor`` with at least ``min_proposals`` drafted tokens of evidence, and has not
-   climbed back above ``acceptance_resume``. Every ``probe_every``-th request of such a session
-   speculates anyway (``probe``) so that new evidence can bring it back.
+   ``acceptance_floor`` by more than ``acceptance_latch_stderrs`` standard errors, with at least
+   ``min_proposals`` tested drafts of evidence (``acceptance_latch``; the estimator is
+   ``policies/acceptance.py``), and has not climbed back above ``acceptance_resume``. Every
+   ``probe_every``-th request of such a session speculates anyway (``probe``) so that new
+   evidence can bring it back.
 5. ``no_gain`` (``num_speculative_tokens: auto`` only): the worker's measured costs say no K
    buys ``min_gain`` more throughput than plain for this session's acceptance at this batch
    depth (``policies/cost.py``). Every ``probe_every``-th such request speculates anyway
@@ -42,6 +44,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, replace
 from typing import Literal
 
+from policies.acceptance import below_floor, decayed_fold, posterior, stderr
 from policies.config import PolicyConfig
 from policies.cost import CostModel, StepMix, choose_k, gain, objective
 from policies.tree import StepPath, TreeShape
@@ -75,8 +78,14 @@ class Decision:
 
 @dataclass(frozen=True)
 class SessionState:
-    acceptance_ewma: float | None = None  # None until the first drafted token is observed
-    proposals_seen: int = 0  # drafts tested over the session's life (the evidence)
+    # α, the per-draft acceptance: decayed accepted drafts / decayed tested drafts
+    # (policies/acceptance.py); None until the first draft is tested.
+    acceptance_estimate: float | None = None
+    acceptance_weight: float = 0.0  # the decayed tested drafts it rests on (levels off near half_life / ln 2)
+    proposals_seen: int = 0  # drafts tested over the session's life
+    # Over the session's life, as vLLM counts them: drafts proposed (tested or not) and accepted.
+    drafts_proposed: int = 0
+    drafts_accepted: int = 0
     low_acceptance: bool = False  # latched: fell below the floor, not yet back above resume
     plain_since_probe: int = 0  # low-acceptance (or no-gain) requests served plain since the last probe
     auto_k: int | None = None  # the K the cost model last chose (0: plain, no_gain); None: never chosen
@@ -176,27 +185,47 @@ def _free_batch_k(session: SessionState, worker: WorkerState, policy: PolicyConf
 
 
 def acceptance_for_k(session: SessionState, worker: WorkerState, policy: PolicyConfig) -> float:
-    """The α the cost model is read at: the session's estimate once it has ``min_proposals``
-    tested drafts of evidence; before that the worker's (over all its sessions); before any
-    evidence at all ``acceptance_resume``, the level at which the rules let a session speculate."""
-    if session.acceptance_ewma is not None and session.proposals_seen >= policy.min_proposals:
-        return session.acceptance_ewma
-    if worker.acceptance is not None:
-        return worker.acceptance
-    if session.acceptance_ewma is not None:
-        return session.acceptance_ewma
-    return policy.acceptance_resume
+    """The α the cost model is read at: the session's estimate shrunk towards a prior worth
+    ``acceptance_prior_drafts`` tested drafts (a Beta posterior mean, ``policies.acceptance``).
+    The prior is the worker's estimate over all its sessions, or before the worker has any,
+    ``acceptance_resume``, the level at which the rules let a session speculate."""
+    prior = worker.acceptance if worker.acceptance is not None else policy.acceptance_resume
+    return posterior(session.acceptance_estimate, session.acceptance_weight, prior, policy.acceptance_prior_drafts)
 
 
 def worker_acceptance(worker: SessionState, policy: PolicyConfig) -> float | None:
     """A worker's acceptance over all its sessions (folded as a session's is), as
-    ``WorkerState.acceptance`` gives it to the cost model: only once it rests on
-    ``min_proposals`` tested drafts. Before that, one unlucky first session (two rejected
-    drafts: α = 0) would send every session new to the worker plain for ``no_gain``, and keep
-    them so: plain requests add no evidence, and only probes would bring it back."""
-    if worker.acceptance_ewma is None or worker.proposals_seen < policy.min_proposals:
+    ``WorkerState.acceptance`` gives it to the cost model: shrunk towards ``acceptance_resume``
+    with ``acceptance_prior_drafts`` pseudo-drafts, so that one unlucky first session (two
+    rejected drafts) cannot send every session new to the worker plain for ``no_gain`` (plain
+    requests add no evidence, and only probes would bring it back). None before any evidence."""
+    if worker.acceptance_estimate is None or worker.acceptance_weight <= 0.0:
         return None
-    return worker.acceptance_ewma
+    return posterior(worker.acceptance_estimate, worker.acceptance_weight, policy.acceptance_resume,
+                     policy.acceptance_prior_drafts)
+
+
+def acceptance_view(state: SessionState, policy: PolicyConfig, prior: float | None) -> dict[str, float | int | None]:
+    """An estimate as ``/admin`` shows it, each figure named for what it is. ``alpha`` is what
+    the floor is compared with: the per-draft acceptance given the drafts before it were
+    accepted. ``accepted_per_proposed`` is vLLM's acceptance rate (accepted ÷ proposed over the
+    life): drafts after a step's first rejection count as failures there, so it depends on K and
+    is lower than α at the same quality (docs/policy.md). ``prior``: the worker's estimate, or
+    None where there is none (a worker's own view)."""
+    estimate, weight = state.acceptance_estimate, state.acceptance_weight
+    known = estimate is not None and weight > 0.0
+    return {
+        "alpha": round(estimate, 4) if known and estimate is not None else None,
+        "alpha_stderr": round(stderr(estimate, weight), 4) if known and estimate is not None else None,
+        "alpha_weight": round(weight, 2),
+        "alpha_priced": round(posterior(estimate, weight, policy.acceptance_resume if prior is None else prior,
+                                        policy.acceptance_prior_drafts), 4),
+        "drafts_tested": state.proposals_seen,
+        "drafts_proposed": state.drafts_proposed,
+        "drafts_accepted": state.drafts_accepted,
+        "accepted_per_proposed": round(state.drafts_accepted / state.drafts_proposed, 4)
+        if state.drafts_proposed else None,
+    }
 
 
 def _probe_k(session: SessionState, worker: WorkerState, policy: PolicyConfig, fallback: int) -> int:
@@ -238,9 +267,13 @@ def observe(session: SessionState, proposed: int, accepted: int, policy: PolicyC
     Acceptance is the per-token α of Leviathan et al.: the chance a draft is accepted given
     the drafts before it were. A step that accepted n of K drafts tested n + 1 of them (the
     ones after the first rejection were never tested), or K if all passed; counting untested
-    drafts as failures would make α depend on K. The estimate is an exponentially weighted
-    average whose weight is measured in tested drafts: evidence ``acceptance_half_life``
-    drafts old counts half as much as new evidence.
+    drafts as failures would make α depend on K. The estimate is the ratio of decayed accepted
+    to decayed tested drafts (``policies.acceptance``): evidence ``acceptance_half_life``
+    tested drafts old counts half as much as new evidence, and the first draft counts as one
+    draft, not as the whole estimate.
+
+    Counts a worker could not have meant (negative, or more accepted than proposed) are
+    clamped here too; the gateway counts them before (``gateway.admission.checked_step``).
 
     ``ranks``: also fold the step into the rank acceptances trees are priced with; False for a
     worker's acceptance, of which only α is read (``observe_path`` and ``observe_steps`` alike).
@@ -249,7 +282,7 @@ def observe(session: SessionState, proposed: int, accepted: int, policy: PolicyC
         return session
     accepted = max(0, min(accepted, proposed))
     return _fold(session, tested_drafts(proposed, accepted), accepted, policy,
-                 chain_counts(((proposed, accepted, 1),)) if ranks else None)
+                 chain_counts(((proposed, accepted, 1),)) if ranks else None, proposed)
 
 
 def observe_path(session: SessionState, path: StepPath, policy: PolicyConfig, *, ranks: bool = True) -> SessionState:
@@ -261,7 +294,7 @@ def observe_path(session: SessionState, path: StepPath, policy: PolicyConfig, *,
         return session
     # One rank-1 test per level tested, passed where rank 1 was the child taken.
     return _fold(session, len(path.ranks), sum(1 for r in path.ranks if r == 1), policy,
-                 path_counts(path) if ranks else None)
+                 path_counts(path) if ranks else None, path.shape.depth)
 
 
 def observe_steps(session: SessionState, steps: Iterable[tuple[int, int, int]], policy: PolicyConfig, *,
@@ -270,49 +303,59 @@ def observe_steps(session: SessionState, steps: Iterable[tuple[int, int, int]], 
 
     Engines that learn acceptance only when a request ends (vLLM's per-request histogram)
     report steps without their order. Folding them one by one would make the estimate depend
-    on an arbitrary order (an EWMA started by a run of rejections stays low); the block's own
-    rate, weighted by all the drafts it tested, is the same evidence with no order at all.
+    on an arbitrary order; the block is folded as one: the old evidence decays by all the
+    drafts it tested, and each of them is added at weight 1.
     """
     steps = list(steps)  # read twice: α, then the rank table
-    tested = accepted = 0
+    tested = accepted = proposed_total = 0
     for proposed, step_accepted, count in steps:
         if proposed <= 0 or count <= 0:
             continue
         step_accepted = max(0, min(step_accepted, proposed))
         tested += count * tested_drafts(proposed, step_accepted)
         accepted += count * step_accepted
+        proposed_total += count * proposed
     if tested == 0:
         return session
-    return _fold(session, tested, accepted, policy, chain_counts(steps) if ranks else None)
+    return _fold(session, tested, accepted, policy, chain_counts(steps) if ranks else None, proposed_total)
 
 
 def _fold(session: SessionState, tested: int, accepted: int, policy: PolicyConfig,
-          counts: Counts | None = None) -> SessionState:
+          counts: Counts | None, proposed: int) -> SessionState:
     """α and the latch, and ``counts`` (None: none) into the rank acceptances."""
-    rate = accepted / tested
-    if session.acceptance_ewma is None:
-        ewma = rate
-    else:
-        weight = 1.0 - 0.5 ** (tested / policy.acceptance_half_life)
-        ewma = session.acceptance_ewma + weight * (rate - session.acceptance_ewma)
+    estimate, weight = decayed_fold(session.acceptance_estimate or 0.0, session.acceptance_weight, tested, accepted,
+                                    policy.acceptance_half_life)
     seen = session.proposals_seen + tested
-    latched = acceptance_latch(session.low_acceptance, ewma, seen, policy)
+    latched = acceptance_latch(session.low_acceptance, estimate, weight, seen, policy)
     plain_since_probe = session.plain_since_probe if latched else 0
     ranks = session.ranks if counts is None else fold_ranks(session.ranks, counts, policy.acceptance_half_life)
-    return replace(session, acceptance_ewma=ewma, proposals_seen=seen, low_acceptance=latched,
+    return replace(session, acceptance_estimate=estimate, acceptance_weight=weight, proposals_seen=seen,
+                   drafts_proposed=session.drafts_proposed + proposed,
+                   drafts_accepted=session.drafts_accepted + accepted, low_acceptance=latched,
                    plain_since_probe=plain_since_probe, ranks=ranks)
 
 
 def tested_drafts(proposed: int, accepted: int) -> int:
-    """Drafts a step actually tested: the accepted ones plus the first rejected one, if any."""
+    """Drafts a step actually tested: the accepted ones plus the first rejected one, if any (none
+    is tested after it); 0 for a step that drafted nothing."""
+    if proposed <= 0:
+        return 0
     return accepted + (1 if accepted < proposed else 0)
 
 
-def acceptance_latch(latched: bool, ewma: float, proposals_seen: int, policy: PolicyConfig) -> bool:
-    """Hysteresis: trip below the floor (given enough evidence), clear only above resume."""
+def acceptance_latch(latched: bool, estimate: float, weight: float, proposals_seen: int,
+                     policy: PolicyConfig) -> bool:
+    """Hysteresis: trip once the estimate is below the floor by more than
+    ``acceptance_latch_stderrs`` standard errors (given ``min_proposals`` tested drafts); clear
+    only once the estimate is back above resume.
+
+    The confidence margin is what keeps a session at α = 0.70 from being latched by a run of
+    bad luck: a bare estimate below the floor latches 26-29% of them within 256 drafts
+    (docs/policy.md, ``bench.estimator``)."""
     if latched:
-        return ewma < policy.acceptance_resume
-    return proposals_seen >= policy.min_proposals and ewma < policy.acceptance_floor
+        return estimate < policy.acceptance_resume
+    return (proposals_seen >= policy.min_proposals and weight > 0.0
+            and bool(below_floor(estimate, weight, policy.acceptance_floor, policy.acceptance_latch_stderrs)))
 
 
 def batch_latch(latched: bool, batch_depth: int, policy: PolicyConfig) -> bool:

@@ -5,8 +5,9 @@ Pure, like the rest of ``policies/``; ``policies.speculation.decide`` calls ``ch
 ``observe``/``observe_path`` fold steps into the rank table here.
 
 **Rank acceptances.** A session keeps, per depth 1..MAX_TREE_DEPTH and rank 1..MAX_BRANCHING,
-β (the chance the child of that rank is accepted given the ranks before it were rejected, an
-EWMA over tests with the session's ``acceptance_half_life``) and the tests it rests on
+β (the chance the child of that rank is accepted given the ranks before it were rejected,
+estimated as α is, ``policies.acceptance``: decayed accepted over decayed tests with the
+session's ``acceptance_half_life``), its decayed weight and the tests it rests on
 (``Ranks``). Every tested child of a tree step counts (``StepPath.tests``); a chain step's drafts
 count as rank 1. Pricing reads rank 1 as the session's α at every depth (the chain's model:
 chains and trees priced on one footing); rank r >= 2 at depth d as measured there once it
@@ -35,12 +36,15 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
 
+from policies.acceptance import decayed_fold
 from policies.config import PolicyConfig
 from policies.cost import CostModel, StepMix, _between, _verify, choose_k, mixed_step_cost, objective, step_cost
 from policies.tree import MAX_BRANCHING, MAX_TREE_DEPTH, StepPath, TreeShape, expected_tree_tokens
 
-# (β, tests) per cell, cell = (depth − 1) × MAX_BRANCHING + rank − 1; () until the first test.
-Ranks = tuple[tuple[float, int], ...]
+# (β, weight, tests) per cell, cell = (depth − 1) × MAX_BRANCHING + rank − 1; () until the first
+# test. The weight is the decayed tests β rests on (policies.acceptance), tests the lifetime count.
+Ranks = tuple[tuple[float, float, int], ...]
+EMPTY_CELL = (0.0, 0.0, 0)
 CELLS = MAX_TREE_DEPTH * MAX_BRANCHING
 MAX_TESTS = 1 << 30  # a cell's count stops here (stored as JSON; a session never gets near)
 Counts = Mapping[int, tuple[int, int]]  # cell -> (tests, accepted) of one step or block
@@ -70,20 +74,16 @@ def chain_counts(groups: Iterable[tuple[int, int, int]]) -> dict[int, tuple[int,
 
 
 def fold_ranks(ranks: Ranks, counts: Counts, half_life: float) -> Ranks:
-    """``counts`` folded into the table as ``observe`` folds α: an EWMA by tests, half-life in tests."""
+    """``counts`` folded into the table as ``observe`` folds α: decayed sums, half-life in tests."""
     if not counts:
         return ranks
-    cells = list(ranks) if ranks else [(0.0, 0)] * CELLS
+    cells = list(ranks) if ranks else [EMPTY_CELL] * CELLS
     for i, (tests, accepted) in counts.items():
         if tests <= 0 or not 0 <= i < CELLS:
             continue
-        beta, seen = cells[i]
-        rate = accepted / tests
-        if seen == 0:
-            beta = rate
-        else:
-            beta += (1.0 - 0.5 ** (tests / half_life)) * (rate - beta)
-        cells[i] = (beta, min(seen + tests, MAX_TESTS))
+        beta, weight, seen = cells[i]
+        beta, weight = decayed_fold(beta, weight if seen else 0.0, tests, max(0, min(accepted, tests)), half_life)
+        cells[i] = (beta, weight, min(seen + tests, MAX_TESTS))
     return tuple(cells)
 
 
@@ -91,7 +91,7 @@ def pooled(ranks: Ranks, rank: int) -> tuple[float, int]:
     """Rank ``rank`` over every depth: β weighted by tests, and the tests."""
     total = weighted = 0.0
     for depth in range(1, MAX_TREE_DEPTH + 1):
-        beta, tests = ranks[cell(depth, rank)]
+        beta, _, tests = ranks[cell(depth, rank)]
         total += tests
         weighted += tests * beta
     return (weighted / total if total else 0.0), int(total)
@@ -110,7 +110,7 @@ def rank_rows(ranks: Ranks, alpha: float, shape: TreeShape, rho: float, need: in
     for depth, children in enumerate(shape.branching, start=1):
         row = [alpha]
         for rank in range(2, children + 1):
-            beta, tests = ranks[cell(depth, rank)] if ranks else (0.0, 0)
+            beta, _, tests = ranks[cell(depth, rank)] if ranks else EMPTY_CELL
             if tests < need:
                 beta, tests = pooled_rows.get(rank, (0.0, 0))
             row.append(beta if tests >= need else row[-1] * rho)
@@ -120,8 +120,9 @@ def rank_rows(ranks: Ranks, alpha: float, shape: TreeShape, rho: float, need: in
 
 def view(ranks: Ranks) -> list[dict[str, float | int]]:
     """The cells with evidence, for ``/admin/sessions``."""
-    return [{"depth": i // MAX_BRANCHING + 1, "rank": i % MAX_BRANCHING + 1, "beta": round(beta, 4), "tests": tests}
-            for i, (beta, tests) in enumerate(ranks) if tests > 0]
+    return [{"depth": i // MAX_BRANCHING + 1, "rank": i % MAX_BRANCHING + 1, "beta": round(beta, 4),
+             "weight": round(weight, 2), "tests": tests}
+            for i, (beta, weight, tests) in enumerate(ranks) if tests > 0]
 
 
 # -- pricing -----------------------------------------------------------------------------------

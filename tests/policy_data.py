@@ -27,8 +27,15 @@ POLICY = PolicyConfig(num_speculative_tokens=4, free_batch=0, max_step_drafts=0)
 def rules_only(**fields: float) -> PolicyConfig:
     """A policy with the given fields, and the shallow-batch waiver and the draft limit off."""
     return PolicyConfig(**{"free_batch": 0, "max_step_drafts": 0, **fields})  # type: ignore[arg-type]
+def state(alpha: float, drafts: int, low_acceptance: bool = False, plain_since_probe: int = 0) -> SessionState:
+    """A session whose estimate ``alpha`` rests on ``drafts`` tested drafts, all of them still
+    at full weight (as if just tested)."""
+    return SessionState(acceptance_estimate=alpha, acceptance_weight=float(drafts), proposals_seen=drafts,
+                        low_acceptance=low_acceptance, plain_since_probe=plain_since_probe)
+
+
 FRESH = SessionState()
-LATCHED = SessionState(acceptance_ewma=0.2, proposals_seen=100, low_acceptance=True)
+LATCHED = state(0.2, 100, low_acceptance=True)
 IDLE = WorkerState(batch_depth=0, batch_full=False, max_k=8)
 COOL = RequestFacts(temperature=0.0)
 PROPERTY = settings(max_examples=200, deadline=None)

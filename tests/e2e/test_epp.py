@@ -254,7 +254,7 @@ async def test_streamed_feedback_moves_the_estimate_as_the_relay_would(pool: Poo
         expected = observe(expected, proposed, accepted, policy)
     session = pool.epp.gateway.get_json("/admin/sessions/feedback-stream")
     assert session["evidence_drafted_tokens"] == expected.proposals_seen
-    assert session["acceptance_estimate"] == pytest.approx(expected.acceptance_ewma, abs=1e-12)
+    assert session["acceptance_estimate"] == pytest.approx(expected.acceptance_estimate, abs=1e-12)
 
 
 async def test_a_whole_answer_gives_its_step_log_and_loses_it(pool: Pool, channel: grpc.aio.Channel) -> None:

@@ -71,7 +71,8 @@ def redis_client(server: RedisServer) -> redis.Redis:
 
 def a_session(requests: int = 3) -> Session:
     session = Session("sess-1", last_seen=12.5, worker_id="worker-1", history=deque(maxlen=4), scope="k1")
-    session.policy_state = SessionState(acceptance_ewma=0.3125, proposals_seen=40, low_acceptance=True,
+    session.policy_state = SessionState(acceptance_estimate=0.3125, acceptance_weight=40.0, proposals_seen=40,
+                                        drafts_proposed=70, drafts_accepted=13, low_acceptance=True,
                                         plain_since_probe=2, auto_k=3)
     session.last_decision = Decision("plain", 0, "low_acceptance")
     session.history.extend([ModeChange(1700000000.25, "speculative", "default", 6),

@@ -33,7 +33,7 @@ from policies import (
     worker_acceptance,
 )
 from policies.speculation import RequestFacts
-from tests.policy_data import COOL, PROPERTY
+from tests.policy_data import COOL, PROPERTY, state
 from workers.api.sim_config import SimConfig
 from workers.costs.model import StepCostRule, report_from_forward_times
 from workers.engines.sim.engine import derived_cost_report
@@ -145,7 +145,8 @@ def test_no_k_flapping_on_a_noisy_acceptance_in_a_mixed_batch() -> None:
     session = SessionState()
     ks = []
     for _ in range(300):
-        session = replace(session, acceptance_ewma=0.9 + rng.uniform(-0.03, 0.03), proposals_seen=1000)
+        session = replace(session, acceptance_estimate=0.9 + rng.uniform(-0.03, 0.03), acceptance_weight=1000,
+                          proposals_seen=1000)
         decision = decide(session, worker, COOL, AUTO)
         session = record_decision(session, decision, auto_k=True)
         ks.append(decision.k)
@@ -154,19 +155,22 @@ def test_no_k_flapping_on_a_noisy_acceptance_in_a_mixed_batch() -> None:
 
 def test_the_rules_still_win_over_the_mixed_price() -> None:
     worker = WorkerState(batch_depth=15, batch_full=False, max_k=8, cost=SIM, acceptance=0.9, mix=StepMix(15, 4))
-    evidence = SessionState(acceptance_ewma=0.95, proposals_seen=1000)
+    evidence = SessionState(acceptance_estimate=0.95, acceptance_weight=1000, proposals_seen=1000)
     assert decide(evidence, replace(worker, batch_full=True), COOL, AUTO) == Decision("plain", 0, "batch_full")
     hot = decide(evidence, worker, replace(COOL, temperature=1.0), AUTO)
     assert hot == Decision("plain", 0, "high_temperature")
-    low = SessionState(acceptance_ewma=0.3, proposals_seen=1000, low_acceptance=True)
+    low = SessionState(acceptance_estimate=0.3, acceptance_weight=1000, proposals_seen=1000, low_acceptance=True)
     assert decide(low, worker, COOL, AUTO) == Decision("plain", 0, "low_acceptance")
 
 
-def test_the_workers_acceptance_needs_evidence() -> None:
+def test_the_workers_acceptance_rests_on_its_evidence() -> None:
     """One unlucky first request (two rejected drafts, α = 0) must not send every new session
-    on the worker plain."""
-    assert worker_acceptance(SessionState(0.0, 2), AUTO) is None
-    assert worker_acceptance(SessionState(0.85, AUTO.min_proposals), AUTO) == 0.85
+    on the worker plain: it moves the worker's estimate from acceptance_resume by its weight."""
+    assert worker_acceptance(SessionState(), AUTO) is None
+    m, resume = AUTO.acceptance_prior_drafts, AUTO.acceptance_resume
+    assert worker_acceptance(state(0.0, 2), AUTO) == pytest.approx(resume * m / (m + 2))
+    assert (worker_acceptance(state(0.0, 2), AUTO) or 0.0) > AUTO.acceptance_floor
+    assert worker_acceptance(state(0.85, 92), AUTO) == pytest.approx((0.85 * 92 + resume * m) / (92 + m))
 
 
 # -- the worker's per-step rule -----------------------------------------------------------------
@@ -256,7 +260,7 @@ NO_GAIN = CostModel((1, 16), (tuple(round(n + 0.3 * (n - 1), 3) for n in range(1
 
 
 def hot_session(alpha: float) -> SessionState:
-    return SessionState(acceptance_ewma=alpha, proposals_seen=1000)
+    return SessionState(acceptance_estimate=alpha, acceptance_weight=1000, proposals_seen=1000)
 
 
 @pytest.mark.parametrize(("worker", "session", "expected_reason"), [
@@ -280,7 +284,7 @@ def test_free_batch_auto_waives_the_rules_only_where_the_costs_say_speculation_p
     decision = decide(session, worker, HOT, FREE_AUTO)
     assert decision.reason == expected_reason
     if expected_reason == "free_batch":
-        alpha = session.acceptance_ewma
+        alpha = session.acceptance_estimate
         assert alpha is not None
         best = choose_k(SIM, alpha, worker.batch_depth + 1, 8, FREE_AUTO.min_gain, 0.0, None, None)
         assert decision.mode == "speculative" and decision.k == best > 0
@@ -291,7 +295,7 @@ def test_free_batch_auto_waives_the_rules_only_where_the_costs_say_speculation_p
 
 def test_free_batch_auto_waives_the_acceptance_floor_too_and_a_fixed_k_must_pay_itself() -> None:
     worker = WorkerState(batch_depth=3, batch_full=False, max_k=8, cost=SIM, acceptance=0.9)
-    latched = SessionState(acceptance_ewma=0.55, proposals_seen=1000, low_acceptance=True)
+    latched = SessionState(acceptance_estimate=0.55, acceptance_weight=1000, proposals_seen=1000, low_acceptance=True)
     assert decide(latched, worker, COOL, FREE_AUTO).reason == "free_batch"
     fixed = PolicyConfig(num_speculative_tokens=5, free_batch="auto")
     assert decide(latched, worker, COOL, fixed) == Decision("speculative", 5, "free_batch")

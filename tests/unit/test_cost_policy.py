@@ -31,7 +31,7 @@ from policies import (
     step_k,
     whole_step_costs,
 )
-from tests.policy_data import COOL, PROPERTY
+from tests.policy_data import COOL, PROPERTY, state
 
 AMX_VERIFY = (1.0, 1.02, 1.01, 1.03, 1.03, 1.04, 1.07, 1.08, 1.10)  # n = 1..9 tokens / 1 token
 AVX512_VERIFY = (1.0, 1.23, 1.38, 1.52, 1.67, 1.82, 1.98, 2.16, 2.36)
@@ -184,7 +184,8 @@ def test_no_k_flapping_on_a_noisy_acceptance_sequence() -> None:
     ks = []
     for _ in range(300):
         # A session near alpha 0.8 whose estimate wobbles by +-0.04 from request to request.
-        session = replace(session, acceptance_ewma=0.8 + rng.uniform(-0.04, 0.04), proposals_seen=1000)
+        session = replace(session, acceptance_estimate=0.8 + rng.uniform(-0.04, 0.04), acceptance_weight=1000,
+                          proposals_seen=1000)
         decision = decide(session, IDLE_AMX, COOL, AUTO)
         session = record_decision(session, decision, auto_k=True)
         ks.append(decision.k)
@@ -195,35 +196,41 @@ def test_no_k_flapping_on_a_noisy_acceptance_sequence() -> None:
     assert sum(a != b for a, b in pairwise(flappy)) > 10
 
 
+M = AUTO.acceptance_prior_drafts  # the prior's weight: 16 tested drafts
+
+
 @pytest.mark.parametrize(("session", "worker", "expected"), [
     (SessionState(), IDLE_AMX, 0.70),  # no evidence anywhere: acceptance_resume
     (SessionState(), replace(IDLE_AMX, acceptance=0.9), 0.9),  # a new session: the worker's
-    (SessionState(0.3, 10), replace(IDLE_AMX, acceptance=0.9), 0.9),  # too little evidence of its own
-    (SessionState(0.3, 10), IDLE_AMX, 0.3),
-    (SessionState(0.6, 32), replace(IDLE_AMX, acceptance=0.9), 0.6),  # min_proposals reached: its own
+    # the session's own evidence and the prior, each by its weight
+    (state(0.3, 10), replace(IDLE_AMX, acceptance=0.9), (0.3 * 10 + 0.9 * M) / (10 + M)),
+    (state(0.3, 10), IDLE_AMX, (0.3 * 10 + 0.7 * M) / (10 + M)),
+    (state(0.6, 32), replace(IDLE_AMX, acceptance=0.9), (0.6 * 32 + 0.9 * M) / (32 + M)),
+    (state(0.6, 92), replace(IDLE_AMX, acceptance=0.9), (0.6 * 92 + 0.9 * M) / (92 + M)),  # a full weight
 ])
 def test_acceptance_for_k(session: SessionState, worker: WorkerState, expected: float) -> None:
-    assert acceptance_for_k(session, worker, AUTO) == expected
+    assert acceptance_for_k(session, worker, AUTO) == pytest.approx(expected)
 
 
 @pytest.mark.parametrize(("session", "worker", "facts", "expected"), [
-    (SessionState(0.9, 100), IDLE_AMX, COOL, Decision("speculative", 6, "default")),
-    (SessionState(0.5, 100), replace(IDLE_AMX, cost=AVX512), COOL, Decision("plain", 0, "no_gain")),
-    (SessionState(0.9, 100), replace(IDLE_AMX, batch_depth=15), COOL, Decision("plain", 0, "no_gain")),
+    # (the worker's estimate agrees: the priced α is 0.9, not shrunk towards acceptance_resume)
+    (state(0.9, 100), replace(IDLE_AMX, acceptance=0.9), COOL, Decision("speculative", 6, "default")),
+    (state(0.5, 100), replace(IDLE_AMX, cost=AVX512), COOL, Decision("plain", 0, "no_gain")),
+    (state(0.9, 100), replace(IDLE_AMX, batch_depth=15), COOL, Decision("plain", 0, "no_gain")),
     # The configured rules still win over the cost model.
-    (SessionState(0.9, 100), IDLE_AMX, RequestFacts(1.0), Decision("plain", 0, "high_temperature")),
-    (SessionState(0.9, 100), replace(IDLE_AMX, batch_full=True), COOL, Decision("plain", 0, "batch_full")),
-    (SessionState(0.2, 100, True), IDLE_AMX, COOL, Decision("plain", 0, "low_acceptance")),
-    (SessionState(0.2, 100, True, 7), IDLE_AMX, COOL, Decision("speculative", 1, "probe")),  # the best K at 0.2
+    (state(0.9, 100), IDLE_AMX, RequestFacts(1.0), Decision("plain", 0, "high_temperature")),
+    (state(0.9, 100), replace(IDLE_AMX, batch_full=True), COOL, Decision("plain", 0, "batch_full")),
+    (state(0.2, 100, True), IDLE_AMX, COOL, Decision("plain", 0, "low_acceptance")),
+    (state(0.2, 100, True, 7), IDLE_AMX, COOL, Decision("speculative", 1, "probe")),  # the best K at 0.2
     # A worker that publishes no cost model speculates with its own max K.
-    (SessionState(0.9, 100), replace(IDLE_AMX, cost=None, max_k=5), COOL, Decision("speculative", 5, "default")),
+    (state(0.9, 100), replace(IDLE_AMX, cost=None, max_k=5), COOL, Decision("speculative", 5, "default")),
 ])
 def test_decide_auto(session: SessionState, worker: WorkerState, facts: RequestFacts, expected: Decision) -> None:
     assert decide(session, worker, facts, AUTO) == expected
 
 
 def test_no_gain_sessions_are_probed_and_a_fixed_k_is_unchanged() -> None:
-    session, worker = SessionState(0.5, 100), replace(IDLE_AMX, cost=AVX512)
+    session, worker = state(0.5, 100), replace(IDLE_AMX, cost=AVX512)
     reasons = []
     for _ in range(16):
         decision = decide(session, worker, COOL, AUTO)
@@ -232,7 +239,7 @@ def test_no_gain_sessions_are_probed_and_a_fixed_k_is_unchanged() -> None:
     assert reasons == (["no_gain"] * 7 + ["probe"]) * 2
     # A fixed integer K keeps today's behaviour: the cost model is not consulted.
     fixed = PolicyConfig(num_speculative_tokens=6)
-    assert decide(SessionState(0.5, 100), worker, COOL, fixed) == Decision("speculative", 6, "default")
+    assert decide(state(0.5, 100), worker, COOL, fixed) == Decision("speculative", 6, "default")
 
 
 @pytest.mark.parametrize(("alpha", "depth", "requested", "expected"), [

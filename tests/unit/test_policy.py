@@ -29,7 +29,7 @@ from policies import (
 from policies import (
     tested_drafts as drafts_tested,  # aliased: pytest would collect a name starting with 'test'
 )
-from tests.policy_data import COOL, FRESH, IDLE, LATCHED, POLICY, above, below, fold, rules_only, serve
+from tests.policy_data import COOL, FRESH, IDLE, LATCHED, POLICY, above, below, fold, rules_only, serve, state
 
 # --------------------------------------------------------------------------------------------
 # Decision.header
@@ -61,7 +61,7 @@ SPEC_ONLY = WorkerState(0, False, max_k=5, serves_plain=False)
     (SessionState(), SPEC_ONLY, RequestFacts(1.0), Decision("speculative", 5, "worker_speculative_only")),
     (SessionState(), replace(SPEC_ONLY, batch_full=True), RequestFacts(0.0),
      Decision("speculative", 5, "worker_speculative_only")),
-    (SessionState(0.1, 100, True, 0), SPEC_ONLY, RequestFacts(0.0),
+    (state(0.1, 100, True, 0), SPEC_ONLY, RequestFacts(0.0),
      Decision("speculative", 5, "worker_speculative_only")),
     # Serving both modes, nothing changes.
     (SessionState(), WorkerState(0, False, max_k=5), RequestFacts(1.0), Decision("plain", 0, "high_temperature")),
@@ -127,9 +127,9 @@ def test_batch_full(worker: WorkerState, expected: Decision) -> None:
     (replace(LATCHED, plain_since_probe=7), Decision("speculative", 4, "probe")),  # the 8th request
     (replace(LATCHED, plain_since_probe=50), Decision("speculative", 4, "probe")),
     # decide reads the latch, not the estimate
-    (SessionState(acceptance_ewma=0.0, proposals_seen=1000, low_acceptance=False),
+    (SessionState(acceptance_estimate=0.0, acceptance_weight=1000, proposals_seen=1000, low_acceptance=False),
      Decision("speculative", 4, "default")),
-    (SessionState(acceptance_ewma=1.0, proposals_seen=0, low_acceptance=True), Decision("plain", 0, "low_acceptance")),
+    (SessionState(acceptance_estimate=1.0, low_acceptance=True), Decision("plain", 0, "low_acceptance")),
     (FRESH, Decision("speculative", 4, "default")),
 ])
 def test_low_acceptance_and_probe(session: SessionState, expected: Decision) -> None:
@@ -227,6 +227,7 @@ def test_plain_for_other_reasons_does_not_advance_the_probe() -> None:
 # Acceptance latch edges
 
 FLOOR, RESUME, MIN = POLICY.acceptance_floor, POLICY.acceptance_resume, POLICY.min_proposals
+BARE = replace(POLICY, acceptance_latch_stderrs=0.0)
 
 
 @pytest.mark.parametrize(("latched", "ewma", "seen", "after"), [
@@ -254,7 +255,24 @@ FLOOR, RESUME, MIN = POLICY.acceptance_floor, POLICY.acceptance_resume, POLICY.m
     (True, RESUME, 0, False),
 ])
 def test_acceptance_latch(latched: bool, ewma: float, seen: int, after: bool) -> None:
-    assert acceptance_latch(latched, ewma, seen, POLICY) is after
+    """The bare thresholds (no confidence margin); the margin is tested below."""
+    assert acceptance_latch(latched, ewma, 1e9, seen, BARE) is after
+
+
+@pytest.mark.parametrize(("estimate", "weight", "after"), [
+    # 0.5 over 32 drafts: stderr 0.088, 0.5 + 1.5 x 0.088 = 0.63 >= 0.60: not sure enough yet
+    (0.5, 32, False),
+    # 0.5 over 92 drafts (the weight a long session levels off at): 0.5 + 0.078 < 0.60
+    (0.5, 92, True),
+    (0.45, 32, True),  # 0.45 + 1.5 x 0.088 = 0.58
+    (0.0, 32, True),  # no draft accepted: no doubt at all
+    (0.59, 1e6, True),  # a huge weight: the bare floor
+    (0.6, 1e6, False),
+])
+def test_acceptance_latch_trips_only_below_the_floor_by_its_margin(estimate: float, weight: float,
+                                                                    after: bool) -> None:
+    assert acceptance_latch(False, estimate, weight, MIN, POLICY) is after
+    assert acceptance_latch(False, estimate, weight, MIN - 1, POLICY) is False  # too little lifetime evidence
 
 
 @pytest.mark.parametrize("min_proposals", [0, 1, 8])
@@ -264,43 +282,46 @@ def test_acceptance_latch_trips_on_the_observation_that_reaches_min_proposals(mi
     session = FRESH
     for seen in range(1, min_proposals + 3):
         session = observe(session, 1, 0, policy)
-        assert session.acceptance_ewma == 0.0
+        assert session.acceptance_estimate == 0.0
         assert session.proposals_seen == seen
         assert session.low_acceptance is (seen >= min_proposals)
 
 
-# A half-life of 4 tested drafts makes a 4-draft step move the estimate exactly halfway, so the
-# estimate lands exactly on chosen thresholds (all values below are dyadic: no rounding).
-EDGE = rules_only(acceptance_floor=0.5, acceptance_resume=0.75, min_proposals=0, acceptance_half_life=4)
+# A half-life of 4 tested drafts halves a weight of 8 to 4 over a 4-draft step, which then weighs as
+# much as the old evidence: the estimate moves exactly halfway, so it lands exactly on chosen
+# thresholds (all values below are dyadic: no rounding). The bare thresholds: no confidence margin.
+EDGE = rules_only(acceptance_floor=0.5, acceptance_resume=0.75, min_proposals=0, acceptance_half_life=4,
+                  acceptance_latch_stderrs=0)
 
 
 @pytest.mark.parametrize(("before", "step", "ewma", "latched"), [
     # unlatched, 0.25 halfway to 0.75 (5 proposed, 3 accepted: 4 tested) lands exactly on the floor
-    (SessionState(0.25, 100, False), (5, 3), 0.5, False),
+    (state(0.25, 8, False), (5, 3), 0.5, False),
     # 0.0 halfway to 0.75 lands below the floor (min_proposals is 0 here): trips
-    (SessionState(0.0, 100, False), (5, 3), 0.375, True),
+    (state(0.0, 8, False), (5, 3), 0.375, True),
     # latched, 0.5 halfway to 1.0 lands exactly on resume: clears
-    (SessionState(0.5, 100, True, 3), (4, 4), 0.75, False),
+    (state(0.5, 8, True, 3), (4, 4), 0.75, False),
     # latched, 0.25 halfway to 1.0 lands inside the band: stays latched
-    (SessionState(0.25, 100, True, 3), (4, 4), 0.625, True),
+    (state(0.25, 8, True, 3), (4, 4), 0.625, True),
     # latched, 0.0 halfway to 1.0 lands exactly on the floor: still latched (below resume)
-    (SessionState(0.0, 100, True, 3), (4, 4), 0.5, True),
+    (state(0.0, 8, True, 3), (4, 4), 0.5, True),
     # unlatched stays unlatched at or above the floor
-    (SessionState(1.0, 100, False), (5, 3), 0.875, False),
-    (SessionState(0.75, 100, False), (5, 3), 0.75, False),
+    (state(1.0, 8, False), (5, 3), 0.875, False),
+    (state(0.75, 8, False), (5, 3), 0.75, False),
 ])
 def test_observe_latch_edges(before: SessionState, step: tuple[int, int], ewma: float, latched: bool) -> None:
     after = observe(before, *step, EDGE)
-    assert after.acceptance_ewma == ewma
+    assert after.acceptance_estimate == ewma
     assert after.low_acceptance is latched
 
 
 def test_observe_keeps_the_probe_count_while_latched_and_resets_it_on_clearing() -> None:
-    latched = SessionState(0.25, 100, True, plain_since_probe=3)
+    latched = state(0.25, 8, True, plain_since_probe=3)
     assert observe(latched, 4, 4, EDGE).plain_since_probe == 3  # 0.625: still latched
-    cleared = SessionState(0.5, 100, True, plain_since_probe=3)
+    cleared = state(0.5, 8, True, plain_since_probe=3)
     # (the rank table, policies/tree_choice.py, is folded too: tests/unit/test_policy_tree.py)
-    assert replace(observe(cleared, 4, 4, EDGE), ranks=()) == SessionState(0.75, 104, False, 0)
+    assert replace(observe(cleared, 4, 4, EDGE), ranks=()) == SessionState(
+        acceptance_estimate=0.75, acceptance_weight=8.0, proposals_seen=12, drafts_proposed=4, drafts_accepted=4)
 
 
 # --------------------------------------------------------------------------------------------
@@ -388,11 +409,11 @@ def test_tested_drafts(proposed: int, accepted: int, tested: int) -> None:
 ])
 def test_first_observation_sets_the_estimate_to_the_steps_rate(proposed: int, accepted: int, rate: float) -> None:
     after = observe(FRESH, proposed, accepted, POLICY)
-    assert after.acceptance_ewma == rate
+    assert after.acceptance_estimate == rate
     assert after.proposals_seen == drafts_tested(proposed, accepted)
 
 
-@pytest.mark.parametrize("session", [FRESH, LATCHED, SessionState(0.9, 7), replace(LATCHED, plain_since_probe=5)])
+@pytest.mark.parametrize("session", [FRESH, LATCHED, state(0.9, 7), replace(LATCHED, plain_since_probe=5)])
 @pytest.mark.parametrize(("proposed", "accepted"), [(0, 0), (0, 3), (-1, 0), (-4, -4)])
 def test_no_drafts_is_a_no_op(session: SessionState, proposed: int, accepted: int) -> None:
     assert observe(session, proposed, accepted, POLICY) == session
@@ -400,12 +421,13 @@ def test_no_drafts_is_a_no_op(session: SessionState, proposed: int, accepted: in
 
 @pytest.mark.parametrize(("accepted", "same_as"), [(5, 4), (100, 4), (-1, 0), (-100, 0)])
 def test_accepted_is_clamped_to_proposed(accepted: int, same_as: int) -> None:
-    for session in (FRESH, SessionState(0.5, 10, False), LATCHED):
+    for session in (FRESH, state(0.5, 10, False), LATCHED):
         assert observe(session, 4, accepted, POLICY) == observe(session, 4, same_as, POLICY)
 
 
 @pytest.mark.parametrize(("half_life", "before", "step", "after"), [
-    # a step testing exactly acceptance_half_life drafts moves the estimate exactly halfway
+    # a step testing exactly acceptance_half_life drafts halves the old evidence's weight: from a
+    # weight of 2h, it moves the estimate exactly halfway
     (4.0, 0.25, (4, 4), 0.625),
     (4.0, 0.5, (4, 4), 0.75),
     (4.0, 0.25, (5, 3), 0.5),  # rate 0.75, 4 tested
@@ -417,22 +439,28 @@ def test_accepted_is_clamped_to_proposed(accepted: int, same_as: int) -> None:
 ])
 def test_half_life(half_life: float, before: float, step: tuple[int, int], after: float) -> None:
     policy = rules_only(acceptance_half_life=half_life, min_proposals=10_000)
-    session = SessionState(before, 500, False)
+    # A weight of 2h, halved by the step's h tested drafts, weighs as much as the step.
+    session = state(before, int(2 * half_life))
     assert drafts_tested(*step) == half_life
-    assert observe(session, *step, policy).acceptance_ewma == after
+    assert observe(session, *step, policy).acceptance_estimate == after
 
 
 def test_weight_is_measured_in_tested_drafts() -> None:
-    """Two steps of h/2 tested drafts at the same rate weigh as much as one step of h."""
+    """Old evidence decays by the drafts tested since, however they were split into steps: after
+    h tested drafts it weighs half. Each new draft is added at weight 1 and decays from then on."""
     policy = rules_only(acceptance_half_life=8, min_proposals=10_000)
-    start = SessionState(0.0, 100, False)
+    start = state(0.0, 16)
     one = observe(start, 8, 8, policy)
     two = fold(start, [(4, 4), (4, 4)], policy)
-    assert one.acceptance_ewma == pytest.approx(0.5)
-    assert two.acceptance_ewma == pytest.approx(0.5)
-    assert one.proposals_seen == two.proposals_seen == 108
+    half = 0.5 ** 0.5  # 4 drafts of a half-life of 8
+    assert one.acceptance_weight == pytest.approx(8 + 8)
+    assert two.acceptance_weight == pytest.approx(8 + 4 * half + 4)
+    assert one.acceptance_estimate == pytest.approx(8 / 16)
+    assert two.acceptance_estimate == pytest.approx((4 * half + 4) / (8 + 4 * half + 4))
+    assert one.proposals_seen == two.proposals_seen == 24
     # the untested tail of a rejected step carries no weight: (8, 0) tests one draft, like (1, 0)
-    assert observe(one, 8, 0, policy) == observe(one, 1, 0, policy)
+    assert replace(observe(one, 8, 0, policy), drafts_proposed=0) == replace(observe(one, 1, 0, policy),
+                                                                            drafts_proposed=0)
 
 
 def test_evidence_accumulates_tested_drafts() -> None:
@@ -443,9 +471,12 @@ def test_evidence_accumulates_tested_drafts() -> None:
 
 def test_acceptance_is_per_token_not_per_step() -> None:
     """Accepting 3 of 4 drafts then rejecting the 4th is rate 3/4, not (3/4 of K) and not 0."""
-    assert observe(FRESH, 4, 3, POLICY).acceptance_ewma == 0.75
+    assert observe(FRESH, 4, 3, POLICY).acceptance_estimate == 0.75
     # ...and is the same whether K was 4 or 8: the drafts after the rejection were never tested
-    assert observe(FRESH, 8, 3, POLICY) == observe(FRESH, 4, 3, POLICY)
+    # (vLLM's accepted / proposed, kept beside it, does depend on K)
+    eight, four = observe(FRESH, 8, 3, POLICY), observe(FRESH, 4, 3, POLICY)
+    assert replace(eight, drafts_proposed=4) == four
+    assert (eight.drafts_proposed, four.drafts_proposed, eight.drafts_accepted) == (8, 4, 3)
 
 
 # --------------------------------------------------------------------------------------------
@@ -464,7 +495,7 @@ def fall_back(policy: PolicyConfig = POLICY) -> SessionState:
         steps += 1
         assert steps < 100
     # the estimate was below the floor long before; the evidence is what tripped it
-    assert previous.acceptance_ewma is not None and previous.acceptance_ewma < policy.acceptance_floor
+    assert previous.acceptance_estimate is not None and previous.acceptance_estimate < policy.acceptance_floor
     assert previous.proposals_seen < policy.min_proposals <= session.proposals_seen
     assert session.plain_since_probe == 0
     return session
@@ -496,7 +527,7 @@ def test_scenario_good_probe_resumes_speculation() -> None:
         session = observe(session, 4, 4, POLICY)
         steps += 1
         assert steps < 100
-    assert session.acceptance_ewma is not None and session.acceptance_ewma >= POLICY.acceptance_resume
+    assert session.acceptance_estimate is not None and session.acceptance_estimate >= POLICY.acceptance_resume
     assert session.plain_since_probe == 0
     for _ in range(3 * POLICY.probe_every):
         decision, session = serve(session)
@@ -505,11 +536,11 @@ def test_scenario_good_probe_resumes_speculation() -> None:
 
 def test_scenario_probe_climbing_into_the_band_is_not_enough() -> None:
     session = plain_until_probe(fall_back())
-    while session.acceptance_ewma is not None and session.acceptance_ewma < POLICY.acceptance_floor:
+    while session.acceptance_estimate is not None and session.acceptance_estimate < POLICY.acceptance_floor:
         session = observe(session, 4, 4, POLICY)
     # climbing in steps of under 0.02 (4 drafts of a 64-draft half-life), it stops inside the band
-    assert session.acceptance_ewma is not None
-    assert POLICY.acceptance_floor <= session.acceptance_ewma < POLICY.acceptance_resume
+    assert session.acceptance_estimate is not None
+    assert POLICY.acceptance_floor <= session.acceptance_estimate < POLICY.acceptance_resume
     assert session.low_acceptance
     decision, _ = serve(session)
     assert decision == Decision("plain", 0, "low_acceptance")

@@ -23,6 +23,7 @@ def test_defaults() -> None:
     assert PolicyConfig.from_mapping({}) == PolicyConfig()
     assert PolicyConfig().as_dict() == {
         "acceptance_floor": 0.60, "acceptance_resume": 0.70, "min_proposals": 32, "acceptance_half_life": 64.0,
+        "acceptance_latch_stderrs": 1.5, "acceptance_prior_drafts": 16.0,
         "max_batch": 64, "batch_resume": 56, "max_temperature": 0.8, "probe_every": 8, "num_speculative_tokens": 6,
         "min_gain": 0.05, "k_switch_gain": 0.05,
         "free_batch": 0, "max_step_drafts": 0,  # off: the thresholds above are the rules

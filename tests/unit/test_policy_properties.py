@@ -23,7 +23,7 @@ from policies import (
     step_depth,
 )
 from policies import tested_drafts as drafts_tested  # aliased: pytest would collect a name starting with 'test'
-from tests.policy_data import PROPERTY, above, rules_only, serve, transitions
+from tests.policy_data import PROPERTY, above, rules_only, serve, state, transitions
 
 # --------------------------------------------------------------------------------------------
 # Properties
@@ -49,7 +49,7 @@ def policies(draw: st.DrawFn) -> PolicyConfig:
 
 sessions = st.builds(
     SessionState,
-    acceptance_ewma=st.none() | st.floats(0.0, 1.0),
+    acceptance_estimate=st.none() | st.floats(0.0, 1.0),
     proposals_seen=st.integers(0, 10_000),
     low_acceptance=st.booleans(),
     plain_since_probe=st.integers(0, 100),
@@ -153,8 +153,8 @@ def test_no_flapping_inside_the_acceptance_band(case: tuple[PolicyConfig, Sessio
     used = 0
     for proposed, accepted in signal:
         nxt = observe(session, proposed, accepted, policy)
-        assert nxt.acceptance_ewma is not None
-        if not policy.acceptance_floor <= nxt.acceptance_ewma < policy.acceptance_resume:
+        assert nxt.acceptance_estimate is not None
+        if not policy.acceptance_floor <= nxt.acceptance_estimate < policy.acceptance_resume:
             continue
         session = nxt
         used += 1
@@ -170,10 +170,10 @@ def test_acceptance_latch_moves_only_outside_the_band(policy: PolicyConfig, sess
     for proposed, accepted in signal:
         after = observe(session, proposed, accepted, policy)
         if after.low_acceptance and not session.low_acceptance:
-            assert after.acceptance_ewma is not None and after.acceptance_ewma < policy.acceptance_floor
+            assert after.acceptance_estimate is not None and after.acceptance_estimate < policy.acceptance_floor
             assert after.proposals_seen >= policy.min_proposals
         if session.low_acceptance and not after.low_acceptance:
-            assert after.acceptance_ewma is not None and after.acceptance_ewma >= policy.acceptance_resume
+            assert after.acceptance_estimate is not None and after.acceptance_estimate >= policy.acceptance_resume
         if proposed > 0 and not after.low_acceptance:
             assert after.plain_since_probe == 0
         session = after
@@ -186,7 +186,7 @@ def test_estimate_stays_in_unit_interval(policy: PolicyConfig, session: SessionS
     seen = session.proposals_seen
     for proposed, accepted in signal:
         session = observe(session, proposed, accepted, policy)
-        assert session.acceptance_ewma is None or 0.0 <= session.acceptance_ewma <= 1.0
+        assert session.acceptance_estimate is None or 0.0 <= session.acceptance_estimate <= 1.0
         assert session.proposals_seen >= seen  # evidence never shrinks
         seen = session.proposals_seen
 
@@ -215,7 +215,7 @@ _groups = st.lists(st.tuples(st.integers(1, 8), st.integers(0, 8), st.integers(1
 def test_observe_steps_ignores_the_order_of_a_block(groups: list[tuple[int, int, int]], rng: Random) -> None:
     shuffled = list(groups)
     rng.shuffle(shuffled)
-    start = SessionState(0.8, 100, False, 0)
+    start = state(0.8, 100, False, 0)
     assert observe_steps(start, groups, PolicyConfig()) == observe_steps(start, shuffled, PolicyConfig())
 
 
@@ -226,7 +226,7 @@ def test_observe_steps_counts_every_tested_draft(groups: list[tuple[int, int, in
     assert state.proposals_seen == tested
     if tested:
         accepted = sum(c * min(a, p) for p, a, c in groups)
-        assert state.acceptance_ewma == pytest.approx(accepted / tested)  # a fresh session takes the block's rate
+        assert state.acceptance_estimate == pytest.approx(accepted / tested)  # a fresh session takes the block's rate
 
 
 @given(st.integers(1, 8), st.integers(0, 8), st.floats(0.0, 1.0), st.integers(0, 500))

@@ -34,7 +34,7 @@ from policies import (
     record_decision,
     tree_gain,
 )
-from policies.tree_choice import CELLS, cell, evidence, rank_rows, tree_extra, view
+from policies.tree_choice import CELLS, EMPTY_CELL, Ranks, cell, evidence, rank_rows, tree_extra, view
 
 CHAIN_VERIFY = (1.0, 1.02, 1.03, 1.04, 1.05, 1.06, 1.07, 1.08, 1.10)
 PLAIN_MS, OVERHEAD_MS, FIRST, DRAFT, DRAFT_OVERHEAD_MS = 10.0, 1.0, 0.1, 0.05, 0.05
@@ -65,10 +65,10 @@ AUTO = PolicyConfig(num_speculative_tokens="auto", tree_rank_prior=0.47)
 COOL = RequestFacts(temperature=0.0)
 
 
-def ranks_with(beta2: float, tests: int) -> tuple[tuple[float, int], ...]:
+def ranks_with(beta2: float, tests: int) -> Ranks:
     """A rank table with ``tests`` rank-2 tests at depth 1 accepting ``beta2``."""
-    cells = [(0.0, 0)] * CELLS
-    cells[cell(1, 2)] = (beta2, tests)
+    cells = [EMPTY_CELL] * CELLS
+    cells[cell(1, 2)] = (beta2, float(tests), tests)
     return tuple(cells)
 
 
@@ -213,7 +213,7 @@ def run(session: SessionState, worker: WorkerState = WORKER, policy: PolicyConfi
 
 
 def test_decide_gives_a_tree_its_depth_and_says_so_in_the_header() -> None:
-    session = SessionState(acceptance_ewma=0.6, proposals_seen=100, ranks=PROVEN_HIGH)
+    session = SessionState(acceptance_estimate=0.6, acceptance_weight=100, proposals_seen=100, ranks=PROVEN_HIGH)
     decision, after = run(session)
     assert decision == Decision("speculative", 4, "default", TreeShape.parse("2x2+2"))
     assert decision.header == "speculative; tree=2x2+2; reason=default"
@@ -223,7 +223,7 @@ def test_decide_gives_a_tree_its_depth_and_says_so_in_the_header() -> None:
 
 def test_exploration_on_the_prior_is_bounded() -> None:
     # No rank-2 evidence: the prior says 2+3 pays at α 0.6, but it runs only every 4th request.
-    session = SessionState(acceptance_ewma=0.6, proposals_seen=100)
+    session = SessionState(acceptance_estimate=0.6, acceptance_weight=100, proposals_seen=100)
     trees = []
     for _ in range(12):
         decision, session = run(session)
@@ -231,7 +231,7 @@ def test_exploration_on_the_prior_is_bounded() -> None:
         assert decision.k == 4  # the chain of 4, or 2+3 (depth 4)
     assert trees == [False, False, False, True] * 3
     every_other = replace(AUTO, tree_explore_every=2)
-    session, trees = SessionState(acceptance_ewma=0.6, proposals_seen=100), []
+    session, trees = SessionState(acceptance_estimate=0.6, acceptance_weight=100, proposals_seen=100), []
     for _ in range(6):
         decision, session = run(session, policy=every_other)
         trees.append(decision.tree is not None)
@@ -239,7 +239,7 @@ def test_exploration_on_the_prior_is_bounded() -> None:
 
 
 def test_exploration_only_where_the_prior_says_it_pays() -> None:
-    session = SessionState(acceptance_ewma=0.9, proposals_seen=100)
+    session = SessionState(acceptance_estimate=0.9, acceptance_weight=100, proposals_seen=100)
     for _ in range(12):
         decision, session = run(session)
         assert decision.tree is None
@@ -255,15 +255,15 @@ def test_the_prior_is_used_only_without_evidence() -> None:
     assert rank_rows(ranks_with(0.7, 31), 0.6, tree, 0.5, 32) == prior
     # Evidence at depth 2 only is pooled into depth 1's row.
     cells = list(ranks_with(0.0, 0))
-    cells[cell(2, 2)] = (0.4, 50)
+    cells[cell(2, 2)] = (0.4, 50.0, 50)
     assert rank_rows(tuple(cells), 0.6, TreeShape.parse("3+1"), 0.5, 32)[0] == [0.6, 0.4, 0.2]
 
 
 def test_every_rule_before_the_cost_model_still_applies_to_tree_sessions() -> None:
-    session = SessionState(acceptance_ewma=0.6, proposals_seen=100, ranks=PROVEN_HIGH)
+    session = SessionState(acceptance_estimate=0.6, acceptance_weight=100, proposals_seen=100, ranks=PROVEN_HIGH)
     assert run(session, temperature=1.5)[0] == Decision("plain", 0, "high_temperature")
     assert run(session, replace(WORKER, batch_full=True))[0] == Decision("plain", 0, "batch_full")
-    low = replace(session, acceptance_ewma=0.3, low_acceptance=True)
+    low = replace(session, acceptance_estimate=0.3, low_acceptance=True)
     assert run(low)[0] == Decision("plain", 0, "low_acceptance")
     # A fixed speculative worker runs its own K: never a tree.
     fixed = replace(WORKER, serves_plain=False)
@@ -278,17 +278,19 @@ def test_a_tree_step_folds_its_rank_one_tests_into_alpha_and_every_test_into_the
     # Level 1: rank 1 taken; level 2: rank 1 rejected, rank 2 taken; level 3: rejected.
     path = StepPath(tree, (1, 2, 0))
     after = observe_path(SessionState(), path, AUTO)
-    assert after.acceptance_ewma == pytest.approx(1 / 3) and after.proposals_seen == 3
+    assert after.acceptance_estimate == pytest.approx(1 / 3) and after.proposals_seen == 3
     assert view(after.ranks) == [
-        {"depth": 1, "rank": 1, "beta": 1.0, "tests": 1}, {"depth": 2, "rank": 1, "beta": 0.0, "tests": 1},
-        {"depth": 2, "rank": 2, "beta": 1.0, "tests": 1}, {"depth": 3, "rank": 1, "beta": 0.0, "tests": 1}]
+        {"depth": 1, "rank": 1, "beta": 1.0, "weight": 1.0, "tests": 1},
+        {"depth": 2, "rank": 1, "beta": 0.0, "weight": 1.0, "tests": 1},
+        {"depth": 2, "rank": 2, "beta": 1.0, "weight": 1.0, "tests": 1},
+        {"depth": 3, "rank": 1, "beta": 0.0, "weight": 1.0, "tests": 1}]
     assert evidence(after.ranks) == 1
 
 
 def test_chains_fold_rank_one_by_depth_and_alpha_as_before() -> None:
     chain = observe(SessionState(), 4, 2, AUTO)
     same = observe_path(SessionState(), StepPath.of_chain(4, 2), AUTO)
-    assert (chain.acceptance_ewma, chain.proposals_seen) == (same.acceptance_ewma, same.proposals_seen)
+    assert (chain.acceptance_estimate, chain.proposals_seen) == (same.acceptance_estimate, same.proposals_seen)
     assert chain.ranks == same.ranks
     assert [(c["depth"], c["rank"], c["beta"]) for c in view(chain.ranks)] == [(1, 1, 1.0), (2, 1, 1.0), (3, 1, 0.0)]
     grouped = observe_steps(SessionState(), iter([(4, 2, 3)]), AUTO)

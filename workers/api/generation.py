@@ -11,6 +11,8 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
+from policies.speculation import tested_drafts
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -51,6 +53,7 @@ class StepCounts:
 
     proposed: int = 0
     accepted: int = 0
+    tested: int = 0  # drafts tested: the accepted ones and each step's first rejected one (α's denominator)
     steps: int = 0
     speculative_steps: int = 0
 
@@ -60,10 +63,13 @@ class StepCounts:
         if not late:  # the usual step: no generators
             self.proposed += proposed
             self.accepted += accepted
+            self.tested += tested_drafts(proposed, accepted)
             self.steps += 1
             self.speculative_steps += proposed > 0
             return
         self.proposed += proposed + sum(g.proposed * g.count for g in late)
         self.accepted += accepted + sum(g.accepted * g.count for g in late)
+        self.tested += tested_drafts(proposed, accepted) + sum(tested_drafts(g.proposed, g.accepted) * g.count
+                                                                for g in late)
         self.steps += 1
         self.speculative_steps += int(proposed > 0) + sum(g.count for g in late)

@@ -495,9 +495,11 @@ def _logged_step(proposed: Any, accepted: Any, tree: Any = None, path: Any = Non
 
 
 def speculative_usage(proposed: int, accepted: int, mode: str, speculative_steps: int | None = None,
-                      plain_steps: int | None = None) -> dict[str, Any]:
-    """``mode`` is what was decided; the step counts say what ran (None: not known)."""
-    return {"proposed": proposed, "accepted": accepted,
+                      plain_steps: int | None = None, tested: int | None = None) -> dict[str, Any]:
+    """``mode`` is what was decided; the step counts say what ran (None: not known).
+    ``acceptance_rate`` is vLLM's (accepted ÷ proposed); ``tested`` the drafts tested, so
+    accepted ÷ tested is α, the per-draft acceptance the policy's floor reads (docs/policy.md)."""
+    return {"proposed": proposed, "accepted": accepted, "tested": tested,
             "acceptance_rate": round(accepted / proposed, 4) if proposed else None, "mode": mode,
             "speculative_steps": speculative_steps, "plain_steps": plain_steps}
 

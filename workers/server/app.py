@@ -399,6 +399,7 @@ async def _generate(ctx: WorkerContext, req: CompletionRequest,
                "usage": {"prompt_tokens": len(prompt_ids), "completion_tokens": earlier + emitted,
                          "total_tokens": len(prompt_ids) + earlier + emitted,
                          "speculative": speculative_usage(ran.proposed, ran.accepted, mode, ran.speculative_steps,
-                                                          max(0, ran.steps - ran.speculative_steps))}}, None
+                                                          max(0, ran.steps - ran.speculative_steps),
+                                                          ran.tested)}}, None
     finally:
         await events.aclose()  # aborts the sequence if it has not finished (stop string, client gone)
