@@ -75,13 +75,19 @@ def _threshold(name: str) -> Query:
 
 SPECULATION = (
     PanelSpec(
-        "Draft acceptance rate per worker",
-        "Accepted / proposed draft tokens per worker (vLLM's definition, which also counts drafts after a "
-        "rejection that were never tested). The policy's per-session estimate is the per-token alpha "
-        "(tested drafts only), so it reads higher; see the next panel.",
+        "Acceptance: α and vLLM's accepted ÷ proposed",
+        "Per worker, two definitions. alpha: accepted / tested drafts (a step's drafts after its first rejection "
+        "are never tested), the per-draft acceptance the policy's acceptance_floor reads. accepted / proposed: "
+        "vLLM's acceptance rate, which counts the untested drafts as failures and so depends on K (alpha 0.8 at "
+        "K=6 reads 0.49). Compare the floor with alpha only (docs/policy.md, The acceptance estimate).",
         "percentunit",
-        (Query(f"sum by (worker) (rate(vllm:spec_decode_num_accepted_tokens_total{{{MW}}}[{RATE}])) / "
-               f"sum by (worker) (rate(vllm:spec_decode_num_draft_tokens_total{{{MW}}}[{RATE}]))", "{{worker}}"),),
+        (Query(f"sum by (worker) (rate(specgate_spec_decode_accepted_by_position_total{{{MW}}}[{RATE}])) / "
+               f"sum by (worker) (rate(specgate_spec_decode_tested_drafts_total{{{MW}}}[{RATE}]))",
+               "alpha {{worker}}"),
+         Query(f"sum by (worker) (rate(vllm:spec_decode_num_accepted_tokens_total{{{MW}}}[{RATE}])) / "
+               f"sum by (worker) (rate(vllm:spec_decode_num_draft_tokens_total{{{MW}}}[{RATE}]))",
+               "accepted / proposed {{worker}}"),
+         _threshold("acceptance_floor")),
         min=0, max=1),
     PanelSpec(
         "Per-session acceptance against the floor",

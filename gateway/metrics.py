@@ -52,6 +52,8 @@ def keep_series_in_memory() -> None:
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 TOKEN_GAP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0)
+# Why a step report was clamped (gateway.admission.checked_step).
+CLAMP_REASONS = ("negative", "accepted_over_proposed")
 # Upper bounds of the per-session acceptance histogram: fixed, so its cardinality is too.
 ACCEPTANCE_BUCKETS = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.85, 0.9, 0.95, 1.0)
 
@@ -139,6 +141,10 @@ class GatewayMetrics:
                                          "Worker step reports whose draft counts no worker could mean, clamped "
                                          "before they reached an estimate", labels("reason"), registry=reg),
         )
+
+    def __post_init__(self) -> None:
+        for reason in CLAMP_REASONS:  # exported at 0, so an alert's rate() has a series before the first
+            self.series(self.clamped_step_reports, reason)
 
     def series(self, metric: Counter | Histogram, *values: str) -> Any:
         """``metric.labels(model, *values)``, cached."""

@@ -32,7 +32,7 @@ def test_checked_in_dashboard_is_what_the_code_renders(tmp_path: Path) -> None:
     assert DASHBOARD.read_text() == build.render(), "run: python -m dashboards.build"
     assert build.main(["--check"]) == 0
     stale = tmp_path / "specgate.json"
-    stale.write_text(DASHBOARD.read_text().replace("Draft acceptance rate", "Acceptance"))
+    stale.write_text(DASHBOARD.read_text().replace("Mean acceptance length", "Acceptance length"))
     assert build.main(["--check", "--output", str(stale)]) == 1
 
 
@@ -59,7 +59,7 @@ def test_panels_cover_the_operators_questions(board: dict[str, Any]) -> None:
     panels = {p["title"]: p for p in board["panels"] if p["type"] != "row"}
     exprs = {title: " ".join(t["expr"] for t in p["targets"]) for title, p in panels.items()}
     wanted = {
-        "Draft acceptance rate per worker": "vllm:spec_decode_num_accepted_tokens_total",
+        "Acceptance: α and vLLM's accepted ÷ proposed": "specgate_spec_decode_tested_drafts_total",
         "Per-session acceptance against the floor": 'name="acceptance_floor"',
         "Sessions by acceptance estimate (now)": "specgate_session_acceptance_bucket",
         "Mean acceptance length per worker": "specgate_spec_decode_drafted_by_position_total",

@@ -194,3 +194,37 @@ async def test_a_malformed_worker_event_is_a_502_not_a_500(tmp_path: Path, bad: 
             await asyncio.to_thread(gateway.stop)
     finally:
         await runner.cleanup()
+
+
+async def test_impossible_draft_counts_are_clamped_and_counted_not_folded(tmp_path: Path) -> None:
+    """A vLLM server (protocol: vllm) whose per-request spec-decode metrics claim more drafts accepted
+    than proposed, and negative ones: the request is served, the session's estimate stays a
+    share, and specgate_step_reports_clamped_total counts each."""
+    usage = {"id": "c1", "object": "text_completion", "created": 1, "model": "specgate-demo", "choices": [],
+             "usage": {"prompt_tokens": 1, "completion_tokens": 3, "total_tokens": 4},
+             "metrics": {"speculative_decoding": {"per_step_drafted": [4, 4, 4],
+                                                  "per_step_accepted": [9, -2, 3]}}}
+    runner, url = await _serve_garbage([GOOD_CHUNK, b"data: " + json.dumps(usage).encode() + b"\n\n",
+                                        b"data: [DONE]\n\n"])
+    try:
+        config = write_config(tmp_path / "config.yaml", workers={"count": 0, "remote": [
+            {"url": url, "protocol": "vllm", "name": "liar", "mode": "speculative", "max_k": 4}]})
+        gateway = await asyncio.to_thread(start_gateway, config, tmp_path)
+        try:
+            await asyncio.to_thread(gateway.wait_workers_ready, 1)
+            body = {"model": "specgate-demo", "prompt": "x", "max_tokens": 4}
+            async with aiohttp.ClientSession() as http, http.post(
+                    f"{gateway.url}/v1/completions", json=body, headers={"X-Session-ID": "liar"}) as response:
+                assert response.status == 200, await response.text()
+                speculative = (await response.json())["usage"]["speculative"]
+            # The clamped steps: (4, 4) and (4, 0), with the honest (4, 3): 7 of 4 + 1 + 4 tested.
+            assert (speculative["proposed"], speculative["accepted"], speculative["tested"]) == (12, 7, 9)
+            session = await asyncio.to_thread(gateway.get_json, "/admin/sessions/liar")
+            assert session["acceptance"]["drafts_tested"] == 9 and session["acceptance"]["drafts_accepted"] == 7
+            assert 0.0 <= session["acceptance_estimate"] <= 1.0
+            assert gateway.metric("specgate_step_reports_clamped_total", reason="accepted_over_proposed") == 1
+            assert gateway.metric("specgate_step_reports_clamped_total", reason="negative") == 1
+        finally:
+            await asyncio.to_thread(gateway.stop)
+    finally:
+        await runner.cleanup()

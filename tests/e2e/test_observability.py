@@ -225,7 +225,8 @@ def test_acceptance_rate_matches_the_workers_own_counts(observed: Observed) -> N
     # /admin/workers counts since each worker process started, Prometheus's counters since the
     # gateway did: both are compared from the restart on.
     since = f"@ {observed.restarted:.3f}"
-    (panel,) = [t for t in dashboard_targets() if t.panel == "Draft acceptance rate per worker"]
+    (panel,) = [t for t in dashboard_targets()
+                if t.panel == "Acceptance: α and vLLM's accepted ÷ proposed" and "vllm:" in t.expr]
     checked = 0
     for worker in workers:
         stats, name = worker["stats"], worker["worker_id"]

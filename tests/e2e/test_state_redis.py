@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import math
 import time
 import uuid
 from collections import deque
@@ -124,8 +125,10 @@ def test_a_tree_session_round_trips_and_one_stored_before_trees_still_loads() ->
     assert controller_fields(target) == controller_fields(a_session())
     for bad in ({**old, "decision": ["speculative", 4, "default", "2x2+3"]},  # k is not the tree's depth
                 {**old, "decision": ["speculative", 5, "default", "9x9"]},
-                {**old, "tree": {"auto": None, "since": 0, "ranks": [[99, 0.5, 3]]}},
-                {**old, "tree": {"auto": None, "since": 0, "ranks": [[0, 1.5, 3]]}},
+                {**old, "tree": {"auto": None, "since": 0, "ranks": [[99, 0.5, 3.0, 3]]}},
+                {**old, "tree": {"auto": None, "since": 0, "ranks": [[0, 1.5, 3.0, 3]]}},
+                {**old, "tree": {"auto": None, "since": 0, "ranks": [[0, 0.5, -3.0, 3]]}},
+                {**old, "tree": {"auto": None, "since": 0, "ranks": [[0, 0.5, 3]]}},  # schema 1's cell
                 {**old, "tree": {"auto": None, "since": -1, "ranks": []}}):
         with pytest.raises(CorruptState):
             apply_session(target, orjson.dumps(bad))
@@ -134,14 +137,39 @@ def test_a_tree_session_round_trips_and_one_stored_before_trees_still_loads() ->
 GOOD = orjson.loads(dump_session(a_session()))
 
 
+@pytest.mark.parametrize(("seen", "weight"), [(40, 40.0), (1000, 64 / math.log(2))])
+def test_a_session_stored_by_schema_1_loads_at_most_h_over_ln2_drafts_of_evidence(seen: int, weight: float) -> None:
+    """Schema 1 kept a bare EWMA and the lifetime count: its estimate is read as that many tested
+    drafts of evidence, at most H / ln 2 (what an endless stream levels off at), never as corrupt."""
+    old = {**GOOD, "v": 1, "state": [0.3125, seen, True, 2, 3],
+           "tree": {"auto": None, "since": 1, "ranks": [[0, 0.75, seen]]}}
+    session = a_session()
+    apply_session(session, orjson.dumps(old), half_life=64.0)
+    state = session.policy_state
+    assert (state.acceptance_estimate, state.proposals_seen, state.low_acceptance, state.plain_since_probe,
+            state.auto_k) == (0.3125, seen, True, 2, 3)
+    assert state.acceptance_weight == pytest.approx(weight)
+    assert (state.drafts_proposed, state.drafts_accepted) == (0, 0)  # schema 1 never counted them
+    beta, cell_weight, tests = state.ranks[0]
+    assert (beta, tests) == (0.75, seen) and cell_weight == pytest.approx(weight)
+    # Written back, it is schema 2 and round-trips.
+    again = a_session()
+    apply_session(again, dump_session(session))
+    assert again.policy_state == state
+
+
 @pytest.mark.parametrize("raw", [
     b"", b"not json", b"\xff\xfe", b"[]", b"null", b'"a string"', b"{}",
     orjson.dumps({**GOOD, "v": SCHEMA_VERSION + 1}),
     orjson.dumps({k: v for k, v in GOOD.items() if k != "history"}),
-    orjson.dumps({**GOOD, "state": [0.5, 10, 1, 0, None]}),  # low_acceptance not a bool
-    orjson.dumps({**GOOD, "state": [1.5, 10, True, 0, None]}),  # acceptance beyond 1
-    orjson.dumps({**GOOD, "state": [0.5, -1, True, 0, None]}),
-    orjson.dumps({**GOOD, "state": [0.5, 10, True]}),
+    orjson.dumps({**GOOD, "state": [0.5, 10.0, 10, 12, 5, 1, 0, None]}),  # low_acceptance not a bool
+    orjson.dumps({**GOOD, "state": [1.5, 10.0, 10, 12, 5, True, 0, None]}),  # acceptance beyond 1
+    orjson.dumps({**GOOD, "state": [0.5, 10.0, -1, 12, 5, True, 0, None]}),
+    orjson.dumps({**GOOD, "state": [0.5, -10.0, 10, 12, 5, True, 0, None]}),  # a negative weight
+    orjson.dumps({**GOOD, "state": [0.5, 10.0, 10, -12, 5, True, 0, None]}),
+    orjson.dumps({**GOOD, "state": [0.5, 10, True, 0, None]}),  # schema 1's state under schema 2
+    orjson.dumps({**GOOD, "v": 1}),  # schema 2's state under schema 1
+    orjson.dumps({**GOOD, "state": [0.5, 10.0, True]}),
     orjson.dumps({**GOOD, "decision": ["plain", 0, "no_such_reason"]}),
     orjson.dumps({**GOOD, "decision": ["turbo", 0, "default"]}),
     orjson.dumps({**GOOD, "history": [[1.0, "plain", "default"]]}),

@@ -23,6 +23,7 @@ from policies import (
     batch_latch,
     decide,
     observe,
+    observe_steps,
     record_decision,
     step_depth,
 )
@@ -564,3 +565,43 @@ def test_scenario_with_other_probe_periods(probe_every: int) -> None:
     session = plain_until_probe(fall_back(policy), policy)
     session = observe(session, 4, 0, policy)
     plain_until_probe(session, policy)
+
+
+# --------------------------------------------------------------------------------------------
+# The estimate from a session's first draft (issue #40: sessions at 90% were sent plain)
+
+
+def test_a_first_rejection_weighs_one_draft_not_the_whole_estimate() -> None:
+    """The first step tests one draft and rejects it; then 10 steps of K=6 accept all: the
+    rejection weighs one draft (decayed by the 60 since), not the whole estimate as in an EWMA
+    seeded with the first step's rate (which read 0.44 after 58 more drafts at 0.95)."""
+    steps = [(6, 0)] + [(6, 6)] * 10
+    forward = fold(FRESH, steps)
+    backward = fold(FRESH, steps[::-1])
+    accepted = sum(6 * 0.5 ** (6 * j / 64) for j in range(10))  # each step decayed by the ones after it
+    assert forward.acceptance_estimate == pytest.approx(accepted / (accepted + 0.5 ** (60 / 64)), abs=1e-12)
+    assert (forward.acceptance_estimate or 0.0) > 0.98
+    assert backward.acceptance_estimate is not None and forward.acceptance_estimate is not None
+    assert abs(forward.acceptance_estimate - backward.acceptance_estimate) <= 0.05
+    assert not forward.low_acceptance and not backward.low_acceptance
+
+
+def test_a_session_at_ninety_percent_is_never_latched_after_a_bad_start() -> None:
+    """The issue's session: 53 of 59 drafts accepted on its first request, starting with a rejection."""
+    steps = [(6, 0)] + [(6, 6)] * 8 + [(6, 5)] * 2 + [(6, 4)]
+    session = fold(FRESH, steps)
+    assert session.acceptance_estimate is not None and session.acceptance_estimate > 0.85
+    assert not session.low_acceptance
+    decision, _ = serve(session)
+    assert decision == Decision("speculative", 4, "default")
+
+
+def test_a_block_folds_as_its_steps_do_whatever_their_order() -> None:
+    """observe_steps (vLLM's per-request groups, no order) gives the same estimate as folding the
+    steps one by one in any order, within the decay of the block (here one request's 61 drafts)."""
+    groups = [(6, 0, 1), (6, 6, 10)]
+    block = observe_steps(FRESH, groups, POLICY)
+    assert block.acceptance_estimate == pytest.approx(60 / 61)
+    assert block.proposals_seen == 61 and (block.drafts_proposed, block.drafts_accepted) == (66, 60)
+    one_by_one = fold(FRESH, [(6, 0)] + [(6, 6)] * 10)
+    assert block.acceptance_estimate == pytest.approx(one_by_one.acceptance_estimate, abs=0.05)
