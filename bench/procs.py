@@ -110,6 +110,33 @@ def start_gateway(log_dir: Path, remote_ports: Sequence[int], policy: dict[str, 
     return process, port
 
 
+def start_local_gateway(log_dir: Path, policy: dict[str, Any] | None = None, *, draft: bool = True,
+                        workers: int = 2, cost_cache: Path | None = None) -> tuple[subprocess.Popen[bytes], int]:
+    """``specgate serve`` with ``workers`` embedded workers on the demo pair (no draft: plain
+    only), as ``make serve`` runs it; the workers' start-up costs cached in ``cost_cache``."""
+    port = free_port()
+    models = REPO / "models"
+    config = {"server": {"host": "127.0.0.1", "port": port},
+              "model": {"name": "specgate-demo", "target": str(models / "demo-target"),
+                        "draft": str(models / "demo-draft") if draft else None},
+              # The workers measure their costs for the default budget, as make serve's do (a shorter
+              # one leaves most batch depths extrapolated from batch 1, and K auto prices them so).
+              "workers": {"count": workers, "cost_cache_dir": str(cost_cache or log_dir / "costs")},
+              "policy": policy or {}}
+    path = log_dir / f"gateway-{port}.yaml"
+    path.write_text(yaml.safe_dump(config))
+    log_path = log_dir / f"gateway-{port}.log"
+    with log_path.open("wb") as log:
+        process = subprocess.Popen([sys.executable, "-m", "gateway", "--config", str(path)], cwd=REPO, stdout=log,
+                                   stderr=subprocess.STDOUT, env=bench_env())
+    try:
+        wait_ok(process, f"http://127.0.0.1:{port}/ready", 180, log_path)
+    except RuntimeError:
+        stop(process)
+        raise
+    return process, port
+
+
 def stop(process: subprocess.Popen[bytes]) -> None:
     if process.poll() is None:
         process.send_signal(signal.SIGINT)

@@ -25,6 +25,7 @@ class SessionRun:
     proposed: int = 0  # the workers' counts, summed over the session's requests
     accepted: int = 0
     tested: int = 0
+    completion_tokens: int = 0
     modes: list[str] = field(default_factory=list)  # X-Specgate-Mode of each request
     admin: dict[str, Any] = field(default_factory=dict)  # /admin/sessions/{id} after the last request
 
@@ -61,6 +62,7 @@ async def run_sessions(base_url: str, sessions: Sequence[Sequence[str]], *, mode
                         if response.status != 200:
                             raise RuntimeError(f"{run.session_id}: HTTP {response.status}: {answer}")
                         run.modes.append(response.headers.get("X-Specgate-Mode", ""))
+                    run.completion_tokens += int(answer["usage"]["completion_tokens"])
                     speculative = answer["usage"]["speculative"]
                     run.proposed += int(speculative["proposed"])
                     run.accepted += int(speculative["accepted"])
