@@ -173,7 +173,7 @@ def load_served(args: argparse.Namespace, batch_sizes: list[int]) -> tuple[Serve
     products = products_named(costs.precision.products)
     target = LlamaForCausalLM.from_pretrained(args.target, TORCH_DTYPES[args.dtype], costs.precision.prepacked,
                                               products)
-    draft = LlamaForCausalLM.load_draft(args.draft, TORCH_DTYPES[args.draft_dtype], products)
+    draft = LlamaForCausalLM.load_draft(args.draft, TORCH_DTYPES[args.draft_dtype], products, target=args.target)
     codec = TextCodec.from_model_dir(args.target)
     texts = heldout_prompts(max(args.prompts, args.alpha_prompts, *batch_sizes), seed=1)
     prompts = [codec.encode(t) for t in texts]

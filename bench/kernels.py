@@ -189,7 +189,7 @@ def main() -> None:
     if served.dot_products:
         builds[PRODUCTS] = served
     target = LlamaForCausalLM.from_pretrained(args.target, torch.float32)
-    draft = LlamaForCausalLM.load_draft(args.draft)
+    draft = LlamaForCausalLM.load_draft(args.draft, target=args.target)
     cpu = cpu_label()
     print(f"CPU: {cpu}; served build {chosen}", flush=True)
     with torch.inference_mode():

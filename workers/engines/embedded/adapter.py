@@ -63,7 +63,8 @@ def load_speculative_engine(settings: EmbeddedSettings, target: LlamaForCausalLM
                                                   packed, products)
     draft = None
     if settings.draft is not None:
-        draft = LlamaForCausalLM.load_draft(settings.draft, TORCH_DTYPES[settings.draft_dtype], products)
+        draft = LlamaForCausalLM.load_draft(settings.draft, TORCH_DTYPES[settings.draft_dtype], products,
+                                            target=settings.target)
     if settings.dtype == "bfloat16" and not target.prepacked:
         log.warning("bfloat16 target without oneDNN prepacking on this CPU (no AVX512-BF16/AMX?): expect slow "
                     "steps and no bit-identical verification; workers.dtype: auto picks float32 here")

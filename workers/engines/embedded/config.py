@@ -25,6 +25,14 @@ class ModelConfig:
     tie_word_embeddings: bool = True  # LM head shares the embedding matrix
     bos_token_id: int = 0  # prepended to every prompt
     eos_token_id: int | list[int] = 0  # generation stops on any of these
+    # A reduced-vocabulary draft (models/distill.py): its LM head scores only this many tokens,
+    # the target ids in its ``draft_vocab_ids`` tensor; the input side still covers vocab_size.
+    # None: the head scores the whole vocabulary.
+    draft_vocab_size: int | None = None
+    # "own": the checkpoint holds model.embed_tokens.weight. "target_projection": the input
+    # embedding is the target's own table times the checkpoint's embed_proj (hidden x target
+    # hidden), computed at load from the target directory, so the draft ships no vocab-wide table.
+    embedding: str = "own"
 
     @property
     def head_dim(self) -> int:

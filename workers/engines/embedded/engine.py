@@ -377,7 +377,8 @@ class SpeculativeEngine:
         positions and isolates the failing sequence."""
         assert self.draft is not None and self.draft_cache is not None
         fused, k = self.draft.fused, seqs[0].step_k
-        if fused is None or not self.drafting_in_one_call or any(
+        # (A reduced-vocabulary draft's kernel argmax is a head row, not a token to feed back.)
+        if fused is None or self.draft.vocab_ids is not None or not self.drafting_in_one_call or any(
                 s.step_k != k or s.request.params.temperature > 0.0 for s in seqs):
             return False
         # The first forward catches the draft cache up: 1-2 tokens, more after a plain spell or
@@ -506,7 +507,9 @@ class SpeculativeEngine:
             splits = logits.split([rows[i].n_logits for i in group])
             for i, chunk in zip(group, splits, strict=True):
                 out[i] = chunk
-        return [o for o in out if o is not None]
+        # A reduced-vocabulary draft's logits, laid over the whole vocabulary (-inf elsewhere):
+        # everything after this point, sampling, trees and verification alike, sees one vocabulary.
+        return [model.full_vocab_logits(o) for o in out if o is not None]
 
     def _forward_single(self, model: LlamaForCausalLM, cache: KVCache, row: _Row, row_invariant: bool) -> torch.Tensor:
         """One row alone (batch 1, every draft step there): no padding, no gather; only the

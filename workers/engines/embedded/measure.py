@@ -345,7 +345,8 @@ def _load_candidates(settings: MeasureSettings, shape: _Shape) -> _Candidates:
     # candidates, each candidate priced with its own.
     drafts: dict[str, LlamaForCausalLM] = {}
     if settings.draft is not None:
-        drafts = {p: LlamaForCausalLM.load_draft(settings.draft, TORCH_DTYPES[settings.draft_dtype], p)
+        drafts = {p: LlamaForCausalLM.load_draft(settings.draft, TORCH_DTYPES[settings.draft_dtype], p,
+                                                 target=settings.target)
                   for p in sorted({c[2] for c in configs.values()})}
     targets = {d: LlamaForCausalLM.from_pretrained(settings.target, TORCH_DTYPES[configs[d][0]], configs[d][1],
                                                    configs[d][2]) for d in configs}

@@ -23,6 +23,7 @@ from typing import Literal
 
 import torch
 import torch.nn.functional as F
+from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 from torch import nn
 
@@ -294,6 +295,60 @@ class Backbone(nn.Module):
         return [layer for layer in self.layers if isinstance(layer, DecoderLayer)]
 
 
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
+
+
+def check_same_tokenizer(target: Path, draft: Path) -> None:
+    """Raises ValueError naming the files unless the draft's tokenizer files are the target's:
+    a draft that tokenizes otherwise proposes ids that mean other text to the target."""
+    differ = []
+    for name in TOKENIZER_FILES:
+        mine, theirs = draft / name, target / name
+        if not mine.exists() or not theirs.exists():
+            differ.append(f"{name} missing in {draft if not mine.exists() else target}")
+        elif json.loads(mine.read_bytes()) != json.loads(theirs.read_bytes()):
+            differ.append(f"{mine} differs from {theirs}")
+    if differ:
+        raise ValueError("the draft's tokenizer is not the target's: " + "; ".join(differ))
+
+
+def _vocab_ids(directory: Path, cfg: ModelConfig, ids: torch.Tensor | None) -> torch.Tensor | None:
+    """A reduced-vocabulary draft's ``draft_vocab_ids``, checked: one distinct in-vocabulary id per head row."""
+    if cfg.draft_vocab_size is None:
+        if ids is not None:
+            raise ValueError(f"{directory / 'model.safetensors'}: draft_vocab_ids, but no draft_vocab_size in "
+                             "config.json")
+        return None
+    path = directory / "model.safetensors"
+    if ids is None:
+        raise ValueError(f"{path}: draft_vocab_size is {cfg.draft_vocab_size} but draft_vocab_ids is missing")
+    ids = ids.to(torch.long).flatten()
+    if ids.numel() != cfg.draft_vocab_size or ids.unique().numel() != ids.numel() or (
+            ids.numel() and not (int(ids.min()) >= 0 and int(ids.max()) < cfg.vocab_size)):
+        raise ValueError(f"{path}: draft_vocab_ids must be {cfg.draft_vocab_size} distinct ids in "
+                         f"0..{cfg.vocab_size - 1}")
+    return ids
+
+
+def _projected_embedding(directory: Path, cfg: ModelConfig, projection: torch.Tensor | None,
+                         target: Path | str | None) -> torch.Tensor:
+    """The draft's input embedding: the target's table (vocab x target hidden) times the
+    draft's ``embed_proj`` (hidden x target hidden), transposed."""
+    if target is None:
+        raise ValueError(f"{directory}: its embedding is the target's projected; load it with the target's directory")
+    if projection is None:
+        raise ValueError(f"{directory / 'model.safetensors'}: embedding is target_projection but embed_proj.weight "
+                         "is missing")
+    target = Path(target)
+    with safe_open(str(target / "model.safetensors"), framework="pt") as source:
+        table = source.get_tensor("model.embed_tokens.weight").float()
+    if table.shape[0] != cfg.vocab_size or projection.shape != (cfg.hidden_size, table.shape[1]):
+        raise ValueError(f"{directory}: embed_proj.weight {tuple(projection.shape)} does not map the target's "
+                         f"{tuple(table.shape)} embedding of {target} to hidden size {cfg.hidden_size}")
+    embedding: torch.Tensor = table @ projection.float().T
+    return embedding
+
+
 # The native float32 path (LlamaForCausalLM._forward_native) attends with its own kernel, in
 # the one-call forward, in forwards up to this many tokens and in every row-invariant one;
 # longer ones (long prefills) with SDPA. On the AVX2 CPU (bench.engine's prefill_by_tokens_ms,
@@ -311,9 +366,14 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.model = Backbone(cfg)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        head_rows = cfg.draft_vocab_size or cfg.vocab_size
+        if head_rows != cfg.vocab_size and cfg.tie_word_embeddings:
+            raise ValueError(f"a head of {head_rows} rows cannot share the {cfg.vocab_size}-row embedding")
+        self.lm_head = nn.Linear(cfg.hidden_size, head_rows, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
+        # A reduced-vocabulary draft: the token id each head row scores (full_vocab_logits).
+        self.vocab_ids: torch.Tensor | None = None
         self.head_frozen: FrozenLinear | None = None
         # Set by prepare_inference where the float32 forward runs workers/engines/embedded/rowgemm.py's kernels.
         self.native: rowgemm.RowGemm | None = None
@@ -339,13 +399,23 @@ class LlamaForCausalLM(nn.Module):
 
     @classmethod
     def from_pretrained(cls, directory: Path | str, dtype: torch.dtype = torch.float32,
-                        packed: bool = True, products: Products = "float32") -> LlamaForCausalLM:
+                        packed: bool = True, products: Products = "float32",
+                        target: Path | str | None = None) -> LlamaForCausalLM:
+        """``target``: the target's directory, for a draft whose embedding is the target's own
+        table projected (``ModelConfig.embedding``)."""
         directory = Path(directory)
         cfg = ModelConfig.from_json(directory / "config.json")
         model = cls(cfg)
         state = load_file(str(directory / "model.safetensors"))
         if cfg.tie_word_embeddings:
             state.pop("lm_head.weight", None)
+        model.vocab_ids = _vocab_ids(directory, cfg, state.pop("draft_vocab_ids", None))
+        if cfg.embedding == "target_projection":
+            projection = state.pop("embed_proj.weight", None)
+            state["model.embed_tokens.weight"] = _projected_embedding(directory, cfg, projection, target)
+        elif cfg.embedding != "own":
+            raise ValueError(f"{directory / 'config.json'}: embedding must be own or target_projection, "
+                             f"got {cfg.embedding!r}")
         missing, unexpected = model.load_state_dict(state, strict=False)
         missing = [m for m in missing if not (cfg.tie_word_embeddings and m == "lm_head.weight")]
         if missing or unexpected:
@@ -355,14 +425,28 @@ class LlamaForCausalLM(nn.Module):
 
     @classmethod
     def load_draft(cls, directory: Path | str, dtype: torch.dtype = torch.float32,
-                   products: Products = "float32") -> LlamaForCausalLM:
+                   products: Products = "float32", target: Path | str | None = None) -> LlamaForCausalLM:
         """A draft as the engine serves it: in float32 on workers/engines/embedded/rowgemm.py's kernels (where they
         build), from its checkpoint's own bfloat16 weights. int8 projections served it while the
         bfloat16 kernel widened 8 weights at a time; with the paired layout bfloat16 measured as
         fast at one token and 20-25% faster at four (AVX2 CPU, taking turns with the target's
         forward), and it is the draft the demo pair was trained as. ``products``: the target's
-        (a worker's draft multiplies as its target does; its numerics change acceptance only)."""
-        return cls.from_pretrained(directory, dtype, packed=True, products=products)
+        (a worker's draft multiplies as its target does; its numerics change acceptance only).
+        ``target``: the target's directory: where given, the draft must tokenize as it does (the
+        same tokenizer files), and a draft that reads the target's embedding needs it."""
+        if target is not None:
+            check_same_tokenizer(Path(target), Path(directory))
+        return cls.from_pretrained(directory, dtype, packed=True, products=products, target=target)
+
+    def full_vocab_logits(self, logits: torch.Tensor) -> torch.Tensor:
+        """(N, head rows) logits as (N, vocab_size): a reduced-vocabulary draft's rows at their
+        token ids, -inf elsewhere (probability 0: speculative sampling stays exact with any q,
+        and a token the draft cannot propose is never drafted). Unchanged for a full head."""
+        if self.vocab_ids is None:
+            return logits
+        full = torch.full((logits.shape[0], self.cfg.vocab_size), float("-inf"), dtype=logits.dtype)
+        full[:, self.vocab_ids] = logits
+        return full
 
     @property
     def prepacked(self) -> bool:
