@@ -243,7 +243,7 @@ class Exchange:
         try:
             raw = loads_json(body)
         except InputRefused as exc:
-            raise BadRequest(str(exc)) from None
+            raise BadRequest(str(exc), param=exc.param) from None
         req = accept_request(state, kind, raw)
         session = state.sessions.touch(session_id_of(self.headers, req), self.started, scope)
         session.requests += 1

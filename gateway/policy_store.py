@@ -83,7 +83,9 @@ class PolicyStore:
         message = error.summary() if isinstance(error, FieldError) else str(error)
         self.last_error = message
         self.metrics.policy_reloads.labels(model=self.metrics.model, source=source, result="failed").inc()
-        log.error("policy reload from %s rejected, keeping the running policy: %s", source, message)
+        # A bad candidate is its sender's input (a client's PUT, an operator's edit), not a fault
+        # of this server: a warning, however many a reload storm brings.
+        log.warning("policy reload from %s rejected, keeping the running policy: %s", source, message)
         return ReloadResult(False, message, error.field if isinstance(error, FieldError) else None)
 
     def reload_file(self, source: ReloadSource) -> ReloadResult:

@@ -154,6 +154,9 @@ async def test_full_duplex_streamed_answers_headers_after_the_whole_body(pool: P
     (completion_body(specgate={"k": 8}), 400, "specgate"),
     (completion_body(max_tokens=-1), 400, "max_tokens"),
     (completion_body(temperature="hot"), 400, "temperature"),
+    (b'{"model": "specgate-demo", "prompt": "\\ud800"}', 400, "prompt"),  # a lone surrogate: no text
+    (b'{"model": "specgate-demo", "messages": [{"role": "user", "content": "\\udfff"}]}', 400,
+     "messages[0].content"),
 ])
 async def test_bad_input_gets_an_openai_error_from_envoy(channel: grpc.aio.Channel, body: bytes, status: int,
                                                         param: str | None) -> None:

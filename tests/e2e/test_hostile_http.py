@@ -122,6 +122,8 @@ def test_a_slow_body_gets_408(gateway: Gateway) -> None:
     (b'{"model": "specgate-demo", "prompt": "\xff\xfe"}', {}, "UTF-8"),
     (b'{"model": "specgate-demo", "prompt": "x", "max_tokens": ' + b"9" * 5000 + b"}", {}, "JSON"),
     (b'{"model": "specgate-demo", "prompt": "x", "top_p": Infinity}', {}, "Infinity"),
+    (b'{"model": "specgate-demo", "prompt": "x"}', {"Content-Encoding": "br"},
+     "is not supported; send the body as identity, gzip, deflate"),  # (not "install Brotli")
 ])
 def test_undecodable_bodies_are_400(gateway: Gateway, data: bytes, headers: dict[str, str], needle: str) -> None:
     start = len(gateway.log())
@@ -158,9 +160,12 @@ def test_hostile_policy_bodies_are_refused_briefly(gateway: Gateway, data: bytes
     # on any CPU (the refusal names the aliases, the message is short, the policy unchanged);
     # a wall-clock bound here failed on loaded machines.
     before = gateway.get_json("/admin/policy")
+    start = len(gateway.log())
     status, payload = put_policy(gateway, data)
     message = assert_openai_error(status, 400, payload)["error"]["message"]
     assert needle in message and len(message) < 1000, message
+    logged = new_log(gateway, start)  # the client's bad input: a warning, never an ERROR
+    assert " ERROR " not in logged and "Traceback" not in logged, logged
     after = gateway.get_json("/admin/policy")
     assert after["policy"] == before["policy"] and after["loaded_at"] == before["loaded_at"]
     assert after["last_error"] == message and len(json.dumps(after)) < 3000

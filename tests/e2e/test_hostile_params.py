@@ -161,6 +161,25 @@ def test_unsupported_message_shapes_are_refused_by_name(gateway: Gateway, messag
     assert payload["error"]["param"] == param
 
 
+# Lone surrogates, escaped in JSON: valid JSON, no text; every field a tokenizer would read.
+LONE = b"\\ud800"
+
+
+@pytest.mark.parametrize(("path", "body", "param"), [
+    ("/v1/completions", b'{"model": "specgate-demo", "prompt": "a' + LONE + b'b"}', "prompt"),
+    ("/v1/completions", b'{"model": "specgate-demo", "prompt": ["ok", "' + LONE + b'"]}', "prompt[1]"),
+    ("/v1/completions", b'{"model": "specgate-demo", "prompt": "x", "stop": ["' + LONE + b'"]}', "stop[0]"),
+    ("/v1/chat/completions", b'{"model": "specgate-demo", "messages": [{"role": "user", "content": "'
+     + LONE + b'"}]}', "messages[0].content"),
+    ("/v1/chat/completions", b'{"model": "specgate-demo", "messages": [{"role": "user", "content": '
+     b'[{"type": "text", "text": "' + LONE + b'"}]}]}', "messages[0].content[0].text"),
+])
+def test_lone_surrogates_are_a_400_naming_the_field(gateway: Gateway, path: str, body: bytes, param: str) -> None:
+    status, payload = post(gateway, path, body)
+    assert status == 400, payload
+    assert payload["error"]["param"] == param and "lone surrogate" in payload["error"]["message"]
+
+
 def test_sdk_sees_a_refused_parameter_as_bad_request(gateway: Gateway) -> None:
     with sdk_client(gateway) as client, pytest.raises(openai.BadRequestError) as info:
         client.chat.completions.create(model=MODEL, messages=MESSAGES,

@@ -31,7 +31,12 @@ MIN_TOP_P = 1e-6
 
 
 class InputRefused(ValueError):
-    """The input breaks a limit; the message says which (HTTP layers answer 400)."""
+    """The input breaks a limit; the message says which (HTTP layers answer 400), ``param``
+    the field where one is to blame."""
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
 
 
 def _refuse_constant(name: str) -> Any:
@@ -79,7 +84,40 @@ def loads_json(raw: bytes) -> Any:
         raise InputRefused(f"request body is not valid JSON: {str(exc)[:200]}") from None
     if not shallow and not _depth_within(value, MAX_JSON_DEPTH):
         raise InputRefused(f"JSON nested more than {MAX_JSON_DEPTH} levels deep")
+    # Escapes of lone surrogates ("\ud800") parse, but are no text: a tokenizer cannot take
+    # them. Only bodies orjson refused can hold one (it refuses them all).
+    where = _lone_surrogate(value)
+    if where is not None:
+        raise InputRefused(f"{where or 'the body'} holds a lone surrogate escape (such as \\ud800): "
+                           "not valid Unicode text", param=where or None)
     return value
+
+
+def _lone_surrogate(value: Any) -> str | None:
+    """The path (``messages[0].content``) of the first string or key holding a lone surrogate;
+    None when there is none. Iterative, like ``_depth_within``."""
+    stack: list[tuple[Any, str]] = [(value, "")]
+    while stack:
+        item, path = stack.pop()
+        if type(item) is str:
+            if not _encodable(item):
+                return path
+        elif type(item) is dict:
+            for key, child in item.items():
+                if not _encodable(key):
+                    return f"{path}.{key!a}" if path else repr(key)
+                stack.append((child, f"{path}.{key}" if path else key))
+        elif type(item) is list:
+            stack.extend((child, f"{path}[{i}]") for i, child in enumerate(item))
+    return None
+
+
+def _encodable(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 _CONTAINERS = (dict, list)  # what json.loads builds (exactly these types)

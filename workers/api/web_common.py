@@ -78,12 +78,33 @@ def _client_gone(request: web.Request, detail: str) -> web.Response:
     return web.Response(status=CLIENT_CLOSED_REQUEST)
 
 
+# What aiohttp decodes without optional packages (br needs Brotli, zstd zstandard: neither is
+# installed, so neither is offered).
+CONTENT_ENCODINGS = ("identity", "gzip", "deflate")
+
+
+def unsupported_encoding(header: str | None) -> BadRequest | None:
+    """The 400 for a Content-Encoding this server does not decode, naming it and the ones it
+    does; None where every coding listed is supported."""
+    unsupported = [e.strip() for e in (header or "").split(",") if e.strip() and e.strip().lower() not in
+                   CONTENT_ENCODINGS]
+    return encoding_refused(', '.join(unsupported)) if unsupported else None
+
+
+def encoding_refused(what: str) -> BadRequest:
+    return BadRequest(f"Content-Encoding {bounded_text(what)} is not supported; "
+                      f"send the body as {', '.join(CONTENT_ENCODINGS)}")
+
+
 async def read_body(request: web.Request, max_bytes: int | None = None) -> bytes:
     """The whole body, within the size limit and the body timeout; every failure is an ApiError."""
     limit = request.client_max_size if max_bytes is None else min(max_bytes, request.client_max_size)
     if request.content_length is not None and request.content_length > limit:
         raise PayloadTooLarge(f"request body exceeds {limit} bytes")
     timeout_s = request.app.get(BODY_TIMEOUT_KEY, DEFAULT_BODY_TIMEOUT_S)
+    refused = unsupported_encoding(request.headers.get("Content-Encoding"))
+    if refused is not None:
+        raise refused
     try:
         if request.content.is_eof():
             # The whole body came with the headers (the usual small request): nothing to wait
@@ -108,7 +129,7 @@ async def read_json(request: web.Request) -> Any:
     try:
         return loads_json(raw)
     except InputRefused as exc:
-        raise BadRequest(str(exc)) from None
+        raise BadRequest(str(exc), param=exc.param) from None
 
 
 def sse_event(payload: Mapping[str, Any] | str, comment: bytes = b"") -> bytes:

@@ -24,19 +24,22 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from aiohttp import web
-from aiohttp.http_exceptions import BadHttpMessage, HttpProcessingError, LineTooLong
+from aiohttp.http_exceptions import BadHttpMessage, ContentEncodingError, HttpProcessingError, LineTooLong
 from aiohttp.web_protocol import RequestHandler
 
 from policies import bounded_text
 from workers.api.protocol import ApiError, BadRequest, HeadersTooLarge, WorkerTimeout
-from workers.api.web_common import error_response
+from workers.api.web_common import encoding_refused, error_response, unsupported_encoding
 
 log = logging.getLogger(__name__)
 MAX_LINE_BYTES = 8190  # aiohttp's defaults, named here so the error message can state them
 MAX_HEADERS = 128
 
 
-def _client_error(exc: BaseException | None, message: str | None) -> ApiError:
+def _client_error(exc: BaseException | None, message: str | None, encoding: str | None) -> ApiError:
+    if isinstance(exc, ContentEncodingError):  # aiohttp's own message names a package to install
+        # The parser fails before the request exists, so its headers may be unknown here.
+        return unsupported_encoding(encoding) or encoding_refused("of this body")
     if isinstance(exc, LineTooLong):
         return HeadersTooLarge(f"a request line or header is longer than {MAX_LINE_BYTES} bytes")
     if isinstance(exc, BadHttpMessage) and "too many headers" in str(exc).lower():
@@ -50,7 +53,8 @@ class _OpenAIRequestHandler(RequestHandler):
                      message: str | None = None) -> web.StreamResponse:
         error: ApiError
         if status < 500:
-            error = _client_error(exc, message)
+            headers = getattr(request, "headers", None)
+            error = _client_error(exc, message, headers.get("Content-Encoding") if headers is not None else None)
             log.info("refused a malformed request from %s: %s", request.remote, error.message)
         else:
             if status == 504:  # a handler timed out
