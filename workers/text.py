@@ -84,6 +84,9 @@ class TextStream:
 
     codec: TextCodec
     stop: tuple[str, ...] = ()
+    # vLLM's min_tokens: no stop string ends the text before this many tokens (one that begins
+    # before them and ends after counts, as vLLM's look-back over the new text finds it).
+    min_tokens: int = 0
     ids: list[int] = field(default_factory=list)
     sent: int = 0  # characters of the decoded text already returned
     stopped: bool = False
@@ -102,6 +105,8 @@ class TextStream:
         if not self.stop:
             return self._emit(len(text))
         longest = max(len(s) for s in self.stop)
+        if len(self.ids) < self.min_tokens:  # too early for a stop string: hold back as usual
+            return self._emit(len(text) - longest + 1)
         # Text before the window was already searched, when it was pushed.
         window_start = max(0, self.sent - longest)
         cut = self._find_stop(text, window_start)
@@ -109,7 +114,7 @@ class TextStream:
             return self._emit(len(text) - longest + 1)
         # Several tokens at once (a speculative step): the stop belongs to the first of them
         # whose inclusion completes one; the text is cut where that prefix's earliest stop begins.
-        for n in range(1, len(new_ids)):
+        for n in range(max(1, self.min_tokens - before), len(new_ids)):
             prefix_cut = self._find_stop(self._decode(self.ids[:before + n]), window_start)
             if prefix_cut is not None:
                 cut = prefix_cut

@@ -122,7 +122,7 @@ REFUSED_CHAT: list[tuple[str, Any]] = [
     ("audio", {"voice": "alloy", "format": "wav"}), ("prediction", {"type": "content", "content": "x"}),
     ("reasoning_effort", "low"), ("verbosity", "low"), ("web_search_options", {}), ("store", True),
     ("service_tier", "flex"), ("logit_bias", {"42": 5}), ("presence_penalty", 0.5), ("frequency_penalty", -1),
-    ("min_p", 0.1), ("repetition_penalty", 1.2), ("ignore_eos", True), ("min_tokens", 3), ("seed", "7"),
+    ("min_p", 0.1), ("repetition_penalty", 1.2), ("ignore_eos", 1), ("min_tokens", -1), ("seed", "7"),
     ("stream", 1), ("unknown_knob", 1), ("vllm_xargs", {"a": 1}), ("specgate", {"k": 3}),
 ]
 

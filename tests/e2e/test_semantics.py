@@ -251,3 +251,32 @@ def test_lone_surrogate_user(gateway: Gateway) -> None:
     with urllib.request.urlopen(request, timeout=60) as response:
         assert response.status == 200
         assert response.headers["X-Session-ID"] == user_session_id("x\ud800y")
+
+
+# -- vLLM's ignore_eos and min_tokens (what `vllm bench serve` sends) --------------------------------
+CHATS = ["Write a Python function `add`.", "What does `os.walk` return?", "Fix: def f(x) return x",
+         "Name a list method.", "Say hi."]
+
+
+def _chat(client: openai.OpenAI, content: str, **extra: Any) -> Any:
+    return client.chat.completions.create(model="specgate-demo", messages=[{"role": "user", "content": content}],
+                                          max_tokens=96, temperature=0, extra_body=extra or None)
+
+
+def test_ignore_eos_generates_to_max_tokens_and_min_tokens_holds_eos_back(client: openai.OpenAI) -> None:
+    ended = [(c, a) for c in CHATS if (a := _chat(client, c)).choices[0].finish_reason == "stop"]
+    assert ended, "no chat ended on EOS within 96 tokens"
+    content, answer = ended[0]
+    eos_at = answer.usage.completion_tokens  # the EOS token counts, as vLLM counts it
+    ignored = _chat(client, content, ignore_eos=True)
+    assert ignored.choices[0].finish_reason == "length" and ignored.usage.completion_tokens == 96
+    assert (ignored.choices[0].message.content or "").startswith(answer.choices[0].message.content or "")
+    held = _chat(client, content, min_tokens=eos_at + 4)
+    assert held.usage.completion_tokens >= eos_at + 4
+    assert (held.choices[0].message.content or "").startswith(answer.choices[0].message.content or "")
+
+
+def test_min_tokens_above_max_tokens_is_refused_naming_it(client: openai.OpenAI) -> None:
+    with pytest.raises(openai.BadRequestError) as info:
+        client.completions.create(model="specgate-demo", prompt=SHORT, max_tokens=4, extra_body={"min_tokens": 5})
+    assert info.value.body["param"] == "min_tokens"  # type: ignore[index]

@@ -34,7 +34,6 @@ def _standard(raw: bytes) -> Any:
     b'{"prompt": [123456789012345678901234567890]}',
     b'{"temperature": 0.30000000000000004, "top_p": 1e-7}',
     b'{"temperature": 1e400}',  # overflows to inf on the standard parser; the API refuses it later
-    b'{"user": "x\\ud800y"}',  # a lone surrogate: valid JSON, not valid UTF-8
     b'\xef\xbb\xbf{"model": "m"}',  # a byte order mark
     '{"model": "m"}'.encode("utf-16"),
     b'{"a": 1, "a": 2}',
@@ -252,3 +251,17 @@ def test_stream_ids_parse_only_when_asked_and_as_before() -> None:
         gapped.add(b'{"token_ids":[5],"prompt_ids":[1]}', True)
         gapped.add(broken, True)  # text whose ids are missing or unreadable: cannot resume
         assert gapped.output == [5] and gapped.prompt == [1] and not gapped.complete
+
+
+@pytest.mark.parametrize(("raw", "where"), [
+    (b'{"user": "x\\ud800y"}', "user"),  # a lone surrogate: valid JSON, no text
+    (b'{"prompt": ["ok", "\\udfff"]}', "prompt[1]"),
+    (b'{"messages": [{"role": "user", "content": [{"type": "text", "text": "\\ud83d"}]}]}',
+     "messages[0].content[0].text"),
+    (b'{"stop": ["a", "\\ud800\\ud800"]}', "stop[1]"),
+])
+def test_lone_surrogates_are_refused_naming_the_field(raw: bytes, where: str) -> None:
+    with pytest.raises(InputRefused, match="lone surrogate") as info:
+        loads_json(raw)
+    assert info.value.param == where
+    assert loads_json(b'{"user": "x\\ud83d\\ude00y"}') == {"user": "x\U0001f600y"}  # a pair is a character

@@ -23,6 +23,8 @@ class SamplingParams:
     # Output position of the first generated token. A seeded request's noise is keyed by
     # (seed, position), so a request resumed after n tokens passes n and continues the same noise.
     position_offset: int = 0
+    ignore_eos: bool = False  # vLLM's: an EOS token does not end the generation (max_tokens does)
+    min_tokens: int = 0  # vLLM's: EOS cannot be generated before this many output tokens
 
 
 @dataclass(frozen=True)

@@ -218,6 +218,8 @@ class CompletionRequest:
     top_k: int = 0  # extension (vLLM's name); 0 disables
     seed: int | None = None
     stop: tuple[str, ...] = ()
+    ignore_eos: bool = False  # vLLM's extension: EOS does not end the generation
+    min_tokens: int = 0  # vLLM's extension: no EOS and no stop string before this many tokens
     stream: bool = False
     include_usage: bool = False
     user: str | None = None
@@ -300,7 +302,8 @@ def parse_request(kind: RequestKind, body: Any) -> CompletionRequest:
     return CompletionRequest(
         kind=kind, model=parsed.model, prompt=prompt, messages=messages, max_tokens=max_tokens,
         temperature=temperature, top_p=1.0 if parsed.top_p is None else parsed.top_p,
-        top_k=max(0, parsed.top_k or 0), seed=parsed.seed, stop=stop, stream=bool(parsed.stream),
+        top_k=max(0, parsed.top_k or 0), seed=parsed.seed, stop=stop, ignore_eos=bool(parsed.ignore_eos),
+        min_tokens=parsed.min_tokens or 0, stream=bool(parsed.stream),
         include_usage=bool(parsed.stream_options and parsed.stream_options.include_usage), user=parsed.user,
         directive=None if directive is None else Directive(directive.k, directive.max_batch, directive.batch_resume,
                                                        directive.max_step_drafts, resume, directive.cost_rule,

@@ -138,6 +138,8 @@ _FIELDS: dict[str, Any] = {
     "top_p": lambda v: _float(v, 0, 1, low_open=True),
     "top_k": lambda v: _int(v, -1, MAX_TOP_K),
     "seed": lambda v: _int(v, -_SEED, _SEED - 1),
+    "ignore_eos": _bool,
+    "min_tokens": lambda v: _int(v, 0, MAX_TOKENS_LIMIT),
     "stop": _stop,
     "stream": _bool,
     "stream_options": _stream_options,

@@ -157,8 +157,10 @@ class _RequestBody(_Strict):
     # vLLM's sampling extensions, at their neutral values.
     min_p: OnlyZeroNumber | None = None
     repetition_penalty: OnlyOneNumber | None = None
-    ignore_eos: OnlyFalse | None = None
-    min_tokens: OnlyZero | None = None
+    ignore_eos: bool | None = Field(None, description="vLLM's: generate to max_tokens, whatever EOS the model "
+                                                      "samples (stop strings still end it)")
+    min_tokens: Annotated[int, Field(ge=0, le=MAX_TOKENS_LIMIT)] | None = Field(
+        None, description="vLLM's: no EOS before this many output tokens, and no stop string matched before them")
     # Set by the gateway for its workers; refused from clients (gateway/relay.py).
     specgate: SkipJsonSchema[Directive | None] = None
     vllm_xargs: SkipJsonSchema[dict[str, Any] | None] = None
@@ -206,7 +208,7 @@ class ChatCompletionBody(_RequestBody):
 DEFAULT_ONLY: dict[str, str] = {
     "n": "1", "best_of": "1", "echo": "false", "logprobs": "false or null", "top_logprobs": "0", "suffix": '""',
     "logit_bias": "{}", "presence_penalty": "0", "frequency_penalty": "0", "min_p": "0", "repetition_penalty": "1",
-    "ignore_eos": "false", "min_tokens": "0", "tools": "[]", "functions": "[]", "tool_choice": '"none"',
+    "tools": "[]", "functions": "[]", "tool_choice": '"none"',
     "function_call": '"none"', "response_format": '{"type": "text"}', "modalities": '["text"]', "audio": "null",
     "prediction": "null", "reasoning_effort": "null", "verbosity": "null", "web_search_options": "null",
     "store": "false", "service_tier": '"auto" or "default"', "refusal": "null", "tool_calls": "[]",

@@ -242,6 +242,7 @@ class VllmEngine:
         try:
             sampling = SamplingParams(
                 temperature=p.temperature, top_p=p.top_p, top_k=p.top_k, seed=p.seed, max_tokens=request.max_tokens,
+                ignore_eos=p.ignore_eos, min_tokens=p.min_tokens,
                 detokenize=False, output_kind=RequestOutputKind.DELTA,
                 extra_args={SPEC_K_ARG: request.k, MAX_BATCH_ARG: self._max_batch,
                             BATCH_RESUME_ARG: self._batch_resume})

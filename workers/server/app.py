@@ -273,6 +273,9 @@ async def _serve(request: web.Request, kind: RequestKind) -> web.StreamResponse:
     if max_tokens > room:
         raise BadRequest(f"max_tokens ({max_tokens}) + prompt ({len(prompt_ids)} tokens) exceeds the context "
                          f"window of {window}", param="max_tokens", code="context_length_exceeded")
+    if req.min_tokens > max_tokens:  # as vLLM refuses it
+        raise BadRequest(f"min_tokens ({req.min_tokens}) must be less than or equal to max_tokens ({max_tokens})",
+                         param="min_tokens")
     if ctx.engine.queue_length >= ctx.settings.max_queue:
         raise Overloaded("worker queue is full", retry_after_s=1.0)
     k = req.directive.k if req.directive is not None else ctx.settings.default_k
@@ -284,7 +287,8 @@ async def _serve(request: web.Request, kind: RequestKind) -> web.StreamResponse:
         max_tokens=max_tokens, k=k, resumed_tokens=len(resume.output_ids) if resume is not None else 0,
         tree=_tree_of(ctx, req),
         params=SamplingParams(temperature=req.temperature, top_p=req.top_p, top_k=req.top_k, seed=req.seed,
-                              position_offset=len(resume.output_ids) if resume is not None else 0))
+                              position_offset=len(resume.output_ids) if resume is not None else 0,
+                              ignore_eos=req.ignore_eos, min_tokens=req.min_tokens))
     chunks = _generate(ctx, req, generation)
     try:
         # The first chunk comes before the response starts, so early failures keep their status.
@@ -325,7 +329,7 @@ async def _generate(ctx: WorkerContext, req: CompletionRequest,
     """Chunks for one request: a chunk per engine step, then one usage chunk."""
     rid, created, model = generation.request_id, int(time.time()), ctx.settings.served_model_name
     started = time.monotonic()
-    text = TextStream(ctx.codec, req.stop)
+    text = TextStream(ctx.codec, req.stop, min_tokens=req.min_tokens)
     resume = req.directive.resume if req.directive is not None else None
     prompt_ids = generation.prompt_ids
     earlier = 0  # output tokens generated before this worker took over (a resumed request)

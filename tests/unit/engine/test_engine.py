@@ -682,6 +682,50 @@ def test_eos_as_first_token_emits_nothing(target_model: LlamaForCausalLM, draft_
     assert [(e.tokens, e.finish_reason) for e in events] == [([], "stop")]
 
 
+@pytest.mark.parametrize("k", [0, 2, 4])
+def test_ignore_eos_generates_to_max_tokens(k: int, target_model: LlamaForCausalLM, draft_model: LlamaForCausalLM,
+                                            greedy_reference: GreedyReference, eos_choice: tuple[int, int]) -> None:
+    """vLLM's ignore_eos: the EOS token is generated like any other and the length decides."""
+    token, j = eos_choice
+    engine = SpeculativeEngine(target_model, draft_model, max_slots=1, max_k=MAX_K)
+    engine.eos_ids = frozenset({token})
+    params = dataclasses.replace(GREEDY, ignore_eos=True)
+    events = generate(engine, GenerationRequest("s", EOS_PROMPT, EOS_HORIZON, params, k=k))
+    out = output_tokens(events)
+    assert out == greedy_reference(EOS_PROMPT, EOS_HORIZON) and out[j] == token
+    assert events[-1].finish_reason == "length" and not any(e.eos for e in events)
+
+
+def masked_greedy(model: LlamaForCausalLM, prompt: Sequence[int], n: int, banned: int, until: int) -> list[int]:
+    """Greedy decoding with ``banned`` impossible at output positions below ``until``."""
+    tokens = list(prompt)
+    for position in range(n):
+        logits = model.forward_train(torch.tensor([tokens]))[0, -1]
+        if position < until:
+            logits[banned] = float("-inf")
+        tokens.append(int(logits.argmax()))
+    return tokens[len(prompt):]
+
+
+@pytest.mark.parametrize("k", [0, 3])
+def test_min_tokens_masks_eos_until_reached(k: int, target_model: LlamaForCausalLM, draft_model: LlamaForCausalLM,
+                                            eos_choice: tuple[int, int]) -> None:
+    """vLLM's min_tokens: EOS is out of the target's distribution until that many tokens are out;
+    after them EOS ends the generation as usual. Speculative or not, the same tokens."""
+    token, j = eos_choice
+    minimum = j + 2
+    engine = SpeculativeEngine(target_model, draft_model, max_slots=1, max_k=MAX_K)
+    engine.eos_ids = frozenset({token})
+    params = dataclasses.replace(GREEDY, min_tokens=minimum)
+    events = generate(engine, GenerationRequest("s", EOS_PROMPT, EOS_HORIZON, params, k=k))
+    out = output_tokens(events)
+    expected = masked_greedy(target_model, EOS_PROMPT, EOS_HORIZON, token, minimum)
+    stop = expected.index(token) if token in expected[minimum:] else None
+    assert len(out) >= minimum and token not in out[:minimum]
+    assert out == (expected[:stop] if stop is not None else expected)
+    assert all(e.proposed == 0 for e in events if sum(len(x.tokens) for x in events[:events.index(e)]) < minimum)
+
+
 # -- 8. seeded reproducibility ---------------------------------------------------------------------
 @pytest.mark.parametrize("k", [0, 3])
 def test_seed_reproducibility(k: int, target_model: LlamaForCausalLM, draft_model: LlamaForCausalLM) -> None:

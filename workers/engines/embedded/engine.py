@@ -237,7 +237,9 @@ class SpeculativeEngine:
             # A prefill: the prompt alone, in a forward of its own, whatever the mode, so the
             # cache it writes is the same for plain and speculative decoding and the fast fused
             # attention may serve it (see _forward). Drafting starts next step.
-            k = 0 if self._prefilling(seq) else self._room(seq, k)
+            # Below min_tokens, EOS is masked out of the target's distribution: plain steps keep
+            # that to one position a step (_settle), and speculation starts once it is past.
+            k = 0 if self._prefilling(seq) or self._below_min_tokens(seq) else self._room(seq, k)
             lag = len(seq.tokens) - seq.draft_len
             # The catch-up rule before the step's K: a sequence it keeps plain is plain in the
             # cost rule's view of the step's mix too. Decided after it, a step in which a few
@@ -409,9 +411,15 @@ class SpeculativeEngine:
         seq.drafts.append(int(sample(q, seq.generator).item()))
         seq.draft_probs.append(q)
 
+    def _below_min_tokens(self, seq: _Sequence) -> bool:
+        return seq.request.params.position_offset + seq.emitted < seq.request.params.min_tokens
+
     def _settle(self, seq: _Sequence, logits: torch.Tensor, depth: int) -> StepEvent:
         before = len(seq.tokens)
         path = None
+        if self._below_min_tokens(seq) and self.eos_ids:  # a plain step (see step): one position
+            logits = logits.clone()
+            logits[:, sorted(self.eos_ids)] = float("-inf")
         if seq.step_tree is not None:
             # A tree: its own rules and its own cache moves (tree_step.settle sets both lengths).
             tree_tokens, path = tree_step.settle(self, seq, logits)
@@ -440,7 +448,7 @@ class SpeculativeEngine:
         emitted: list[int] = []
         finish: FinishReason | None = None
         for token in new_tokens:
-            if token in self.eos_ids:
+            if token in self.eos_ids and not seq.request.params.ignore_eos:
                 finish = "stop"
                 break
             emitted.append(token)

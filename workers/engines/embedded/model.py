@@ -23,13 +23,13 @@ from typing import Literal
 
 import torch
 import torch.nn.functional as F
-from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 from torch import nn
 
 from workers.engines.embedded import rowgemm
 from workers.engines.embedded.config import ModelConfig
 from workers.engines.embedded.kv_cache import CacheBatch, KVCache
+from workers.engines.embedded.reduced_vocab import check_same_tokenizer, projected_embedding, vocab_ids
 from workers.engines.embedded.tree_attention import attend_gathered, gather_keys
 
 
@@ -295,60 +295,6 @@ class Backbone(nn.Module):
         return [layer for layer in self.layers if isinstance(layer, DecoderLayer)]
 
 
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
-
-
-def check_same_tokenizer(target: Path, draft: Path) -> None:
-    """Raises ValueError naming the files unless the draft's tokenizer files are the target's:
-    a draft that tokenizes otherwise proposes ids that mean other text to the target."""
-    differ = []
-    for name in TOKENIZER_FILES:
-        mine, theirs = draft / name, target / name
-        if not mine.exists() or not theirs.exists():
-            differ.append(f"{name} missing in {draft if not mine.exists() else target}")
-        elif json.loads(mine.read_bytes()) != json.loads(theirs.read_bytes()):
-            differ.append(f"{mine} differs from {theirs}")
-    if differ:
-        raise ValueError("the draft's tokenizer is not the target's: " + "; ".join(differ))
-
-
-def _vocab_ids(directory: Path, cfg: ModelConfig, ids: torch.Tensor | None) -> torch.Tensor | None:
-    """A reduced-vocabulary draft's ``draft_vocab_ids``, checked: one distinct in-vocabulary id per head row."""
-    if cfg.draft_vocab_size is None:
-        if ids is not None:
-            raise ValueError(f"{directory / 'model.safetensors'}: draft_vocab_ids, but no draft_vocab_size in "
-                             "config.json")
-        return None
-    path = directory / "model.safetensors"
-    if ids is None:
-        raise ValueError(f"{path}: draft_vocab_size is {cfg.draft_vocab_size} but draft_vocab_ids is missing")
-    ids = ids.to(torch.long).flatten()
-    if ids.numel() != cfg.draft_vocab_size or ids.unique().numel() != ids.numel() or (
-            ids.numel() and not (int(ids.min()) >= 0 and int(ids.max()) < cfg.vocab_size)):
-        raise ValueError(f"{path}: draft_vocab_ids must be {cfg.draft_vocab_size} distinct ids in "
-                         f"0..{cfg.vocab_size - 1}")
-    return ids
-
-
-def _projected_embedding(directory: Path, cfg: ModelConfig, projection: torch.Tensor | None,
-                         target: Path | str | None) -> torch.Tensor:
-    """The draft's input embedding: the target's table (vocab x target hidden) times the
-    draft's ``embed_proj`` (hidden x target hidden), transposed."""
-    if target is None:
-        raise ValueError(f"{directory}: its embedding is the target's projected; load it with the target's directory")
-    if projection is None:
-        raise ValueError(f"{directory / 'model.safetensors'}: embedding is target_projection but embed_proj.weight "
-                         "is missing")
-    target = Path(target)
-    with safe_open(str(target / "model.safetensors"), framework="pt") as source:
-        table = source.get_tensor("model.embed_tokens.weight").float()
-    if table.shape[0] != cfg.vocab_size or projection.shape != (cfg.hidden_size, table.shape[1]):
-        raise ValueError(f"{directory}: embed_proj.weight {tuple(projection.shape)} does not map the target's "
-                         f"{tuple(table.shape)} embedding of {target} to hidden size {cfg.hidden_size}")
-    embedding: torch.Tensor = table @ projection.float().T
-    return embedding
-
-
 # The native float32 path (LlamaForCausalLM._forward_native) attends with its own kernel, in
 # the one-call forward, in forwards up to this many tokens and in every row-invariant one;
 # longer ones (long prefills) with SDPA. On the AVX2 CPU (bench.engine's prefill_by_tokens_ms,
@@ -409,10 +355,10 @@ class LlamaForCausalLM(nn.Module):
         state = load_file(str(directory / "model.safetensors"))
         if cfg.tie_word_embeddings:
             state.pop("lm_head.weight", None)
-        model.vocab_ids = _vocab_ids(directory, cfg, state.pop("draft_vocab_ids", None))
+        model.vocab_ids = vocab_ids(directory, cfg, state.pop("draft_vocab_ids", None))
         if cfg.embedding == "target_projection":
             projection = state.pop("embed_proj.weight", None)
-            state["model.embed_tokens.weight"] = _projected_embedding(directory, cfg, projection, target)
+            state["model.embed_tokens.weight"] = projected_embedding(directory, cfg, projection, target)
         elif cfg.embedding != "own":
             raise ValueError(f"{directory / 'config.json'}: embedding must be own or target_projection, "
                              f"got {cfg.embedding!r}")
