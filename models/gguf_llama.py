@@ -92,15 +92,16 @@ def read_meta(reader: GGUFReader, path: Path) -> LlamaMeta:
     arch = _value(reader, path, "general.architecture")
     if arch != "llama":
         raise ConversionError(f"{path}: general.architecture is {arch!r}; this converter reads llama GGUFs only")
-    tokens = reader.get_field("tokenizer.ggml.tokens")
-    vocab = (_int(reader, path, "llama.vocab_size") if reader.get_field("llama.vocab_size") is not None
-             else len(tokens.data) if tokens is not None else -1)
+    has = set(reader.fields)
+    # Older files have no llama.vocab_size: their vocabulary is the token list's length.
+    tokens = reader.fields.get("tokenizer.ggml.tokens")
+    vocab = (_int(reader, path, "llama.vocab_size") if "llama.vocab_size" in has
+             else len(tokens.data) if tokens is not None else 0)
     if vocab <= 0:
         raise ConversionError(f"{path}: GGUF metadata has neither llama.vocab_size nor tokenizer.ggml.tokens")
-    pad = _int(reader, path, "tokenizer.ggml.padding_token_id") \
-        if reader.get_field("tokenizer.ggml.padding_token_id") is not None else None
-    add_bos = bool(_value(reader, path, "tokenizer.ggml.add_bos_token")) \
-        if reader.get_field("tokenizer.ggml.add_bos_token") is not None else False
+    pad_key, add_bos_key = "tokenizer.ggml.padding_token_id", "tokenizer.ggml.add_bos_token"
+    pad = _int(reader, path, pad_key) if pad_key in has else None
+    add_bos = bool(_value(reader, path, add_bos_key)) if add_bos_key in has else False
     meta = LlamaMeta(
         layers=_int(reader, path, "llama.block_count"), hidden=_int(reader, path, "llama.embedding_length"),
         heads=_int(reader, path, "llama.attention.head_count"),
