@@ -234,14 +234,18 @@ def test_an_untied_head_is_lm_head(tmp_path: Path) -> None:
     assert json.loads((tmp_path / "out" / "config.json").read_text())["tie_word_embeddings"] is False
 
 
-def test_tokenizer_files_carry_the_chat_template(tiny_gguf: tuple[Path, dict[str, np.ndarray]],
-                                                 tmp_path: Path) -> None:
+def test_tokenizer_files_carry_the_chat_template(tiny_gguf: tuple[Path, dict[str, np.ndarray]], tmp_path: Path,
+                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    import huggingface_hub.constants as hub_constants
     from tokenizers import Tokenizer
 
+    # The converter turns the hub offline for the whole process; put it back for the tests after.
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    monkeypatch.setattr(hub_constants, "HF_HUB_OFFLINE", hub_constants.HF_HUB_OFFLINE)
     path, _ = tiny_gguf
     out = tmp_path / "out"
     convert(Source(path), out)
-    assert os.environ["HF_HUB_OFFLINE"] == "1"
+    assert os.environ["HF_HUB_OFFLINE"] == "1" and hub_constants.HF_HUB_OFFLINE
     config = json.loads((out / "tokenizer_config.json").read_text())
     assert config["chat_template"] == CHATML
     assert (config["bos_token"], config["eos_token"], config["pad_token"]) == ("<|im_start|>", "<|im_end|>",
