@@ -254,7 +254,7 @@ def test_stream_ids_parse_only_when_asked_and_as_before() -> None:
 
 
 @pytest.mark.parametrize(("raw", "where"), [
-    (b'{"user": "x\\ud800y"}', "user"),  # a lone surrogate: valid JSON, no text
+    (b'{"prompt": "x\\ud800y"}', "prompt"),  # a lone surrogate: valid JSON, no text
     (b'{"prompt": ["ok", "\\udfff"]}', "prompt[1]"),
     (b'{"messages": [{"role": "user", "content": [{"type": "text", "text": "\\ud83d"}]}]}',
      "messages[0].content[0].text"),
@@ -264,4 +264,5 @@ def test_lone_surrogates_are_refused_naming_the_field(raw: bytes, where: str) ->
     with pytest.raises(InputRefused, match="lone surrogate") as info:
         loads_json(raw)
     assert info.value.param == where
-    assert loads_json(b'{"user": "x\\ud83d\\ude00y"}') == {"user": "x\U0001f600y"}  # a pair is a character
+    assert loads_json(b'{"prompt": "x\\ud83d\\ude00y"}') == {"prompt": "x\U0001f600y"}  # a pair is a character
+    assert loads_json(b'{"user": "x\\ud800y"}') == {"user": "x\ud800y"}  # no tokenizer reads a user: kept

@@ -85,12 +85,17 @@ def loads_json(raw: bytes) -> Any:
     if not shallow and not _depth_within(value, MAX_JSON_DEPTH):
         raise InputRefused(f"JSON nested more than {MAX_JSON_DEPTH} levels deep")
     # Escapes of lone surrogates ("\ud800") parse, but are no text: a tokenizer cannot take
-    # them. Only bodies orjson refused can hold one (it refuses them all).
-    where = _lone_surrogate(value)
+    # them. Only bodies orjson refused can hold one (it refuses them all). Other fields (a
+    # ``user`` that keys a session) may hold them, as JSON allows.
+    where = _lone_surrogate({k: v for k, v in value.items() if k in TOKENIZED_FIELDS}) if type(value) is dict else None
     if where is not None:
         raise InputRefused(f"{where or 'the body'} holds a lone surrogate escape (such as \\ud800): "
                            "not valid Unicode text", param=where or None)
     return value
+
+
+# The request fields whose text reaches a tokenizer.
+TOKENIZED_FIELDS = frozenset({"prompt", "messages", "stop", "suffix"})
 
 
 def _lone_surrogate(value: Any) -> str | None:
