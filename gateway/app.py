@@ -31,6 +31,7 @@ from gateway.safe_yaml import YamlRefused, load_yaml
 from gateway.session_store import create_store
 from gateway.sessions import SessionTable
 from gateway.state import STATE_KEY, GatewayState
+from gateway.tokenize import detokenize, tokenize
 from gateway.tracing import TRACING_KEY, Tracing
 from policies import PolicyConfigError, acceptance_view, worker_acceptance
 from policies.tree_choice import view as rank_view
@@ -95,6 +96,8 @@ def create_app(config: GatewayConfig, metrics: GatewayMetrics | None = None,
         app.router.add_post("/v1/chat/completions", _chat_completions)
         app.router.add_post("/v1/completions", _completions)
         app.router.add_get("/v1/models", _models)
+        app.router.add_post("/tokenize", tokenize)  # vLLM's, at the root
+        app.router.add_post("/detokenize", detokenize)
     app.router.add_get("/health", health)
     app.router.add_get("/ready", _ready)
     app.router.add_get("/metrics", _metrics)

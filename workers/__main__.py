@@ -113,7 +113,8 @@ def main(argv: list[str] | None = None, prog: str = "python -m workers") -> int:
 
     from workers.api.tokens import is_loopback
     from workers.api.web_runner import run_app
-    from workers.server.app import WorkerSettings, create_worker_app
+    from workers.server.app import create_worker_app
+    from workers.server.context import WorkerSettings
 
     # From the environment, never the command line, where every user of the machine can read it.
     token = os.environ.get(TOKEN_ENV) or None

@@ -40,24 +40,39 @@ class TextCodec:
         special = {name: _token_text(config.get(name)) for name in ("bos_token", "eos_token", "pad_token")}
         return cls(tokenizer, config.get("chat_template"), {k: v for k, v in special.items() if v is not None})
 
-    def encode(self, text: str) -> list[int]:
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """A text prompt (``/v1/completions``): special tokens as the tokenizer adds them."""
-        ids: list[int] = self.tokenizer.encode(text, add_special_tokens=True).ids
+        ids: list[int] = self.tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
         return ids
 
     def encode_chat(self, messages: Sequence[ChatMessage]) -> list[int]:
         ids: list[int] = self.tokenizer.encode(self.render_chat(messages), add_special_tokens=False).ids
         return ids
 
-    def render_chat(self, messages: Sequence[ChatMessage]) -> str:
+    def render_chat(self, messages: Sequence[ChatMessage], add_generation_prompt: bool = True,
+                    continue_final_message: bool = False) -> str:
+        """The chat as the template renders it. ``continue_final_message``: the last message left
+        open for the model to continue (no end-of-turn after it), as transformers cuts it."""
         if self._template is None:
             raise ValueError("the model has no chat template (tokenizer_config.json chat_template)")
-        return self._template.render(messages=[{"role": m.role, "content": m.content} for m in messages],
-                                     add_generation_prompt=True, **self.special)
-
-    def decode(self, ids: list[int]) -> str:
-        text: str = self.tokenizer.decode(ids, skip_special_tokens=True)
+        text: str = self._template.render(messages=[{"role": m.role, "content": m.content} for m in messages],
+                                          add_generation_prompt=add_generation_prompt, **self.special)
+        if continue_final_message:
+            final = messages[-1].content
+            if final not in text:
+                final = final.strip()
+                if final not in text:
+                    raise ValueError("the chat template does not render the final message's text as given")
+            text = text[:text.rindex(final) + len(final)]
         return text
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        text: str = self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
+        return text
+
+    def token_strs(self, ids: Sequence[int]) -> list[str | None]:
+        """Each id's token as the vocabulary spells it (``Ġthe``), as transformers' convert_ids_to_tokens."""
+        return [self.tokenizer.id_to_token(i) for i in ids]
 
 
 def _token_text(value: Any) -> str | None:

@@ -235,7 +235,7 @@ def _path(loc: tuple[int | str, ...]) -> str:
     return out
 
 
-def _bad_request(exc: ValidationError) -> BadRequest:
+def bad_request(exc: ValidationError) -> BadRequest:
     error = exc.errors(include_url=False, include_context=False)[0]
     loc = tuple(error["loc"])
     if error["type"] == "extra_forbidden":  # the unknown name last, after its fields (no union labels)
@@ -275,7 +275,7 @@ def parse_request(kind: RequestKind, body: Any) -> CompletionRequest:
         try:
             parsed = ChatCompletionBody.model_validate(body) if kind == "chat" else CompletionBody.model_validate(body)
         except ValidationError as exc:
-            raise _bad_request(exc) from None
+            raise bad_request(exc) from None
     prompt: str | list[int] | None = None
     messages: tuple[ChatMessage, ...] = ()
     max_tokens = parsed.max_tokens

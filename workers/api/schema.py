@@ -204,6 +204,37 @@ class ChatCompletionBody(_RequestBody):
     safety_identifier: str | None = Field(None, description="accepted and ignored")
 
 
+class TokenizeCompletionBody(_Strict):
+    """``POST /tokenize``, vLLM's completion form: a prompt as ``/v1/completions`` encodes it."""
+
+    model: str | None = None
+    prompt: str
+    add_special_tokens: bool = True
+    return_token_strs: bool = False
+
+
+class TokenizeChatBody(_Strict):
+    """``POST /tokenize``, vLLM's chat form: messages rendered by the model's chat template."""
+
+    model: str | None = None
+    messages: Annotated[list[Message], Field(min_length=1)]
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    add_special_tokens: bool = False
+    return_token_strs: bool = False
+    # vLLM refuses a request's own template unless started with --trust-request-chat-template.
+    chat_template: None = Field(None, description="not accepted: the model's own template renders")
+    chat_template_kwargs: Annotated[dict[str, Any], Field(max_length=0)] | None = None
+    tools: NoList | None = None
+
+
+class DetokenizeBody(_Strict):
+    """``POST /detokenize``: token ids back to text (special tokens included, as vLLM decodes)."""
+
+    model: str | None = None
+    tokens: list[Annotated[int, Field(ge=0, le=MAX_TOKEN_ID)]]
+
+
 # Parameters accepted at their default only, with the default(s) a 400 names.
 DEFAULT_ONLY: dict[str, str] = {
     "n": "1", "best_of": "1", "echo": "false", "logprobs": "false or null", "top_logprobs": "0", "suffix": '""',
@@ -219,7 +250,8 @@ IGNORED = ("user", "metadata", "parallel_tool_calls", "prompt_cache_key", "safet
            "stream_options.include_obfuscation", "messages[].name")
 # Field names of the request models (to tell them from pydantic's union-member labels in an error's loc).
 FIELD_NAMES = frozenset().union(*(m.model_fields for m in (
-    CompletionBody, ChatCompletionBody, Message, TextPart, StreamOptions, ResponseFormatText, Directive)))
+    CompletionBody, ChatCompletionBody, Message, TextPart, StreamOptions, ResponseFormatText, Directive,
+    TokenizeCompletionBody, TokenizeChatBody, DetokenizeBody)))
 
 
 # -- responses (documentation only: the server builds these as dicts) --------------------------------

@@ -14,8 +14,6 @@ import logging
 import secrets
 import time
 from collections.abc import AsyncGenerator, AsyncIterator
-from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 from aiohttp import web
@@ -48,36 +46,14 @@ from workers.api.tokens import Unauthorized, bearer, matching
 from workers.api.web_common import Handler, health, model_list, openai_errors, read_json, sse_event, start_sse
 from workers.engines.interface import Engine, EngineRequestError, GenerationRequest, StepStats
 from workers.server.coalesce import Chunk, chunk_event, write_coalesced
+from workers.server.context import CONTEXT_KEY, WorkerContext, WorkerSettings
 from workers.server.metrics import WorkerMetrics
+from workers.server.tokenize import detokenize, tokenize
 from workers.text import TextCodec, TextStream
 
 log = logging.getLogger(__name__)
 
 
-@dataclass(frozen=True)
-class WorkerSettings:
-    worker_id: str
-    tokenizer_dir: Path  # the target model's directory: tokenizer.json and tokenizer_config.json
-    served_model_name: str
-    default_k: int = 6  # K for requests without a gateway directive
-    max_queue: int = 64  # waiting sequences before 429
-    max_body_bytes: int = 1 << 20
-    # The gateway's shared token (SPECGATE_WORKER_TOKEN): with one, every route but /health
-    # wants it as a bearer token. A worker on a private Unix socket needs none.
-    token: str | None = None
-
-
-@dataclass
-class WorkerContext:
-    settings: WorkerSettings
-    engine: Engine
-    codec: TextCodec
-    metrics: WorkerMetrics
-    registry: CollectorRegistry | None
-    request_log: RequestLog  # the one line per request, written in batches (workers/api/logs.py)
-
-
-CONTEXT_KEY = web.AppKey("worker_context", WorkerContext)
 
 
 def create_worker_app(settings: WorkerSettings, engine: Engine,
@@ -132,6 +108,8 @@ def create_worker_app(settings: WorkerSettings, engine: Engine,
     app.router.add_post("/v1/completions", _completions)
     app.router.add_post("/v1/chat/completions", _chat_completions)
     app.router.add_get("/v1/models", _models)
+    app.router.add_post("/tokenize", tokenize)
+    app.router.add_post("/detokenize", detokenize)
     app.router.add_get("/health", health)
     app.router.add_get("/specgate/worker", _describe)
     app.router.add_get("/metrics", _metrics)

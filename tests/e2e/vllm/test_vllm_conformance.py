@@ -14,6 +14,7 @@ suite compares against vLLM's plain float32 decoding.
 from __future__ import annotations
 
 import json
+import urllib.error
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
@@ -137,3 +138,55 @@ def test_same_answers_as_vllm(plain_gateway: Gateway, vllm_plain_server: VllmSer
             differences.append(f"{kind} {body}: specgate {mine} vs vLLM {reference}")
     (tmp_path / "differences.txt").write_text("\n".join(differences))
     assert not differences, "\n".join(differences)
+
+
+# -- vLLM's /tokenize and /detokenize, and the sampling extensions its clients send ---------------
+TOKENIZE_CASES: list[tuple[str, dict[str, Any]]] = [
+    ("/tokenize", {"model": "specgate-demo", "prompt": CODE}),
+    ("/tokenize", {"prompt": CODE, "add_special_tokens": False, "return_token_strs": True}),
+    ("/tokenize", {"messages": [{"role": "user", "content": "Sort a list."}]}),
+    ("/tokenize", {"messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}],
+                   "add_generation_prompt": False, "return_token_strs": True}),
+    ("/tokenize", {"messages": [{"role": "user", "content": "Add."}, {"role": "assistant", "content": "def add("}],
+                   "add_generation_prompt": False, "continue_final_message": True}),
+    ("/detokenize", {"model": "specgate-demo", "tokens": [0, 320, 286, 742, 269, 4]}),
+]
+
+
+def post_status(url: str, body: dict[str, Any]) -> tuple[int, Any]:
+    request = urllib.request.Request(url, json.dumps(body).encode(), {"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=STARTUP_TIMEOUT_S + 120) as response:
+            return response.status, json.loads(response.read())
+    except urllib.error.HTTPError as error:
+        with error:
+            return error.code, json.loads(error.read())
+
+
+def test_same_tokenize_and_detokenize_answers_as_vllm(plain_gateway: Gateway, vllm_plain_server: VllmServer) -> None:
+    root = plain_gateway.base_url.removesuffix("/v1")
+    differences = []
+    for path, body in TOKENIZE_CASES:
+        ours, theirs = post_status(root + path, body), post_status(vllm_plain_server.url + path, body)
+        if ours != theirs:
+            differences.append(f"{path} {body}: specgate {ours} vs vLLM {theirs}")
+    # Errors: the same status (the messages are each server's own).
+    errors: list[dict[str, Any]] = [{"model": "gpt-nope", "prompt": "x"},
+                                    {"messages": [{"role": "user", "content": "x"}], "add_generation_prompt": True,
+                                     "continue_final_message": True}]
+    for request in errors:
+        status, _ = post_status(root + "/tokenize", request)
+        vllm_status, _ = post_status(vllm_plain_server.url + "/tokenize", request)
+        if status != vllm_status:
+            differences.append(f"/tokenize {request}: specgate HTTP {status} vs vLLM HTTP {vllm_status}")
+    assert not differences, "\n".join(differences)
+
+
+@pytest.mark.parametrize("extra", [{"ignore_eos": True}, {"min_tokens": 24}, {"ignore_eos": True, "stop": "\n\n"}])
+def test_ignore_eos_and_min_tokens_as_vllm(plain_gateway: Gateway, vllm_plain_server: VllmServer,
+                                           extra: dict[str, Any]) -> None:
+    request = {"model": "specgate-demo", "temperature": 0, "max_tokens": 48,
+               "messages": [{"role": "user", "content": "Hello"}], **extra}  # ends at <|end|> without them
+    ours = post(plain_gateway.base_url + "/chat/completions", request)
+    theirs = post(vllm_plain_server.url + "/v1/chat/completions", request)
+    assert summary("chat", ours) == summary("chat", theirs)
