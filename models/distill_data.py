@@ -34,7 +34,7 @@ from models.draft_format import special_ids
 from workers.api.protocol import ChatMessage
 from workers.demo.corpus import stdlib_sources
 from workers.engines.embedded.kv_cache import CacheBatch, KVCache, padded_span
-from workers.engines.embedded.model import TORCH_DTYPES, LlamaForCausalLM
+from workers.engines.embedded.model import TORCH_DTYPES, LlamaForCausalLM, bf16_prepacking_available
 from workers.text import TextCodec
 
 IntArray = npt.NDArray[np.int64]
@@ -73,8 +73,11 @@ class Teacher:
         self.dir = target_dir
         self.precision = precision
         self.dtype = TORCH_DTYPES[precision]
-        # Plain F.linear (packed=False): it compiles nothing, and batched rows are what it is fast at.
-        self.model = LlamaForCausalLM.from_pretrained(target_dir, dtype=self.dtype, packed=False)
+        # bfloat16 on oneDNN's prepacked weights where the CPU has them (generation at batch 16 measured 134
+        # against 83 tok/s unpacked on one AMX core; full forwards about the same); float32 on plain F.linear,
+        # which compiles nothing (the engine's float32 kernels are built for batch-1 decoding).
+        packed = self.dtype == torch.bfloat16 and bf16_prepacking_available()
+        self.model = LlamaForCausalLM.from_pretrained(target_dir, dtype=self.dtype, packed=packed)
         self.codec = TextCodec.from_model_dir(target_dir)
         stops = set(self.model.cfg.eos_token_ids)
         gen_config = target_dir / "generation_config.json"
@@ -150,7 +153,8 @@ class Teacher:
             top = torch.log_softmax(logits, dim=-1)[..., subset].topk(k, dim=-1)
             idx.append(top.indices.to(torch.int16))
             logp.append(top.values.to(torch.float16))
-            argmax.append(logits.argmax(-1).to(torch.int32))
+            # max().indices: half the time of argmax() over 49152 columns here.
+            argmax.append(logits.flatten(0, 1).max(-1).indices.view(logits.shape[:2]).to(torch.int32))
         return torch.cat(idx), torch.cat(logp), torch.cat(argmax)
 
 

@@ -158,7 +158,9 @@ class DraftLlama(nn.Module):
         dtype = self.lm_head.weight.dtype
         cos, sin = self.rope_cos[:length].to(dtype)[None, :, None], self.rope_sin[:length].to(dtype)[None, :, None]
         # Gathering rows before projecting equals projecting the whole table, for T rows instead of 49152.
-        x = self.embed_proj(F.embedding(tokens, self.target_embed).to(dtype))
+        # The residual stream stays in the weights' dtype under bfloat16 autocast (only the matmuls round):
+        # the norms then see inputs of their weights' dtype and take the fused kernel.
+        x = self.embed_proj(F.embedding(tokens, self.target_embed).to(dtype)).to(dtype)
         for layer in self.blocks():
             x = layer.forward_train(x, cos, sin)
         logits: torch.Tensor = self.lm_head(self.model.norm(x))

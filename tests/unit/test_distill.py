@@ -167,12 +167,12 @@ def test_prompt_set() -> None:
 
 
 # -- resumed training --------------------------------------------------------------------------------------------
-def _trainer(target: Path, work: Path) -> Trainer:
+def _trainer(target: Path, work: Path, autocast: bool = False) -> Trainer:
     rows = np.random.default_rng(0).integers(0, 4096, (12, 17)).astype(np.int32)
     draft = tiny_draft(target)
     data = Data(rows, draft.draft_vocab_ids.numpy().copy(), gen_rows=4, corpus_rows=8)
     settings = Settings(seq_len=16, batch=4, draft_vocab=TINY.draft_vocab_size, top_k=8, epochs=2, warmup=2,
-                        gen_repeat=2, autocast=False, log_every=1)
+                        gen_repeat=2, autocast=autocast, log_every=1)
     return Trainer(settings, data, Teacher(target, "float32"), draft, work)
 
 
@@ -191,6 +191,13 @@ def test_resumed_training_equals_uninterrupted(target: Path, tmp_path: Path) -> 
     a, b = straight.opt.state_dict()["state"], resumed.opt.state_dict()["state"]
     assert all(torch.equal(a[i]["exp_avg_sq"], b[i]["exp_avg_sq"]) for i in a)
     assert torch.equal(straight.done, resumed.done)
+
+
+def test_a_bfloat16_autocast_step_warns_nothing(target: Path, tmp_path: Path) -> None:
+    trainer = _trainer(target, tmp_path, autocast=True)  # warnings are errors in this suite
+    trainer.run(2, time.monotonic() + 3600, log=tmp_path / "log.jsonl")
+    logged = [json.loads(line) for line in (tmp_path / "log.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in logged] == [1, 2] and all(np.isfinite(r["loss"]) for r in logged)
 
 
 def test_resume_refuses_other_settings(target: Path, tmp_path: Path) -> None:
