@@ -196,7 +196,10 @@ def export(args: argparse.Namespace, trainer: Trainer, work: Path, sha: str, out
         "data": json.loads((work / "data.json").read_text()), "tokens_seen": spent["tokens"],
         "teacher_tokens": spent["teacher_tokens"], "training_hours": spent["train_s"] / 3600,
         "teacher_seconds": spent["teacher_s"], "student_seconds": spent["student_s"],
-        "generation_seconds": times.get("generation_s", 0.0), "teacher_precision": trainer.teacher.precision,
+        "generation_seconds": times.get("generation_s", 0.0),
+        "total_hours": (spent["train_s"] + times.get("generation_s", 0.0)) / 3600,
+        "teacher_precision": trainer.teacher.precision,
+        "student_precision": "bfloat16 autocast" if trainer.settings.autocast else "float32",
         "cpu": {**cpu_info(), "threads": args.threads}, "torch": torch.__version__,
         "eval": json.loads((work / "eval.json").read_text()) if (work / "eval.json").is_file() else None,
     }

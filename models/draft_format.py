@@ -288,6 +288,7 @@ def save_draft(model: DraftLlama, out_dir: Path, target_dir: Path, target_sha256
     state = {k: v.detach().contiguous() if k == "draft_vocab_ids" else v.detach().to(dtype).contiguous()
              for k, v in model.state_dict().items()}
     save_file(state, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
+    (out_dir / "model.safetensors").chmod(0o644)  # safetensors writes 0600; a worker may run as another user
     (out_dir / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     for name in TOKENIZER_FILES:
         shutil.copyfile(target_dir / name, out_dir / name)
@@ -310,6 +311,7 @@ def expand_to_full_vocab(draft_dir: Path | str, target_dir: Path | str, out_dir:
     state["lm_head.weight"] = head
     save_file({k: v.detach().to(dtype).contiguous() for k, v in state.items()}, str(out_dir / "model.safetensors"),
               metadata={"format": "pt"})
+    (out_dir / "model.safetensors").chmod(0o644)
     config = {k: v for k, v in _read_json(draft_dir / "config.json").items() if k not in SPECGATE_FIELDS}
     config |= {"torch_dtype": str(dtype).removeprefix("torch."), "tie_word_embeddings": False}
     (out_dir / "config.json").write_text(json.dumps(config, indent=2) + "\n")
