@@ -218,8 +218,9 @@ def cut_rows(stream: IntArray, seq_len: int) -> IntArray:
     return rows
 
 
-def choose_subset(counts: IntArray, size: int, always: Sequence[int]) -> IntArray:
-    """The ``size`` most frequent ids (ties: lower id first), always including ``always``; ascending."""
+def choose_subset(counts: npt.NDArray[Any], size: int, always: Sequence[int]) -> IntArray:
+    """The ``size`` ids of the highest counts or weights (ties: lower id first), always including ``always``;
+    ascending."""
     if len(set(always)) > size:
         raise ValueError(f"{len(set(always))} special ids do not fit in a head of {size} rows")
     order = np.lexsort((np.arange(len(counts)), -counts))  # by count descending, then id ascending
@@ -233,17 +234,24 @@ def choose_subset(counts: IntArray, size: int, always: Sequence[int]) -> IntArra
 
 def build_rows(teacher: Teacher, generations: Sequence[Generation], seq_len: int, draft_vocab: int,
                gen_repeat: int) -> dict[str, Any]:
-    """Rows (generation rows first), the head's subset and how many rows each source has."""
+    """Rows (generation rows first), the head's subset and how many rows each source has.
+
+    The subset weighs each source's token frequencies equally: counted by tokens the stdlib (code) would
+    pick nearly all 8192 ids, and chat replies need everyday words. On the smoke run's data (64 prompts) the
+    share of held-out chat replies' tokens in the subset went from 0.845 (counts) to 0.881 (equal shares);
+    stdlib prose (pydoc_data.topics, 113k tokens) as a third source added nothing (0.883)."""
     sep = separator_id(teacher)
     gen_stream, corpus = generation_stream(generations, sep), corpus_stream(teacher, heldout=False)
-    counts = (np.bincount(gen_stream, minlength=teacher.vocab_size) * gen_repeat
-              + np.bincount(corpus, minlength=teacher.vocab_size))
+    gen_counts = np.bincount(gen_stream, minlength=teacher.vocab_size)
+    corpus_counts = np.bincount(corpus, minlength=teacher.vocab_size)
+    weights = gen_counts / max(1, gen_counts.sum()) + corpus_counts / max(1, corpus_counts.sum())
     gen_rows, corpus_rows = cut_rows(gen_stream, seq_len), cut_rows(corpus, seq_len)
-    subset = choose_subset(counts, draft_vocab, special_ids(teacher.dir))
-    covered = float(counts[subset].sum() / max(1, counts.sum()))
+    subset = choose_subset(weights, draft_vocab, special_ids(teacher.dir))
     return {"rows": np.concatenate([gen_rows, corpus_rows]).astype(np.int32), "subset": subset,
             "gen_rows": len(gen_rows), "corpus_rows": len(corpus_rows), "gen_tokens": len(gen_stream),
-            "corpus_tokens": len(corpus), "subset_token_coverage": covered}
+            "corpus_tokens": len(corpus), "subset_weighting": "generations and stdlib text half each",
+            "subset_gen_coverage": float(gen_counts[subset].sum() / max(1, gen_counts.sum())),
+            "subset_corpus_coverage": float(corpus_counts[subset].sum() / max(1, corpus_counts.sum()))}
 
 
 def epoch_order(gen_rows: int, corpus_rows: int, gen_repeat: int, seed: int, epoch: int) -> IntArray:
