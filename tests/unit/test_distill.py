@@ -241,6 +241,17 @@ def test_expanded_draft_matches_on_the_subset_and_is_zero_elsewhere(target: Path
     assert load_file(str(bf16 / "model.safetensors"))["lm_head.weight"].dtype == torch.bfloat16
 
 
+def test_the_engine_loads_the_draft_as_load_draft_does(target: Path, draft_dir: Path) -> None:
+    """The embedded engine's own reader of the format (workers/engines/embedded/reduced_vocab.py)."""
+    draft, ids = load_draft(draft_dir, target)
+    served = LlamaForCausalLM.from_pretrained(draft_dir, packed=False, target=target)
+    assert served.vocab_ids is not None and torch.equal(served.vocab_ids, ids)
+    tokens = torch.randint(0, 4096, (2, 24), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        expected, logits = draft(tokens), served.forward_train(tokens)
+    assert torch.allclose(logits, expected, atol=1e-5)
+
+
 def test_default_draft_fits_in_15_mb() -> None:
     cfg = model_config(draft_config({"vocab_size": 49152, "rope_theta": 100000.0}, DraftShape(), "x"))
     size = sum(int(np.prod(s)) * (8 if name == "draft_vocab_ids" else 2)
