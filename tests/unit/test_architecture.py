@@ -240,8 +240,8 @@ def project() -> Project:
 
 def test_the_tree_is_read(project: Project) -> None:
     _, files, graph = project
-    assert {"gateway.relay", "workers.api.protocol", "policies.speculation", "specgate_vllm.rules"} <= set(files)
-    assert "workers.api.protocol" in graph["gateway.relay"]
+    assert {"gateway.relay", "workers.api.wire", "policies.speculation", "specgate_vllm.rules"} <= set(files)
+    assert "workers.api.wire" in graph["gateway.relay"]
 
 
 def test_gateway_imports_only_the_bottom_layer_of_workers(project: Project) -> None:
@@ -266,7 +266,7 @@ def test_no_long_files_outside_tests(project: Project) -> None:
 
 # -- each check can fail ----------------------------------------------------------------------------------
 def test_gateway_check_names_an_upward_edge() -> None:
-    graph = {"gateway.relay": {"workers.api.protocol", "workers.engines.interface", "policies"},
+    graph = {"gateway.relay": {"workers.api.wire", "workers.engines.interface", "policies"},
              "gateway.cli": {"workers.__main__"}}
     assert gateway_violations(graph) == ["gateway.relay -> workers.engines.interface"]
 

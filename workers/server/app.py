@@ -21,29 +21,24 @@ from aiohttp.typedefs import Middleware
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
 from policies.tree import TreeShape
+from workers.api.answers import assemble, speculative_usage
+from workers.api.errors import ApiError, BadRequest, NotFound, Overloaded, WorkerFailed
 from workers.api.generation import SamplingParams, StepCounts
 from workers.api.logs import RequestLog, request_id_var, session_var
-from workers.api.protocol import (
+from workers.api.request_parser import parse_request
+from workers.api.schema import FIELD_NAMES
+from workers.api.tokens import Unauthorized, bearer, matching
+from workers.api.web_common import Handler, health, model_list, openai_errors, read_json, sse_event, start_sse
+from workers.api.wire import (
     DIRECTIVE_FIELD,
     MAX_SESSION_ID,
     REQUEST_ID_HEADER,
     SESSION_HEADER,
-    ApiError,
-    BadRequest,
     CompletionRequest,
-    NotFound,
-    Overloaded,
     RequestKind,
     StepReport,
-    WorkerFailed,
-    assemble,
-    parse_request,
-    speculative_usage,
     step_log,
 )
-from workers.api.schema import FIELD_NAMES
-from workers.api.tokens import Unauthorized, bearer, matching
-from workers.api.web_common import Handler, health, model_list, openai_errors, read_json, sse_event, start_sse
 from workers.engines.interface import Engine, EngineRequestError, GenerationRequest, StepStats
 from workers.server.coalesce import Chunk, chunk_event, write_coalesced
 from workers.server.context import CONTEXT_KEY, WorkerContext, WorkerSettings
