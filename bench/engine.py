@@ -10,7 +10,7 @@ Gumbel-max sampling is coupled across modes (same answer in every mode), against
 rule's α at the same temperatures. With ``--json`` the last line printed is one JSON object
 with every figure.
 
-The cost model (``workers/engines/embedded/measure.py``): the one a worker with these settings would build
+The cost model (``workers/engines/embedded/measurement/measure.py``): the one a worker with these settings would build
 (``cost_model``, with ``max_slots`` the largest batch measured here), the precision it chose
 (``--dtype auto`` serves that), ``predicted_speedup_b1`` (its prediction at the measured α, for
 the same requests: prefills and the draft's catch-up on each prompt included, as in the measured
@@ -32,12 +32,12 @@ import torch
 from bench.engine_runs import OTHER_PLAIN, RunResult, forward_times, prefill_times, run_batch, run_interleaved
 from bench.engine_trees import measure_trees
 from policies import CostModel, catch_up_pays, choose_k, gain
-from workers.costs.model import CostReport, OnlineCosts, StepCostRule
+from workers.costs.cost_report import CostReport, OnlineCosts, StepCostRule
 from workers.demo.corpus import heldout_prompts
-from workers.engines.embedded import rowgemm
 from workers.engines.embedded.engine import SpeculativeEngine
-from workers.engines.embedded.measure import MeasureSettings, measure, torch_threads_serving
-from workers.engines.embedded.model import TORCH_DTYPES, LlamaForCausalLM, Products, products_named
+from workers.engines.embedded.kernels import rowgemm
+from workers.engines.embedded.llama import TORCH_DTYPES, LlamaForCausalLM, Products, products_named
+from workers.engines.embedded.measurement.measure import MeasureSettings, measure, torch_threads_serving
 from workers.engines.embedded.runner import COST_TABLE_STEPS
 from workers.text import TextCodec
 

@@ -34,7 +34,7 @@ from models.draft_format import special_ids
 from workers.api.wire import ChatMessage
 from workers.demo.corpus import stdlib_sources
 from workers.engines.embedded.kv_cache import CacheBatch, KVCache, padded_span
-from workers.engines.embedded.model import TORCH_DTYPES, LlamaForCausalLM, bf16_prepacking_available
+from workers.engines.embedded.llama import TORCH_DTYPES, LlamaForCausalLM, bf16_prepacking_available
 from workers.text import TextCodec
 
 IntArray = npt.NDArray[np.int64]

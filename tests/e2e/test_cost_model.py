@@ -11,11 +11,11 @@ import pytest
 import torch
 
 import workers.costs.cache as cost_cache
-import workers.engines.embedded.measure as costs_measure
-import workers.engines.embedded.measure_steps as costs_engine
+import workers.engines.embedded.measurement.measure as costs_measure
+import workers.engines.embedded.measurement.steps as costs_engine
 from policies import CostModel, catch_up_pays, whole_step_costs
 from workers.costs.cache import CostCache, cpu_label
-from workers.costs.model import (
+from workers.costs.cost_report import (
     ONLINE_WEIGHT,
     STALE_STEPS,
     CostReport,
@@ -26,8 +26,8 @@ from workers.costs.model import (
     depth_grid,
     report_from_forward_times,
 )
-from workers.engines.embedded import rowgemm
-from workers.engines.embedded.measure import MeasureSettings, choose_precision, measure, measure_or_load
+from workers.engines.embedded.kernels import rowgemm
+from workers.engines.embedded.measurement.measure import MeasureSettings, choose_precision, measure, measure_or_load
 
 MODELS = Path(__file__).resolve().parents[2] / "models"
 

@@ -18,7 +18,7 @@ session switched to plain decoding needs no second pool and no second copy of th
 - Cost model: the stat logger times each engine iteration as the gap since the previous one
   (while requests run, the engine core iterates back to back, so the gap is the step) and folds
   it, by batch depth and mean drafts per running request, into ``StepTimeCosts``
-  (``workers/costs/model.py``): whole steps only, an estimate that appears once a plain and a
+  (``workers/costs/cost_report.py``): whole steps only, an estimate that appears once a plain and a
   speculative step have been seen. The gap also includes scheduling and output processing,
   which a plain step pays too. The per-step cost rule is the plugin's business and not
   applied here (``cost_rule`` is accepted and ignored).
@@ -38,7 +38,7 @@ from pathlib import Path
 from typing import Any
 
 from workers.api.generation import SpecSteps, group_steps
-from workers.costs.model import CostReport, StepTimeCosts, depth_grid
+from workers.costs.cost_report import CostReport, StepTimeCosts, depth_grid
 from workers.engines.interface import (
     EngineInfo,
     EngineRequestError,

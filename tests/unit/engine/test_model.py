@@ -11,9 +11,9 @@ import pytest
 import torch
 
 from workers.demo.train import SEQ_LEN, Stage, run_stage
-from workers.engines.embedded import model as model_module
+from workers.engines.embedded import llama as model_module
 from workers.engines.embedded.config import ModelConfig
-from workers.engines.embedded.model import FrozenLinear, LlamaForCausalLM, resolve_dtype
+from workers.engines.embedded.llama import FrozenLinear, LlamaForCausalLM, resolve_dtype
 
 from .conftest import converted, requires_bf16_prepacking
 

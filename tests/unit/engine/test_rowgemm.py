@@ -1,4 +1,4 @@
-"""workers/engines/embedded/rowgemm.py: the float32 kernels against F.linear and the torch forward, row
+"""workers/engines/embedded/kernels/rowgemm.py: the float32 kernels against F.linear and the torch forward, row
 invariance (what makes float32 verification bit-identical), and the fallback without them."""
 
 from __future__ import annotations
@@ -13,11 +13,11 @@ import torch
 import torch.nn.functional as F
 
 from workers.demo.corpus import heldout_prompts
-from workers.engines.embedded import rowgemm
 from workers.engines.embedded.engine import GenerationRequest, SpeculativeEngine
+from workers.engines.embedded.kernels import rowgemm
 from workers.engines.embedded.kv_cache import CacheBatch, KVCache
-from workers.engines.embedded.measure import verification_bit_identical
-from workers.engines.embedded.model import LlamaForCausalLM
+from workers.engines.embedded.llama import LlamaForCausalLM
+from workers.engines.embedded.measurement.measure import verification_bit_identical
 from workers.engines.embedded.sampling import SamplingParams
 from workers.text import TextCodec
 

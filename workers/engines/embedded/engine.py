@@ -28,9 +28,8 @@ import torch
 
 from policies.tree import MAX_TREE_NODES
 from workers.api.limits import check_sampling
-from workers.engines.embedded import tree_step
 from workers.engines.embedded.kv_cache import CacheBatch, KVCache
-from workers.engines.embedded.model import LlamaForCausalLM
+from workers.engines.embedded.llama import LlamaForCausalLM
 from workers.engines.embedded.sampling import (
     Verdict,
     gumbel_max,
@@ -41,7 +40,8 @@ from workers.engines.embedded.sampling import (
 )
 from workers.engines.embedded.sequence import Row as _Row
 from workers.engines.embedded.sequence import Sequence as _Sequence
-from workers.engines.embedded.tree import TreeRow, layout
+from workers.engines.embedded.trees import step as tree_step
+from workers.engines.embedded.trees.tree import TreeRow, layout
 from workers.engines.interface import FinishReason, GenerationRequest, StepEvent
 
 __all__ = ["CatchUpRule", "GenerationRequest", "SpeculativeEngine", "StepCostRule", "StepDepthRule", "StepEvent"]
@@ -85,7 +85,7 @@ class StepShape:
 def native_forward(model: LlamaForCausalLM, cache: KVCache, tokens: list[list[int]], slots: list[int],
                    starts: list[int], logit_idx: list[int], row_invariant: bool,
                    trees: list[TreeRow | None] | None = None) -> torch.Tensor | None:
-    """Rows straight into the model's one-call kernel (workers/engines/embedded/rowgemm.py), where it serves them
+    """Rows straight into the model's one-call kernel (kernels/rowgemm.py), where it serves them
     as ``forward_cached`` would (row-invariant or short rows), from Python lists: no CacheBatch,
     no torch op per index check (at batch 1 a draft forward's bookkeeping through
     ``forward_cached`` cost about as much as its arithmetic). Logits (N, V) for ``logit_idx``
@@ -134,7 +134,7 @@ class SpeculativeEngine:
         self._batched_row_limit = self.max_k + 2
         # Wall time of the last step's draft proposals and target verification (metrics), of the
         # whole step (what is outside those two is the cost model's per-step overhead), and
-        # their shapes (the cost model's online refinement, workers/costs/model.py).
+        # their shapes (the cost model's online refinement, workers/costs/cost_report.py).
         self.last_draft_s = 0.0
         self.last_target_s = 0.0
         self.last_step_s = 0.0

@@ -26,11 +26,11 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from workers.engines.embedded import rowgemm
 from workers.engines.embedded.config import ModelConfig
+from workers.engines.embedded.kernels import rowgemm
 from workers.engines.embedded.kv_cache import CacheBatch, KVCache
 from workers.engines.embedded.reduced_vocab import check_same_tokenizer, projected_embedding, vocab_ids
-from workers.engines.embedded.tree_attention import attend_gathered, gather_keys
+from workers.engines.embedded.trees.attention import attend_gathered, gather_keys
 
 
 def bf16_prepacking_available() -> bool:
@@ -41,7 +41,7 @@ def bf16_prepacking_available() -> bool:
 
 
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}  # config names -> torch dtypes
-# How a float32 model's projections on workers/engines/embedded/rowgemm.py's kernels multiply: float32 FMAs of
+# How a float32 model's projections on workers/engines/embedded/kernels/rowgemm.py's kernels multiply: float32 FMAs of
 # the bfloat16 weights, or bfloat16 products (inputs rounded to bfloat16, sums in float32: the
 # arithmetic of oneDNN's bfloat16 and of AMX) where the CPU has AVX512-BF16. Both kernels are
 # row-invariant, so either keeps verification bit-identical to plain decoding.
@@ -77,7 +77,7 @@ class FrozenLinear:
         weight = weight.detach().contiguous()
         # Exactly one of the three is kept: a packed copy replaces the plain weight.
         self.packed: torch.Tensor | None = None
-        self.panels: rowgemm.Panels | None = None  # float32 on workers/engines/embedded/rowgemm.py's kernel
+        self.panels: rowgemm.Panels | None = None  # float32 on workers/engines/embedded/kernels/rowgemm.py's kernel
         self.weight: torch.Tensor | None = weight
         self.dot = False  # the panels multiply as bfloat16 products (``Products``)
         self._rowgemm = rowgemm.load() if packed and weight.dtype == torch.float32 else None
@@ -321,7 +321,7 @@ class LlamaForCausalLM(nn.Module):
         # A reduced-vocabulary draft: the token id each head row scores (full_vocab_logits).
         self.vocab_ids: torch.Tensor | None = None
         self.head_frozen: FrozenLinear | None = None
-        # Set by prepare_inference where the float32 forward runs workers/engines/embedded/rowgemm.py's kernels.
+        # Set by prepare_inference where the float32 forward runs workers/engines/embedded/kernels/rowgemm.py's kernels.
         self.native: rowgemm.RowGemm | None = None
         self.fused: rowgemm.FusedForward | None = None  # the same path in one kernel call
         cos, sin = rotary_tables(cfg, torch.float32)
@@ -372,7 +372,7 @@ class LlamaForCausalLM(nn.Module):
     @classmethod
     def load_draft(cls, directory: Path | str, dtype: torch.dtype = torch.float32,
                    products: Products = "float32", target: Path | str | None = None) -> LlamaForCausalLM:
-        """A draft as the engine serves it: in float32 on workers/engines/embedded/rowgemm.py's kernels (where they
+        """A draft as the engine serves it: in float32 on kernels/rowgemm.py's kernels (where they
         build), from its checkpoint's own bfloat16 weights. int8 projections served it while the
         bfloat16 kernel widened 8 weights at a time; with the paired layout bfloat16 measured as
         fast at one token and 20-25% faster at four (AVX2 CPU, taking turns with the target's
@@ -397,7 +397,7 @@ class LlamaForCausalLM(nn.Module):
     @property
     def prepacked(self) -> bool:
         """Whether the projections run on weights laid out once for a row-invariant kernel:
-        oneDNN's prepacked bfloat16, or float32 panels on workers/engines/embedded/rowgemm.py's (see FrozenLinear)."""
+        oneDNN's prepacked bfloat16, or float32 panels on kernels/rowgemm.py's (see FrozenLinear)."""
         head = self.head_frozen
         return head is not None and (head.packed is not None or head.panels is not None)
 
@@ -495,7 +495,7 @@ class LlamaForCausalLM(nn.Module):
 
     def _forward_native(self, kernel: rowgemm.RowGemm, tokens: torch.Tensor, cache: KVCache, batch: CacheBatch,
                         logit_rows: torch.Tensor | None, logit_cols: torch.Tensor | None) -> torch.Tensor:
-        """``forward_cached`` in float32 on workers/engines/embedded/rowgemm.py's kernels: one call each for a
+        """``forward_cached`` in float32 on workers/engines/embedded/kernels/rowgemm.py's kernels: one call each for a
         norm, a projection, SwiGLU, and rotary + cache write + attention, instead of a dozen
         small torch ops each (at batch 1 a small model's step is mostly their overhead).
 

@@ -22,7 +22,7 @@ One schema for every engine (``CostReport``; ``/specgate/worker`` publishes it u
   whole-step timings that already hold that work.
 
 Where the figures come from differs by engine: the embedded engine measures them at start-up
-(``workers/engines/embedded/measure.py``) and refines them online from its step timings
+(``workers/engines/embedded/measurement/measure.py``) and refines them online from its step timings
 (``OnlineCosts``); the simulated engine derives them from its model (``report_from_forward_times``);
 a vLLM worker estimates them from iteration timings only (``StepTimeCosts``).
 """
@@ -79,7 +79,7 @@ class PrecisionCandidate:
     tok_s_b1: float  # predicted batch-1 tokens/s at the reference acceptance, at its best K
     best_k_b1: int
     tok_s_full: float  # plain tokens/s at full batch (max_slots): capacity under load
-    products: str = "float32"  # how workers/engines/embedded/rowgemm.py's kernels multiply (Products); float32 off them
+    products: str = "float32"  # how the embedded engine's kernels multiply (Products); float32 off them
 
     @property
     def score(self) -> float:
@@ -96,7 +96,7 @@ class PrecisionChoice:
     why: str
     reference_alpha: float  # the acceptance the candidates were compared at
     candidates: tuple[PrecisionCandidate, ...] = ()
-    # The chosen target's on the kernels (workers.engines.embedded.model.Products); its draft's too.
+    # The chosen target's on the kernels (workers.engines.embedded.llama.Products); its draft's too.
     products: str = "float32"
 
 

@@ -18,7 +18,7 @@ The C source is compiled with the system C compiler (``cc``, or ``$CC``) into
 ``~/.cache/specgate/rowgemm`` (``SPECGATE_ROWGEMM_DIR``) once per source and compiler, about a
 second; a CPU without AVX2/FMA, a missing compiler or a failed build leaves ``load()`` None, and
 the model runs ``F.linear`` as before. ``SPECGATE_ROWGEMM=0`` disables it. Whether a worker
-serves with it is a measured choice (``workers/engines/embedded/measure.py``), not this module's.
+serves with it is a measured choice (``workers/engines/embedded/measurement/measure.py``), not this module's.
 """
 
 from __future__ import annotations
@@ -42,8 +42,8 @@ from typing import NamedTuple
 
 import torch
 
-from workers.engines.embedded.tree import TreeRow
-from workers.engines.embedded.tree_attention import TREE_STRIDE, pack_trees
+from workers.engines.embedded.trees.attention import TREE_STRIDE, pack_trees
+from workers.engines.embedded.trees.tree import TreeRow
 
 log = logging.getLogger(__name__)
 

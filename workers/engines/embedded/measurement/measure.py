@@ -13,7 +13,7 @@ Before a worker reports ready it spends at most ``budget_s`` here (or nothing, o
 2. **Step overhead.** The engine itself steps the chosen target and the draft, plain and
    speculative, and the time each step spends outside its forwards (sampling, bookkeeping) is
    kept: at batch 1 for a plain step and per draft, and at a deeper batch for a plain step
-   (``workers/engines/embedded/measure_steps.py``). Forward times alone price speculation too high where
+   (``workers/engines/embedded/measurement/steps.py``). Forward times alone price speculation too high where
    forwards are cheap, since a plain step pays that work too. The same steps time the engine's draft
    phase at K = 1 and a deeper K, at every depth up to the deeper batch: a step's first draft
    forward costs more than the later ones (``draft_split``).
@@ -42,20 +42,20 @@ import torch
 from policies.cost import expected_tokens
 from policies.tree import MAX_TREE_NODES
 from workers.costs.cache import CostCache, cache_key, cpu_label
-from workers.costs.model import (
+from workers.costs.cost_report import (
     CostReport,
     PrecisionCandidate,
     PrecisionChoice,
     depth_grid,
     report_from_forward_times,
 )
-from workers.engines.embedded import rowgemm
 from workers.engines.embedded.engine import native_forward
+from workers.engines.embedded.kernels import rowgemm
 from workers.engines.embedded.kv_cache import CacheBatch, KVCache
-from workers.engines.embedded.measure_common import fill_line, scratch_cache, timed
-from workers.engines.embedded.measure_steps import draft_split, measure_overheads
-from workers.engines.embedded.measure_trees import TREE_LEVEL_WIDTH, measure_tree_costs
-from workers.engines.embedded.model import TORCH_DTYPES, LlamaForCausalLM, Products, bf16_prepacking_available
+from workers.engines.embedded.llama import TORCH_DTYPES, LlamaForCausalLM, Products, bf16_prepacking_available
+from workers.engines.embedded.measurement.common import fill_line, scratch_cache, timed
+from workers.engines.embedded.measurement.steps import draft_split, measure_overheads
+from workers.engines.embedded.measurement.trees import TREE_LEVEL_WIDTH, measure_tree_costs
 
 log = logging.getLogger(__name__)
 TargetDtype = Literal["float32", "bfloat16"]
@@ -91,7 +91,7 @@ class MeasureSettings:
 
 
 def kernel_build() -> str | None:
-    """The float32 kernels' build (``workers/engines/embedded/rowgemm.py``), None where they do not run."""
+    """The float32 kernels' build (``workers/engines/embedded/kernels/rowgemm.py``), None where they do not run."""
     kernel = rowgemm.load()
     return None if kernel is None else kernel.build
 
@@ -224,7 +224,7 @@ def choose_precision(candidates: list[PrecisionCandidate],
 
 def target_configs(dtype: Literal["auto", "float32", "bfloat16"]) -> dict[str, tuple[TargetDtype, bool, Products]]:
     """The target configurations to measure, by label: (dtype, packed, products). float32 packed
-    runs workers/engines/embedded/rowgemm.py's kernels where they compiled, and is then measured against F.linear.
+    runs kernels/rowgemm.py's kernels where they compiled, and is then measured against F.linear.
     Where the kernels have bfloat16 products (AVX512-BF16), a float32 model multiplying in
     bfloat16 is a bfloat16 configuration: measured for ``auto`` and ``bfloat16``, never for a
     configured ``float32``, which promises float32 arithmetic."""
@@ -241,7 +241,7 @@ def target_configs(dtype: Literal["auto", "float32", "bfloat16"]) -> dict[str, t
 
 def torch_threads_serving(precision: PrecisionChoice, threads: int) -> int:
     """torch's intra-op threads once ``precision`` serves: ``threads``, except 1 where the
-    kernels (workers/engines/embedded/rowgemm.py, their own ``threads``) run the forwards. torch then only glues
+    kernels (workers/engines/embedded/kernels/rowgemm.py, their own ``threads``) run the forwards. torch then only glues
     between kernel calls, and its OpenMP workers, spinning after each parallel region, took the
     second core from the kernels' helper: on the 2-core AVX2 machine, ``bench.engine --threads 2``
     decoded 603 -> 900 tok/s (plain -> speculative) with them and 770 -> 1135 without
