@@ -86,6 +86,21 @@ def _eos_ids(model_dir: Path) -> frozenset[int]:
     return frozenset(int(i) for i in ids)
 
 
+def _engine_args(s: VllmSettings) -> tuple[Any, bool]:
+    """vLLM's engine arguments for these settings, and whether they speculate (a draft and K > 0)."""
+    from vllm.engine.arg_utils import AsyncEngineArgs
+
+    speculative: dict[str, Any] | None = None
+    if s.draft is not None and s.max_k > 0:
+        speculative = {"method": "draft_model", "model": str(s.draft), "num_speculative_tokens": s.max_k}
+    # Operators' vLLM arguments (workers.vllm_args) win over the worker's generic ones.
+    fields: dict[str, Any] = {"dtype": s.dtype, "max_model_len": s.max_model_len}
+    fields.update(s.engine_args)
+    args = AsyncEngineArgs(model=str(s.target), max_num_seqs=s.max_slots, speculative_config=speculative,
+                           per_request_spec_decode_metrics="detailed", disable_log_stats=False, **fields)
+    return args, speculative is not None
+
+
 class VllmEngine:
     def __init__(self, settings: VllmSettings) -> None:
         self.settings = settings
@@ -135,20 +150,12 @@ class VllmEngine:
         # the host's address unless told to use loopback.
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
         os.environ.setdefault("VLLM_HOST_IP", "127.0.0.1")
-        from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.v1.engine.async_llm import AsyncLLM
         from vllm.v1.executor import Executor
         from vllm.v1.metrics.loggers import PrometheusStatLogger, StatLoggerBase
 
         s = self.settings
-        speculative: dict[str, Any] | None = None
-        if s.draft is not None and s.max_k > 0:
-            speculative = {"method": "draft_model", "model": str(s.draft), "num_speculative_tokens": s.max_k}
-        # Operators' vLLM arguments (workers.vllm_args) win over the worker's generic ones.
-        fields: dict[str, Any] = {"dtype": s.dtype, "max_model_len": s.max_model_len}
-        fields.update(s.engine_args)
-        args = AsyncEngineArgs(model=str(s.target), max_num_seqs=s.max_slots, speculative_config=speculative,
-                               per_request_spec_decode_metrics="detailed", disable_log_stats=False, **fields)
+        args, speculative = _engine_args(s)
         vllm_config = args.create_engine_config()
         # The plugin's base class must match the engine's scheduling (see specgate_vllm.scheduler).
         scheduler = vllm_config.scheduler_config
