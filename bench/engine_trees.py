@@ -23,7 +23,7 @@ from bench.engine_runs import run_interleaved
 from policies import Decision, PolicyConfig, RequestFacts, SessionState, WorkerState, decide, record_decision
 from policies.speculation import observe, observe_path
 from policies.tree import StepPath, TreeShape
-from workers.costs.cost_report import OnlineCosts
+from workers.costs.online import OnlineCosts
 from workers.engines.embedded.engine import SpeculativeEngine, StepEvent
 from workers.engines.embedded.llama import LlamaForCausalLM
 

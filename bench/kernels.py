@@ -27,7 +27,7 @@ docs/engine.md section 1).
   from Python; the median drafting phase and step, and tokens/s, of each.
 
 Python's call overhead (about 10 µs a projection) is inside ``projections_ms`` alike for both
-builds; the forwards go through ``workers.engines.embedded.engine.native_forward``, as the engine runs them.
+builds; the forwards go through ``workers.engines.embedded.forwards.native_forward``, as the engine runs them.
 """
 
 from __future__ import annotations
@@ -45,7 +45,8 @@ from bench.turns import median_in_turns
 from workers.api.generation import SamplingParams
 from workers.costs.cache import cpu_label
 from workers.demo.corpus import heldout_prompts
-from workers.engines.embedded.engine import GenerationRequest, SpeculativeEngine, native_forward
+from workers.engines.embedded.engine import GenerationRequest, SpeculativeEngine
+from workers.engines.embedded.forwards import native_forward
 from workers.engines.embedded.kernels import rowgemm
 from workers.engines.embedded.kv_cache import KVCache
 from workers.engines.embedded.llama import LlamaForCausalLM

@@ -169,6 +169,6 @@ def target_prepacked_expected(target: str) -> bool:
     row-invariant kernel: oneDNN's prepacked bfloat16 where the CPU has AVX512-BF16/AMX, float32
     on workers/engines/embedded/kernels/rowgemm.py's kernels where they build (a C compiler and AVX2)."""
     from workers.engines.embedded.kernels import rowgemm
-    from workers.engines.embedded.llama import bf16_prepacking_available
+    from workers.engines.embedded.projections import bf16_prepacking_available
 
     return bf16_prepacking_available() if target == "bfloat16" else rowgemm.load() is not None

@@ -16,7 +16,7 @@ from bench.overhead import target_lines
 from bench.policy_real import live_prompt
 from tests.e2e.harness import REPO
 from workers.engines.embedded.kernels import rowgemm
-from workers.engines.embedded.llama import bf16_prepacking_available
+from workers.engines.embedded.projections import bf16_prepacking_available
 from workers.text import TextCodec
 
 REQUIRED = {"alpha_t0", "best_k", "speedup_b1", "bound_b1", "c", "tok_s_plain_b1", "tok_s_spec_b1",

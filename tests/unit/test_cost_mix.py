@@ -35,7 +35,8 @@ from policies import (
 from policies.speculation import RequestFacts
 from tests.policy_data import COOL, PROPERTY, state
 from workers.api.sim_config import SimConfig
-from workers.costs.cost_report import StepCostRule, report_from_forward_times
+from workers.costs.cost_report import report_from_forward_times
+from workers.costs.online import StepCostRule
 from workers.engines.sim.engine import derived_cost_report
 from workers.engines.sim.roofline import SimBatch, SimSeq
 

@@ -38,7 +38,8 @@ from pathlib import Path
 from typing import Any
 
 from workers.api.generation import SpecSteps, group_steps
-from workers.costs.cost_report import CostReport, StepTimeCosts, depth_grid
+from workers.costs.cost_report import CostReport, depth_grid
+from workers.costs.online import StepTimeCosts
 from workers.engines.interface import (
     EngineInfo,
     EngineRequestError,

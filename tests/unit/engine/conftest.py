@@ -19,8 +19,9 @@ from scipy import stats
 
 from workers.engines.embedded.config import ModelConfig
 from workers.engines.embedded.kernels import rowgemm
-from workers.engines.embedded.llama import LlamaForCausalLM, bf16_prepacking_available
+from workers.engines.embedded.llama import LlamaForCausalLM
 from workers.engines.embedded.measurement.measure import verification_bit_identical
+from workers.engines.embedded.projections import bf16_prepacking_available
 from workers.engines.embedded.sampling import Verdict, sample
 
 VOCAB = 48

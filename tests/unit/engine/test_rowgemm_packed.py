@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from workers.costs.cost_report import OnlineCosts, report_from_forward_times
+from workers.costs.cost_report import report_from_forward_times
+from workers.costs.online import OnlineCosts
 from workers.engines.embedded.engine import GenerationRequest, SpeculativeEngine
 from workers.engines.embedded.kernels import rowgemm
 from workers.engines.embedded.kv_cache import KVCache

@@ -15,12 +15,9 @@ import torch
 from workers.costs.cost_report import CostReport, PrecisionCandidate, PrecisionChoice
 from workers.engines.embedded.kernels import rowgemm
 from workers.engines.embedded.llama import LlamaForCausalLM
-from workers.engines.embedded.measurement.measure import (
-    MeasureSettings,
-    choose_precision,
-    target_configs,
-    verification_bit_identical,
-)
+from workers.engines.embedded.measurement.measure import verification_bit_identical
+from workers.engines.embedded.measurement.precision import choose_precision, target_configs
+from workers.engines.embedded.measurement.settings import MeasureSettings
 
 REPO = Path(__file__).resolve().parents[3]
 KERNEL = rowgemm.load()

@@ -18,8 +18,10 @@ from dataclasses import dataclass
 
 from policies.cost import catch_up_pays
 from policies.speculation import step_depth
-from workers.costs.cost_report import CostReport, OnlineCosts, StepCostRule
-from workers.engines.embedded.engine import ORDINARY_LAG, SpeculativeEngine
+from workers.costs.cost_report import CostReport
+from workers.costs.online import OnlineCosts, StepCostRule
+from workers.engines.embedded.engine import SpeculativeEngine
+from workers.engines.embedded.step_interface import ORDINARY_LAG
 from workers.engines.interface import EngineTotals, GenerationRequest, StepEvent, StepObserver, StepStats
 
 log = logging.getLogger(__name__)

@@ -25,7 +25,8 @@ from pathlib import Path
 from typing import Any
 
 from workers.api.sim_config import SimConfig
-from workers.costs.cost_report import CostReport, StepCostRule, depth_grid, report_from_forward_times
+from workers.costs.cost_report import CostReport, depth_grid, report_from_forward_times
+from workers.costs.online import StepCostRule
 from workers.engines.interface import (
     EngineInfo,
     EngineRequestError,

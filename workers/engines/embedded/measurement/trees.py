@@ -19,7 +19,7 @@ from collections.abc import Callable
 
 import torch
 
-from workers.engines.embedded.engine import native_forward
+from workers.engines.embedded.forwards import native_forward
 from workers.engines.embedded.kv_cache import CacheBatch, KVCache
 from workers.engines.embedded.llama import LlamaForCausalLM
 from workers.engines.embedded.measurement.common import fill_line, scratch_cache, timed
