@@ -348,8 +348,8 @@ def failure_reasons(chaos: Chaos, counted: list[tuple[Variant, Outcome, str]], s
     return out
 
 
-async def run(args: argparse.Namespace) -> dict[str, Any]:
-    tmp = Path(tempfile.mkdtemp(prefix="specgate-chaos-"))
+def write_config(tmp: Path, args: argparse.Namespace) -> Path:
+    """The chaos gateway's config.yaml in ``tmp``: the demo models, ``args.workers`` workers."""
     config = tmp / "config.yaml"
     config.write_text(yaml.safe_dump({
         "model": {"target": str(REPO / "models/demo-target"), "draft": str(REPO / "models/demo-draft")},
@@ -357,6 +357,12 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         "workers": {"count": args.workers, "max_slots": 16, "poll_interval_s": 0.2, "restart_backoff_s": 0.2,
                     "dtype": args.dtype},
         "policy": POLICIES_VALID[1]}))
+    return config
+
+
+async def run(args: argparse.Namespace) -> dict[str, Any]:
+    tmp = Path(tempfile.mkdtemp(prefix="specgate-chaos-"))
+    config = write_config(tmp, args)
     process, url = start_gateway(config, tmp / "gateway.log")
     chaos = Chaos(url)
     rng = random.Random(args.seed)

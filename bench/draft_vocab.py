@@ -29,7 +29,8 @@ import torch
 from bench.turns import median_in_turns
 from workers.demo.corpus import stdlib_sources
 from workers.engines.embedded.kv_cache import CacheBatch, KVCache
-from workers.engines.embedded.model import TORCH_DTYPES, FrozenLinear, LlamaForCausalLM
+from workers.engines.embedded.llama import LlamaForCausalLM
+from workers.engines.embedded.projections import TORCH_DTYPES, FrozenLinear
 from workers.text import TextCodec
 
 REPO = Path(__file__).resolve().parent.parent

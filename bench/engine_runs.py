@@ -15,10 +15,11 @@ import torch
 
 from policies import tested_drafts
 from policies.tree import TreeShape
-from workers.costs.model import OnlineCosts
-from workers.engines.embedded.engine import GenerationRequest, SpeculativeEngine, StepEvent, native_forward
+from workers.costs.online import OnlineCosts
+from workers.engines.embedded.engine import GenerationRequest, SpeculativeEngine, StepEvent
+from workers.engines.embedded.forwards import native_forward
 from workers.engines.embedded.kv_cache import CacheBatch, KVCache
-from workers.engines.embedded.model import LlamaForCausalLM
+from workers.engines.embedded.llama import LlamaForCausalLM
 from workers.engines.embedded.runner import fold_step
 from workers.engines.embedded.sampling import SamplingParams
 

@@ -23,9 +23,9 @@ from bench.engine_runs import run_interleaved
 from policies import Decision, PolicyConfig, RequestFacts, SessionState, WorkerState, decide, record_decision
 from policies.speculation import observe, observe_path
 from policies.tree import StepPath, TreeShape
-from workers.costs.model import OnlineCosts
+from workers.costs.online import OnlineCosts
 from workers.engines.embedded.engine import SpeculativeEngine, StepEvent
-from workers.engines.embedded.model import LlamaForCausalLM
+from workers.engines.embedded.llama import LlamaForCausalLM
 
 # Small trees: verifying a node costs a CPU a sizeable share of a token (docs/engine.md), so
 # only shallow, narrow trees stand a chance here; each is also a candidate of auto's.

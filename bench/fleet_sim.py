@@ -35,9 +35,9 @@ from policies import (
     worker_acceptance,
 )
 from workers.api.sim_config import SimConfig
-from workers.costs.model import StepCostRule
+from workers.costs.online import StepCostRule
 from workers.engines.sim.engine import derived_cost_report
-from workers.engines.sim.model import NO_CAP, BatchStep, SimBatch, SimSeq, StepRule, gain
+from workers.engines.sim.roofline import NO_CAP, BatchStep, SimBatch, SimSeq, StepRule, gain
 
 # -- policies -------------------------------------------------------------------------------------------
 

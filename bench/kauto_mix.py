@@ -13,7 +13,7 @@ unit of time relative to plain) three ways:
 - ``mixed``: as K auto prices it now, the drafting third at K and the rest plain, as the batch's
   goodput per drafting sequence (``policies.cost.gain`` with a ``StepMix``);
 - ``sim``: the same objective on the sim's own step times for that batch
-  (``workers.engines.sim.model.StepCost``), which the mixed price should match.
+  (``workers.engines.sim.roofline.StepCost``), which the mixed price should match.
 
 Pure arithmetic on the models: no timing, no noise.
 """
@@ -27,7 +27,7 @@ from typing import Any
 from policies.cost import CostModel, StepMix, expected_tokens, gain
 from workers.api.sim_config import SimConfig
 from workers.engines.sim.engine import COST_CONTEXT, derived_cost_report
-from workers.engines.sim.model import StepCost
+from workers.engines.sim.roofline import StepCost
 
 ALPHA = 0.9
 MAX_K = 8

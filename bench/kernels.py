@@ -1,10 +1,11 @@
-"""What the float32 kernels' choices buy on this CPU (workers/engines/embedded/rowgemm.py, docs/engine.md section 1).
+"""What the float32 kernels' choices buy on this CPU (workers/engines/embedded/kernels/rowgemm.py,
+docs/engine.md section 1).
 
     python -m bench.kernels [--json] [--quick]
 
 - ``projections_ms``: one pass of the target's projections (all of its bfloat16 panels, 28 MB
   for the demo target: more than stays cached beside everything else) for 1 to 9 rows, in
-  each build ``workers.engines.embedded.rowgemm.load()`` chooses between (``prefetch``: software prefetching 12
+  each build ``workers.engines.embedded.kernels.rowgemm.load()`` chooses between (``prefetch``: software prefetching 12
   KB ahead; ``no_prefetch``: the hardware prefetcher alone) and, on a CPU with AVX-512,
   ``eight_wide``: the served build with the 8-column tiles of an AVX2 CPU (``WIDE_TILES=0``)
   instead of 16-column ones; on a CPU with AVX512-BF16, ``products``: the served build's
@@ -26,7 +27,7 @@
   from Python; the median drafting phase and step, and tokens/s, of each.
 
 Python's call overhead (about 10 µs a projection) is inside ``projections_ms`` alike for both
-builds; the forwards go through ``workers.engines.embedded.engine.native_forward``, as the engine runs them.
+builds; the forwards go through ``workers.engines.embedded.forwards.native_forward``, as the engine runs them.
 """
 
 from __future__ import annotations
@@ -44,10 +45,11 @@ from bench.turns import median_in_turns
 from workers.api.generation import SamplingParams
 from workers.costs.cache import cpu_label
 from workers.demo.corpus import heldout_prompts
-from workers.engines.embedded import rowgemm
-from workers.engines.embedded.engine import GenerationRequest, SpeculativeEngine, native_forward
+from workers.engines.embedded.engine import GenerationRequest, SpeculativeEngine
+from workers.engines.embedded.forwards import native_forward
+from workers.engines.embedded.kernels import rowgemm
 from workers.engines.embedded.kv_cache import KVCache
-from workers.engines.embedded.model import LlamaForCausalLM
+from workers.engines.embedded.llama import LlamaForCausalLM
 from workers.text import TextCodec
 
 REPO = Path(__file__).resolve().parent.parent
@@ -182,7 +184,7 @@ def main() -> None:
               for name, defines in zip(("prefetch", "no_prefetch"), rowgemm.PREFETCH_CHOICES, strict=True)}
     chosen = rowgemm.chosen_build()
     if served is None or chosen is None or None in builds.values():
-        raise SystemExit("bench.kernels: workers/engines/embedded/rowgemm.py does not build here "
+        raise SystemExit("bench.kernels: workers/engines/embedded/kernels/rowgemm.py does not build here "
                          "(no C compiler or no AVX2)")
     if rowgemm.wide_tiles():
         builds["eight_wide"] = rowgemm.load_variant((*chosen["defines"], "WIDE_TILES=0"))  # type: ignore[misc]

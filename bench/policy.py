@@ -4,7 +4,7 @@
     python -m bench.policy --real [--quick] [--json]                   # a real gateway over sim workers
     python -m bench.policy --trees-only [--quick] [--json]             # where token trees pay (bench/policy_trees.py)
 
-Virtual time: two replicas of the simulated deployment (workers/engines/sim/model.py: Llama-3.3-70B
+Virtual time: two replicas of the simulated deployment (workers/engines/sim/roofline.py: Llama-3.3-70B
 + 1B draft, TP4 on H100s, docs/sim.md), closed-loop sessions of three kinds (code at T=0.2,
 reasoning at T=0.7 with α≈0.6, chat at T=1.0) in phases, the burst phase pushing each replica's
 batch well past 64. Every policy meets the same seeded traffic. Per phase and overall: goodput

@@ -30,7 +30,7 @@ from policies import PolicyConfig
 from policies.tree import MAX_BRANCHING, MAX_TREE_DEPTH, TreeShape, expected_tree_tokens
 from workers.api.sim_config import AcceptanceTable, SimConfig
 from workers.engines.sim.engine import COST_CONTEXT
-from workers.engines.sim.model import StepCost, expected_tokens
+from workers.engines.sim.roofline import StepCost, expected_tokens
 from workers.engines.sim.trees import betas_for
 
 ALPHA_BANDS = ((0.5, 0.6), (0.6, 0.7), (0.7, 0.8), (0.8, 0.9), (0.9, 1.0))

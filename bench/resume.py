@@ -37,8 +37,9 @@ from workers.costs.cache import cpu_label
 from workers.demo.corpus import heldout_prompts
 from workers.engines.embedded.engine import GenerationRequest, SpeculativeEngine
 from workers.engines.embedded.kv_cache import CacheBatch, KVCache
-from workers.engines.embedded.measure import verification_bit_identical
-from workers.engines.embedded.model import TORCH_DTYPES, LlamaForCausalLM
+from workers.engines.embedded.llama import LlamaForCausalLM
+from workers.engines.embedded.measurement.measure import verification_bit_identical
+from workers.engines.embedded.projections import TORCH_DTYPES
 from workers.engines.embedded.sampling import SamplingParams
 from workers.text import TextCodec
 

@@ -3,7 +3,7 @@
     python -m bench.sim_fit [--json]
 
 Fits achieved bandwidth, achieved FLOP/s and the per-forward overhead of the simulated
-deployment (workers/engines/sim/model.py) to the three published facts, prints the fit, the
+deployment (workers/engines/sim/roofline.py) to the three published facts, prints the fit, the
 per-token α of each acceptance band, speculation's gain by batch depth and α (K=5 and the best
 K), and how the break-even batch moves when each fitted value is off by a factor of two.
 """
@@ -17,7 +17,7 @@ from dataclasses import replace
 from typing import Any
 
 from workers.api.sim_config import PUBLISHED_K, Facts, SimConfig, alpha_from_rate, vllm_rate
-from workers.engines.sim.model import StepCost, expected_tokens, fit_efficiency, gain
+from workers.engines.sim.roofline import StepCost, expected_tokens, fit_efficiency, gain
 
 ALPHAS = (0.6, 0.71, 0.78, 0.86, 0.93, 0.96)
 DEPTHS = (1, 8, 16, 24, 32, 48, 64, 96)

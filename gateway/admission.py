@@ -39,22 +39,19 @@ from policies import (
     worker_acceptance,
 )
 from policies.tree import parse_shape
-from workers.api.protocol import (
+from workers.api.answers import chunk_text, speculative_usage
+from workers.api.errors import BadRequest, ClientDisconnected, NotFound
+from workers.api.request_parser import parse_request
+from workers.api.wire import (
     DIRECTIVE_FIELD,
     GATEWAY_FIELDS,
     MAX_SESSION_ID,
     SESSION_HEADER,
-    BadRequest,
-    ClientDisconnected,
     CompletionRequest,
     Directive,
-    NotFound,
     RequestKind,
     ResumePoint,
     StepReport,
-    chunk_text,
-    parse_request,
-    speculative_usage,
     vllm_step_report,
 )
 

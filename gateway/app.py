@@ -35,9 +35,9 @@ from gateway.tokenize import detokenize, tokenize
 from gateway.tracing import TRACING_KEY, Tracing
 from policies import PolicyConfigError, acceptance_view, worker_acceptance
 from policies.tree_choice import view as rank_view
+from workers.api.errors import BadRequest, NotFound, Unavailable
 from workers.api.limits import InputRefused, loads_json
 from workers.api.logs import RequestLog
-from workers.api.protocol import BadRequest, NotFound, Unavailable
 from workers.api.web_common import BODY_TIMEOUT_KEY, Handler, health, model_list, openai_errors, read_body
 
 log = logging.getLogger(__name__)

@@ -81,7 +81,7 @@ class WorkersConfig:
     engine: EngineName = "embedded"  # embedded: PyTorch in this repo; vllm: vLLM's AsyncLLM with specgate's plugin
     python: Path | None = None  # interpreter for local workers (vllm: the vLLM environment's); default: the gateway's
     vllm_args: Mapping[str, Any] = field(default_factory=dict)  # further vLLM engine args (AsyncEngineArgs fields)
-    # engine: sim: the simulated GPU deployment (workers/engines/sim/model.py, docs/sim.md), as given;
+    # engine: sim: the simulated GPU deployment (workers/engines/sim/roofline.py, docs/sim.md), as given;
     # validated at load so a bad field is refused with its name.
     sim: Mapping[str, Any] = field(default_factory=dict)
     max_slots: int = 16  # sequences one worker batches together

@@ -23,7 +23,7 @@ from typing import Protocol, TypeVar
 from aiohttp import web
 
 from gateway.ops_metrics import OpsMetrics
-from workers.api.protocol import Unavailable
+from workers.api.errors import Unavailable
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")

@@ -128,22 +128,9 @@ def _endpoints_cluster(name: str, endpoints: Sequence[tuple[str, int]], **fields
     }
 
 
-def epp_bootstrap(listen_port: int, admin_port: int, epps: Sequence[tuple[str, int]],
-                  body_mode: BodyMode = "BUFFERED", *, listen_host: str = "127.0.0.1",
-                  admin_host: str = "127.0.0.1", message_timeout_s: float = 5.0,
-                  max_message_timeout_s: float = 120.0, health_interval_s: float = 0.5) -> Config:
-    """Envoy asking the endpoint pickers at ``epps`` (ext_proc over gRPC; replicas that share
-    session state through Redis) where each request goes, then proxying it there: the picker
-    sets ``x-gateway-destination-endpoint: ip:port`` and the ORIGINAL_DST cluster connects to
-    that address. A picker that fails its gRPC readiness check (``readiness``: no model server
-    ready, or gone) leaves the picker cluster.
-
-    ``body_mode``: BUFFERED sends the whole request body in one message (the picker needs the
-    body: model, prompt, session); FULL_DUPLEX_STREAMED streams it, as the Inference Extension's
-    reference picker expects. ``message_timeout_s``: how long Envoy waits for each answer;
-    the picker may extend one (``override_message_timeout``, up to ``max_message_timeout_s``)
-    while it holds a request in its admission queue.
-    """
+def _ext_proc_filter(body_mode: BodyMode, message_timeout_s: float, max_message_timeout_s: float) -> Config:
+    """The ext_proc filter asking the picker cluster: bodies per ``body_mode``, each answer awaited
+    ``message_timeout_s`` (the picker may extend one up to ``max_message_timeout_s``)."""
     processing_mode: Config = {
         "request_header_mode": "SEND",
         "request_body_mode": body_mode,
@@ -170,6 +157,26 @@ def epp_bootstrap(listen_port: int, admin_port: int, epps: Sequence[tuple[str, i
         # picker's namespace, which the route copies into the response.
         metadata_options={"receiving_namespaces": {"untyped": [PICKER_METADATA_NAMESPACE]}},
     )
+    return ext_proc
+
+
+def epp_bootstrap(listen_port: int, admin_port: int, epps: Sequence[tuple[str, int]],
+                  body_mode: BodyMode = "BUFFERED", *, listen_host: str = "127.0.0.1",
+                  admin_host: str = "127.0.0.1", message_timeout_s: float = 5.0,
+                  max_message_timeout_s: float = 120.0, health_interval_s: float = 0.5) -> Config:
+    """Envoy asking the endpoint pickers at ``epps`` (ext_proc over gRPC; replicas that share
+    session state through Redis) where each request goes, then proxying it there: the picker
+    sets ``x-gateway-destination-endpoint: ip:port`` and the ORIGINAL_DST cluster connects to
+    that address. A picker that fails its gRPC readiness check (``readiness``: no model server
+    ready, or gone) leaves the picker cluster.
+
+    ``body_mode``: BUFFERED sends the whole request body in one message (the picker needs the
+    body: model, prompt, session); FULL_DUPLEX_STREAMED streams it, as the Inference Extension's
+    reference picker expects. ``message_timeout_s``: how long Envoy waits for each answer;
+    the picker may extend one (``override_message_timeout``, up to ``max_message_timeout_s``)
+    while it holds a request in its admission queue.
+    """
+    ext_proc = _ext_proc_filter(body_mode, message_timeout_s, max_message_timeout_s)
     endpoints = {
         "name": ENDPOINTS_CLUSTER,
         # The destination is whatever the picker named: no endpoint list here.

@@ -45,17 +45,9 @@ from gateway.fleet import WorkerHandle
 from gateway.proxy import StreamTally, worker_body
 from gateway.state import GatewayState
 from gateway.tracing import AttemptTrace
+from workers.api.errors import ApiError, BadRequest, Overloaded, PayloadTooLarge, Unavailable
 from workers.api.limits import InputRefused, loads_json
-from workers.api.protocol import (
-    SESSION_HEADER,
-    ApiError,
-    BadRequest,
-    CompletionRequest,
-    Overloaded,
-    PayloadTooLarge,
-    RequestKind,
-    Unavailable,
-)
+from workers.api.wire import SESSION_HEADER, CompletionRequest, RequestKind
 
 log = logging.getLogger(__name__)
 DESTINATION_HEADER = "x-gateway-destination-endpoint"

@@ -20,7 +20,7 @@ from typing import Any
 import orjson
 
 from gateway.proxy import RawChunk
-from workers.api.protocol import DIRECTIVE_FIELD, StepReport, logged_steps
+from workers.api.wire import DIRECTIVE_FIELD, StepReport, logged_steps
 
 # A whole answer larger than this is relayed unread: its steps go unaccounted, as a stream's
 # would if the worker sent no reports. Answers are a few KiB; this bounds the picker's memory.

@@ -1,7 +1,7 @@
 """Streams that survive a worker's death: one generation across the workers that served it.
 
 A specgate worker's chunks carry the token ids behind them and, in the first chunk, the
-prompt's, in an SSE comment line of each chunk's event (``workers/api/protocol.py``), which the
+prompt's, in an SSE comment line of each chunk's event (``workers/api/wire.py``), which the
 relay keeps and the client never sees. When the worker's stream breaks
 (it died, its connection did, or it went silent past ``server.worker_timeout_s``) after the
 first chunk, the generation resumes on another worker with a ``specgate.resume`` directive:
@@ -46,19 +46,16 @@ from gateway.proxy import (
 from gateway.sessions import Session
 from gateway.state import GatewayState
 from gateway.worker_http import WorkerResponse
+from workers.api.answers import chunk_text, speculative_usage
+from workers.api.errors import ApiError, WorkerFailed, WorkerTimeout
 from workers.api.generation import StepCounts
-from workers.api.protocol import (
+from workers.api.wire import (
     DIRECTIVE_FIELD,
     PROMPT_IDS_FIELD,
     TOKEN_IDS_FIELD,
-    ApiError,
     CompletionRequest,
     RequestKind,
     ResumePoint,
-    WorkerFailed,
-    WorkerTimeout,
-    chunk_text,
-    speculative_usage,
 )
 
 log = logging.getLogger(__name__)

@@ -21,26 +21,28 @@ import orjson
 from gateway.config import RemoteProtocol
 from gateway.fleet import WorkerHandle
 from gateway.worker_http import WorkerConnectError, WorkerResponse, WorkerStreamError
-from workers.api.protocol import (
+from workers.api.errors import (
+    ApiError,
+    BadRequest,
+    NotFound,
+    Overloaded,
+    PayloadTooLarge,
+    Unavailable,
+    WorkerFailed,
+    WorkerTimeout,
+)
+from workers.api.web_common import sse_event
+from workers.api.wire import (
     ANSWER_BYTES_HEADER,
     DIRECTIVE_FIELD,
     IDS_COMMENT,
     VLLM_XARGS_FIELD,
     WHOLE_ANSWER_TYPE,
-    ApiError,
-    BadRequest,
     CompletionRequest,
     Directive,
-    NotFound,
-    Overloaded,
-    PayloadTooLarge,
     StepReport,
-    Unavailable,
-    WorkerFailed,
-    WorkerTimeout,
     vllm_xargs,
 )
-from workers.api.web_common import sse_event
 
 _STATUS_ERRORS: dict[int, type[ApiError]] = {400: BadRequest, 404: NotFound, 413: PayloadTooLarge, 429: Overloaded,
                                              503: Unavailable, 504: WorkerTimeout}
@@ -143,7 +145,7 @@ class RawChunk:
     # The chunk's JSON as the worker sent it, relayed verbatim; None once the gateway changed
     # the chunk (then it is serialized again).
     payload: bytes | None
-    # The event's ids comment (workers/api/protocol.py), its JSON unparsed: only a stream that
+    # The event's ids comment (workers/api/wire.py), its JSON unparsed: only a stream that
     # migrates needs the ids (gateway/migration.py StreamIds).
     ids: bytes | None = None
     report: StepReport | None = None  # the chunk's ``specgate`` step report, parsed once

@@ -30,19 +30,11 @@ from gateway.sessions import Session
 from gateway.state import GatewayState
 from gateway.tracing import TRACING_KEY, RequestTrace
 from gateway.worker_http import WorkerResponse
+from workers.api.answers import assemble, chunk_text
+from workers.api.errors import ApiError, ClientDisconnected
 from workers.api.logs import RequestLog, decision_var, request_id_var, session_var
-from workers.api.protocol import (
-    REQUEST_ID_HEADER,
-    SESSION_HEADER,
-    ApiError,
-    ClientDisconnected,
-    CompletionRequest,
-    RequestKind,
-    ResumePoint,
-    assemble,
-    chunk_text,
-)
 from workers.api.web_common import read_json, sse_event, start_sse
+from workers.api.wire import REQUEST_ID_HEADER, SESSION_HEADER, CompletionRequest, RequestKind, ResumePoint
 
 log = logging.getLogger(__name__)
 # The one line per request, written in batches (workers/api/logs.py); its task runs in app.py's cleanup context.

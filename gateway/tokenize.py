@@ -10,8 +10,8 @@ from aiohttp import web
 
 from gateway.state import STATE_KEY
 from gateway.worker_http import WorkerConnectError, WorkerStreamError
+from workers.api.errors import BadRequest, NotFound, Unavailable, WorkerFailed
 from workers.api.limits import InputRefused, loads_json
-from workers.api.protocol import BadRequest, NotFound, Unavailable, WorkerFailed
 from workers.api.web_common import read_body
 
 TOKENIZING_PROTOCOLS = ("specgate", "vllm")  # a plain OpenAI server has no /tokenize

@@ -47,7 +47,7 @@ from models.draft_format import (
     save_draft,
     sha256_of,
 )
-from workers.engines.embedded.model import bf16_prepacking_available
+from workers.engines.embedded.projections import bf16_prepacking_available
 
 REPO = Path(__file__).resolve().parents[1]
 DEFAULT_TARGET = REPO / "models" / "smollm2-135m-instruct-q4_1"

@@ -31,10 +31,11 @@ import torch
 
 from models.distill_prompts import Prompt
 from models.draft_format import special_ids
-from workers.api.protocol import ChatMessage
+from workers.api.wire import ChatMessage
 from workers.demo.corpus import stdlib_sources
 from workers.engines.embedded.kv_cache import CacheBatch, KVCache, padded_span
-from workers.engines.embedded.model import TORCH_DTYPES, LlamaForCausalLM, bf16_prepacking_available
+from workers.engines.embedded.llama import LlamaForCausalLM
+from workers.engines.embedded.projections import TORCH_DTYPES, bf16_prepacking_available
 from workers.text import TextCodec
 
 IntArray = npt.NDArray[np.int64]

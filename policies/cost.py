@@ -1,7 +1,7 @@
 """K from measured costs: which depth of speculation buys the most tokens per second.
 
 Pure, like the rest of ``policies/``: a worker's cost curves come in as a frozen ``CostModel``
-(the gateway builds it from the JSON the worker publishes, ``workers/costs/model.py``), the
+(the gateway builds it from the JSON the worker publishes, ``workers/costs/cost_report.py``), the
 acceptance estimate, batch depth and the step's draft mix as numbers, and a K comes out.
 
 Callers do not start here (``policies/__init__.py`` says which function answers what):
@@ -26,7 +26,7 @@ from typing import Any
 class StepParts:
     """What a step's parts cost at each of the model's depths: what pricing a mixed step needs.
 
-    The fields of ``workers.costs.model.CostReport`` of the same names (``plain_step_ms``,
+    The fields of ``workers.costs.cost_report.CostReport`` of the same names (``plain_step_ms``,
     ``verify_cost``, ``draft_cost``, ``step_overhead_ms``, ``draft_overhead_ms``,
     ``draft_first_cost``)."""
 

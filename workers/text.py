@@ -15,7 +15,7 @@ from typing import Any
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer
 
-from workers.api.protocol import ChatMessage
+from workers.api.wire import ChatMessage
 
 
 class TextCodec:

@@ -167,8 +167,8 @@ def start_tcp_worker(log_dir: Path, *extra: str, ready_timeout_s: float = 120.0,
 def target_prepacked_expected(target: str) -> bool:
     """Whether a worker serving a ``target`` (dtype) model runs it on weights laid out once for a
     row-invariant kernel: oneDNN's prepacked bfloat16 where the CPU has AVX512-BF16/AMX, float32
-    on workers/engines/embedded/rowgemm.py's kernels where they build (a C compiler and AVX2)."""
-    from workers.engines.embedded import rowgemm
-    from workers.engines.embedded.model import bf16_prepacking_available
+    on workers/engines/embedded/kernels/rowgemm.py's kernels where they build (a C compiler and AVX2)."""
+    from workers.engines.embedded.kernels import rowgemm
+    from workers.engines.embedded.projections import bf16_prepacking_available
 
     return bf16_prepacking_available() if target == "bfloat16" else rowgemm.load() is not None

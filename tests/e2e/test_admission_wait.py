@@ -33,7 +33,9 @@ from gateway.state import GatewayState
 from gateway.worker_http import Endpoint, WorkerHttp
 from tests.e2e.harness import MODELS, REPO, TEST_COST_BUDGET_S, Gateway, cost_cache_dir, write_config
 from tests.e2e.processes import free_port, wait_ok
-from workers.api.protocol import ClientDisconnected, CompletionRequest, parse_request
+from workers.api.errors import ClientDisconnected
+from workers.api.request_parser import parse_request
+from workers.api.wire import CompletionRequest
 
 PROMPT = "def fib(n):\n    "
 BODY = {"model": "specgate-demo", "prompt": PROMPT, "max_tokens": 8, "temperature": 0}

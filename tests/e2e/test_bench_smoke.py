@@ -15,8 +15,8 @@ from bench.fleet_sim import KINDS
 from bench.overhead import target_lines
 from bench.policy_real import live_prompt
 from tests.e2e.harness import REPO
-from workers.engines.embedded import rowgemm
-from workers.engines.embedded.model import bf16_prepacking_available
+from workers.engines.embedded.kernels import rowgemm
+from workers.engines.embedded.projections import bf16_prepacking_available
 from workers.text import TextCodec
 
 REQUIRED = {"alpha_t0", "best_k", "speedup_b1", "bound_b1", "c", "tok_s_plain_b1", "tok_s_spec_b1",
@@ -50,7 +50,7 @@ def test_bench_engine_quick_json() -> None:
     assert set(result["alpha_seeded_coupled_by_temperature"]) == {"0.5", "0.8", "1.0"}
     assert "best K=" in run.stdout
     assert result["greedy_compared_runs"] == 3 * 4
-    # Prepacked: bfloat16 on oneDNN, or float32 on workers/engines/embedded/rowgemm.py's kernel, as the
+    # Prepacked: bfloat16 on oneDNN, or float32 on workers/engines/embedded/kernels/rowgemm.py's kernel, as the
     # measurement chose.
     assert result["target_prepacked"] == result["cost_model"]["precision"]["prepacked"]
     if result["dtype"] == "bfloat16":
@@ -158,7 +158,7 @@ def test_bench_draft_vocab_quick_json() -> None:
 
 
 @pytest.mark.skipif(rowgemm.load() is None,
-                    reason="workers/engines/embedded/rowgemm.py does not build here (no C compiler or AVX2)")
+                    reason="workers/engines/embedded/kernels/rowgemm.py does not build here (no C compiler or AVX2)")
 def test_bench_kernels_quick_json() -> None:
     result, stdout = _json_run("-m", "bench.kernels", "--quick", "--json")
     wide = {"eight_wide"} if rowgemm.wide_tiles() else set()

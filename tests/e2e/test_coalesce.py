@@ -22,15 +22,15 @@ from gateway.config import ConfigError, parse_config
 from gateway.proxy import WorkerLost, read_whole_answer
 from tests.e2e.harness import Gateway, GatewayFactory, start_tcp_worker
 from tests.unit.test_worker_http import serve
+from workers.api.errors import WorkerFailed
 from workers.api.generation import SpecSteps
-from workers.api.protocol import (
+from workers.api.wire import (
     ANSWER_BYTES_HEADER,
     DIRECTIVE_FIELD,
     HELD_FIELD,
     IDS_COMMENT,
     WHOLE_ANSWER_TYPE,
     StepReport,
-    WorkerFailed,
 )
 from workers.server.coalesce import merge_chunks
 

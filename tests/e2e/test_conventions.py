@@ -184,7 +184,7 @@ def test_json_logs_carry_request_context_and_no_secrets(gateway: Gateway) -> Non
     assert completion_id in finished[0]["message"]
     # The worker's start-up lines carry its id too (gateway lines do not: the fleet's are about it).
     worker_loggers = {e["logger"] for e in found if e.get("worker") == "worker-0"}
-    assert {"workers.server.app", "workers.engines.embedded.measure"} <= worker_loggers, worker_loggers
+    assert {"workers.server.app", "workers.engines.embedded.measurement.measure"} <= worker_loggers, worker_loggers
     assert not any(e["logger"].startswith("gateway.") for e in found if "worker" in e)
     # A line no logger wrote is wrapped, not lost.
     stray = [e for e in found if STRAY in e["message"]]

@@ -11,23 +11,23 @@ import pytest
 import torch
 
 import workers.costs.cache as cost_cache
-import workers.engines.embedded.measure as costs_measure
-import workers.engines.embedded.measure_steps as costs_engine
+import workers.engines.embedded.measurement.measure as costs_measure
+import workers.engines.embedded.measurement.settings as measure_settings
+import workers.engines.embedded.measurement.steps as costs_engine
 from policies import CostModel, catch_up_pays, whole_step_costs
 from workers.costs.cache import CostCache, cpu_label
-from workers.costs.model import (
-    ONLINE_WEIGHT,
-    STALE_STEPS,
+from workers.costs.cost_report import (
     CostReport,
-    OnlineCosts,
     PrecisionCandidate,
     PrecisionChoice,
-    StepTimeCosts,
     depth_grid,
     report_from_forward_times,
 )
-from workers.engines.embedded import rowgemm
-from workers.engines.embedded.measure import MeasureSettings, choose_precision, measure, measure_or_load
+from workers.costs.online import ONLINE_WEIGHT, STALE_STEPS, OnlineCosts, StepTimeCosts
+from workers.engines.embedded.kernels import rowgemm
+from workers.engines.embedded.measurement.measure import measure, measure_or_load
+from workers.engines.embedded.measurement.precision import choose_precision, torch_threads_serving
+from workers.engines.embedded.measurement.settings import MeasureSettings
 
 MODELS = Path(__file__).resolve().parents[2] / "models"
 
@@ -59,7 +59,7 @@ def settings(**overrides: object) -> MeasureSettings:
 def test_precision_follows_measured_throughput(candidates: list[PrecisionCandidate], exact: bool, chosen: str,
                                                monkeypatch: pytest.MonkeyPatch) -> None:
     for flags in (True, False):  # what the CPU claims changes nothing
-        monkeypatch.setattr(costs_measure, "bf16_prepacking_available", lambda flags=flags: flags)
+        monkeypatch.setattr(measure_settings, "bf16_prepacking_available", lambda flags=flags: flags)
         pick, why = choose_precision(candidates, settings(exact=exact))
         assert pick.target == chosen
         assert ("not bit-identical" in why) == any(not c.bit_identical for c in candidates)
@@ -449,9 +449,9 @@ def test_torch_runs_on_one_thread_where_the_kernels_serve() -> None:
         return PrecisionChoice(target, prepacked, True, "test", 0.8)
 
     kernels_build = rowgemm.load() is not None
-    assert costs_measure.torch_threads_serving(choice("float32", True), 2) == (1 if kernels_build else 2)
-    assert costs_measure.torch_threads_serving(choice("float32", False), 2) == 2
-    assert costs_measure.torch_threads_serving(choice("bfloat16", True), 2) == 2
+    assert torch_threads_serving(choice("float32", True), 2) == (1 if kernels_build else 2)
+    assert torch_threads_serving(choice("float32", False), 2) == 2
+    assert torch_threads_serving(choice("bfloat16", True), 2) == 2
 
 
 def split_report() -> CostReport:

@@ -335,7 +335,8 @@ def test_the_decision_reaches_each_kind_of_model_server_in_its_terms() -> None:
     """What the picker writes into the body Envoy forwards: the client's request as it sent it
     (its own ``stream``), plus the directive (specgate) or plugin arguments (vLLM)."""
     from gateway.proxy import worker_body
-    from workers.api.protocol import Directive, parse_request
+    from workers.api.request_parser import parse_request
+    from workers.api.wire import Directive
 
     req = parse_request("completion", orjson.loads(completion_body(stream=True)))
     directive = Directive(3, 64, 56, step_log=False)

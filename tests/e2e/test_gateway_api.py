@@ -14,7 +14,7 @@ import pytest
 
 from gateway.admission import user_session_id
 from tests.e2e.harness import Gateway, GatewayFactory, sdk_client, target_prepacked_expected
-from workers.engines.embedded import rowgemm
+from workers.engines.embedded.kernels import rowgemm
 
 CODE_PROMPT = "def read_lines(path):\n    with open(path) as f:\n        return f."
 

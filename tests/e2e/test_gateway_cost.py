@@ -19,8 +19,8 @@ from policies import CostModel, PolicyConfig, StepMix, choose_k
 from tests.e2e.harness import MODELS, Gateway, sdk_client, start_gateway, write_config
 from tests.unit.test_cost_policy import AMX_VERIFY, curve
 from workers.costs.cache import CostCache
-from workers.costs.model import PrecisionCandidate, PrecisionChoice, report_from_forward_times
-from workers.engines.embedded.measure import MeasureSettings
+from workers.costs.cost_report import PrecisionCandidate, PrecisionChoice, report_from_forward_times
+from workers.engines.embedded.measurement.settings import MeasureSettings
 
 CODE_PROMPT = "import os\nimport sys\n\n\ndef main(argv):\n    parser = "
 AMX_DEPTH_1 = curve(AMX_VERIFY, 0.2)  # the AMX CPU's measured shape (issue #9)

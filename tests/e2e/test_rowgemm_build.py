@@ -1,4 +1,4 @@
-"""The row-invariant kernels' build (workers/engines/embedded/rowgemm.py): a failed or missing C
+"""The row-invariant kernels' build (workers/engines/embedded/kernels/rowgemm.py): a failed or missing C
 compiler falls back to F.linear, and load() chooses between two builds by measurement. These run
 the C compiler, so they live in the e2e tier (split from tests/unit/engine/test_rowgemm.py)."""
 
@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from workers.engines.embedded import rowgemm
-from workers.engines.embedded.model import LlamaForCausalLM
+from workers.engines.embedded.kernels import rowgemm
+from workers.engines.embedded.llama import LlamaForCausalLM
 
 REPO = Path(__file__).resolve().parents[2]
 KERNEL = rowgemm.load()

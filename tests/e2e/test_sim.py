@@ -23,7 +23,15 @@ from workers.api.sim_config import (
     alpha_from_rate,
     vllm_rate,
 )
-from workers.engines.sim.model import SimBatch, SimSeq, StepCost, expected_tokens, fit_efficiency, gain, sample_accepted
+from workers.engines.sim.roofline import (
+    SimBatch,
+    SimSeq,
+    StepCost,
+    expected_tokens,
+    fit_efficiency,
+    gain,
+    sample_accepted,
+)
 
 FACTS = Facts()
 

@@ -18,10 +18,10 @@ import pytest
 import torch
 
 from models.convert_gguf import STAMP, wheel_gguf
-from workers.api.protocol import ChatMessage
+from workers.api.wire import ChatMessage
 from workers.engines.embedded.config import ModelConfig
 from workers.engines.embedded.engine import GenerationRequest, SpeculativeEngine
-from workers.engines.embedded.model import LlamaForCausalLM
+from workers.engines.embedded.llama import LlamaForCausalLM
 from workers.engines.embedded.sampling import SamplingParams
 from workers.text import TextCodec
 

@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 
 from tests.e2e.harness import MODELS, Gateway
-from workers.api.protocol import ChatMessage
+from workers.api.wire import ChatMessage
 from workers.text import TextCodec
 
 CODEC = TextCodec.from_model_dir(MODELS / "demo-target")

@@ -17,7 +17,8 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 SKIPPED_DIRS = {"models", "build", "dist", "node_modules", "__pycache__"}
-MAX_LINES = 600  # a .py file outside tests/ above this is cut by what it does
+MAX_LINES = 500  # a .py file outside tests/ above this is cut by what it does
+MAX_FUNCTION_LINES = 80  # a function outside tests/ above this is cut into named steps
 
 # The gateway's imports of workers/ go to the bottom layer only (workers.api), with one exception:
 # `specgate worker` is the worker's own command line under the specgate command, so the CLI hands
@@ -227,6 +228,22 @@ def long_files(files: Mapping[str, Path], root: Path, limit: int = MAX_LINES) ->
     return found
 
 
+def long_functions(files: Mapping[str, Path], root: Path, limit: int = MAX_FUNCTION_LINES) -> list[str]:
+    """Functions and methods outside tests/ longer than ``limit`` lines, decorators not counted
+    (``end_lineno - lineno + 1`` of the ``def``)."""
+    found = []
+    for path in sorted(files.values()):
+        relative = path.relative_to(root)
+        if relative.parts[0] == "tests":
+            continue
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.end_lineno is not None:
+                lines = node.end_lineno - node.lineno + 1
+                if lines > limit:
+                    found.append(f"{relative}:{node.lineno} {node.name}: {lines} lines")
+    return found
+
+
 # -- the project --------------------------------------------------------------------------------------------
 Project = tuple[dict[str, set[str]], dict[str, Path], dict[str, set[str]]]
 
@@ -240,8 +257,8 @@ def project() -> Project:
 
 def test_the_tree_is_read(project: Project) -> None:
     _, files, graph = project
-    assert {"gateway.relay", "workers.api.protocol", "policies.speculation", "specgate_vllm.rules"} <= set(files)
-    assert "workers.api.protocol" in graph["gateway.relay"]
+    assert {"gateway.relay", "workers.api.wire", "policies.speculation", "specgate_vllm.rules"} <= set(files)
+    assert "workers.api.wire" in graph["gateway.relay"]
 
 
 def test_gateway_imports_only_the_bottom_layer_of_workers(project: Project) -> None:
@@ -264,9 +281,13 @@ def test_no_long_files_outside_tests(project: Project) -> None:
     assert long_files(project[1], ROOT) == []
 
 
+def test_no_long_functions_outside_tests(project: Project) -> None:
+    assert long_functions(project[1], ROOT) == []
+
+
 # -- each check can fail ----------------------------------------------------------------------------------
 def test_gateway_check_names_an_upward_edge() -> None:
-    graph = {"gateway.relay": {"workers.api.protocol", "workers.engines.interface", "policies"},
+    graph = {"gateway.relay": {"workers.api.wire", "workers.engines.interface", "policies"},
              "gateway.cli": {"workers.__main__"}}
     assert gateway_violations(graph) == ["gateway.relay -> workers.engines.interface"]
 
@@ -318,7 +339,22 @@ def test_graph_counts_type_checking_function_level_and_relative_imports(tmp_path
 
 
 def test_long_file_check_names_the_file(tmp_path: Path) -> None:
-    _write(tmp_path, {"pkg/__init__.py": "", "pkg/big.py": "x = 1\n" * 601, "pkg/ok.py": "x = 1\n" * 600,
+    _write(tmp_path, {"pkg/__init__.py": "", "pkg/big.py": "x = 1\n" * 501, "pkg/ok.py": "x = 1\n" * 500,
                       "tests/__init__.py": "", "tests/test_big.py": "x = 1\n" * 900})
     _, files = read_project(tmp_path)
-    assert long_files(files, tmp_path) == ["pkg/big.py: 601 lines"]
+    assert long_files(files, tmp_path) == ["pkg/big.py: 501 lines"]
+
+
+def _function(name: str, lines: int, indent: str = "") -> str:
+    """A function of ``lines`` lines in all, its ``def`` included."""
+    return f"{indent}def {name}():\n" + f"{indent}    x = 1\n" * (lines - 1)
+
+
+def test_long_function_check_names_the_function(tmp_path: Path) -> None:
+    _write(tmp_path, {
+        "pkg/__init__.py": "",
+        "pkg/mod.py": _function("ok", 80) + _function("big", 81) + "class C:\n" + _function("method", 82, "    "),
+        "tests/__init__.py": "", "tests/test_mod.py": _function("test_big", 200),
+    })
+    _, files = read_project(tmp_path)
+    assert long_functions(files, tmp_path) == ["pkg/mod.py:81 big: 81 lines", "pkg/mod.py:163 method: 82 lines"]

@@ -35,9 +35,10 @@ from policies import (
 from policies.speculation import RequestFacts
 from tests.policy_data import COOL, PROPERTY, state
 from workers.api.sim_config import SimConfig
-from workers.costs.model import StepCostRule, report_from_forward_times
+from workers.costs.cost_report import report_from_forward_times
+from workers.costs.online import StepCostRule
 from workers.engines.sim.engine import derived_cost_report
-from workers.engines.sim.model import SimBatch, SimSeq
+from workers.engines.sim.roofline import SimBatch, SimSeq
 
 SIM = derived_cost_report(SimConfig(), 8, 256).policy_model()
 AUTO = PolicyConfig(num_speculative_tokens="auto")

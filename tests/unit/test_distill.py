@@ -34,7 +34,7 @@ from models.draft_format import (
     special_ids,
 )
 from workers.engines.embedded.config import ModelConfig
-from workers.engines.embedded.model import LlamaForCausalLM
+from workers.engines.embedded.llama import LlamaForCausalLM
 
 REPO = Path(__file__).resolve().parents[2]
 DEMO = REPO / "models" / "demo-target"  # its tokenizer (4096 ids) serves the tiny target

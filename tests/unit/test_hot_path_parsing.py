@@ -15,10 +15,10 @@ from typing import Any
 import pytest
 
 from gateway.migration import StreamIds
-from workers.api import protocol
+from workers.api import wire
 from workers.api.limits import MAX_JSON_DEPTH, InputRefused, loads_json
 from workers.api.logs import JsonFormatter, RequestLog, TextFormatter, decision_var, request_id_var, session_var
-from workers.api.protocol import StepReport
+from workers.api.wire import StepReport
 
 
 def _standard(raw: bytes) -> Any:
@@ -110,13 +110,13 @@ def test_later_step_reports_are_shared_and_exact() -> None:
 
 
 def test_later_step_cache_is_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(protocol, "_LATER_STEPS", {})
-    monkeypatch.setattr(protocol, "_LATER_STEPS_MAX", 8)
+    monkeypatch.setattr(wire, "_LATER_STEPS", {})
+    monkeypatch.setattr(wire, "_LATER_STEPS_MAX", 8)
     steps = [{"proposed": 0, "accepted": 0, "batch_depth": depth, "k": 0, "tokens": 1} for depth in range(20)]
     report = StepReport.from_json({"proposed": 0, "accepted": 0, "batch_depth": 1, "k": 0, "tokens": 1,
                                    "then": steps})
     assert report is not None and [s.batch_depth for s in report.then] == list(range(20))
-    assert len(protocol._LATER_STEPS) <= 8
+    assert len(wire._LATER_STEPS) <= 8
 
 
 class _Collect(logging.Handler):

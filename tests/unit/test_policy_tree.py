@@ -331,7 +331,7 @@ def test_the_cost_model_reads_tree_curves_both_or_neither() -> None:
 # -- the gateway's side: the directive a decision sends, the path a step reports ---------------------
 def test_the_directive_carries_the_tree_and_a_reported_path_is_checked_against_it() -> None:
     from gateway.admission import directive_for, step_path
-    from workers.api.protocol import StepReport
+    from workers.api.wire import StepReport
 
     tree = TreeShape.parse("2x2+3")
     directive = directive_for(Decision("speculative", 5, "default", tree), AUTO, step_log=True)

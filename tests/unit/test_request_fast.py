@@ -9,9 +9,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import workers.api.protocol
-from workers.api.protocol import ApiError, CompletionRequest, parse_request
+import workers.api.request_parser
+from workers.api.errors import ApiError
 from workers.api.request_fast import fast_body
+from workers.api.request_parser import parse_request
+from workers.api.wire import CompletionRequest
 
 # Values near every limit, of every JSON type, for any field.
 EDGES: list[Any] = [
@@ -78,7 +80,7 @@ CHANGE = st.one_of(st.none(), st.sampled_from(list(BOUNDARY)).flatmap(
 
 def _pydantic_only(kind: str, body: Any, monkeypatch: pytest.MonkeyPatch) -> CompletionRequest | ApiError:
     with monkeypatch.context() as patch:
-        patch.setattr(workers.api.protocol, "fast_body", lambda kind, body: None)
+        patch.setattr(workers.api.request_parser, "fast_body", lambda kind, body: None)
         try:
             return parse_request(kind, body)  # type: ignore[arg-type]
         except ApiError as error:

@@ -13,7 +13,7 @@ import pytest
 from policies.tree import StepPath, TreeShape, expected_tree_tokens, level_pass
 from workers.api.sim_config import PUBLISHED_K, SimConfig, SimConfigError, vllm_rate
 from workers.engines.sim.engine import COST_CONTEXT, derived_cost_report
-from workers.engines.sim.model import SimBatch, SimSeq, StepCost, sample_accepted
+from workers.engines.sim.roofline import SimBatch, SimSeq, StepCost, sample_accepted
 from workers.engines.sim.trees import (
     ASSUMED_TREE,
     CALIBRATED_ALPHA,

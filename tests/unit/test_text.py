@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from workers.api.protocol import ChatMessage
+from workers.api.wire import ChatMessage
 from workers.text import TextCodec, TextStream
 
 MODEL_DIR = Path(__file__).resolve().parents[2] / "models" / "demo-target"

@@ -1,7 +1,7 @@
 """The vLLM plugin's pure rules and the gateway's reading of vLLM's per-request metrics.
 
 No vLLM needed: ``specgate_vllm.rules`` imports nothing from it, and the wire helpers live
-in ``workers.api.protocol``. The plugin is a separate distribution (no dependency on specgate),
+in ``workers.api.wire``. The plugin is a separate distribution (no dependency on specgate),
 so its batch latch restates the policy's; a property test checks the two agree.
 """
 
@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 
 from policies import step_depth
 from workers.api.generation import SpecSteps
-from workers.api.protocol import (
+from workers.api.wire import (
     VLLM_BATCH_RESUME,
     VLLM_MAX_BATCH,
     VLLM_SPEC_K,

@@ -5,7 +5,7 @@ table) and its parser.
 Why here, in the layer the gateway imports: the gateway validates this section at start (a bad
 field exits non-zero naming it) and hands it to the sim workers it starts, so, like the request
 schema, it is a contract between the two sides. It is pure data and its parsing, no clock and
-no I/O; the model that steps batches on it stays with the engine (``workers/engines/sim/model.py``).
+no I/O; the model that steps batches on it stays with the engine (``workers/engines/sim/roofline.py``).
 
 Every bad field is reported, not the first: each is read through ``_Problems.check``, which
 records the error and goes on with the default, and the parse ends with one ``SimConfigError``

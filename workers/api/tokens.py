@@ -15,7 +15,7 @@ from collections.abc import Iterable
 
 from aiohttp import web
 
-from workers.api.protocol import ApiError
+from workers.api.errors import ApiError
 
 AUTHORIZATION = "Authorization"
 

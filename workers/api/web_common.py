@@ -14,8 +14,7 @@ from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
 
 from policies import bounded_text
-from workers.api.limits import DEFAULT_BODY_TIMEOUT_S, InputRefused, loads_json
-from workers.api.protocol import (
+from workers.api.errors import (
     ApiError,
     BadRequest,
     ClientDisconnected,
@@ -24,6 +23,7 @@ from workers.api.protocol import (
     PayloadTooLarge,
     RequestTimeout,
 )
+from workers.api.limits import DEFAULT_BODY_TIMEOUT_S, InputRefused, loads_json
 
 log = logging.getLogger(__name__)
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]

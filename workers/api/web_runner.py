@@ -28,7 +28,7 @@ from aiohttp.http_exceptions import BadHttpMessage, ContentEncodingError, HttpPr
 from aiohttp.web_protocol import RequestHandler
 
 from policies import bounded_text
-from workers.api.protocol import ApiError, BadRequest, HeadersTooLarge, WorkerTimeout
+from workers.api.errors import ApiError, BadRequest, HeadersTooLarge, WorkerTimeout
 from workers.api.web_common import encoding_refused, error_response, unsupported_encoding
 
 log = logging.getLogger(__name__)

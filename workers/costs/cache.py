@@ -21,7 +21,7 @@ from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
-from workers.costs.model import CostReport
+from workers.costs.cost_report import CostReport
 
 log = logging.getLogger(__name__)
 # What a cached report means: bumped whenever the measurement or the schema changes, so a

@@ -43,7 +43,7 @@ from workers.demo.corpus import (
     stdlib_sources,
 )
 from workers.engines.embedded.config import ModelConfig
-from workers.engines.embedded.model import LlamaForCausalLM
+from workers.engines.embedded.llama import LlamaForCausalLM
 
 VOCAB_SIZE = 4096
 SEQ_LEN = 256

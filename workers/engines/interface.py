@@ -16,7 +16,7 @@ from typing import Any, Literal, Protocol
 
 from policies.tree import StepPath, TreeShape
 from workers.api.generation import SamplingParams, SpecSteps
-from workers.costs.model import CostReport
+from workers.costs.cost_report import CostReport
 
 FinishReason = Literal["stop", "length", "abort"]
 EngineKind = Literal["embedded", "vllm", "sim"]
@@ -148,7 +148,7 @@ class Engine(Protocol):
 
     @property
     def cost_model(self) -> CostReport | None:
-        """What a step costs by batch depth and K, live (``workers/costs/model.py``); None while
+        """What a step costs by batch depth and K, live (``workers/costs/cost_report.py``); None while
         the engine cannot tell yet. ``/specgate/worker`` publishes it as ``cost_model``."""
         ...
 

@@ -18,7 +18,7 @@ session switched to plain decoding needs no second pool and no second copy of th
 - Cost model: the stat logger times each engine iteration as the gap since the previous one
   (while requests run, the engine core iterates back to back, so the gap is the step) and folds
   it, by batch depth and mean drafts per running request, into ``StepTimeCosts``
-  (``workers/costs/model.py``): whole steps only, an estimate that appears once a plain and a
+  (``workers/costs/cost_report.py``): whole steps only, an estimate that appears once a plain and a
   speculative step have been seen. The gap also includes scheduling and output processing,
   which a plain step pays too. The per-step cost rule is the plugin's business and not
   applied here (``cost_rule`` is accepted and ignored).
@@ -38,7 +38,8 @@ from pathlib import Path
 from typing import Any
 
 from workers.api.generation import SpecSteps, group_steps
-from workers.costs.model import CostReport, StepTimeCosts, depth_grid
+from workers.costs.cost_report import CostReport, depth_grid
+from workers.costs.online import StepTimeCosts
 from workers.engines.interface import (
     EngineInfo,
     EngineRequestError,
@@ -84,6 +85,21 @@ def _eos_ids(model_dir: Path) -> frozenset[int]:
             value = json.loads(path.read_text()).get("eos_token_id")
             ids.update(value if isinstance(value, list) else [] if value is None else [value])
     return frozenset(int(i) for i in ids)
+
+
+def _engine_args(s: VllmSettings) -> tuple[Any, bool]:
+    """vLLM's engine arguments for these settings, and whether they speculate (a draft and K > 0)."""
+    from vllm.engine.arg_utils import AsyncEngineArgs
+
+    speculative: dict[str, Any] | None = None
+    if s.draft is not None and s.max_k > 0:
+        speculative = {"method": "draft_model", "model": str(s.draft), "num_speculative_tokens": s.max_k}
+    # Operators' vLLM arguments (workers.vllm_args) win over the worker's generic ones.
+    fields: dict[str, Any] = {"dtype": s.dtype, "max_model_len": s.max_model_len}
+    fields.update(s.engine_args)
+    args = AsyncEngineArgs(model=str(s.target), max_num_seqs=s.max_slots, speculative_config=speculative,
+                           per_request_spec_decode_metrics="detailed", disable_log_stats=False, **fields)
+    return args, speculative is not None
 
 
 class VllmEngine:
@@ -135,20 +151,12 @@ class VllmEngine:
         # the host's address unless told to use loopback.
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
         os.environ.setdefault("VLLM_HOST_IP", "127.0.0.1")
-        from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.v1.engine.async_llm import AsyncLLM
         from vllm.v1.executor import Executor
         from vllm.v1.metrics.loggers import PrometheusStatLogger, StatLoggerBase
 
         s = self.settings
-        speculative: dict[str, Any] | None = None
-        if s.draft is not None and s.max_k > 0:
-            speculative = {"method": "draft_model", "model": str(s.draft), "num_speculative_tokens": s.max_k}
-        # Operators' vLLM arguments (workers.vllm_args) win over the worker's generic ones.
-        fields: dict[str, Any] = {"dtype": s.dtype, "max_model_len": s.max_model_len}
-        fields.update(s.engine_args)
-        args = AsyncEngineArgs(model=str(s.target), max_num_seqs=s.max_slots, speculative_config=speculative,
-                               per_request_spec_decode_metrics="detailed", disable_log_stats=False, **fields)
+        args, speculative = _engine_args(s)
         vllm_config = args.create_engine_config()
         # The plugin's base class must match the engine's scheduling (see specgate_vllm.scheduler).
         scheduler = vllm_config.scheduler_config

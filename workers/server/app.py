@@ -21,30 +21,25 @@ from aiohttp.typedefs import Middleware
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
 from policies.tree import TreeShape
+from workers.api.answers import assemble, speculative_usage
+from workers.api.errors import ApiError, BadRequest, NotFound, Overloaded, WorkerFailed
 from workers.api.generation import SamplingParams, StepCounts
 from workers.api.logs import RequestLog, request_id_var, session_var
-from workers.api.protocol import (
+from workers.api.request_parser import parse_request
+from workers.api.schema import FIELD_NAMES
+from workers.api.tokens import Unauthorized, bearer, matching
+from workers.api.web_common import Handler, health, model_list, openai_errors, read_json, sse_event, start_sse
+from workers.api.wire import (
     DIRECTIVE_FIELD,
     MAX_SESSION_ID,
     REQUEST_ID_HEADER,
     SESSION_HEADER,
-    ApiError,
-    BadRequest,
     CompletionRequest,
-    NotFound,
-    Overloaded,
     RequestKind,
     StepReport,
-    WorkerFailed,
-    assemble,
-    parse_request,
-    speculative_usage,
     step_log,
 )
-from workers.api.schema import FIELD_NAMES
-from workers.api.tokens import Unauthorized, bearer, matching
-from workers.api.web_common import Handler, health, model_list, openai_errors, read_json, sse_event, start_sse
-from workers.engines.interface import Engine, EngineRequestError, GenerationRequest, StepStats
+from workers.engines.interface import Engine, EngineRequestError, GenerationRequest, StepEvent, StepStats
 from workers.server.coalesce import Chunk, chunk_event, write_coalesced
 from workers.server.context import CONTEXT_KEY, WorkerContext, WorkerSettings
 from workers.server.metrics import WorkerMetrics
@@ -302,6 +297,21 @@ async def _prepend(first: Chunk, rest: AsyncIterator[Chunk]) -> AsyncIterator[Ch
         yield item
 
 
+async def _next_step(events: AsyncGenerator[StepEvent, None], rid: str) -> StepEvent:
+    """The engine's next step for request ``rid``, its failures raised as the wire's errors."""
+    try:
+        return await anext(events)
+    except EngineRequestError as exc:
+        raise BadRequest(str(exc)) from None
+    except StopAsyncIteration:
+        raise WorkerFailed("engine ended the request without a finish reason") from None
+    except ApiError:
+        raise
+    except Exception as exc:
+        log.exception("engine failed request %s", rid)
+        raise WorkerFailed(f"engine failed: {exc}") from None
+
+
 async def _generate(ctx: WorkerContext, req: CompletionRequest,
                     generation: GenerationRequest) -> AsyncGenerator[Chunk, None]:
     """Chunks for one request: a chunk per engine step, then one usage chunk."""
@@ -335,17 +345,7 @@ async def _generate(ctx: WorkerContext, req: CompletionRequest,
     events = ctx.engine.generate(generation)
     try:
         while not finished:
-            try:
-                item = await anext(events)
-            except EngineRequestError as exc:
-                raise BadRequest(str(exc)) from None
-            except StopAsyncIteration:
-                raise WorkerFailed("engine ended the request without a finish reason") from None
-            except ApiError:
-                raise
-            except Exception as exc:
-                log.exception("engine failed request %s", rid)
-                raise WorkerFailed(f"engine failed: {exc}") from None
+            item = await _next_step(events, rid)
             late = item.late_steps
             # Engines that learn acceptance late (vLLM) report their speculative steps in
             # late_steps, and the rest of their steps are plain.

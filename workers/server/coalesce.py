@@ -38,18 +38,17 @@ from typing import Any
 import orjson
 from aiohttp import web
 
-from workers.api.protocol import (
+from workers.api.answers import assemble, chunk_text
+from workers.api.errors import ApiError
+from workers.api.web_common import SSE_HEADERS, sse_event, start_sse
+from workers.api.wire import (
     ANSWER_BYTES_HEADER,
     DIRECTIVE_FIELD,
     HELD_FIELD,
     WHOLE_ANSWER_TYPE,
-    ApiError,
     RequestKind,
     StepReport,
-    assemble,
-    chunk_text,
 )
-from workers.api.web_common import SSE_HEADERS, sse_event, start_sse
 
 # A chunk and the step report behind it (None for the usage chunk).
 Chunk = tuple[dict[str, Any], StepReport | None]

@@ -14,9 +14,11 @@ from typing import Any
 from aiohttp import web
 from pydantic import ValidationError
 
-from workers.api.protocol import BadRequest, ChatMessage, NotFound, bad_request
+from workers.api.errors import BadRequest, NotFound
+from workers.api.request_parser import bad_request
 from workers.api.schema import DetokenizeBody, TokenizeChatBody, TokenizeCompletionBody
 from workers.api.web_common import read_json
+from workers.api.wire import ChatMessage
 from workers.server.context import CONTEXT_KEY, WorkerContext
 
 

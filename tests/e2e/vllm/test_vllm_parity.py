@@ -18,7 +18,7 @@ from tests.e2e.vllm.vllm_harness import VllmServer
 from workers.api.generation import SamplingParams
 from workers.demo.corpus import heldout_prompts
 from workers.engines.embedded.engine import SpeculativeEngine
-from workers.engines.embedded.model import LlamaForCausalLM
+from workers.engines.embedded.llama import LlamaForCausalLM
 from workers.engines.interface import GenerationRequest
 from workers.text import TextCodec
 

@@ -17,10 +17,11 @@ import pytest
 import torch
 from scipy import stats
 
-from workers.engines.embedded import rowgemm
 from workers.engines.embedded.config import ModelConfig
-from workers.engines.embedded.measure import verification_bit_identical
-from workers.engines.embedded.model import LlamaForCausalLM, bf16_prepacking_available
+from workers.engines.embedded.kernels import rowgemm
+from workers.engines.embedded.llama import LlamaForCausalLM
+from workers.engines.embedded.measurement.measure import verification_bit_identical
+from workers.engines.embedded.projections import bf16_prepacking_available
 from workers.engines.embedded.sampling import Verdict, sample
 
 VOCAB = 48
@@ -177,7 +178,7 @@ def bf16_models(target_model: LlamaForCausalLM, draft_model: LlamaForCausalLM
 @pytest.fixture(scope="session")
 def bf16_exact(bf16_models: tuple[LlamaForCausalLM, LlamaForCausalLM]) -> None:
     """Skips unless bfloat16 verification is bit-identical to one-at-a-time decoding on this CPU:
-    the start-up check a worker runs (workers/engines/embedded/measure.py) before ``exact: true`` may serve
+    the start-up check a worker runs (workers/engines/embedded/measurement/measure.py) before ``exact: true`` may serve
     bfloat16. Prepacked (AVX512-BF16/AMX) and unpacked (``F.linear``, e.g. AVX2) bfloat16 both
     pass it on the CPUs measured so far; a CPU where it fails serves float32 only with
     ``exact: false``, so bit-identity is not promised there."""

@@ -15,7 +15,7 @@ import torch
 from workers.engines.embedded.config import ModelConfig
 from workers.engines.embedded.engine import GenerationRequest, SpeculativeEngine, StepDepthRule, StepEvent
 from workers.engines.embedded.kv_cache import CacheBatch, KVCache
-from workers.engines.embedded.model import LlamaForCausalLM
+from workers.engines.embedded.llama import LlamaForCausalLM
 from workers.engines.embedded.sampling import SamplingParams, Verdict
 
 from .conftest import converted
@@ -310,7 +310,7 @@ def plain_for(engine: SpeculativeEngine, max_tokens: int, tokens: int) -> list[S
 
 def test_a_catch_up_rule_keeps_a_lagging_sequence_plain_until_it_pays(target_model: LlamaForCausalLM,
                                                                        draft_model: LlamaForCausalLM) -> None:
-    """K auto prices the draft's catch-up on tokens decoded plain (workers.costs.model.catch_up_pays):
+    """K auto prices the draft's catch-up on tokens decoded plain (workers.costs.cost_report.catch_up_pays):
     the engine asks its rule before a sequence whose draft lags drafts, with the lag, the tokens
     left and the step's K and depth, and decodes the step plain on a no. Output is unchanged."""
     asked: list[tuple[int, int, int, int]] = []

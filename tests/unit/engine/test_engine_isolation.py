@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from workers.engines.embedded.engine import GenerationRequest, SpeculativeEngine, StepEvent
-from workers.engines.embedded.model import LlamaForCausalLM
+from workers.engines.embedded.llama import LlamaForCausalLM
 from workers.engines.embedded.runner import EngineRunner
 from workers.engines.embedded.sampling import SamplingParams
 from workers.engines.interface import StepStats

@@ -11,8 +11,8 @@ import torch
 
 from workers.engines.embedded.engine import GenerationRequest, SpeculativeEngine, StepEvent
 from workers.engines.embedded.kv_cache import CacheBatch, KVCache
-from workers.engines.embedded.measure import verification_bit_identical
-from workers.engines.embedded.model import LlamaForCausalLM
+from workers.engines.embedded.llama import LlamaForCausalLM
+from workers.engines.embedded.measurement.measure import verification_bit_identical
 from workers.engines.embedded.sampling import SamplingParams
 
 from .conftest import VOCAB

@@ -11,7 +11,7 @@ import torch
 
 from policies.tree import TreeShape
 from workers.engines.embedded.engine import GenerationRequest, SpeculativeEngine, StepEvent
-from workers.engines.embedded.model import LlamaForCausalLM
+from workers.engines.embedded.llama import LlamaForCausalLM
 from workers.engines.embedded.sampling import SamplingParams
 
 from .test_engine import GREEDY, PROMPTS, generate, output_tokens, run_until_idle

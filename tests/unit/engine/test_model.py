@@ -11,9 +11,10 @@ import pytest
 import torch
 
 from workers.demo.train import SEQ_LEN, Stage, run_stage
-from workers.engines.embedded import model as model_module
+from workers.engines.embedded import projections
 from workers.engines.embedded.config import ModelConfig
-from workers.engines.embedded.model import FrozenLinear, LlamaForCausalLM, resolve_dtype
+from workers.engines.embedded.llama import LlamaForCausalLM
+from workers.engines.embedded.projections import FrozenLinear, resolve_dtype
 
 from .conftest import converted, requires_bf16_prepacking
 
@@ -72,7 +73,7 @@ def test_without_prepacking_auto_serves_float32_and_bfloat16_falls_back(monkeypa
                                                                           target_model: LlamaForCausalLM) -> None:
     """A CPU without AVX512-BF16/AMX, simulated: auto picks float32; a forced bfloat16 model
     still runs (plain F.linear), only not prepacked."""
-    monkeypatch.setattr(model_module, "bf16_prepacking_available", lambda: False)
+    monkeypatch.setattr(projections, "bf16_prepacking_available", lambda: False)
     assert resolve_dtype("auto") == "float32"
     assert resolve_dtype("bfloat16") == "bfloat16" and resolve_dtype("float32") == "float32"
     unpacked = converted(target_model, torch.bfloat16)

@@ -17,7 +17,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from workers.engines.embedded.engine import GenerationRequest, SpeculativeEngine, StepEvent
-from workers.engines.embedded.model import LlamaForCausalLM
+from workers.engines.embedded.llama import LlamaForCausalLM
 from workers.engines.embedded.sampling import SamplingParams, probabilities, sample, verify
 
 REPO = Path(__file__).resolve().parents[3]

@@ -1,4 +1,4 @@
-"""workers/engines/embedded/rowgemm.py: the float32 kernels against F.linear and the torch forward, row
+"""workers/engines/embedded/kernels/rowgemm.py: the float32 kernels against F.linear and the torch forward, row
 invariance (what makes float32 verification bit-identical), and the fallback without them."""
 
 from __future__ import annotations
@@ -13,11 +13,11 @@ import torch
 import torch.nn.functional as F
 
 from workers.demo.corpus import heldout_prompts
-from workers.engines.embedded import rowgemm
 from workers.engines.embedded.engine import GenerationRequest, SpeculativeEngine
+from workers.engines.embedded.kernels import fused_forward, rowgemm
 from workers.engines.embedded.kv_cache import CacheBatch, KVCache
-from workers.engines.embedded.measure import verification_bit_identical
-from workers.engines.embedded.model import LlamaForCausalLM
+from workers.engines.embedded.llama import LlamaForCausalLM
+from workers.engines.embedded.measurement.measure import verification_bit_identical
 from workers.engines.embedded.sampling import SamplingParams
 from workers.text import TextCodec
 
@@ -172,12 +172,12 @@ def test_engine_test_models_run_the_kernels(target_model: LlamaForCausalLM) -> N
 def test_native_forward_refuses_out_of_range_rows_instead_of_writing_past_the_cache() -> None:
     tokens = torch.tensor([[5, 6]])
     with pytest.raises(ValueError, match="vocabulary"):
-        rowgemm.check_bounds(torch.tensor([[5, 4096]]), 4096, ((0,), (0,), (2,)), 2, 64)
+        fused_forward.check_bounds(torch.tensor([[5, 4096]]), 4096, ((0,), (0,), (2,)), 2, 64)
     with pytest.raises(ValueError, match="cache rows"):
-        rowgemm.check_bounds(tokens, 4096, ((0,), (63,), (2,)), 2, 64)  # one position past the end
+        fused_forward.check_bounds(tokens, 4096, ((0,), (63,), (2,)), 2, 64)  # one position past the end
     with pytest.raises(ValueError, match="cache rows"):
-        rowgemm.check_bounds(tokens, 4096, ((2,), (0,), (2,)), 2, 64)  # no slot 2
-    rowgemm.check_bounds(tokens, 4096, ((1,), (62,), (2,)), 2, 64)  # the last two positions: fine
+        fused_forward.check_bounds(tokens, 4096, ((2,), (0,), (2,)), 2, 64)  # no slot 2
+    fused_forward.check_bounds(tokens, 4096, ((1,), (62,), (2,)), 2, 64)  # the last two positions: fine
 
 
 @needs_kernel
@@ -204,7 +204,7 @@ def test_rows_from_lists_are_the_tensor_call_bit_for_bit(demo_models: dict[str, 
 
 
 def draft_kernel_and_cache(
-        demo_models: dict[str, LlamaForCausalLM]) -> tuple[LlamaForCausalLM, rowgemm.FusedForward, KVCache]:
+        demo_models: dict[str, LlamaForCausalLM]) -> tuple[LlamaForCausalLM, fused_forward.FusedForward, KVCache]:
     """The draft on the kernels, its one-call forward, and an empty two-slot cache for it."""
     model = demo_models["draft-packed"]
     assert model.fused is not None
@@ -286,14 +286,14 @@ def test_engine_greedy_drafting_in_one_call_matches_the_per_position_path(
     prompts = [codec.encode(t)[:12] for t in heldout_prompts(3, seed=4)]  # short: drafting catches up in one call
     greedy = SamplingParams(temperature=0.0)
     calls = 0
-    one_call = rowgemm.FusedForward.draft_greedy
+    one_call = fused_forward.FusedForward.draft_greedy
 
     def counted(*args: object, **kwargs: object) -> list[list[int]]:
         nonlocal calls
         calls += 1
         return one_call(*args, **kwargs)  # type: ignore[arg-type]
 
-    monkeypatch.setattr(rowgemm.FusedForward, "draft_greedy", counted)
+    monkeypatch.setattr(fused_forward.FusedForward, "draft_greedy", counted)
     runs = []
     for per_position in (False, True):
         engine = SpeculativeEngine(target, draft, max_slots=3, max_k=6, drafting_in_one_call=not per_position)

@@ -1,4 +1,4 @@
-"""workers/engines/embedded/rowgemm.py's one-call forward computes only each row's real tokens (packed), so a
+"""workers/engines/embedded/kernels/rowgemm.py's one-call forward computes only each row's real tokens (packed), so a
 step that mixes 1-token and (K+1)-token rows costs their tokens, not the widest row's times the
 rows. What must hold: every row's logits and cache are the bits of that row computed alone."""
 
@@ -9,11 +9,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from workers.costs.model import OnlineCosts, report_from_forward_times
-from workers.engines.embedded import rowgemm
+from workers.costs.cost_report import report_from_forward_times
+from workers.costs.online import OnlineCosts
 from workers.engines.embedded.engine import GenerationRequest, SpeculativeEngine
+from workers.engines.embedded.kernels import rowgemm
 from workers.engines.embedded.kv_cache import KVCache
-from workers.engines.embedded.model import LlamaForCausalLM
+from workers.engines.embedded.llama import LlamaForCausalLM
 from workers.engines.embedded.runner import fold_step
 from workers.engines.embedded.sampling import SamplingParams
 

@@ -1,4 +1,4 @@
-"""workers/engines/embedded/rowgemm.py's bfloat16 products (AVX512-BF16): the same panels multiplied by inputs
+"""workers/engines/embedded/kernels/rowgemm.py's bfloat16 products (AVX512-BF16): the same panels multiplied by inputs
 rounded to bfloat16, summed in float32. What makes them servable: every row's result is the
 same whatever rows are beside it and however the work is split (so verification stays
 bit-identical to plain decoding), and the precision they bring is measured and chosen like
@@ -12,15 +12,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from workers.costs.model import CostReport, PrecisionCandidate, PrecisionChoice
-from workers.engines.embedded import rowgemm
-from workers.engines.embedded.measure import (
-    MeasureSettings,
-    choose_precision,
-    target_configs,
-    verification_bit_identical,
-)
-from workers.engines.embedded.model import LlamaForCausalLM
+from workers.costs.cost_report import CostReport, PrecisionCandidate, PrecisionChoice
+from workers.engines.embedded.kernels import rowgemm
+from workers.engines.embedded.llama import LlamaForCausalLM
+from workers.engines.embedded.measurement.measure import verification_bit_identical
+from workers.engines.embedded.measurement.precision import choose_precision, target_configs
+from workers.engines.embedded.measurement.settings import MeasureSettings
 
 REPO = Path(__file__).resolve().parents[3]
 KERNEL = rowgemm.load()

@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from workers.engines.embedded.engine import GenerationRequest, SpeculativeEngine, StepEvent
-from workers.engines.embedded.model import LlamaForCausalLM
+from workers.engines.embedded.llama import LlamaForCausalLM
 from workers.engines.embedded.sampling import SamplingParams, Verdict, noise_key, probabilities, seeded_noise, verify
 
 from .test_engine import PROMPTS, output_tokens, run_until_idle

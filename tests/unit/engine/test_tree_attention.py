@@ -15,10 +15,11 @@ import pytest
 import torch
 
 from policies.tree import TreeShape
-from workers.engines.embedded import rowgemm
+from workers.engines.embedded.kernels import rowgemm
 from workers.engines.embedded.kv_cache import CacheBatch, KVCache
-from workers.engines.embedded.model import LlamaForCausalLM, Products, bf16_prepacking_available
-from workers.engines.embedded.tree import TreeLayout, TreeRow, layout
+from workers.engines.embedded.llama import LlamaForCausalLM
+from workers.engines.embedded.projections import Products, bf16_prepacking_available
+from workers.engines.embedded.trees.tree import TreeLayout, TreeRow, layout
 
 REPO = Path(__file__).resolve().parents[3]
 KERNEL = rowgemm.load()

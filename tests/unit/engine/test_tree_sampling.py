@@ -19,10 +19,9 @@ import pytest
 import torch
 
 from policies.tree import StepPath, TreeShape
-from workers.engines.embedded import tree_sampling
 from workers.engines.embedded.sampling import SamplingParams, gumbel_max, probabilities, seeded_noise
-from workers.engines.embedded.tree import TreeLayout, layout
-from workers.engines.embedded.tree_sampling import (
+from workers.engines.embedded.trees import sampling as tree_sampling
+from workers.engines.embedded.trees.sampling import (
     Children,
     TreeDrafts,
     TreeProposals,
@@ -34,6 +33,7 @@ from workers.engines.embedded.tree_sampling import (
     verify_tree,
     verify_trees,
 )
+from workers.engines.embedded.trees.tree import TreeLayout, layout
 
 ChiSquare = Callable[[Sequence[int], torch.Tensor], float]
 Drafter = Callable[[torch.Tensor, int, torch.Generator], Children]

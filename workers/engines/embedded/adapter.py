@@ -16,11 +16,15 @@ from typing import Literal
 
 import torch
 
-from workers.costs.model import CostReport, OnlineCosts
-from workers.engines.embedded import rowgemm
+from workers.costs.cost_report import CostReport
+from workers.costs.online import OnlineCosts
 from workers.engines.embedded.engine import SpeculativeEngine
-from workers.engines.embedded.measure import MeasureSettings, measure_or_load, torch_threads_serving
-from workers.engines.embedded.model import TORCH_DTYPES, LlamaForCausalLM, Products, products_named, resolve_dtype
+from workers.engines.embedded.kernels import rowgemm
+from workers.engines.embedded.llama import LlamaForCausalLM
+from workers.engines.embedded.measurement.measure import measure_or_load
+from workers.engines.embedded.measurement.precision import torch_threads_serving
+from workers.engines.embedded.measurement.settings import MeasureSettings
+from workers.engines.embedded.projections import TORCH_DTYPES, Products, products_named, resolve_dtype
 from workers.engines.embedded.runner import EngineRunner
 from workers.engines.interface import (
     EngineInfo,

@@ -21,16 +21,15 @@ from __future__ import annotations
 import random
 import time
 from collections import deque
-from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
 import torch
 
 from policies.tree import MAX_TREE_NODES
 from workers.api.limits import check_sampling
-from workers.engines.embedded import tree_step
+from workers.engines.embedded.forwards import native_rows, single_row
 from workers.engines.embedded.kv_cache import CacheBatch, KVCache
-from workers.engines.embedded.model import LlamaForCausalLM
+from workers.engines.embedded.llama import LlamaForCausalLM
 from workers.engines.embedded.sampling import (
     Verdict,
     gumbel_max,
@@ -41,61 +40,12 @@ from workers.engines.embedded.sampling import (
 )
 from workers.engines.embedded.sequence import Row as _Row
 from workers.engines.embedded.sequence import Sequence as _Sequence
-from workers.engines.embedded.tree import TreeRow, layout
+from workers.engines.embedded.step_interface import ORDINARY_LAG, CatchUpRule, StepCostRule, StepDepthRule, StepShape
+from workers.engines.embedded.trees import step as tree_step
+from workers.engines.embedded.trees.tree import layout
 from workers.engines.interface import FinishReason, GenerationRequest, StepEvent
 
 __all__ = ["CatchUpRule", "GenerationRequest", "SpeculativeEngine", "StepCostRule", "StepDepthRule", "StepEvent"]
-# (requested K, batch depth) -> K for this step. The worker plugs in the policy's batch rule.
-StepDepthRule = Callable[[int, int], int]
-# The step's Ks after that rule (0: plain or a prefill) -> the one K every drafting sequence
-# drafts this step, each within its own limits (K auto: policies.cost.batch_step_k); None leaves
-# each sequence its own K (the rule is off, or has no evidence yet).
-StepCostRule = Callable[[list[int]], int | None]
-# (tokens the draft lags, tokens the sequence has left, the step's K, batch depth) -> whether
-# catching the draft up on those tokens (they were decoded plain) pays before the sequence ends
-# (K auto: policies.cost.catch_up_pays); False: the sequence decodes this step plain.
-CatchUpRule = Callable[[int, int, int, int], bool]
-# The draft's lag after an ordinary speculative or plain step (1-2 tokens): no catch-up to price.
-ORDINARY_LAG = 2
-
-
-@dataclass(frozen=True)
-class StepShape:
-    """What the last step's forwards computed: the target's rows and widest row, whether a
-    prefill forward ran too (its time is then in the target's), the draft's rows and forwards,
-    and the drafts proposed over all sequences; ``catch_up``, the most tokens a drafting
-    sequence's draft caught up on in its first forward (more than ORDINARY_LAG after a plain
-    spell: that forward then costs more than a step's first draft forward ordinarily does)."""
-
-    target_rows: int
-    target_width: int
-    prefill: bool
-    draft_rows: int
-    draft_forwards: int
-    drafts: int = 0
-    catch_up: int = 0
-    # The target's tokens over all rows: below rows x width where rows differ in length (the
-    # one-call forward computes only real tokens, so such a step costs less than its width says).
-    target_tokens: int = 0
-    # A token tree was drafted and verified: its forwards are not the (depth, n) points the
-    # cost model's curves hold (a level's forward has several rows; nodes attend by the map).
-    tree: bool = False
-
-
-def native_forward(model: LlamaForCausalLM, cache: KVCache, tokens: list[list[int]], slots: list[int],
-                   starts: list[int], logit_idx: list[int], row_invariant: bool,
-                   trees: list[TreeRow | None] | None = None) -> torch.Tensor | None:
-    """Rows straight into the model's one-call kernel (workers/engines/embedded/rowgemm.py), where it serves them
-    as ``forward_cached`` would (row-invariant or short rows), from Python lists: no CacheBatch,
-    no torch op per index check (at batch 1 a draft forward's bookkeeping through
-    ``forward_cached`` cost about as much as its arithmetic). Logits (N, V) for ``logit_idx``
-    (into the rows padded to the longest); None where the model must take ``forward_cached``."""
-    fused = model.fused
-    if fused is None or not (row_invariant or max(map(len, tokens)) <= model.native_attention_max_tokens):
-        return None
-    return fused.run_rows(tokens, cache.k, cache.v, slots, starts, logit_idx, trees=trees)
-
-
 class SpeculativeEngine:
     def __init__(self, target: LlamaForCausalLM, draft: LlamaForCausalLM | None, *, max_slots: int = 8,
                  max_k: int = 8, step_depth_rule: StepDepthRule | None = None,
@@ -134,7 +84,7 @@ class SpeculativeEngine:
         self._batched_row_limit = self.max_k + 2
         # Wall time of the last step's draft proposals and target verification (metrics), of the
         # whole step (what is outside those two is the cost model's per-step overhead), and
-        # their shapes (the cost model's online refinement, workers/costs/model.py).
+        # their shapes (the cost model's online refinement, workers/costs/cost_report.py).
         self.last_draft_s = 0.0
         self.last_target_s = 0.0
         self.last_step_s = 0.0
@@ -487,14 +437,14 @@ class SpeculativeEngine:
                 if model is self.target and 0 < row.fused < len(row.new_tokens):
                     # A resumed prefill: the prompt fused (no logits wanted), then the output
                     # row-invariant in one forward, which computes each token as its decode step did.
-                    self._forward_single(model, cache, replace(row, new_tokens=row.new_tokens[:row.fused],
-                                                               n_logits=0), row_invariant=False)
+                    single_row(model, cache, replace(row, new_tokens=row.new_tokens[:row.fused], n_logits=0),
+                               row_invariant=False, max_positions=self.max_positions)
                     row = _Row(row.slot, row.start + row.fused, row.new_tokens[row.fused:], row.n_logits)
                     row_invariant = True
-                out[group[0]] = self._forward_single(model, cache, row, row_invariant)
+                out[group[0]] = single_row(model, cache, row, row_invariant, self.max_positions)
                 continue
             width = max(len(rows[i].new_tokens) for i in group)
-            native = self._forward_native(model, cache, [rows[i] for i in group], row_invariant)
+            native = native_rows(model, cache, [rows[i] for i in group], row_invariant, self.max_positions)
             if native is not None:
                 for i, chunk in zip(group, native.split([rows[i].n_logits for i in group]), strict=True):
                     out[i] = chunk
@@ -518,31 +468,6 @@ class SpeculativeEngine:
         # A reduced-vocabulary draft's logits, laid over the whole vocabulary (-inf elsewhere):
         # everything after this point, sampling, trees and verification alike, sees one vocabulary.
         return [model.full_vocab_logits(o) for o in out if o is not None]
-
-    def _forward_single(self, model: LlamaForCausalLM, cache: KVCache, row: _Row, row_invariant: bool) -> torch.Tensor:
-        """One row alone (batch 1, every draft step there): no padding, no gather; only the
-        positions whose logits are read go through the LM head. Returns (n_logits, V)."""
-        native = self._forward_native(model, cache, [row], row_invariant)
-        if native is not None:
-            return native
-        n = len(row.new_tokens)
-        batch = CacheBatch.build([row.slot], [row.start], [n], n, self.max_positions, row_invariant=row_invariant,
-                                 trees=[row.tree])
-        wanted = None if row.n_logits == n else torch.arange(n - row.n_logits, n)
-        logits = model.forward_cached(torch.tensor([row.new_tokens]), cache, batch,
-                                      None if wanted is None else torch.zeros_like(wanted), wanted)
-        return logits[0] if wanted is None else logits
-
-    def _forward_native(self, model: LlamaForCausalLM, cache: KVCache, rows: list[_Row],
-                        row_invariant: bool) -> torch.Tensor | None:
-        needed = max(r.start + len(r.new_tokens) for r in rows)
-        if needed > self.max_positions:
-            raise ValueError(f"sequence needs {needed} positions, cache holds {self.max_positions}")
-        width = max(len(r.new_tokens) for r in rows)
-        logit_idx = [b * width + col for b, r in enumerate(rows)
-                     for col in range(len(r.new_tokens) - r.n_logits, len(r.new_tokens))]
-        return native_forward(model, cache, [r.new_tokens for r in rows], [r.slot for r in rows],
-                              [r.start for r in rows], logit_idx, row_invariant, [r.tree for r in rows])
 
     # -- convenience ---------------------------------------------------------------------------
     def generate(self, request: GenerationRequest) -> list[StepEvent]:

@@ -14,11 +14,11 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from workers.engines.embedded.tree_attention import check_tree, logical_keys
+from workers.engines.embedded.trees.attention import check_tree, logical_keys
 
 if TYPE_CHECKING:
     from workers.engines.embedded.config import ModelConfig
-    from workers.engines.embedded.tree import TreeRow
+    from workers.engines.embedded.trees.tree import TreeRow
 
 # Row-invariant attention spans are padded to whole blocks of this many keys (masked), so a
 # token's attention reads the same number of keys whether it is decoded alone or verified
@@ -76,7 +76,7 @@ class CacheBatch:
     # Every token's logits independent of the batch's shape (see _attend_per_query): what a
     # target needs so verification scores exactly what plain decoding would. A draft can skip it.
     row_invariant: bool = True
-    # Each row's (slot, first position, real tokens), for the native kernels (workers/engines/embedded/rowgemm.py).
+    # Each row's (slot, first position, real tokens), for the native kernels (kernels/rowgemm.py).
     rows: tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]] = ((), (), ())
     # Token trees (issue #36): each row's TreeRow or None; None when no row has one. Then
     # ``positions`` are the tokens' logical positions (rotary, mask) while K/V are still written

@@ -18,13 +18,15 @@ from dataclasses import dataclass
 
 from policies.cost import catch_up_pays
 from policies.speculation import step_depth
-from workers.costs.model import CostReport, OnlineCosts, StepCostRule
-from workers.engines.embedded.engine import ORDINARY_LAG, SpeculativeEngine
+from workers.costs.cost_report import CostReport
+from workers.costs.online import OnlineCosts, StepCostRule
+from workers.engines.embedded.engine import SpeculativeEngine
+from workers.engines.embedded.step_interface import ORDINARY_LAG
 from workers.engines.interface import EngineTotals, GenerationRequest, StepEvent, StepObserver, StepStats
 
 log = logging.getLogger(__name__)
 # Steps between rebuilds of the per-step rule's cost model from the online curves: they move
-# slowly (workers/costs/model.py), and the rule runs every step.
+# slowly (workers/costs/cost_report.py), and the rule runs every step.
 COST_TABLE_STEPS = 32
 
 EventSink = Callable[[StepEvent | BaseException], None]

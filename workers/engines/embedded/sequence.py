@@ -1,6 +1,6 @@
 """The engine's per-sequence state, its forward rows, and a step's token tree.
 
-Shared by the engine (``engine.py``) and its tree steps (``tree_step.py``), which both read and
+Shared by the engine (``engine.py``) and its tree steps (``trees/step.py``), which both read and
 write them; kept apart so that neither module imports the other's internals.
 """
 
@@ -11,8 +11,8 @@ from dataclasses import dataclass, field
 import torch
 
 from workers.engines.embedded.sampling import seeded_noise
-from workers.engines.embedded.tree import TreeLayout, TreeRow
-from workers.engines.embedded.tree_sampling import TreeProposals
+from workers.engines.embedded.trees.sampling import TreeProposals
+from workers.engines.embedded.trees.tree import TreeLayout, TreeRow
 from workers.engines.interface import GenerationRequest
 
 

@@ -25,7 +25,8 @@ from pathlib import Path
 from typing import Any
 
 from workers.api.sim_config import SimConfig
-from workers.costs.model import CostReport, StepCostRule, depth_grid, report_from_forward_times
+from workers.costs.cost_report import CostReport, depth_grid, report_from_forward_times
+from workers.costs.online import StepCostRule
 from workers.engines.interface import (
     EngineInfo,
     EngineRequestError,
@@ -35,7 +36,7 @@ from workers.engines.interface import (
     StepObserver,
     StepStats,
 )
-from workers.engines.sim.model import SimBatch, SimSeq, StepCost, config_summary
+from workers.engines.sim.roofline import SimBatch, SimSeq, StepCost, config_summary
 from workers.text import TextCodec
 
 COST_CONTEXT = 1024  # cached tokens per sequence the derived cost model assumes

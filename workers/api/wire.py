@@ -1,37 +1,23 @@
-"""The wire protocol between clients, the gateway and workers. Imports no torch.
+"""The wire types between clients, the gateway and workers. Imports no torch.
 
-- The OpenAI request schema (``/v1/completions``, ``/v1/chat/completions``), parsed once into a
-  frozen ``CompletionRequest``; a bad field raises ``BadRequest`` naming it.
-- One error hierarchy: each ``ApiError`` carries its HTTP status and OpenAI error type, and
-  says whether the client or a worker is at fault.
 - The specgate extension fields: the gateway's ``specgate`` directive in a request (mode, K,
   batch thresholds) and the per-chunk ``specgate`` step report from a worker; a worker's
   whole answer (``WHOLE_ANSWER_TYPE``: the answer's JSON, then its step report's); the headers
   that carry the request id and session to a worker for its log lines.
-- ``assemble``: folds a stream of chunks into the non-streaming response object, so streaming
-  and non-streaming answers are built from the same chunks.
+- The frozen ``CompletionRequest`` a request body is parsed into (workers/api/request_parser.py).
+- ``StepReport`` and its readers and writers: a worker's chunk report, vLLM's usage metrics as
+  one, and a non-streaming answer's step log.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, Literal
+from typing import Any, Literal
 
 import orjson
-from pydantic import ValidationError
 
-from policies import bounded_repr, bounded_text
 from workers.api.generation import SpecSteps, group_steps
-from workers.api.limits import GREEDY_BELOW
-from workers.api.request_fast import fast_body
-from workers.api.schema import (
-    DEFAULT_ONLY,
-    FIELD_NAMES,
-    MAX_STOP_SEQUENCES,
-    ChatCompletionBody,
-    CompletionBody,
-)
 
 RequestKind = Literal["chat", "completion"]
 DIRECTIVE_FIELD = "specgate"
@@ -58,82 +44,6 @@ SESSION_HEADER, REQUEST_ID_HEADER = "X-Session-ID", "X-Request-ID"
 MAX_SESSION_ID = 256  # characters; a longer X-Session-ID is refused (printable only)
 
 
-# -- errors -------------------------------------------------------------------------------------
-class ApiError(Exception):
-    status: ClassVar[int] = 500
-    error_type: ClassVar[str] = "server_error"
-    client_fault: ClassVar[bool] = False
-
-    def __init__(self, message: str, param: str | None = None, code: str | None = None,
-                 retry_after_s: float | None = None) -> None:
-        super().__init__(message)
-        self.message = message
-        self.param = param
-        self.code = code
-        self.retry_after_s = retry_after_s
-
-    def body(self) -> dict[str, Any]:
-        return {"error": {"message": self.message, "type": self.error_type, "param": self.param,
-                          "code": self.code}}
-
-
-class BadRequest(ApiError):
-    status, error_type, client_fault = 400, "invalid_request_error", True
-
-
-class NotFound(ApiError):
-    status, error_type, client_fault = 404, "invalid_request_error", True
-
-
-class MethodNotAllowed(ApiError):
-    status, error_type, client_fault = 405, "invalid_request_error", True
-
-
-class PayloadTooLarge(ApiError):
-    status, error_type, client_fault = 413, "invalid_request_error", True
-
-
-class Overloaded(ApiError):
-    """Too many requests queued: retry later (Retry-After says when)."""
-
-    status, error_type, client_fault = 429, "rate_limit_error", False
-
-
-class Unavailable(ApiError):
-    """No worker can take the request now."""
-
-    status, error_type, client_fault = 503, "server_error", False
-
-
-class WorkerFailed(ApiError):
-    status, error_type, client_fault = 502, "server_error", False
-
-
-class WorkerTimeout(ApiError):
-    status, error_type, client_fault = 504, "server_error", False
-
-
-class RequestTimeout(ApiError):
-    """The request body did not arrive in time (the connection is closed after the answer)."""
-
-    status, error_type, client_fault = 408, "invalid_request_error", True
-
-
-class HeadersTooLarge(ApiError):
-    status, error_type, client_fault = 431, "invalid_request_error", True
-
-
-class ClientDisconnected(ApiError):
-    """The client went away before its answer was complete; nobody reads this error.
-
-    Counted under nginx's 499 ("client closed request") and logged at INFO: a client that
-    leaves is not a server error.
-    """
-
-    status, error_type, client_fault = 499, "invalid_request_error", True
-
-
-# -- requests -----------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class ChatMessage:
     role: Literal["system", "user", "assistant"]
@@ -227,92 +137,7 @@ class CompletionRequest:
     raw: Mapping[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
 
-def _path(loc: tuple[int | str, ...]) -> str:
-    """An error location as the client wrote it: ``messages[0].content``."""
-    out = ""
-    for item in loc:
-        out += f"[{item}]" if isinstance(item, int) else (f".{item}" if out else item)
-    return out
 
-
-def bad_request(exc: ValidationError) -> BadRequest:
-    error = exc.errors(include_url=False, include_context=False)[0]
-    loc = tuple(error["loc"])
-    if error["type"] == "extra_forbidden":  # the unknown name last, after its fields (no union labels)
-        kept = tuple(x for x in loc[:-1] if isinstance(x, int) or x in FIELD_NAMES)
-        name = bounded_text(_path((*kept, loc[-1])), 100)
-        return BadRequest(f"Unrecognized request argument supplied: {name}", param=name)
-    # pydantic labels the member of a union in the location; the client's path ends before it.
-    label = next((i for i, item in enumerate(loc) if isinstance(item, str) and item not in FIELD_NAMES), len(loc))
-    names = [item for item in loc[:label] if isinstance(item, str)]
-    param = _path(loc[:label])
-    default_only = next((n for n in names if n in DEFAULT_ONLY), None)
-    if default_only is not None:
-        param = _path(loc[:loc.index(default_only) + 1])
-        return BadRequest(f"'{param}' is not supported: only {DEFAULT_ONLY[default_only]} is accepted "
-                          f"(got {bounded_repr(error['input'])})", param=param)
-    if error["type"] == "missing":
-        return BadRequest(f"'{param}' is required", param=param)
-    if label < len(loc) and names and names[-1] in _UNION_SHAPES:
-        return BadRequest(f"'{param}' must be {_UNION_SHAPES[names[-1]]}", param=param)
-    return BadRequest(f"'{param}': {error['msg']} (got {bounded_repr(error['input'])})", param=param)
-
-
-_UNION_SHAPES = {
-    "prompt": "a string or a list of token ids (batches of several prompts are not supported)",
-    "content": "a string or a list of text parts ({\"type\": \"text\", \"text\": ...})",
-    "stop": f"a non-empty string or a list of at most {MAX_STOP_SEQUENCES} non-empty strings",
-}
-
-
-def parse_request(kind: RequestKind, body: Any) -> CompletionRequest:
-    """Validates a request body (see workers/api/schema.py) into a ``CompletionRequest``."""
-    if not isinstance(body, Mapping):
-        raise BadRequest("request body must be a JSON object")
-    # The usual body without pydantic (workers/api/request_fast.py); the rest, and every error, with it.
-    parsed: Any = fast_body(kind, body)
-    if parsed is None:
-        try:
-            parsed = ChatCompletionBody.model_validate(body) if kind == "chat" else CompletionBody.model_validate(body)
-        except ValidationError as exc:
-            raise bad_request(exc) from None
-    prompt: str | list[int] | None = None
-    messages: tuple[ChatMessage, ...] = ()
-    max_tokens = parsed.max_tokens
-    if kind != "chat":
-        raw_prompt = parsed.prompt
-        if isinstance(raw_prompt, list) and isinstance(raw_prompt[0], str | list):
-            raw_prompt = raw_prompt[0]  # a batch of one
-        prompt = raw_prompt if isinstance(raw_prompt, str) else list(raw_prompt)
-    else:
-        messages = tuple(ChatMessage("system" if m.role == "developer" else m.role,
-                                     m.content if isinstance(m.content, str) else "".join(p.text for p in m.content))
-                         for m in parsed.messages)
-        if parsed.max_completion_tokens is not None:
-            max_tokens = parsed.max_completion_tokens
-    stop = (parsed.stop,) if isinstance(parsed.stop, str) else tuple(parsed.stop or ())
-    temperature = 1.0 if parsed.temperature is None else parsed.temperature
-    if temperature < GREEDY_BELOW:
-        temperature = 0.0
-    directive = parsed.specgate
-    resume = None
-    if directive is not None and directive.resume is not None:
-        r = directive.resume
-        resume = ResumePoint(tuple(r.prompt_ids), tuple(r.output_ids), r.text_sent)
-    return CompletionRequest(
-        kind=kind, model=parsed.model, prompt=prompt, messages=messages, max_tokens=max_tokens,
-        temperature=temperature, top_p=1.0 if parsed.top_p is None else parsed.top_p,
-        top_k=max(0, parsed.top_k or 0), seed=parsed.seed, stop=stop, ignore_eos=bool(parsed.ignore_eos),
-        min_tokens=parsed.min_tokens or 0, stream=bool(parsed.stream),
-        include_usage=bool(parsed.stream_options and parsed.stream_options.include_usage), user=parsed.user,
-        directive=None if directive is None else Directive(directive.k, directive.max_batch, directive.batch_resume,
-                                                       directive.max_step_drafts, resume, directive.cost_rule,
-                                                       directive.coalesce_s, directive.whole_answer,
-                                                       directive.step_log, directive.tree),
-        raw=body)
-
-
-# -- responses ------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class StepReport:
     """The per-chunk ``specgate`` field a worker attaches: what the step behind it did."""
@@ -495,46 +320,3 @@ def logged_steps(raw: Any) -> StepReport | None:
 def _logged_step(proposed: Any, accepted: Any, tree: Any = None, path: Any = None) -> StepReport:
     tree, checked = _tree_path(tree, path)
     return StepReport(int(proposed), int(accepted), 0, int(proposed), 0, tree=tree, path=checked)
-
-
-def speculative_usage(proposed: int, accepted: int, mode: str, speculative_steps: int | None = None,
-                      plain_steps: int | None = None, tested: int | None = None) -> dict[str, Any]:
-    """``mode`` is what was decided; the step counts say what ran (None: not known).
-    ``acceptance_rate`` is vLLM's (accepted ÷ proposed); ``tested`` the drafts tested, so
-    accepted ÷ tested is α, the per-draft acceptance the policy's floor reads (docs/policy.md)."""
-    return {"proposed": proposed, "accepted": accepted, "tested": tested,
-            "acceptance_rate": round(accepted / proposed, 4) if proposed else None, "mode": mode,
-            "speculative_steps": speculative_steps, "plain_steps": plain_steps}
-
-
-def chunk_text(kind: RequestKind, chunk: Mapping[str, Any]) -> str:
-    choices = chunk.get("choices") or []
-    if not choices:
-        return ""
-    choice = choices[0]
-    if kind == "chat":
-        return str((choice.get("delta") or {}).get("content") or "")
-    return str(choice.get("text") or "")
-
-
-def assemble(kind: RequestKind, chunks: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
-    """Folds streamed chunks into the non-streaming response object."""
-    if not chunks:
-        raise WorkerFailed("worker returned no output")
-    first = chunks[0]
-    text = "".join(chunk_text(kind, c) for c in chunks)
-    finish_reason = None
-    usage = None
-    for chunk in chunks:
-        for streamed in chunk.get("choices") or []:
-            finish_reason = streamed.get("finish_reason") or finish_reason
-        usage = chunk.get("usage") or usage
-    if kind == "chat":
-        choice: dict[str, Any] = {"index": 0, "message": {"role": "assistant", "content": text},
-                                  "finish_reason": finish_reason, "logprobs": None}
-        obj = "chat.completion"
-    else:
-        choice = {"index": 0, "text": text, "finish_reason": finish_reason, "logprobs": None}
-        obj = "text_completion"
-    return {"id": first.get("id"), "object": obj, "created": first.get("created"), "model": first.get("model"),
-            "choices": [choice], "usage": usage}

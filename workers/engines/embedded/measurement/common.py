@@ -1,4 +1,4 @@
-"""Helpers the start-up cost measurements share (``measure.py``, ``measure_trees.py``)."""
+"""Helpers the start-up cost measurements share (``measure.py``, ``trees.py``)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import time
 from collections.abc import Callable
 
 from workers.engines.embedded.kv_cache import KVCache
-from workers.engines.embedded.model import LlamaForCausalLM
+from workers.engines.embedded.llama import LlamaForCausalLM
 
 
 def scratch_cache(model: LlamaForCausalLM, slots: int, positions: int) -> KVCache:

@@ -5,7 +5,7 @@ A sequence asked to speculate with a tree (``GenerationRequest.tree``) runs one 
 whose K (after the per-step rules) reaches the tree's depth and whose cache has room for its
 nodes; otherwise that step runs the chain of the K it got. The layout (which node sits where,
 what it attends to) is ``tree.py``'s; the sampling rules (which children the draft proposes,
-which one the target accepts) are ``tree_sampling.py``'s.
+which one the target accepts) are ``sampling.py``'s.
 
 Drafting: the first draft forward catches the draft up on the sequence's last tokens and
 gives the root's distribution, from which the depth-1 children are drawn; each later forward
@@ -25,10 +25,10 @@ import torch
 
 from policies.tree import StepPath
 from workers.engines.embedded.kv_cache import KVCache
-from workers.engines.embedded.model import LlamaForCausalLM
+from workers.engines.embedded.llama import LlamaForCausalLM
 from workers.engines.embedded.sequence import Row, Sequence, TreeDraft
-from workers.engines.embedded.tree import TreeRow
-from workers.engines.embedded.tree_sampling import draft_children, verify_tree
+from workers.engines.embedded.trees.sampling import draft_children, verify_tree
+from workers.engines.embedded.trees.tree import TreeRow
 
 
 class TreeEngine(Protocol):

@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from policies.tree import MAX_TREE_DEPTH
-from workers.engines.embedded.tree import TreeRow
+from workers.engines.embedded.trees.tree import TreeRow
 
 # Per packed token for the kernel: its logical position, the count of mapped keys, then
 # MAX_TREE_DEPTH cache positions (``TREE_STRIDE`` in rowgemm.c).

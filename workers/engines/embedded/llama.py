@@ -19,85 +19,21 @@ from __future__ import annotations
 import json
 import math
 from pathlib import Path
-from typing import Literal
 
 import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from workers.engines.embedded import rowgemm
 from workers.engines.embedded.config import ModelConfig
+from workers.engines.embedded.kernels import fused_forward, rowgemm
 from workers.engines.embedded.kv_cache import CacheBatch, KVCache
+from workers.engines.embedded.projections import (
+    FrozenLinear,
+    Products,
+)
 from workers.engines.embedded.reduced_vocab import check_same_tokenizer, projected_embedding, vocab_ids
-from workers.engines.embedded.tree_attention import attend_gathered, gather_keys
-
-
-def bf16_prepacking_available() -> bool:
-    """Whether this CPU and build run bfloat16 projections on oneDNN's prepacked weights."""
-    ops = torch.ops.mkldnn
-    return (torch.backends.mkldnn.is_available() and hasattr(ops, "_reorder_linear_weight")
-            and hasattr(ops, "_linear_pointwise") and bool(ops._is_mkldnn_bf16_supported()))
-
-
-TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}  # config names -> torch dtypes
-# How a float32 model's projections on workers/engines/embedded/rowgemm.py's kernels multiply: float32 FMAs of
-# the bfloat16 weights, or bfloat16 products (inputs rounded to bfloat16, sums in float32: the
-# arithmetic of oneDNN's bfloat16 and of AMX) where the CPU has AVX512-BF16. Both kernels are
-# row-invariant, so either keeps verification bit-identical to plain decoding.
-Products = Literal["float32", "bfloat16"]
-
-
-def products_named(name: str) -> Products:
-    """A cost report's ``products`` (a plain string in its JSON) as ``Products``."""
-    return "bfloat16" if name == "bfloat16" else "float32"
-
-
-def resolve_dtype(requested: Literal["auto", "float32", "bfloat16"]) -> Literal["float32", "bfloat16"]:
-    """"auto" is bfloat16 where it runs prepacked (fast, bit-identical verification), else
-    float32, which is then faster than unpacked bfloat16 and close to, not bit-for-bit, exact."""
-    if requested == "auto":
-        return "bfloat16" if bf16_prepacking_available() else "float32"
-    return requested
-
-
-class FrozenLinear:
-    """An inference-only projection ``y = x Wᵀ`` whose weight is laid out once, at load.
-
-    In bfloat16 the weight is prepacked into oneDNN's blocked layout (what torch.compile's CPU
-    backend does with frozen weights). On CPUs with AMX or AVX512-BF16 a packed projection then
-    costs about the same for 1 row as for 9, which is what lets the target verify K drafts in
-    one forward for little more than the price of one token; ``F.linear`` on a plain bfloat16
-    weight re-lays it out on every call and is slower at batch 1. The packed kernel's rows do
-    not depend on how many rows there are, so verification sees the same logits as a plain
-    step. Where packing is unavailable (other dtypes, builds without oneDNN) it is ``F.linear``.
-    """
-
-    def __init__(self, weight: torch.Tensor, packed: bool = True, products: Products = "float32") -> None:
-        weight = weight.detach().contiguous()
-        # Exactly one of the three is kept: a packed copy replaces the plain weight.
-        self.packed: torch.Tensor | None = None
-        self.panels: rowgemm.Panels | None = None  # float32 on workers/engines/embedded/rowgemm.py's kernel
-        self.weight: torch.Tensor | None = weight
-        self.dot = False  # the panels multiply as bfloat16 products (``Products``)
-        self._rowgemm = rowgemm.load() if packed and weight.dtype == torch.float32 else None
-        if not packed:
-            return
-        if weight.dtype == torch.bfloat16 and bf16_prepacking_available():
-            self.packed, self.weight = torch.ops.mkldnn._reorder_linear_weight(weight, 1), None
-        elif self._rowgemm is not None and self._rowgemm.packable(weight):
-            self.panels, self.weight = self._rowgemm.pack(weight), None
-            self.dot = products == "bfloat16" and self._rowgemm.can_dot(self.panels)
-
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if self.packed is not None:
-            out: torch.Tensor = torch.ops.mkldnn._linear_pointwise(x, self.packed, None, "none", [None], "")
-            return out
-        if self.panels is not None:
-            assert self._rowgemm is not None
-            return self._rowgemm.linear(x, self.panels, self.dot)
-        assert self.weight is not None
-        return F.linear(x, self.weight)
+from workers.engines.embedded.trees.attention import attend_gathered, gather_keys
 
 
 class RMSNorm(nn.Module):
@@ -321,9 +257,9 @@ class LlamaForCausalLM(nn.Module):
         # A reduced-vocabulary draft: the token id each head row scores (full_vocab_logits).
         self.vocab_ids: torch.Tensor | None = None
         self.head_frozen: FrozenLinear | None = None
-        # Set by prepare_inference where the float32 forward runs workers/engines/embedded/rowgemm.py's kernels.
+        # Set by prepare_inference where the float32 forward runs workers/engines/embedded/kernels/rowgemm.py's kernels.
         self.native: rowgemm.RowGemm | None = None
-        self.fused: rowgemm.FusedForward | None = None  # the same path in one kernel call
+        self.fused: fused_forward.FusedForward | None = None  # the same path in one kernel call
         cos, sin = rotary_tables(cfg, torch.float32)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
@@ -372,7 +308,7 @@ class LlamaForCausalLM(nn.Module):
     @classmethod
     def load_draft(cls, directory: Path | str, dtype: torch.dtype = torch.float32,
                    products: Products = "float32", target: Path | str | None = None) -> LlamaForCausalLM:
-        """A draft as the engine serves it: in float32 on workers/engines/embedded/rowgemm.py's kernels (where they
+        """A draft as the engine serves it: in float32 on kernels/rowgemm.py's kernels (where they
         build), from its checkpoint's own bfloat16 weights. int8 projections served it while the
         bfloat16 kernel widened 8 weights at a time; with the paired layout bfloat16 measured as
         fast at one token and 20-25% faster at four (AVX2 CPU, taking turns with the target's
@@ -397,7 +333,7 @@ class LlamaForCausalLM(nn.Module):
     @property
     def prepacked(self) -> bool:
         """Whether the projections run on weights laid out once for a row-invariant kernel:
-        oneDNN's prepacked bfloat16, or float32 panels on workers/engines/embedded/rowgemm.py's (see FrozenLinear)."""
+        oneDNN's prepacked bfloat16, or float32 panels on kernels/rowgemm.py's (see FrozenLinear)."""
         head = self.head_frozen
         return head is not None and (head.packed is not None or head.panels is not None)
 
@@ -429,7 +365,7 @@ class LlamaForCausalLM(nn.Module):
             norms = [w for layer in blocks
                      for w in (layer.input_layernorm.weight, layer.post_attention_layernorm.weight)]
             assert len(panels) == len(frozen)
-            self.fused = rowgemm.FusedForward(
+            self.fused = fused_forward.FusedForward(
                 self.native, embed=self.model.embed_tokens.weight.detach().contiguous(),
                 norms=[*norms, self.model.norm.weight], panels=panels,
                 hidden=cfg.hidden_size, inter=cfg.intermediate_size, heads=cfg.num_attention_heads,
@@ -495,7 +431,7 @@ class LlamaForCausalLM(nn.Module):
 
     def _forward_native(self, kernel: rowgemm.RowGemm, tokens: torch.Tensor, cache: KVCache, batch: CacheBatch,
                         logit_rows: torch.Tensor | None, logit_cols: torch.Tensor | None) -> torch.Tensor:
-        """``forward_cached`` in float32 on workers/engines/embedded/rowgemm.py's kernels: one call each for a
+        """``forward_cached`` in float32 on workers/engines/embedded/kernels/rowgemm.py's kernels: one call each for a
         norm, a projection, SwiGLU, and rotary + cache write + attention, instead of a dozen
         small torch ops each (at batch 1 a small model's step is mostly their overhead).
 
@@ -511,7 +447,7 @@ class LlamaForCausalLM(nn.Module):
         native_attention = batch.row_invariant or length <= self.native_attention_max_tokens
         if native_attention:
             cache_shape = cache.k[0].shape
-            rowgemm.check_bounds(tokens, cfg.vocab_size, batch.rows, cache_shape[0], cache_shape[2])
+            fused_forward.check_bounds(tokens, cfg.vocab_size, batch.rows, cache_shape[0], cache_shape[2])
             rows = torch.tensor(batch.rows, dtype=torch.long)
             if self.fused is not None:
                 if logit_rows is not None and logit_cols is not None:

@@ -19,11 +19,11 @@ from collections.abc import Callable
 
 import torch
 
-from workers.engines.embedded.engine import native_forward
+from workers.engines.embedded.forwards import native_forward
 from workers.engines.embedded.kv_cache import CacheBatch, KVCache
-from workers.engines.embedded.measure_common import fill_line, scratch_cache, timed
-from workers.engines.embedded.model import LlamaForCausalLM
-from workers.engines.embedded.tree import TreeRow
+from workers.engines.embedded.llama import LlamaForCausalLM
+from workers.engines.embedded.measurement.common import fill_line, scratch_cache, timed
+from workers.engines.embedded.trees.tree import TreeRow
 
 CONTEXT = 128  # tokens of context before the timed forwards (measure.CONTEXT's order of magnitude)
 CHAINS = 4  # the synthetic tree timed: this many branches from the root, nodes spread over them

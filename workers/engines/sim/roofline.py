@@ -30,7 +30,7 @@ from typing import Any
 from policies.speculation import step_depth
 from policies.tree import StepPath, TreeShape
 from workers.api.sim_config import Efficiency, Facts, ModelShape, SimConfig, alpha_from_rate
-from workers.costs.model import AcceptanceEstimate, StepCostRule
+from workers.costs.online import AcceptanceEstimate, StepCostRule
 from workers.engines.sim.trees import (
     ASSUMED_TREE,
     CALIBRATED_ALPHA,

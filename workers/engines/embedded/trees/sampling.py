@@ -33,7 +33,7 @@ import torch
 
 from policies.tree import StepPath
 from workers.engines.embedded.sampling import SamplingParams, probabilities, sample
-from workers.engines.embedded.tree import TreeLayout
+from workers.engines.embedded.trees.tree import TreeLayout
 
 __all__ = ["Children", "Mode", "NoiseAt", "TreeDrafts", "TreeProposals", "TreeVerdict", "TreeVerdicts",
            "draft_children", "draft_greedy", "draft_sampled", "draft_seeded", "draft_top_k", "mode_of", "verify_tree",

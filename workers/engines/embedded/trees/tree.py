@@ -6,7 +6,7 @@ first), and so on. Node i's K/V is written at scratch position ``base + i``; its
 position is ``base + depth(i)``, the position it would have in the sequence, and it attends to
 the sequence's positions ``0..base`` and to its ancestors (itself included), read through
 ``ancestors(i)``. The arithmetic is then a plain decoding step's at that position, key for key
-in the same order (``rowgemm.c`` ``rope_attend``, ``model.Attention``), so a node accepted onto
+in the same order (``rowgemm.c`` ``rope_attend``, ``llama.Attention``), so a node accepted onto
 the sequence has the K/V and logits plain decoding would have given it.
 
 After verification the accepted path's K/V is copied from ``base + node`` to ``base + depth``

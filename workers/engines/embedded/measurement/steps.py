@@ -1,4 +1,4 @@
-"""Start-up timings of the serving engine's own steps (``workers/engines/embedded/measure.py``, step 2).
+"""Start-up timings of the serving engine's own steps (``workers/engines/embedded/measurement/measure.py``, step 2).
 
 Forward times alone miss what a step spends outside its forwards (sampling, bookkeeping,
 which a plain step pays too) and what a step's first draft forward costs beyond a later one
@@ -16,9 +16,9 @@ from dataclasses import dataclass
 import torch
 
 from workers.api.generation import SamplingParams
-from workers.costs.model import interpolate
+from workers.costs.cost_report import interpolate
 from workers.engines.embedded.engine import GenerationRequest, SpeculativeEngine
-from workers.engines.embedded.model import LlamaForCausalLM
+from workers.engines.embedded.llama import LlamaForCausalLM
 
 # The deeper batch the step overhead is timed at (or max_slots, if smaller): deep enough that
 # its per-sequence part stands out of timing noise, shallow enough to be cheap.

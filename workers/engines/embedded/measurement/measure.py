@@ -13,7 +13,7 @@ Before a worker reports ready it spends at most ``budget_s`` here (or nothing, o
 2. **Step overhead.** The engine itself steps the chosen target and the draft, plain and
    speculative, and the time each step spends outside its forwards (sampling, bookkeeping) is
    kept: at batch 1 for a plain step and per draft, and at a deeper batch for a plain step
-   (``workers/engines/embedded/measure_steps.py``). Forward times alone price speculation too high where
+   (``workers/engines/embedded/measurement/steps.py``). Forward times alone price speculation too high where
    forwards are cheap, since a plain step pays that work too. The same steps time the engine's draft
    phase at K = 1 and a deeper K, at every depth up to the deeper batch: a step's first draft
    forward costs more than the later ones (``draft_split``).
@@ -35,65 +35,34 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
 
 import torch
 
-from policies.cost import expected_tokens
 from policies.tree import MAX_TREE_NODES
-from workers.costs.cache import CostCache, cache_key, cpu_label
-from workers.costs.model import (
+from workers.costs.cache import CostCache, cpu_label
+from workers.costs.cost_report import (
     CostReport,
     PrecisionCandidate,
     PrecisionChoice,
     depth_grid,
     report_from_forward_times,
 )
-from workers.engines.embedded import rowgemm
-from workers.engines.embedded.engine import native_forward
+from workers.engines.embedded.forwards import native_forward
 from workers.engines.embedded.kv_cache import CacheBatch, KVCache
-from workers.engines.embedded.measure_common import fill_line, scratch_cache, timed
-from workers.engines.embedded.measure_steps import draft_split, measure_overheads
-from workers.engines.embedded.measure_trees import TREE_LEVEL_WIDTH, measure_tree_costs
-from workers.engines.embedded.model import TORCH_DTYPES, LlamaForCausalLM, Products, bf16_prepacking_available
+from workers.engines.embedded.llama import LlamaForCausalLM
+from workers.engines.embedded.measurement.common import fill_line, scratch_cache, timed
+from workers.engines.embedded.measurement.precision import REFERENCE_ALPHA, best_b1, choose_precision, target_configs
+from workers.engines.embedded.measurement.settings import MeasureSettings, TargetDtype
+from workers.engines.embedded.measurement.steps import draft_split, measure_overheads
+from workers.engines.embedded.measurement.trees import TREE_LEVEL_WIDTH, measure_tree_costs
+from workers.engines.embedded.projections import TORCH_DTYPES, Products
 
 log = logging.getLogger(__name__)
-TargetDtype = Literal["float32", "bfloat16"]
-# Candidates are compared at this per-token acceptance: the demo models' α on code at T=0 is
-# 0.86, on prose lower; 0.8 ranks configurations by how well they verify without needing
-# requests. (K per session is chosen later from the session's own α.)
-REFERENCE_ALPHA = 0.8
+
 CONTEXT = 128  # tokens already in the cache when a forward is timed
 REPS = 3  # timings per point; the median is kept
 # Prompt lengths a prefill is timed at; the cost of other lengths is on the line through them.
 PREFILL_TOKENS = (32, 128)
-
-
-@dataclass(frozen=True)
-class MeasureSettings:
-    target: Path
-    draft: Path | None
-    max_slots: int
-    max_k: int
-    dtype: Literal["auto", "float32", "bfloat16"] = "auto"
-    draft_dtype: TargetDtype = "float32"
-    exact: bool = True  # only bit-identical configurations, unless none is
-    budget_s: float = 4.0
-    threads: int = 1  # torch intra-op threads the worker runs with
-
-    def cache_key(self) -> str:
-        """Everything the figures depend on besides the budget (``workers/costs/cache.py``)."""
-        return cache_key({"target": self.target, "draft": self.draft},
-                         {"max_slots": self.max_slots, "max_k": self.max_k, "dtype": self.dtype,
-                          "draft_dtype": self.draft_dtype, "exact": self.exact, "threads": self.threads,
-                          "prepacking": bf16_prepacking_available(), "rowgemm": kernel_build()},
-                         torch.__version__)
-
-
-def kernel_build() -> str | None:
-    """The float32 kernels' build (``workers/engines/embedded/rowgemm.py``), None where they do not run."""
-    kernel = rowgemm.load()
-    return None if kernel is None else kernel.build
 
 
 def _forward(model: LlamaForCausalLM, cache: KVCache, depth: int, n: int, positions: int,
@@ -186,68 +155,6 @@ def verification_bit_identical(model: LlamaForCausalLM, n: int) -> bool:
     out = model.forward_cached(padded, scratch(), CacheBatch.build([0, 1], [60, 7], [n, 1], n, positions))
     return torch.equal(out[0], one_by_one) and torch.equal(out[1, :1], alone(1, new[:1]))
 
-
-def _best_b1(target_s: list[float], draft_s: float | None, alpha: float) -> tuple[float, int]:
-    """Predicted batch-1 tokens/s and K at acceptance ``alpha``, from depth-1 forward times."""
-    options = [(1.0 / target_s[0], 0)]
-    if draft_s is not None:
-        options += [(expected_tokens(alpha, k) / (target_s[k] + k * draft_s), k) for k in range(1, len(target_s))]
-    return max(options)
-
-
-def choose_precision(candidates: list[PrecisionCandidate],
-                     settings: MeasureSettings) -> tuple[PrecisionCandidate, str]:
-    """The configured dtype if one is; else the best ``score`` among the bit-identical
-    candidates (``exact``), or among all of them (``exact`` False, or none is bit-identical)."""
-    def describe(c: PrecisionCandidate) -> str:
-        packed = " prepacked" if c.prepacked else ""
-        products = " with bfloat16 products" if c.products == "bfloat16" and c.target != "bfloat16" else ""
-        return (f"{c.target}{packed}{products} {c.tok_s_b1:.0f} tok/s at batch 1 (K={c.best_k_b1}), "
-                f"{c.tok_s_full:.0f} tok/s plain at full batch")
-
-    fastest = max(candidates, key=lambda c: c.score)
-    exact = [c for c in candidates if c.bit_identical]
-    listing = ", ".join(describe(c) + ("" if c.bit_identical else " not bit-identical") for c in candidates)
-    if settings.dtype != "auto":
-        # The dtype is configured; its kernels (packed or F.linear) are still measured.
-        only = max(exact, key=lambda c: c.score) if exact and settings.exact else fastest
-        note = "" if only.bit_identical else "; its verification is not bit-identical on this CPU"
-        return only, f"workers.dtype: {settings.dtype} (configured){note}: {listing}"
-    if not settings.exact:
-        return fastest, f"fastest predicted at alpha {REFERENCE_ALPHA} (workers.exact: false): {listing}"
-    if not exact:
-        return fastest, (f"no configuration verifies bit-identically on this CPU; the fastest serves, close to "
-                         f"exact: {listing}")
-    best = max(exact, key=lambda c: c.score)
-    return best, f"fastest bit-identical at alpha {REFERENCE_ALPHA}: {listing}"
-
-
-def target_configs(dtype: Literal["auto", "float32", "bfloat16"]) -> dict[str, tuple[TargetDtype, bool, Products]]:
-    """The target configurations to measure, by label: (dtype, packed, products). float32 packed
-    runs workers/engines/embedded/rowgemm.py's kernels where they compiled, and is then measured against F.linear.
-    Where the kernels have bfloat16 products (AVX512-BF16), a float32 model multiplying in
-    bfloat16 is a bfloat16 configuration: measured for ``auto`` and ``bfloat16``, never for a
-    configured ``float32``, which promises float32 arithmetic."""
-    dtypes: list[TargetDtype] = ["bfloat16", "float32"] if dtype == "auto" else [dtype]
-    configs: dict[str, tuple[TargetDtype, bool, Products]] = {d: (d, True, "float32") for d in dtypes}
-    kernel = rowgemm.load()
-    if kernel is not None:
-        if "float32" in dtypes:
-            configs["float32-F.linear"] = ("float32", False, "float32")
-        if dtype != "float32" and kernel.dot_products:
-            configs["float32-bfloat16-products"] = ("float32", True, "bfloat16")
-    return configs
-
-
-def torch_threads_serving(precision: PrecisionChoice, threads: int) -> int:
-    """torch's intra-op threads once ``precision`` serves: ``threads``, except 1 where the
-    kernels (workers/engines/embedded/rowgemm.py, their own ``threads``) run the forwards. torch then only glues
-    between kernel calls, and its OpenMP workers, spinning after each parallel region, took the
-    second core from the kernels' helper: on the 2-core AVX2 machine, ``bench.engine --threads 2``
-    decoded 603 -> 900 tok/s (plain -> speculative) with them and 770 -> 1135 without
-    (OMP_WAIT_POLICY=PASSIVE), its start-up verification curve erratic with them."""
-    on_kernels = precision.target == "float32" and precision.prepacked and rowgemm.load() is not None
-    return 1 if on_kernels else threads
 
 
 def measure(settings: MeasureSettings) -> CostReport:
@@ -374,7 +281,7 @@ def _rank_candidates(loaded: _Candidates, shape: _Shape,
     candidates = []
     for d, model in loaded.targets.items():
         curve = fill_line({n: times[(d, 1, n)] for n in shape.n_plan}, shape.width)
-        tok_s, k = _best_b1(curve, times.get((f"draft-{loaded.configs[d][2]}", 1, 1)), REFERENCE_ALPHA)
+        tok_s, k = best_b1(curve, times.get((f"draft-{loaded.configs[d][2]}", 1, 1)), REFERENCE_ALPHA)
         candidates.append(PrecisionCandidate(loaded.configs[d][0], model.prepacked, loaded.identical[d],
                                              round(1000 * curve[0], 3), round(1000 * curve[-1], 3), round(tok_s, 1),
                                              k, round(shape.full / times[(d, shape.full, 1)], 1), model.products))
