@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from workers.api.protocol import ChatMessage
+from workers.api.wire import ChatMessage
 from workers.engines.embedded.engine import GenerationRequest, SpeculativeEngine, StepEvent
-from workers.engines.embedded.model import LlamaForCausalLM
+from workers.engines.embedded.llama import LlamaForCausalLM
 from workers.engines.embedded.sampling import SamplingParams
 from workers.text import TextCodec
 
