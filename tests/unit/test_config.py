@@ -42,8 +42,8 @@ def test_repo_config_loads() -> None:
     config = load_config(CONFIG)
     assert config.source == CONFIG.resolve()
     assert config.server == ServerConfig()
-    # the file's deliberate departures from the defaults: the real pair, its context window and precision
-    assert config.workers == WorkersConfig(max_model_len=2048, dtype="float32")
+    # the file's deliberate departures from the defaults: the real pair and its context window
+    assert config.workers == WorkersConfig(max_model_len=2048)
     assert config.sessions == SessionsConfig()
     assert config.model == ModelConfig(name="smollm2-135m-instruct-q4_1",
                                        target=REPO / "models/smollm2-135m-instruct-q4_1",

@@ -47,6 +47,7 @@ from workers.costs.cost_report import (
     depth_grid,
     report_from_forward_times,
 )
+from workers.engines.embedded.config import stored_weight_dtype
 from workers.engines.embedded.forwards import native_forward
 from workers.engines.embedded.kv_cache import CacheBatch, KVCache
 from workers.engines.embedded.llama import LlamaForCausalLM
@@ -247,7 +248,8 @@ class _Candidates:
 
 
 def _load_candidates(settings: MeasureSettings, shape: _Shape) -> _Candidates:
-    configs = target_configs(settings.dtype)
+    configs = target_configs(settings.dtype, "float32" if stored_weight_dtype(settings.target) == "float32"
+                             else "bfloat16")
     # The draft multiplies as its target does (load_draft): one draft per products among the
     # candidates, each candidate priced with its own.
     drafts: dict[str, LlamaForCausalLM] = {}
