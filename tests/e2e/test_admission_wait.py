@@ -22,6 +22,7 @@ import aiohttp
 import openai
 import pytest
 
+from bench.procs import free_port, wait_ok
 from gateway.admission import pick_ready
 from gateway.config import parse_config
 from gateway.fleet import Fleet, WorkerHandle
@@ -32,7 +33,6 @@ from gateway.sessions import SessionTable
 from gateway.state import GatewayState
 from gateway.worker_http import Endpoint, WorkerHttp
 from tests.e2e.harness import MODELS, REPO, TEST_COST_BUDGET_S, Gateway, cost_cache_dir, write_config
-from tests.e2e.processes import free_port, wait_ok
 from workers.api.errors import ClientDisconnected
 from workers.api.request_parser import parse_request
 from workers.api.wire import CompletionRequest

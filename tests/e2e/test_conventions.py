@@ -17,11 +17,11 @@ from typing import Any
 import pytest
 import yaml
 
+from bench.procs import free_port, wait_ok
 from gateway.config import ConfigError
 from gateway.env_overrides import EnvOverrideError, load_config_env, load_policy_env, read_overrides, section_keys
 from gateway.worker_output import relay_line
 from tests.e2e.harness import Gateway, start_gateway, write_config
-from tests.e2e.processes import free_port, wait_ok
 
 REPO = Path(__file__).resolve().parents[2]
 ENV = {"SPECGATE_POLICY__MAX_BATCH": "32", "SPECGATE_POLICY__BATCH_RESUME": "30",

@@ -16,10 +16,10 @@ from typing import Any
 import openai
 import pytest
 
+from bench.procs import free_port
 from gateway.envoy_config import epp_bootstrap, ring_hash_bootstrap, round_robin_bootstrap
 from tests.e2e.envoy_harness import Envoy, Replica, start_envoy, start_replica, validate
 from tests.e2e.harness import REPO
-from tests.e2e.processes import free_port
 
 MODEL = "specgate-demo"
 MAX_TOKENS = 24

@@ -152,6 +152,13 @@ def policies_violations(raw: Mapping[str, Iterable[str]]) -> list[str]:
     return sorted(set(found))
 
 
+def imports_of_test_modules(graph: Graph) -> list[str]:
+    """Imports of a test module (``test_*``) from anywhere: what two test files share lives in a
+    helper module, so collecting one never runs the other's tests or fixtures."""
+    return [f"{source} -> {target}" for source in sorted(graph) for target in sorted(graph[source])
+            if target.rpartition(".")[2].startswith("test_")]
+
+
 def cycles(graph: Graph) -> list[list[str]]:
     """One cycle (a path back to its start) per strongly connected group of modules (Tarjan)."""
     index: dict[str, int] = {}
@@ -277,6 +284,10 @@ def test_no_import_cycles(project: Project) -> None:
     assert cycles(project[2]) == []
 
 
+def test_no_module_imports_a_test_module(project: Project) -> None:
+    assert imports_of_test_modules(project[2]) == []
+
+
 def test_no_long_files_outside_tests(project: Project) -> None:
     assert long_files(project[1], ROOT) == []
 
@@ -302,6 +313,12 @@ def test_api_check_names_an_engine_or_torch() -> None:
 def test_policies_check_names_a_third_party_or_project_import() -> None:
     raw = {"policies.cost": {"math", "__future__", "policies.config", "numpy", "workers.api.limits"}}
     assert policies_violations(raw) == ["policies.cost -> numpy", "policies.cost -> workers.api.limits"]
+
+
+def test_test_import_check_names_the_edge() -> None:
+    graph = {"tests.e2e.test_semantics": {"tests.unit.engine.test_seeded", "tests.unit.engine.seeded_reference"},
+             "tests.unit.engine.seeded_reference": {"workers.engines.embedded.llama"}}
+    assert imports_of_test_modules(graph) == ["tests.e2e.test_semantics -> tests.unit.engine.test_seeded"]
 
 
 @pytest.mark.parametrize(("graph", "expected"), [
