@@ -17,10 +17,10 @@ from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 from gateway.fleet import WorkerHandle
-from gateway.metrics import GatewayMetrics
+from gateway.observe.metrics import GatewayMetrics
 from gateway.proxy import NoWorkerLeft, NoWorkerReady, RawChunk, StreamTally
 from gateway.routing import Candidate, choose_worker
-from gateway.sessions import ModeChange, Session
+from gateway.sessions.table import ModeChange, Session
 from gateway.state import GatewayState
 from policies import (
     FIXED_MODE_REASONS,
@@ -56,8 +56,8 @@ from workers.api.wire import (
 )
 
 if TYPE_CHECKING:
-    from gateway.ops_metrics import WaitResult
-    from gateway.tracing import AttemptTrace
+    from gateway.observe.ops_metrics import WaitResult
+    from gateway.observe.tracing import AttemptTrace
 
 # A waiting request checks that its client is still there at least this often (aiohttp does not
 # cancel a handler whose client left; a ready worker wakes it at once).

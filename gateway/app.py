@@ -22,17 +22,17 @@ from gateway.busy_poll import BusyPoll
 from gateway.config import GatewayConfig, parse_policy
 from gateway.drain import DRAIN_KEY, Drain
 from gateway.fleet import Fleet
-from gateway.metrics import GatewayMetrics, LiveStateCollector
+from gateway.observe.metrics import GatewayMetrics, LiveStateCollector
+from gateway.observe.ops_metrics import OPS_KEY, OpsMetrics
+from gateway.observe.tracing import TRACING_KEY, Tracing
 from gateway.openapi import openapi_document
-from gateway.ops_metrics import OPS_KEY, OpsMetrics
 from gateway.policy_store import PolicyStore
 from gateway.relay import REQUEST_LOG_KEY, relay
 from gateway.safe_yaml import YamlRefused, load_yaml
-from gateway.session_store import create_store
-from gateway.sessions import SessionTable
+from gateway.sessions.store import create_store
+from gateway.sessions.table import SessionTable
 from gateway.state import STATE_KEY, GatewayState
 from gateway.tokenize import detokenize, tokenize
-from gateway.tracing import TRACING_KEY, Tracing
 from policies import PolicyConfigError, acceptance_view, worker_acceptance
 from policies.tree_choice import view as rank_view
 from workers.api.errors import BadRequest, NotFound, Unavailable
@@ -62,7 +62,7 @@ async def count_requests(request: web.Request, handler: Handler) -> web.StreamRe
 
 def create_app(config: GatewayConfig, metrics: GatewayMetrics | None = None,
                openai_routes: bool = True) -> web.Application:
-    """The gateway; without ``openai_routes`` (the endpoint picker, gateway/epp.py) Envoy sends
+    """The gateway; without ``openai_routes`` (the endpoint picker, gateway/epp/picker.py) Envoy sends
     the OpenAI requests to the model servers and this app serves the rest."""
     # authenticate runs inside openai_errors, so a refusal is an OpenAI error object.
     app = web.Application(middlewares=[count_requests, openai_errors, authenticate],

@@ -21,7 +21,7 @@ from aiohttp import web
 
 from gateway.auth_config import AuthConfig
 from gateway.config import ConfigError, ServerConfig, load_auth_file
-from gateway.ops_metrics import OpsMetrics
+from gateway.observe.ops_metrics import OpsMetrics
 from gateway.policy_store import ReloadSource, file_stamp
 from workers.api.tokens import (
     AUTHORIZATION,

@@ -124,7 +124,7 @@ def serve(args: argparse.Namespace) -> int:
     # exist in the environment before anything imports it; the workers inherit it.
     multiproc = tempfile.TemporaryDirectory(prefix="specgate-metrics-")
     os.environ.setdefault("PROMETHEUS_MULTIPROC_DIR", multiproc.name)
-    from gateway.metrics import keep_series_in_memory
+    from gateway.observe.metrics import keep_series_in_memory
 
     keep_series_in_memory()  # the workers write the files; the gateway's own series stay in memory
 
@@ -173,7 +173,7 @@ def serve(args: argparse.Namespace) -> int:
     try:
         app = create_app(config, openai_routes=not picker)
         if picker:
-            from gateway.epp import add_endpoint_picker
+            from gateway.epp.picker import add_endpoint_picker
 
             add_endpoint_picker(app)
         # SIGTERM/SIGINT: drain (gateway/drain.py), then the cleanup stops the workers.

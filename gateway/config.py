@@ -131,7 +131,7 @@ class EppConfig:
 
 @dataclass(frozen=True)
 class TracingConfig:
-    # Off unless set here or by the standard OTEL_* variables (OTEL_EXPORTER_OTLP_ENDPOINT): gateway/tracing.py.
+    # Off unless set here or by the standard OTEL_* variables (OTEL_EXPORTER_OTLP_ENDPOINT): gateway/observe/tracing.py.
     enabled: bool = False
     otlp_endpoint: str | None = None  # OTLP/HTTP base URL, e.g. http://collector:4318 (default: OTEL_* or localhost)
     service_name: str = "specgate"

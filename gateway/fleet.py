@@ -28,8 +28,8 @@ from prometheus_client import multiprocess
 
 from gateway.config import GatewayConfig, RemoteProtocol, RemoteWorker
 from gateway.draft_mix import DraftMix
-from gateway.metrics import GatewayMetrics
-from gateway.ops_metrics import AdmissionWaitMetrics
+from gateway.observe.metrics import GatewayMetrics
+from gateway.observe.ops_metrics import AdmissionWaitMetrics
 from gateway.routing import Candidate
 from gateway.worker_http import Endpoint, WorkerHttp
 from gateway.worker_output import MAX_LINE_BYTES, StreamName, relay_output

@@ -33,7 +33,7 @@ import orjson
 
 from gateway.admission import Admission
 from gateway.drain import Drain, ShuttingDown
-from gateway.ops_metrics import OpsMetrics
+from gateway.observe.ops_metrics import OpsMetrics
 from gateway.proxy import (
     NoWorker,
     RawChunk,
@@ -43,7 +43,7 @@ from gateway.proxy import (
     iter_chunk_batches,
     read_whole_answer,
 )
-from gateway.sessions import Session
+from gateway.sessions.table import Session
 from gateway.state import GatewayState
 from gateway.worker_http import WorkerResponse
 from workers.api.answers import chunk_text, speculative_usage

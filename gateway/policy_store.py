@@ -18,7 +18,7 @@ from typing import Literal
 
 from gateway.config import ConfigError, _read_yaml
 from gateway.env_overrides import Origin, load_policy_env, policy_origins, read_overrides
-from gateway.metrics import GatewayMetrics
+from gateway.observe.metrics import GatewayMetrics
 from policies import FieldError, PolicyConfig
 
 log = logging.getLogger(__name__)

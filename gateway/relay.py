@@ -24,11 +24,11 @@ from gateway.admission import (
 from gateway.auth import scope_of
 from gateway.drain import DRAIN_KEY, InFlight
 from gateway.migration import MigratingStream
-from gateway.ops_metrics import OPS_KEY
+from gateway.observe.ops_metrics import OPS_KEY
+from gateway.observe.tracing import TRACING_KEY, RequestTrace
 from gateway.proxy import RawChunk, StreamTally, WholeAnswer, WorkerUnreachable, open_stream, worker_body
-from gateway.sessions import Session
+from gateway.sessions.table import Session
 from gateway.state import GatewayState
-from gateway.tracing import TRACING_KEY, RequestTrace
 from gateway.worker_http import WorkerResponse
 from workers.api.answers import assemble, chunk_text
 from workers.api.errors import ApiError, ClientDisconnected
@@ -73,7 +73,7 @@ async def _admit(state: GatewayState, session: Session, req: CompletionRequest, 
                                               whole_answer=coalesce_s > 0), handle.protocol)
         handle.draft_mix.add(decision)
         attempt = trace.attempt(worker_id, decision)
-        headers = attempt.headers  # the trace context (gateway/tracing.py)
+        headers = attempt.headers  # the trace context (gateway/observe/tracing.py)
         request_id = request_id_var.get()
         if handle.speaks_specgate and request_id is not None:
             # A specgate worker tags its log lines for this request with the same id and session.

@@ -9,10 +9,10 @@ from aiohttp import web
 from gateway.busy_poll import BusyPoll
 from gateway.config import GatewayConfig
 from gateway.fleet import Fleet
-from gateway.metrics import GatewayMetrics
+from gateway.observe.metrics import GatewayMetrics
 from gateway.policy_store import PolicyStore
-from gateway.session_store import MemoryStore, SessionStore
-from gateway.sessions import SessionTable
+from gateway.sessions.store import MemoryStore, SessionStore
+from gateway.sessions.table import SessionTable
 
 
 @dataclass(frozen=True)

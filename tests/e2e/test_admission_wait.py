@@ -26,10 +26,10 @@ from bench.procs import free_port, wait_ok
 from gateway.admission import pick_ready
 from gateway.config import parse_config
 from gateway.fleet import Fleet, WorkerHandle
-from gateway.metrics import GatewayMetrics
+from gateway.observe.metrics import GatewayMetrics
 from gateway.policy_store import PolicyStore
 from gateway.proxy import NoWorkerReady
-from gateway.sessions import SessionTable
+from gateway.sessions.table import SessionTable
 from gateway.state import GatewayState
 from gateway.worker_http import Endpoint, WorkerHttp
 from tests.e2e.harness import MODELS, REPO, TEST_COST_BUDGET_S, Gateway, cost_cache_dir, write_config

@@ -27,7 +27,7 @@ from bench.procs import free_port
 from gateway.auth import AuthStore, check_exposure
 from gateway.auth_config import AuthConfig, parse_auth
 from gateway.config import ConfigError, ServerConfig
-from gateway.ops_metrics import OpsMetrics
+from gateway.observe.ops_metrics import OpsMetrics
 from tests.e2e.harness import MODELS, REPO, Gateway, GatewayFactory, start_gateway, start_tcp_worker, write_config
 from workers.api.tokens import Forbidden, Unauthorized, is_loopback
 

@@ -17,7 +17,7 @@ import openai
 import pytest
 
 from bench.procs import free_port, start_sim_worker, stop
-from gateway.envoy_config import BodyMode, epp_bootstrap
+from gateway.epp.envoy_config import BodyMode, epp_bootstrap
 from tests.e2e.envoy_harness import Envoy, start_envoy
 from tests.e2e.epp_harness import Epp, start_epp
 

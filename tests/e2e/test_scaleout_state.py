@@ -21,7 +21,7 @@ import openai
 import pytest
 
 from bench.procs import free_port, start_sim_worker, stop
-from gateway.envoy_config import epp_bootstrap, ring_hash_bootstrap
+from gateway.epp.envoy_config import epp_bootstrap, ring_hash_bootstrap
 from tests.e2e.envoy_harness import Envoy, Replica, start_envoy, start_replica
 from tests.e2e.epp_harness import Epp, start_epp
 from tests.e2e.redis_harness import RedisServer, start_redis

@@ -27,8 +27,8 @@ import redis
 from prometheus_client import CollectorRegistry
 
 from gateway.config import GatewayConfig, SessionsConfig, StateConfig
-from gateway.ops_metrics import OpsMetrics
-from gateway.session_store import (
+from gateway.observe.ops_metrics import OpsMetrics
+from gateway.sessions.store import (
     SCHEMA_VERSION,
     CorruptState,
     MemoryStore,
@@ -38,7 +38,7 @@ from gateway.session_store import (
     dump_session,
     parse_session,
 )
-from gateway.sessions import ModeChange, Session
+from gateway.sessions.table import ModeChange, Session
 from policies import Decision, PolicyConfig, SessionState
 from tests.e2e.harness import Gateway, sdk_client, start_gateway, write_config
 from tests.e2e.redis_harness import RedisServer, start_redis

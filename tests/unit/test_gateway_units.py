@@ -7,9 +7,9 @@ from prometheus_client import CollectorRegistry, Histogram
 
 from gateway.config import SessionsConfig
 from gateway.fleet import HEALTHY_RUN_S, precision_signature, restart_delay
-from gateway.metrics import TOKEN_GAP_BUCKETS, GatewayMetrics
+from gateway.observe.metrics import TOKEN_GAP_BUCKETS, GatewayMetrics
 from gateway.routing import Candidate, choose_worker
-from gateway.sessions import SessionTable
+from gateway.sessions.table import SessionTable
 from policies import Decision
 
 
