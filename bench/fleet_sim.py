@@ -286,7 +286,7 @@ class FleetSim:
         kind = session.kind
         temperature = kind.temperature
         policy = self.policy
-        if policy.config is not None:  # the gateway's admission, as gateway/relay.py runs it
+        if policy.config is not None:  # the gateway's admission, as gateway/relay/relay.py runs it
             replica.gateway_latch = batch_latch(replica.gateway_latch, replica.in_flight, policy.config)
             worker = WorkerState(replica.in_flight, replica.gateway_latch, replica.batch.max_k, cost=replica.cost,
                                  acceptance=worker_acceptance(replica.acceptance, policy.config),

@@ -132,11 +132,11 @@ def serve(args: argparse.Namespace) -> int:
 
     import uvloop
 
-    from gateway.app import create_app
     from gateway.auth import check_exposure
     from gateway.config import ConfigError
-    from gateway.drain import DRAIN_KEY
     from gateway.env_overrides import load_config_env
+    from gateway.relay.app import create_app
+    from gateway.relay.drain import DRAIN_KEY
     from policies import FieldError
     from workers.api.web_runner import run_app
 
@@ -176,7 +176,7 @@ def serve(args: argparse.Namespace) -> int:
             from gateway.epp.picker import add_endpoint_picker
 
             add_endpoint_picker(app)
-        # SIGTERM/SIGINT: drain (gateway/drain.py), then the cleanup stops the workers.
+        # SIGTERM/SIGINT: drain (gateway/relay/drain.py), then the cleanup stops the workers.
         run_app(app, host=server.host, port=server.port, drainer=app[DRAIN_KEY])
     finally:
         multiproc.cleanup()

@@ -32,8 +32,8 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from prometheus_client import CollectorRegistry, Counter
 
 from gateway.auth import AUTH_KEY, AuthStore
-from gateway.drain import DRAIN_KEY
 from gateway.epp.exchange import Exchange
+from gateway.relay.drain import DRAIN_KEY
 from gateway.state import STATE_KEY, GatewayState
 
 log = logging.getLogger(__name__)

@@ -172,7 +172,7 @@ def test_json_logs_carry_request_context_and_no_secrets(gateway: Gateway) -> Non
     assert SECRET not in text and PROMPT not in text
     for entry in found:
         assert {"timestamp", "level", "logger", "message"} <= set(entry), entry
-    done = [e for e in found if e.get("session") == "log-session" and e["logger"] == "gateway.relay"]
+    done = [e for e in found if e.get("session") == "log-session" and e["logger"] == "gateway.relay.relay"]
     assert len(done) == 1, text
     assert done[0]["decision"] == mode and len(done[0]["request_id"]) == 32
     assert done[0]["level"] == "INFO" and "completion request on" in done[0]["message"]

@@ -264,8 +264,8 @@ def project() -> Project:
 
 def test_the_tree_is_read(project: Project) -> None:
     _, files, graph = project
-    assert {"gateway.relay", "workers.api.wire", "policies.speculation", "specgate_vllm.rules"} <= set(files)
-    assert "workers.api.wire" in graph["gateway.relay"]
+    assert {"gateway.relay.relay", "workers.api.wire", "policies.speculation", "specgate_vllm.rules"} <= set(files)
+    assert "workers.api.wire" in graph["gateway.relay.relay"]
 
 
 def test_gateway_imports_only_the_bottom_layer_of_workers(project: Project) -> None:
@@ -298,9 +298,9 @@ def test_no_long_functions_outside_tests(project: Project) -> None:
 
 # -- each check can fail ----------------------------------------------------------------------------------
 def test_gateway_check_names_an_upward_edge() -> None:
-    graph = {"gateway.relay": {"workers.api.wire", "workers.engines.interface", "policies"},
+    graph = {"gateway.relay.relay": {"workers.api.wire", "workers.engines.interface", "policies"},
              "gateway.cli": {"workers.__main__"}}
-    assert gateway_violations(graph) == ["gateway.relay -> workers.engines.interface"]
+    assert gateway_violations(graph) == ["gateway.relay.relay -> workers.engines.interface"]
 
 
 def test_api_check_names_an_engine_or_torch() -> None:

@@ -22,11 +22,11 @@ from gateway.admission import (
     session_id_of,
 )
 from gateway.auth import scope_of
-from gateway.drain import DRAIN_KEY, InFlight
-from gateway.migration import MigratingStream
 from gateway.observe.ops_metrics import OPS_KEY
 from gateway.observe.tracing import TRACING_KEY, RequestTrace
 from gateway.proxy import RawChunk, StreamTally, WholeAnswer, WorkerUnreachable, open_stream, worker_body
+from gateway.relay.drain import DRAIN_KEY, InFlight
+from gateway.relay.migration import MigratingStream
 from gateway.sessions.table import Session
 from gateway.state import GatewayState
 from gateway.worker_http import WorkerResponse
@@ -53,7 +53,7 @@ async def _admit(state: GatewayState, session: Session, req: CompletionRequest, 
                  gone: Callable[[], bool] | None = None) -> tuple[Admission, WorkerResponse]:
     """Routes, decides and opens the worker stream, retrying on other workers before the first chunk.
 
-    ``resume`` continues a generation another worker began (gateway/migration.py): only
+    ``resume`` continues a generation another worker began (gateway/relay/migration.py): only
     workers that speak specgate's protocol can take it. ``trace`` gets a child span per attempt.
     With ``gone`` (whether the client left), a request that finds no worker ready waits for one
     (``pick_ready``); without, it fails at once (a migration waits in its own way).
@@ -243,7 +243,7 @@ async def _relay(request: web.Request, kind: RequestKind, state: GatewayState, t
     trace.admitted(session.session_id, admission.handle.worker_id, admission.decision,
                    req.raw.get("prompt", req.raw.get("messages")))
     decision_var.set(admission.decision.header)
-    # A worker that dies mid-way: the stream resumes on another (gateway/migration.py).
+    # A worker that dies mid-way: the stream resumes on another (gateway/relay/migration.py).
     stream = MigratingStream(state, session, req, admission, response, functools.partial(_admit, trace=trace),
                              drain, ops)
     in_flight.stream = stream

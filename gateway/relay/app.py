@@ -20,19 +20,19 @@ from aiohttp import web
 from gateway.auth import AUTH_KEY, AuthStore, authenticate
 from gateway.busy_poll import BusyPoll
 from gateway.config import GatewayConfig, parse_policy
-from gateway.drain import DRAIN_KEY, Drain
 from gateway.fleet import Fleet
 from gateway.observe.metrics import GatewayMetrics, LiveStateCollector
 from gateway.observe.ops_metrics import OPS_KEY, OpsMetrics
 from gateway.observe.tracing import TRACING_KEY, Tracing
-from gateway.openapi import openapi_document
 from gateway.policy_store import PolicyStore
-from gateway.relay import REQUEST_LOG_KEY, relay
+from gateway.relay.drain import DRAIN_KEY, Drain
+from gateway.relay.openapi import openapi_document
+from gateway.relay.relay import REQUEST_LOG_KEY, relay
+from gateway.relay.tokenize import detokenize, tokenize
 from gateway.safe_yaml import YamlRefused, load_yaml
 from gateway.sessions.store import create_store
 from gateway.sessions.table import SessionTable
 from gateway.state import STATE_KEY, GatewayState
-from gateway.tokenize import detokenize, tokenize
 from policies import PolicyConfigError, acceptance_view, worker_acceptance
 from policies.tree_choice import view as rank_view
 from workers.api.errors import BadRequest, NotFound, Unavailable
@@ -86,7 +86,7 @@ def create_app(config: GatewayConfig, metrics: GatewayMetrics | None = None,
     app[OPS_KEY] = ops
     app[AUTH_KEY] = AuthStore(config.auth, config.source, config.server, ops)
     app[DRAIN_KEY] = Drain(config.server.drain_timeout_s, ops)
-    app[REQUEST_LOG_KEY] = RequestLog(logging.getLogger("gateway.relay"))
+    app[REQUEST_LOG_KEY] = RequestLog(logging.getLogger("gateway.relay.relay"))
     app.cleanup_ctx.append(_request_log)
     app.cleanup_ctx.append(_session_store)
     app.cleanup_ctx.append(_background)

@@ -32,7 +32,6 @@ from typing import Any
 import orjson
 
 from gateway.admission import Admission
-from gateway.drain import Drain, ShuttingDown
 from gateway.observe.ops_metrics import OpsMetrics
 from gateway.proxy import (
     NoWorker,
@@ -43,6 +42,7 @@ from gateway.proxy import (
     iter_chunk_batches,
     read_whole_answer,
 )
+from gateway.relay.drain import Drain, ShuttingDown
 from gateway.sessions.table import Session
 from gateway.state import GatewayState
 from gateway.worker_http import WorkerResponse
