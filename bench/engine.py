@@ -220,7 +220,8 @@ def measure_forwards(args: argparse.Namespace, served: Served, batch1: Batch1) -
     # The same two models in the other dtype each: what the dtype defaults rest on (docs/engine.md).
     other = {"float32": "bfloat16", "bfloat16": "float32"}
     target_alt = LlamaForCausalLM.from_pretrained(args.target, TORCH_DTYPES[other[args.dtype]])
-    draft_alt = LlamaForCausalLM.from_pretrained(args.draft, TORCH_DTYPES[other[args.draft_dtype]])
+    # load_draft: a reduced-vocabulary draft reads the target's embedding (models/draft_format.py)
+    draft_alt = LlamaForCausalLM.load_draft(args.draft, TORCH_DTYPES[other[args.draft_dtype]], target=args.target)
     last = args.kmax + 1
     # The other dtypes take turns among themselves: between the served forwards, their per-op
     # torch path (another copy of the weights, oneDNN's scratch) evicted the target's weights

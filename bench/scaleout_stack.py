@@ -115,6 +115,14 @@ class Stack:
         port, admin = procs.free_port(), procs.free_port()
         return self.envoy(name, epp_bootstrap(port, admin, [("127.0.0.1", picker.grpc_port)]), admin, port)
 
+    def floor_picker(self, name: str, endpoint: Service) -> Service:
+        """bench.epp_floor: a do-nothing ext_proc picker sending every request to ``endpoint``."""
+        port = procs.free_port()
+        service = self._launch(name, [sys.executable, "-m", "bench.epp_floor", "--port", str(port),
+                                      "--endpoint", f"127.0.0.1:{endpoint.port}"], port, None, grpc_port=port)
+        service.ready_url = TCP_READY
+        return service
+
     def redis(self, name: str = "redis") -> Service:
         binary = shutil.which("redis-server")
         if binary is None:
@@ -141,7 +149,16 @@ class Stack:
                 self.services.remove(service)
 
 
+TCP_READY = "tcp"  # a gRPC server: ready once it accepts a connection
+
+
 def _ready(service: Service) -> bool:
+    if service.ready_url == TCP_READY:
+        try:
+            with socket.create_connection(("127.0.0.1", service.port), timeout=1):
+                return True
+        except OSError:
+            return False
     if not service.ready_url:  # redis: PING, inline, no client library
         try:
             with socket.create_connection(("127.0.0.1", service.port), timeout=1) as sock:

@@ -87,6 +87,9 @@ class WorkersConfig:
     max_slots: int = 16  # sequences one worker batches together
     max_queue: int = 64  # waiting sequences per worker before 429
     max_k: int = 8  # deepest speculation a worker supports
+    # Longest sequence (prompt + generation) a worker's KV slot holds; None: the model's own window.
+    # K/V memory is allocated for it per slot: SmolLM2's 8,192 positions would take 377 MB a slot.
+    max_model_len: int | None = None
     threads: int = 1  # compute threads per worker process: torch's and the float32 kernels'
     dtype: Literal["auto", "float32", "bfloat16"] = "auto"  # the target's (auto: see workers/server/app.py)
     draft_dtype: Literal["float32", "bfloat16"] = "float32"
@@ -165,7 +168,9 @@ class _Section:
         _check_keys(self.raw, prefix, set(allowed), problems)
 
     def get(self, key: str, kind: type, default: Any, *, minimum: float | None = None, maximum: float | None = None,
-            choices: tuple[Any, ...] | None = None) -> Any:
+            choices: tuple[Any, ...] | None = None, nullable: bool = False) -> Any:
+        if nullable and self.raw.get(key, default) is None:
+            return None
         return self.problems.check(lambda: _get(self.raw, self.prefix, key, kind, default, minimum=minimum,
                                                 maximum=maximum, choices=choices), default)
 
@@ -295,6 +300,7 @@ def _parse_workers(w: _Section, base: Path) -> WorkersConfig:
         max_slots=w.get("max_slots", int, wd.max_slots, minimum=1),
         max_queue=w.get("max_queue", int, wd.max_queue, minimum=1),
         max_k=w.get("max_k", int, wd.max_k, minimum=0),
+        max_model_len=w.get("max_model_len", int, wd.max_model_len, minimum=16, nullable=True),
         threads=w.get("threads", int, wd.threads, minimum=1),
         dtype=w.get("dtype", str, wd.dtype, choices=("auto", "float32", "bfloat16")),
         draft_dtype=w.get("draft_dtype", str, wd.draft_dtype, choices=("float32", "bfloat16")),

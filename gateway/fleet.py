@@ -257,6 +257,8 @@ class Fleet:
             command += ["--draft", str(cfg.model.draft)]
         if wc.cost_cache_dir is not None:
             command += ["--cost-cache-dir", str(wc.cost_cache_dir)]
+        if wc.max_model_len is not None:
+            command += ["--max-model-len", str(wc.max_model_len)]
         if wc.engine == "vllm" and wc.vllm_args:
             command += ["--vllm-args", json.dumps(dict(wc.vllm_args))]
         if wc.engine == "sim" and wc.sim:

@@ -52,7 +52,9 @@ def parse_args(argv: list[str] | None = None, prog: str = "python -m workers") -
                         help="embedded: time budget of the start-up cost measurement (a cache hit skips it)")
     parser.add_argument("--threads", type=int, default=1,
                         help="compute threads: torch's intra-op threads and the float32 kernels'")
-    parser.add_argument("--max-model-len", type=int, default=None, help="vllm: context window (default: the model's)")
+    parser.add_argument("--max-model-len", type=int, default=None,
+                        help="the context window: prompt + generation, the longest sequence a KV slot holds "
+                             "(default: the model's max_position_embeddings)")
     parser.add_argument("--vllm-args", type=json.loads, default={},
                         help="vllm: further AsyncEngineArgs as a JSON object, e.g. '{\"enforce_eager\": true}'")
     parser.add_argument("--sim-config", type=json.loads, default={},
@@ -91,7 +93,7 @@ def build_engine(args: argparse.Namespace) -> Engine:
     return EmbeddedEngine(EmbeddedSettings(target=args.target, draft=args.draft, max_slots=args.max_slots,
                                            max_k=args.max_k, dtype=args.dtype, draft_dtype=args.draft_dtype,
                                            exact=args.exact, cost_cache_dir=args.cost_cache_dir,
-                                           cost_budget_s=args.cost_budget_s))
+                                           cost_budget_s=args.cost_budget_s, max_model_len=args.max_model_len))
 
 
 def die_with_parent() -> None:

@@ -11,8 +11,7 @@ from aiohttp import web
 from gateway.state import STATE_KEY
 from gateway.worker_http import WorkerConnectError, WorkerStreamError
 from workers.api.errors import BadRequest, NotFound, Unavailable, WorkerFailed
-from workers.api.limits import InputRefused, loads_json
-from workers.api.web_common import read_body
+from workers.api.web_common import read_json
 
 TOKENIZING_PROTOCOLS = ("specgate", "vllm")  # a plain OpenAI server has no /tokenize
 
@@ -27,11 +26,7 @@ async def detokenize(request: web.Request) -> web.Response:
 
 async def _forward(request: web.Request, path: str) -> web.Response:
     state = request.app[STATE_KEY]
-    raw = await read_body(request)
-    try:
-        body = loads_json(raw)
-    except InputRefused as exc:
-        raise BadRequest(str(exc), param=exc.param) from None
+    body = await read_json(request)
     if not isinstance(body, dict):
         raise BadRequest("request body must be a JSON object")
     model = body.pop("model", None)

@@ -14,8 +14,8 @@ import pytest
 
 from tests.e2e.harness import REPO
 
-PATHS = {"direct", "relay", "envoy_rr", "envoy_epp"}
-TARGETS = {"epp_added_p50_over_envoy_rr_le_2x_relay_added_p50_over_direct", "goodput_epp_over_relay_ge_0.97",
+PATHS = {"direct", "relay", "envoy_rr", "envoy_epp", "envoy_epp_floor"}
+TARGETS = {"epp_added_p50_le_1.5x_do_nothing_picker_added_p50", "goodput_epp_over_relay_ge_0.97",
            "redis_over_memory_throughput_relay_ge_0.90", "redis_over_memory_throughput_epp_ge_0.90"}
 
 
@@ -34,7 +34,7 @@ def test_bench_scaleout_quick_json() -> None:
     for path, row in result["latency_ms"].items():
         assert positive(row["p50"]) and positive(row["p90"]) and row["n"] > 0, path
     for name in ("relay_added_p50_over_direct_ms", "envoy_rr_added_p50_over_direct_ms",
-                 "epp_added_p50_over_envoy_rr_ms"):
+                 "epp_added_p50_over_envoy_rr_ms", "floor_picker_added_p50_over_envoy_rr_ms"):
         assert positive(result[name]), (name, result[name])
     for name in ("relay_added_p90_over_direct_ms", "envoy_rr_added_p90_over_direct_ms",
                  "epp_added_p90_over_envoy_rr_ms"):  # a tail difference: measured, of either sign

@@ -42,10 +42,12 @@ def test_repo_config_loads() -> None:
     config = load_config(CONFIG)
     assert config.source == CONFIG.resolve()
     assert config.server == ServerConfig()
-    assert config.workers == WorkersConfig()
+    # the file's deliberate departures from the defaults: the real pair and its context window
+    assert config.workers == WorkersConfig(max_model_len=2048)
     assert config.sessions == SessionsConfig()
-    assert config.model == ModelConfig(name="specgate-demo", target=REPO / "models/demo-target",
-                                       draft=REPO / "models/demo-draft")
+    assert config.model == ModelConfig(name="smollm2-135m-instruct-q4_1",
+                                       target=REPO / "models/smollm2-135m-instruct-q4_1",
+                                       draft=REPO / "models/smollm2-draft")
 
 
 def test_repo_config_policy_is_the_files_values() -> None:
@@ -55,8 +57,10 @@ def test_repo_config_policy_is_the_files_values() -> None:
     # (a list in the file, tree_shapes, is a tuple in the frozen policy)
     file_values = {key: tuple(v) if isinstance(v, list) else v for key, v in section.items()}
     assert config.policy.as_dict() == {key: file_values.get(key, v) for key, v in PolicyConfig().as_dict().items()}
-    # the file documents the defaults; a changed default or a changed file shows up here
-    assert config.policy == PolicyConfig()
+    # the file documents the defaults; a changed default or a changed file shows up here. One
+    # deliberate departure: the real pair's K is auto (the default, 6, is the demo pair's best)
+    assert file_values["num_speculative_tokens"] == "auto"
+    assert config.policy == PolicyConfig.from_mapping({"num_speculative_tokens": "auto"})
     assert load_policy_file(CONFIG) == config.policy
 
 
@@ -74,8 +78,8 @@ def test_repo_config_paths_resolve_against_the_files_directory(tmp_path: Path,
     monkeypatch.chdir(tmp_path)
     config = load_config(Path("deploy/config.yaml"))  # a relative path to the file, from elsewhere
     assert config.source == copy.resolve()
-    assert config.model.target == copy.resolve().parent / "models/demo-target"
-    assert config.model.draft == copy.resolve().parent / "models/demo-draft"
+    assert config.model.target == copy.resolve().parent / "models/smollm2-135m-instruct-q4_1"
+    assert config.model.draft == copy.resolve().parent / "models/smollm2-draft"
     assert config.model.target.is_absolute()
 
 
@@ -387,3 +391,15 @@ def test_load_policy_file_errors(tmp_path: Path, text: str, field: str, value: A
     assert info.value.field == field
     assert str(info.value).startswith(f"policy.{field}: ")
     assert str(info.value).endswith(f"(got {value!r})")
+
+
+@pytest.mark.parametrize(("value", "expected"), [(None, None), (2048, 2048), (16, 16)])
+def test_max_model_len(value: int | None, expected: int | None) -> None:
+    assert parse_config({"workers": {"max_model_len": value}}, BASE).workers.max_model_len == expected
+
+
+@pytest.mark.parametrize("value", [8, 0, -1, "long", 2048.5, True])
+def test_max_model_len_refused(value: Any) -> None:
+    with pytest.raises(ConfigError) as raised:
+        parse_config({"workers": {"max_model_len": value}}, BASE)
+    assert "workers.max_model_len" in str(raised.value)

@@ -4,7 +4,7 @@ workers/api/schema.py) parsed once into a frozen ``CompletionRequest``; a bad fi
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 from pydantic import ValidationError
@@ -61,6 +61,13 @@ _UNION_SHAPES = {
 }
 
 
+def chat_messages(messages: Iterable[Any]) -> tuple[ChatMessage, ...]:
+    """Validated messages as the chat template reads them: developer as system, text parts joined."""
+    return tuple(ChatMessage("system" if m.role == "developer" else m.role,
+                             m.content if isinstance(m.content, str) else "".join(p.text for p in m.content))
+                 for m in messages)
+
+
 def parse_request(kind: RequestKind, body: Any) -> CompletionRequest:
     """Validates a request body (see workers/api/schema.py) into a ``CompletionRequest``."""
     if not isinstance(body, Mapping):
@@ -81,9 +88,7 @@ def parse_request(kind: RequestKind, body: Any) -> CompletionRequest:
             raw_prompt = raw_prompt[0]  # a batch of one
         prompt = raw_prompt if isinstance(raw_prompt, str) else list(raw_prompt)
     else:
-        messages = tuple(ChatMessage("system" if m.role == "developer" else m.role,
-                                     m.content if isinstance(m.content, str) else "".join(p.text for p in m.content))
-                         for m in parsed.messages)
+        messages = chat_messages(parsed.messages)
         if parsed.max_completion_tokens is not None:
             max_tokens = parsed.max_completion_tokens
     stop = (parsed.stop,) if isinstance(parsed.stop, str) else tuple(parsed.stop or ())

@@ -269,7 +269,9 @@ class ErrorResponse(BaseModel):
 class SpeculativeUsage(BaseModel):
     proposed: int = Field(description="drafts proposed")
     accepted: int = Field(description="drafts accepted")
-    acceptance_rate: float | None = Field(description="accepted / proposed; null when nothing was proposed")
+    tested: int | None = Field(None, description="drafts tested (the accepted ones and each step's first rejected "
+                                                 "one): accepted / tested is the per-draft acceptance the policy reads")
+    acceptance_rate: float | None = Field(description="vLLM's accepted / proposed; null when nothing was proposed")
     mode: Literal["speculative", "plain"]
 
 

@@ -9,38 +9,48 @@ a request's own ``chat_template`` is refused, as vLLM refuses it by default.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, TypeVar
 
 from aiohttp import web
 from pydantic import ValidationError
 
 from workers.api.errors import BadRequest, NotFound
-from workers.api.request_parser import bad_request
+from workers.api.request_parser import bad_request, chat_messages
 from workers.api.schema import DetokenizeBody, TokenizeChatBody, TokenizeCompletionBody
 from workers.api.web_common import read_json
-from workers.api.wire import ChatMessage
 from workers.server.context import CONTEXT_KEY, WorkerContext
+
+FormT = TypeVar("FormT", TokenizeCompletionBody, TokenizeChatBody, DetokenizeBody)
+
+
+async def _body(request: web.Request) -> dict[str, Any]:
+    body = await read_json(request)
+    if not isinstance(body, dict):
+        raise BadRequest("request body must be a JSON object")
+    return body
+
+
+def _parsed(ctx: WorkerContext, form: type[FormT], body: dict[str, Any]) -> FormT:
+    """``body`` as ``form``, its model checked against this worker's."""
+    try:
+        parsed = form.model_validate(body)
+    except ValidationError as exc:
+        raise bad_request(exc) from None
+    _check_model(ctx, parsed.model)
+    return parsed
 
 
 async def tokenize(request: web.Request) -> web.Response:
     ctx = request.app[CONTEXT_KEY]
-    body = await read_json(request)
-    if not isinstance(body, dict):
-        raise BadRequest("request body must be a JSON object")
-    try:
-        form = TokenizeChatBody if "messages" in body else TokenizeCompletionBody
-        parsed: TokenizeChatBody | TokenizeCompletionBody = form.model_validate(body)
-    except ValidationError as exc:
-        raise bad_request(exc) from None
-    _check_model(ctx, parsed.model)
+    body = await _body(request)
+    parsed: TokenizeChatBody | TokenizeCompletionBody = (
+        _parsed(ctx, TokenizeChatBody, body) if "messages" in body else _parsed(ctx, TokenizeCompletionBody, body))
     codec = ctx.codec
     if isinstance(parsed, TokenizeChatBody):
         if parsed.add_generation_prompt and parsed.continue_final_message:
             raise BadRequest("add_generation_prompt and continue_final_message cannot both be true",
                              param="continue_final_message")
-        messages = [ChatMessage("system" if m.role == "developer" else m.role,
-                                m.content if isinstance(m.content, str) else "".join(p.text for p in m.content))
-                    for m in parsed.messages]
+        messages = chat_messages(parsed.messages)
         try:
             text = codec.render_chat(messages, parsed.add_generation_prompt, parsed.continue_final_message)
         except ValueError as exc:
@@ -55,14 +65,7 @@ async def tokenize(request: web.Request) -> web.Response:
 
 async def detokenize(request: web.Request) -> web.Response:
     ctx = request.app[CONTEXT_KEY]
-    body = await read_json(request)
-    if not isinstance(body, dict):
-        raise BadRequest("request body must be a JSON object")
-    try:
-        parsed = DetokenizeBody.model_validate(body)
-    except ValidationError as exc:
-        raise bad_request(exc) from None
-    _check_model(ctx, parsed.model)
+    parsed = _parsed(ctx, DetokenizeBody, await _body(request))
     vocab = ctx.engine.info.vocab_size
     if any(t >= vocab for t in parsed.tokens):
         raise BadRequest(f"token ids must be below the vocabulary size {vocab}", param="tokens")

@@ -11,8 +11,10 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import save_file
 
 from workers.costs.cost_report import CostReport, PrecisionCandidate, PrecisionChoice
+from workers.engines.embedded.config import stored_weight_dtype
 from workers.engines.embedded.kernels import rowgemm
 from workers.engines.embedded.llama import LlamaForCausalLM
 from workers.engines.embedded.measurement.measure import verification_bit_identical
@@ -95,6 +97,28 @@ def test_products_are_a_candidate_for_auto_and_bfloat16_never_for_a_configured_f
     assert (auto.get("float32-bfloat16-products") == ("float32", True, "bfloat16")) == products
     assert ("float32-bfloat16-products" in bf16) == products
     assert all(c[2] == "float32" for c in f32.values())
+
+
+def test_auto_never_narrows_float32_weights_to_bfloat16() -> None:
+    """A checkpoint stored in float32 (the converted SmolLM2): auto measures float32 weights only,
+    with bfloat16 products where the kernels have them; one stored in bfloat16 (the demo pair)
+    measures both, and a configured bfloat16 is served as configured."""
+    products = KERNEL is not None and KERNEL.dot_products
+    from_float32 = target_configs("auto", "float32")
+    assert {c[0] for c in from_float32.values()} == {"float32"}
+    assert ("float32-bfloat16-products" in from_float32) == products
+    assert "bfloat16" in target_configs("auto", "bfloat16")
+    assert "bfloat16" in target_configs("bfloat16", "float32")
+
+
+def test_the_stored_dtype_is_read_from_the_weights_file(tmp_path: Path) -> None:
+    assert stored_weight_dtype(REPO / "models/demo-target") == "bfloat16"
+    save_file({"w": torch.zeros(2, 2, dtype=torch.float32), "ids": torch.zeros(2, dtype=torch.int64)},
+              str(tmp_path / "model.safetensors"))
+    assert stored_weight_dtype(tmp_path) == "float32"
+    save_file({"ids": torch.zeros(2, dtype=torch.int64)}, str(tmp_path / "model.safetensors"))
+    with pytest.raises(ValueError, match="no floating-point tensor"):
+        stored_weight_dtype(tmp_path)
 
 
 def test_the_choice_follows_measured_speed_and_the_report_keeps_products() -> None:

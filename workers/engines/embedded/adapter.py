@@ -55,6 +55,7 @@ class EmbeddedSettings:
     exact: bool = True
     cost_cache_dir: Path | None = None  # None: ~/.cache/specgate/costs (workers/costs/cache.py)
     cost_budget_s: float = 4.0  # start-up measurement's time budget (a cache hit skips it)
+    max_model_len: int | None = None  # longest sequence (prompt + generation + K) a slot holds; None: the model's
 
 
 def load_speculative_engine(settings: EmbeddedSettings, target: LlamaForCausalLM | None = None,
@@ -72,7 +73,8 @@ def load_speculative_engine(settings: EmbeddedSettings, target: LlamaForCausalLM
     if settings.dtype == "bfloat16" and not target.prepacked:
         log.warning("bfloat16 target without oneDNN prepacking on this CPU (no AVX512-BF16/AMX?): expect slow "
                     "steps and no bit-identical verification; workers.dtype: auto picks float32 here")
-    return SpeculativeEngine(target, draft, max_slots=settings.max_slots, max_k=settings.max_k)
+    return SpeculativeEngine(target, draft, max_slots=settings.max_slots, max_k=settings.max_k,
+                             max_positions=settings.max_model_len)
 
 
 class EmbeddedEngine:

@@ -66,3 +66,21 @@ class ModelConfig:
             "use_cache": True,
             **asdict(self),
         }
+
+
+# safetensors' names of the floating dtypes a checkpoint may store
+_STORED_DTYPES = {"F32": "float32", "BF16": "bfloat16", "F16": "float16", "F64": "float64"}
+
+
+def stored_weight_dtype(directory: Path) -> str:
+    """The dtype ``model.safetensors`` stores its weights in ("float32", "bfloat16", ...), read from
+    the file's header (the first floating tensor's), not from config.json's ``torch_dtype``, which
+    converters set loosely."""
+    path = Path(directory) / "model.safetensors"
+    with path.open("rb") as file:
+        size = int.from_bytes(file.read(8), "little")
+        header = json.loads(file.read(size))
+    for name, entry in header.items():
+        if name != "__metadata__" and entry["dtype"] in _STORED_DTYPES:
+            return _STORED_DTYPES[entry["dtype"]]
+    raise ValueError(f"{path}: no floating-point tensor")

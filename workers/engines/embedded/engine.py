@@ -50,7 +50,7 @@ class SpeculativeEngine:
     def __init__(self, target: LlamaForCausalLM, draft: LlamaForCausalLM | None, *, max_slots: int = 8,
                  max_k: int = 8, step_depth_rule: StepDepthRule | None = None,
                  rng: random.Random | None = None, drafting_in_one_call: bool = True,
-                 max_tree_nodes: int = MAX_TREE_NODES) -> None:
+                 max_tree_nodes: int = MAX_TREE_NODES, max_positions: int | None = None) -> None:
         if draft is not None and draft.cfg.vocab_size != target.cfg.vocab_size:
             raise ValueError("draft and target must share a vocabulary")
         self.target = target
@@ -62,11 +62,15 @@ class SpeculativeEngine:
         self.max_positions = target.cfg.max_position_embeddings
         if draft is not None:
             self.max_positions = min(self.max_positions, draft.cfg.max_position_embeddings)
+        # max_positions (workers.max_model_len) caps what a slot holds: SmolLM2's own 8,192 would
+        # take 377 MB of float32 K/V per slot.
+        if max_positions is not None:
+            self.max_positions = min(self.max_positions, max_positions)
         # Each cache in its model's dtype: the draft may run in another dtype than the target.
-        self.target_cache = KVCache.allocate(target.cfg, max_slots, target.lm_head.weight.dtype)
+        self.target_cache = KVCache.allocate(target.cfg, max_slots, target.lm_head.weight.dtype, self.max_positions)
         self.draft_cache = None
         if draft is not None:
-            self.draft_cache = KVCache.allocate(draft.cfg, max_slots, draft.lm_head.weight.dtype)
+            self.draft_cache = KVCache.allocate(draft.cfg, max_slots, draft.lm_head.weight.dtype, self.max_positions)
         self.eos_ids = frozenset(target.cfg.eos_token_ids)
         self.step_depth_rule = step_depth_rule
         # Greedy drafting in one kernel call (_propose_greedy); False drafts per position, as

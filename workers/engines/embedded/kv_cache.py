@@ -34,15 +34,17 @@ def padded_span(positions: int) -> int:
 class KVCache:
     """Per-layer key/value tensors, (slots, kv_heads, positions, head_dim), allocated once.
 
-    ``positions`` is max_position_embeddings rounded up to whole KEY_BLOCKs.
+    ``positions`` is the longest sequence a slot holds (default the model's max_position_embeddings),
+    rounded up to whole KEY_BLOCKs.
     """
 
     k: list[torch.Tensor]
     v: list[torch.Tensor]
 
     @classmethod
-    def allocate(cls, cfg: ModelConfig, slots: int, dtype: torch.dtype) -> KVCache:
-        shape = (slots, cfg.num_key_value_heads, padded_span(cfg.max_position_embeddings), cfg.head_dim)
+    def allocate(cls, cfg: ModelConfig, slots: int, dtype: torch.dtype, positions: int | None = None) -> KVCache:
+        span = padded_span(cfg.max_position_embeddings if positions is None else positions)
+        shape = (slots, cfg.num_key_value_heads, span, cfg.head_dim)
         return cls([torch.zeros(shape, dtype=dtype) for _ in range(cfg.num_hidden_layers)],
                    [torch.zeros(shape, dtype=dtype) for _ in range(cfg.num_hidden_layers)])
 

@@ -47,8 +47,9 @@ from workers.costs.cost_report import (
     depth_grid,
     report_from_forward_times,
 )
+from workers.engines.embedded.config import stored_weight_dtype
 from workers.engines.embedded.forwards import native_forward
-from workers.engines.embedded.kv_cache import CacheBatch, KVCache
+from workers.engines.embedded.kv_cache import CacheBatch, KVCache, padded_span
 from workers.engines.embedded.llama import LlamaForCausalLM
 from workers.engines.embedded.measurement.common import fill_line, scratch_cache, timed
 from workers.engines.embedded.measurement.precision import REFERENCE_ALPHA, best_b1, choose_precision, target_configs
@@ -89,14 +90,15 @@ def _prefill(model: LlamaForCausalLM, n: int) -> Callable[[], None]:
     """A prompt of ``n`` tokens into an empty cache slot, the last token's logits out, as the
     engine runs a prefill (fused attention, a forward of its own) and the draft's catch-up on a
     prompt (its first drafting step)."""
-    cache = KVCache.allocate(model.cfg, 1, model.lm_head.weight.dtype)
+    positions = padded_span(n + 1)  # the prompt's span, not the model's window (SmolLM2's: 377 MB a slot)
+    cache = scratch_cache(model, 1, positions)
     lists = [[7 + i % 64 for i in range(n)]]
     tokens = torch.tensor(lists)
 
     def run() -> None:
         if native_forward(model, cache, lists, [0], [0], [n - 1], False) is not None:
             return
-        batch = CacheBatch.build([0], [0], [n], n, model.cfg.max_position_embeddings, row_invariant=False)
+        batch = CacheBatch.build([0], [0], [n], n, positions, row_invariant=False)
         model.forward_cached(tokens, cache, batch, torch.zeros(1, dtype=torch.long), torch.tensor([n - 1]))
     return run
 
@@ -247,7 +249,8 @@ class _Candidates:
 
 
 def _load_candidates(settings: MeasureSettings, shape: _Shape) -> _Candidates:
-    configs = target_configs(settings.dtype)
+    configs = target_configs(settings.dtype, "float32" if stored_weight_dtype(settings.target) == "float32"
+                             else "bfloat16")
     # The draft multiplies as its target does (load_draft): one draft per products among the
     # candidates, each candidate priced with its own.
     drafts: dict[str, LlamaForCausalLM] = {}

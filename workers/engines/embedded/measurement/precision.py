@@ -53,13 +53,21 @@ def choose_precision(candidates: list[PrecisionCandidate],
     return best, f"fastest bit-identical at alpha {REFERENCE_ALPHA}: {listing}"
 
 
-def target_configs(dtype: Literal["auto", "float32", "bfloat16"]) -> dict[str, tuple[TargetDtype, bool, Products]]:
+def target_configs(dtype: Literal["auto", "float32", "bfloat16"],
+                   stored: TargetDtype = "bfloat16") -> dict[str, tuple[TargetDtype, bool, Products]]:
     """The target configurations to measure, by label: (dtype, packed, products). float32 packed
     runs kernels/rowgemm.py's kernels where they compiled, and is then measured against F.linear.
     Where the kernels have bfloat16 products (AVX512-BF16), a float32 model multiplying in
     bfloat16 is a bfloat16 configuration: measured for ``auto`` and ``bfloat16``, never for a
-    configured ``float32``, which promises float32 arithmetic."""
+    configured ``float32``, which promises float32 arithmetic.
+
+    ``auto`` never narrows weights stored in float32 (``stored``, the checkpoint's) to bfloat16
+    weights and activations: the start-up measurement ranks speed, not fidelity, and SmolLM2's
+    float32 weights in bfloat16 answer "What is the capital of France?" with "L'Étoile, la
+    Marseillaise, ..." (docs/engine.md). bfloat16 products on float32 weights stay candidates."""
     dtypes: list[TargetDtype] = ["bfloat16", "float32"] if dtype == "auto" else [dtype]
+    if dtype == "auto" and stored == "float32":
+        dtypes = ["float32"]
     configs: dict[str, tuple[TargetDtype, bool, Products]] = {d: (d, True, "float32") for d in dtypes}
     kernel = rowgemm.load()
     if kernel is not None:

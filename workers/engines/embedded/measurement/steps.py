@@ -23,6 +23,8 @@ from workers.engines.embedded.llama import LlamaForCausalLM
 # The deeper batch the step overhead is timed at (or max_slots, if smaller): deep enough that
 # its per-sequence part stands out of timing noise, shallow enough to be cheap.
 OVERHEAD_DEPTH = 16
+OVERHEAD_TOKENS = 256  # each timed sequence's budget
+OVERHEAD_POSITIONS = 2 * OVERHEAD_TOKENS
 # The deeper K the draft phase is timed at beyond batch 1 (draft_split): K = 1 and this give
 # the later forwards' cost; a deeper K would only cost start-up time.
 SPLIT_K = 4
@@ -54,7 +56,9 @@ def measure_overheads(target: LlamaForCausalLM, draft: LlamaForCausalLM | None, 
     k = max_k if draft is not None else 0
     deep = min(depths[-1], OVERHEAD_DEPTH)
     phases: dict[tuple[int, int], list[float]] = {}
-    engine = SpeculativeEngine(target, draft, max_slots=deep, max_k=k)
+    # Caches as long as the timed sequences get (OVERHEAD_TOKENS from one-token prompts), not the
+    # model's window: SmolLM2's 8,192 positions at 16 slots were 6 GB to zero, 12 s of start-up.
+    engine = SpeculativeEngine(target, draft, max_slots=deep, max_k=k, max_positions=OVERHEAD_POSITIONS)
     greedy = SamplingParams(temperature=0.0)
     live: list[str] = []  # sequences in the engine, oldest first
     added = 0
@@ -65,7 +69,7 @@ def measure_overheads(target: LlamaForCausalLM, draft: LlamaForCausalLM | None, 
             engine.abort(live.pop())
         while len(live) < depth:  # one-token prompts: no prefill forward
             live.append(f"o{added}")
-            engine.add(GenerationRequest(live[-1], [5 + added % 64], 256, greedy))
+            engine.add(GenerationRequest(live[-1], [5 + added % 64], OVERHEAD_TOKENS, greedy))
             added += 1
         for request_id in live:
             engine.set_k(request_id, step_k)
