@@ -16,10 +16,10 @@ from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
-from gateway.fleet import WorkerHandle
+from gateway.fleet.handle import WorkerHandle
+from gateway.fleet.routing import Candidate, choose_worker
 from gateway.observe.metrics import GatewayMetrics
 from gateway.proxy import NoWorkerLeft, NoWorkerReady, RawChunk, StreamTally
-from gateway.routing import Candidate, choose_worker
 from gateway.sessions.table import ModeChange, Session
 from gateway.state import GatewayState
 from policies import (

@@ -82,8 +82,8 @@ def check_problems(path: Path, kind: str = "auto", environ: Mapping[str, str] | 
     The same functions the gateway runs: ``load_config_env`` at start, ``policy_env`` on a
     reload (for a bare policy file, as ``PUT /admin/policy`` takes it). Each checks every field.
     """
-    from gateway.config import _read_yaml
-    from gateway.env_overrides import load_config_env, policy_env, section_keys
+    from gateway.config.config import _read_yaml
+    from gateway.config.env_overrides import load_config_env, policy_env, section_keys
     from policies import FieldError, PolicyConfig
 
     try:
@@ -133,8 +133,8 @@ def serve(args: argparse.Namespace) -> int:
     import uvloop
 
     from gateway.auth import check_exposure
-    from gateway.config import ConfigError
-    from gateway.env_overrides import load_config_env
+    from gateway.config.config import ConfigError
+    from gateway.config.env_overrides import load_config_env
     from gateway.relay.app import create_app
     from gateway.relay.drain import DRAIN_KEY
     from policies import FieldError

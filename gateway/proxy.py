@@ -18,9 +18,9 @@ from typing import Any
 
 import orjson
 
-from gateway.config import RemoteProtocol
-from gateway.fleet import WorkerHandle
-from gateway.worker_http import WorkerConnectError, WorkerResponse, WorkerStreamError
+from gateway.config.config import RemoteProtocol
+from gateway.fleet.handle import WorkerHandle
+from gateway.fleet.worker_http import WorkerConnectError, WorkerResponse, WorkerStreamError
 from workers.api.errors import (
     ApiError,
     BadRequest,

@@ -41,7 +41,7 @@ from gateway.admission import (
 )
 from gateway.auth import AuthStore
 from gateway.epp.feedback import ResponseReader
-from gateway.fleet import WorkerHandle
+from gateway.fleet.handle import WorkerHandle
 from gateway.observe.tracing import AttemptTrace
 from gateway.proxy import StreamTally, worker_body
 from gateway.state import GatewayState

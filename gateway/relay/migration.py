@@ -32,6 +32,7 @@ from typing import Any
 import orjson
 
 from gateway.admission import Admission
+from gateway.fleet.worker_http import WorkerResponse
 from gateway.observe.ops_metrics import OpsMetrics
 from gateway.proxy import (
     NoWorker,
@@ -45,7 +46,6 @@ from gateway.proxy import (
 from gateway.relay.drain import Drain, ShuttingDown
 from gateway.sessions.table import Session
 from gateway.state import GatewayState
-from gateway.worker_http import WorkerResponse
 from workers.api.answers import chunk_text, speculative_usage
 from workers.api.errors import ApiError, WorkerFailed, WorkerTimeout
 from workers.api.generation import StepCounts

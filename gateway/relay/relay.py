@@ -22,14 +22,15 @@ from gateway.admission import (
     session_id_of,
 )
 from gateway.auth import scope_of
+from gateway.fleet.worker_http import WorkerResponse
 from gateway.observe.ops_metrics import OPS_KEY
 from gateway.observe.tracing import TRACING_KEY, RequestTrace
 from gateway.proxy import RawChunk, StreamTally, WholeAnswer, WorkerUnreachable, open_stream, worker_body
+from gateway.relay.busy_poll import BUSY_POLL_KEY
 from gateway.relay.drain import DRAIN_KEY, InFlight
 from gateway.relay.migration import MigratingStream
 from gateway.sessions.table import Session
 from gateway.state import GatewayState
-from gateway.worker_http import WorkerResponse
 from workers.api.answers import assemble, chunk_text
 from workers.api.errors import ApiError, ClientDisconnected
 from workers.api.logs import RequestLog, decision_var, request_id_var, session_var
@@ -207,7 +208,7 @@ async def relay(request: web.Request, kind: RequestKind, state: GatewayState) ->
     trace = request.app[TRACING_KEY].start(request, kind)  # a no-op unless tracing is on
     error: BaseException | None = None
     drain = request.app[DRAIN_KEY]
-    busy_poll = state.busy_poll
+    busy_poll = request.app.get(BUSY_POLL_KEY)
     if busy_poll is not None:  # server.busy_poll_s: awake for the worker's answer
         busy_poll.touch(time.monotonic())
     try:

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 
 import orjson
 
-from gateway.config import GatewayConfig
+from gateway.config.config import GatewayConfig
 from gateway.observe.ops_metrics import OpsMetrics
 from gateway.sessions.table import ModeChange, Session
 from policies import REASONS, Decision, SessionState, TreeShape, TreeShapeError

@@ -18,7 +18,7 @@ from typing import Any
 import aiohttp
 import pytest
 
-from gateway.config import ConfigError, parse_config
+from gateway.config.config import ConfigError, parse_config
 from gateway.proxy import WorkerLost, read_whole_answer
 from tests.e2e.harness import Gateway, GatewayFactory, start_tcp_worker
 from tests.unit.worker_http_server import serve

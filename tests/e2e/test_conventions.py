@@ -18,9 +18,15 @@ import pytest
 import yaml
 
 from bench.procs import free_port, wait_ok
-from gateway.config import ConfigError
-from gateway.env_overrides import EnvOverrideError, load_config_env, load_policy_env, read_overrides, section_keys
-from gateway.worker_output import relay_line
+from gateway.config.config import ConfigError
+from gateway.config.env_overrides import (
+    EnvOverrideError,
+    load_config_env,
+    load_policy_env,
+    read_overrides,
+    section_keys,
+)
+from gateway.fleet.worker_output import relay_line
 from tests.e2e.harness import Gateway, start_gateway, write_config
 
 REPO = Path(__file__).resolve().parents[2]

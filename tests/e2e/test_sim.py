@@ -12,7 +12,7 @@ from dataclasses import replace
 import openai
 import pytest
 
-from gateway.config import ConfigError, parse_config
+from gateway.config.config import ConfigError, parse_config
 from tests.e2e.harness import REPO, Gateway, sdk_client, start_gateway, write_config
 from workers.api.sim_config import (
     PUBLISHED_K,

@@ -5,10 +5,11 @@ from __future__ import annotations
 import pytest
 from prometheus_client import CollectorRegistry, Histogram
 
-from gateway.config import SessionsConfig
-from gateway.fleet import HEALTHY_RUN_S, precision_signature, restart_delay
+from gateway.config.config import SessionsConfig
+from gateway.fleet.probe import precision_signature
+from gateway.fleet.routing import Candidate, choose_worker
+from gateway.fleet.supervisor import HEALTHY_RUN_S, restart_delay
 from gateway.observe.metrics import TOKEN_GAP_BUCKETS, GatewayMetrics
-from gateway.routing import Candidate, choose_worker
 from gateway.sessions.table import SessionTable
 from policies import Decision
 

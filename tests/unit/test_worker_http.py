@@ -1,4 +1,4 @@
-"""gateway/worker_http.py, the relay's HTTP client to workers, against real loopback servers
+"""gateway/fleet/worker_http.py, the relay's HTTP client to workers, against real loopback servers
 that answer with crafted bytes: framing split anywhere, keep-alive reuse, a keep-alive the
 server dropped, refused and cut connections, silence, and aborts."""
 
@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from gateway.worker_http import Endpoint, WorkerConnectError, WorkerHttp, WorkerStreamError
+from gateway.fleet.worker_http import Endpoint, WorkerConnectError, WorkerHttp, WorkerStreamError
 from tests.unit.worker_http_server import Server, serve
 
 

@@ -1,12 +1,12 @@
 """A scripted HTTP server on loopback and a WorkerHttp client to it
-(tests of gateway/worker_http.py and the coalescing e2e tests)."""
+(tests of gateway/fleet/worker_http.py and the coalescing e2e tests)."""
 
 from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator, Awaitable, Callable
 
-from gateway.worker_http import Endpoint, WorkerHttp
+from gateway.fleet.worker_http import Endpoint, WorkerHttp
 
 Reply = Callable[[asyncio.StreamReader, asyncio.StreamWriter, bytes], Awaitable[bool]]
 
