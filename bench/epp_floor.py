@@ -25,7 +25,7 @@ from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ext_proc_gr
 from google.protobuf.struct_pb2 import Struct
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-DESTINATION_HEADER = "x-gateway-destination-endpoint"  # gateway/envoy_config.py's
+DESTINATION_HEADER = "x-gateway-destination-endpoint"  # gateway/epp/envoy_config.py's
 LB_NAMESPACE = "envoy.lb"
 EXT_PROC_SERVICE = "envoy.service.ext_proc.v3.ExternalProcessor"
 

@@ -5,7 +5,7 @@ engine steps, with the same roofline and acceptance sampler); the router is the 
 ``choose_worker``; the policies call the gateway's pure functions (``decide``,
 ``record_decision``, ``observe``, ``batch_latch``) at the same points the gateway does, with
 what the gateway knows of each worker (its published cost model, its acceptance, the draft mix
-of the requests in flight there: ``gateway.draft_mix``), and the replicas apply ``step_depth``
+of the requests in flight there: ``gateway.fleet.draft_mix``), and the replicas apply ``step_depth``
 per step as every specgate engine does (with K auto, the cost rule too: ``StepCostRule``).
 Seeded throughout: the same arguments give the same figures.
 """
@@ -18,8 +18,8 @@ import random
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from gateway.draft_mix import DraftMix
-from gateway.routing import Candidate, choose_worker
+from gateway.fleet.draft_mix import DraftMix
+from gateway.fleet.routing import Candidate, choose_worker
 from policies import (
     CostModel,
     Decision,
@@ -286,7 +286,7 @@ class FleetSim:
         kind = session.kind
         temperature = kind.temperature
         policy = self.policy
-        if policy.config is not None:  # the gateway's admission, as gateway/relay.py runs it
+        if policy.config is not None:  # the gateway's admission, as gateway/relay/relay.py runs it
             replica.gateway_latch = batch_latch(replica.gateway_latch, replica.in_flight, policy.config)
             worker = WorkerState(replica.in_flight, replica.gateway_latch, replica.batch.max_k, cost=replica.cost,
                                  acceptance=worker_acceptance(replica.acceptance, policy.config),

@@ -16,7 +16,7 @@ ratios, and each proxy's CPU µs per relayed chunk (/proc utime + stime). The pa
 ``aiohttp_floor`` (bench/relay_floor.py) passes requests through aiohttp on uvloop and the
 gateway's worker client and does nothing else: what the gateway's architecture adds on this
 machine before any of specgate's work. The path ``specgate_busy_poll`` is the same gateway
-with ``server.busy_poll_s`` (gateway/busy_poll.py): its loop polls around each request instead
+with ``server.busy_poll_s`` (gateway/relay/busy_poll.py): its loop polls around each request instead
 of sleeping, a CPU spent for the wake-ups (reported as ``busy_poll_*``). vllm-router is found
 on PATH or given with --vllm-router; it runs as
 ``vllm-router --host 127.0.0.1 --port P --worker-urls http://127.0.0.1:U --policy consistent_hash``.
@@ -53,7 +53,7 @@ from workers.costs.cache import cpu_label
 # Plain decoding everywhere: the gateway's rules send T=1.0 plain (no shallow-batch waiver).
 GATEWAY_POLICY = {"max_temperature": 0.0, "free_batch": 0}
 # The path ``specgate_busy_poll``: the same gateway polling 2 ms around each request
-# (gateway/busy_poll.py), a CPU spent for the wake-ups a sleeping gateway pays.
+# (gateway/relay/busy_poll.py), a CPU spent for the wake-ups a sleeping gateway pays.
 BUSY_POLL_S = 0.002
 
 # The relay's targets, as ratios to vllm-router in the same run (docs/relay-overhead.md).

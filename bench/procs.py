@@ -1,4 +1,6 @@
-"""Starting real gateway and worker processes on loopback for the benches (as tests/e2e/harness.py does)."""
+"""Starting real gateway and worker processes on loopback: free ports, waiting for a server to
+answer, SSE reading, sim workers and gateways. The one copy, for the benches and the e2e tests
+alike (tests/e2e/harness.py builds on it); bench/ never imports tests."""
 
 from __future__ import annotations
 
@@ -45,7 +47,7 @@ def wait_ok(process: subprocess.Popen[bytes], url: str, timeout_s: float = 60.0,
                     return
         except (urllib.error.URLError, ConnectionError, TimeoutError):
             pass
-        time.sleep(0.1)
+        time.sleep(0.05)
     raise failed(f"not ready within {timeout_s}s")
 
 
@@ -76,13 +78,14 @@ def start_sim_worker(log_dir: Path, sim: dict[str, Any], *, default_k: int = 0, 
     ``launcher``: what runs the module (bench.timeline: ``-m bench.timeline_probe``); ``repo``:
     whose code (bench.stacks); ``port``: its port (default: a free one); ``env``: more variables."""
     port = port or free_port()
-    with (log_dir / f"sim-worker-{port}.log").open("wb") as log:
+    log_path = log_dir / f"sim-worker-{port}.log"
+    with log_path.open("wb") as log:
         process = subprocess.Popen(
             [sys.executable, *launcher, "workers", "--engine", "sim", "--port", str(port), "--worker-id", f"sim-{port}",
              "--target", str(TOKENIZER_DIR), "--draft", str(TOKENIZER_DIR), "--max-slots", str(max_slots),
              "--max-queue", str(max_queue), "--default-k", str(default_k), "--sim-config", json.dumps(sim)],
             cwd=repo, stdout=log, stderr=subprocess.STDOUT, env={**bench_env(repo), **(env or {})})
-    wait_ok(process, f"http://127.0.0.1:{port}/health")
+    wait_ok(process, f"http://127.0.0.1:{port}/health", log_path=log_path)
     return process, port
 
 

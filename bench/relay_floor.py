@@ -5,7 +5,7 @@
 bench.overhead runs it as the path ``aiohttp_floor``, beside specgate and vllm-router, on the
 same upstream in the same run. It has none of the gateway's work (no JSON parse, no session,
 policy, metrics, logs or accounting): the request body goes to the upstream as it came, over
-the gateway's own worker client (gateway/worker_http.py), and the upstream's body comes back
+the gateway's own worker client (gateway/fleet/worker_http.py), and the upstream's body comes back
 as it is read. What it adds to a request is what the gateway's architecture (aiohttp's server
 on uvloop, one more loopback hop) costs on this machine before specgate does anything.
 """
@@ -17,7 +17,7 @@ import argparse
 import uvloop
 from aiohttp import web
 
-from gateway.worker_http import Endpoint, WorkerHttp
+from gateway.fleet.worker_http import Endpoint, WorkerHttp
 
 UPSTREAM_KEY = web.AppKey("upstream", WorkerHttp)
 

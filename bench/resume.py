@@ -3,7 +3,7 @@
     python -m bench.resume [--json] [--quick] [--dtypes bfloat16,float32]
 
 A generation that migrates to another worker is resumed from its prompt + output token ids
-(gateway/migration.py). The original prefilled the prompt (fused attention, when it is longer
+(gateway/relay/migration.py). The original prefilled the prompt (fused attention, when it is longer
 than what rides in a decode step) and computed the output in decode steps (row-invariant). The
 resumed prefill splits the same way (``GenerationRequest.resumed_tokens``): the prompt fused,
 the output row-invariant in one forward, which computes every token as its decode step did.

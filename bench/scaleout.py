@@ -10,8 +10,8 @@ this machine's drift falls on all alike. Four measurements:
    against ``max_temperature: 0``) over four paths to the same two instant workers (time scale
    0): ``direct`` (the workers, alternately), ``relay`` (``specgate serve``, the workers as
    ``workers.remote``), ``envoy_rr`` (Envoy round robin,
-   gateway/envoy_config.py ``round_robin_bootstrap``) and ``envoy_epp`` (Envoy asking ``specgate
-   epp`` over ext_proc, BUFFERED: gateway/envoy_config.py ``epp_bootstrap``). Batches of
+   gateway/epp/envoy_config.py ``round_robin_bootstrap``) and ``envoy_epp`` (Envoy asking ``specgate
+   epp`` over ext_proc, BUFFERED: gateway/epp/envoy_config.py ``epp_bootstrap``). Batches of
    requests go round robin across the paths, in a new order each round. Target: the picker's
    added p50 over Envoy round robin is at most twice the relay's added p50 over direct.
 2. **Picks per second of the picker.** bench/ext_proc_client.py speaks Envoy's side of ext_proc
@@ -63,7 +63,7 @@ CONCURRENCY = 32
 # A session's requests come seconds apart in real traffic, its last state long written when the
 # next arrives, so a gateway with Redis state reads it (one GET) at each admission. A client
 # sending one session's requests back to back would often find that session's own write still
-# queued, and skip the read (gateway/session_store.py): each client takes turns over sessions.
+# queued, and skip the read (gateway/sessions/store.py): each client takes turns over sessions.
 SESSIONS_PER_CLIENT = 8
 
 

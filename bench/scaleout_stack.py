@@ -25,7 +25,7 @@ from typing import Any, Literal
 import yaml
 
 from bench import procs
-from gateway.envoy_config import epp_bootstrap, round_robin_bootstrap, to_yaml
+from gateway.epp.envoy_config import epp_bootstrap, round_robin_bootstrap, to_yaml
 
 ENVOY_BIN = procs.REPO / ".venv-envoy" / "envoy"  # `make install-envoy`
 READY_TIMEOUT_S = 90.0

@@ -2,13 +2,14 @@
 with a timestamp at each hand-off of a request (bench.timeline).
 
 The probes wrap, by name, the functions a request passes through: the gateway's outermost
-middleware (``gateway.app.count_requests``: in), its worker request
-(``gateway.relay.open_stream``: sent, and the response's head back), the answer ready to
-write (``gateway.relay._answer_response``: out; the gateway writes it next, and accounts it
-after the write: ``gateway.relay._answer``), and the worker's request handler (``workers.server.app._serve``: in and
-out, its answer then written by aiohttp). ``time.monotonic`` is one clock for every
-process on the machine, so bench.timeline can line the marks of the client, the gateway and the
-worker up per request. A wrapped function that is gone fails the start, not the figures.
+middleware (``gateway.relay.app.count_requests``: in), its worker request
+(``gateway.relay.relay.open_stream``: sent, and the response's head back), the answer ready to
+write (``gateway.relay.relay._answer_response``: out; the gateway writes it next, and accounts it
+after the write: ``gateway.relay.relay._answer``), and the worker's request handler
+(``workers.server.app._serve``: in and out, its answer then written by aiohttp).
+``time.monotonic`` is one clock for every process on the machine, so bench.timeline can line the
+marks of the client, the gateway and the worker up per request. A wrapped function
+that is gone fails the start, not the figures.
 At exit the marks go to ``$SPECGATE_TIMELINE_OUT.<module>.<pid>.json``.
 """
 
@@ -65,12 +66,12 @@ def _probe_leaving(module: ModuleType, name: str, leave: str) -> None:
 
 def install(target: str) -> None:
     if target == "gateway":
-        import gateway.app
-        import gateway.relay
+        import gateway.relay.app
+        import gateway.relay.relay
 
-        _probe(gateway.app, "count_requests", "gateway_in", None)
-        _probe(gateway.relay, "open_stream", "to_worker", "from_worker")
-        _probe_leaving(gateway.relay, "_answer_response", "gateway_out")
+        _probe(gateway.relay.app, "count_requests", "gateway_in", None)
+        _probe(gateway.relay.relay, "open_stream", "to_worker", "from_worker")
+        _probe_leaving(gateway.relay.relay, "_answer_response", "gateway_out")
     import workers.server.app
 
     _probe(workers.server.app, "_serve", "worker_in", "worker_out")

@@ -16,14 +16,13 @@ from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
-from gateway.fleet import WorkerHandle
-from gateway.metrics import GatewayMetrics
+from gateway.fleet.handle import WorkerHandle
+from gateway.fleet.routing import Candidate, choose_route
+from gateway.observe.metrics import GatewayMetrics
 from gateway.proxy import NoWorkerLeft, NoWorkerReady, RawChunk, StreamTally
-from gateway.routing import Candidate, choose_worker
-from gateway.sessions import ModeChange, Session
+from gateway.sessions.table import ModeChange, Session
 from gateway.state import GatewayState
 from policies import (
-    FIXED_MODE_REASONS,
     Decision,
     PolicyConfig,
     RequestFacts,
@@ -35,6 +34,7 @@ from policies import (
     observe_path,
     observe_steps,
     record_decision,
+    run_on,
     tested_drafts,
     worker_acceptance,
 )
@@ -56,8 +56,8 @@ from workers.api.wire import (
 )
 
 if TYPE_CHECKING:
-    from gateway.ops_metrics import WaitResult
-    from gateway.tracing import AttemptTrace
+    from gateway.observe.ops_metrics import WaitResult
+    from gateway.observe.tracing import AttemptTrace
 
 # A waiting request checks that its client is still there at least this often (aiohttp does not
 # cancel a handler whose client left; a ready worker wakes it at once).
@@ -111,46 +111,39 @@ def user_session_id(user: str) -> str:
     return "user-" + hashlib.sha256(user.encode("utf-8", "surrogatepass")).hexdigest()[:32]
 
 
-def decide_on(session: Session, handle: WorkerHandle, req: CompletionRequest, policy: PolicyConfig,
-              any_mode: bool = False) -> Decision:
-    """The decision on ``handle``; with ``any_mode``, what the rules want were it to serve both modes."""
+def worker_state(handle: WorkerHandle, policy: PolicyConfig) -> WorkerState:
+    """What the policy knows of ``handle``, its batch latch brought up to date first."""
     handle.batch_full = batch_latch(handle.batch_full, handle.load, policy)
-    worker = WorkerState(handle.load, handle.batch_full, handle.max_k, "speculative" in handle.modes,
-                         "plain" in handle.modes, handle.cost, worker_acceptance(handle.acceptance, policy),
-                         handle.draft_mix.step_mix(), handle.tree_max_nodes if handle.speaks_specgate else 0)
-    if any_mode:
-        fixed_k = 1 if policy.num_speculative_tokens == "auto" else policy.num_speculative_tokens
-        worker = replace(worker, max_k=max(handle.max_k, fixed_k), serves_speculative=True, serves_plain=True)
-    return decide(session.policy_state, worker, RequestFacts(req.temperature), policy)
+    return WorkerState(handle.load, handle.batch_full, handle.max_k, "speculative" in handle.modes,
+                       "plain" in handle.modes, handle.cost, worker_acceptance(handle.acceptance, policy),
+                       handle.draft_mix.step_mix(), handle.tree_max_nodes if handle.speaks_specgate else 0)
 
 
 def route(state: GatewayState, session: Session, candidates: list[Candidate], req: CompletionRequest,
           policy: PolicyConfig) -> tuple[WorkerHandle, Decision] | None:
-    """The session's worker and the decision there; mode-aware when workers serve one fixed mode.
+    """The session's worker and the decision there, from one call of the policy's ``decide``.
 
-    When the sticky (or least-loaded) worker cannot serve the mode the rules want, the request
-    goes to a worker that can, so ``X-Specgate-Mode`` tells what runs. The session moves only
-    when the other worker's decision really is the wanted mode.
+    Mode-aware where workers serve one fixed mode: when the session's (or the least-loaded)
+    worker serves one mode and another ready worker serves the other, the rules are asked on the
+    one of the two that speculates, as if it served plain too, and the request goes to the one
+    that serves the mode they want, for their reason, so ``X-Specgate-Mode`` tells what runs.
+    Only where no ready worker serves the wanted mode does a fixed-mode reason
+    (``worker_plain_only``, ``worker_speculative_only``) name what runs instead.
     """
-    worker_id = choose_worker(session.worker_id, candidates)
-    if worker_id is None:
+    chosen = choose_route(session.worker_id, candidates)
+    if chosen is None:
         return None
-    handle = state.fleet.workers[worker_id]
-    decision = decide_on(session, handle, req, policy)
-    if decision.reason in FIXED_MODE_REASONS:
-        wanted = decide_on(session, handle, req, policy, any_mode=True)
-        others = [c for c in candidates if c.worker_id != worker_id and c.ready and wanted.mode in c.modes]
-        other_id = choose_worker(None, others, prefer_mode=wanted.mode) if wanted.mode != decision.mode else None
-        if other_id is not None:
-            other = state.fleet.workers[other_id]
-            other_decision = decide_on(session, other, req, policy)
-            if other_decision.mode == wanted.mode:
-                # It runs what the rules want, for the rules' reason (a plain-only worker's
-                # decision would otherwise name the worker, not why plain was wanted).
-                if other_decision.reason in FIXED_MODE_REASONS:
-                    other_decision = replace(other_decision, reason=wanted.reason)
-                return other, other_decision
-    return handle, decision
+    handle = state.fleet.workers[chosen.worker_id]
+    facts = RequestFacts(req.temperature)
+    if chosen.other_id is None:
+        return handle, decide(session.policy_state, worker_state(handle, policy), facts, policy)
+    other = state.fleet.workers[chosen.other_id]
+    speculating, plain = (handle, other) if "speculative" in handle.modes else (other, handle)
+    worker = worker_state(speculating, policy)
+    wanted = decide(session.policy_state, replace(worker, serves_plain=True), facts, policy)
+    if wanted.mode == "plain":
+        return plain, wanted
+    return speculating, run_on(wanted, worker)
 
 
 def directive_for(decision: Decision, policy: PolicyConfig, resume: ResumePoint | None = None, **fields: Any

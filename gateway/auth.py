@@ -2,8 +2,9 @@
 ``/admin/*``, and optionally either for the probes. Keys rotate without a restart.
 
 The live keys come from the ``auth:`` section of config.yaml (or ``SPECGATE_API_KEYS``), and
-are re-read like the policy: when the file changes, on SIGHUP, and never half-applied (a
-section that fails to validate leaves the running keys in place). Secrets are compared in
+are re-read like the policy, by the one config watcher (gateway/config/watcher.py): when the
+file changes, on SIGHUP, and never half-applied (a section that fails to validate leaves the
+running keys in place). Secrets are compared in
 constant time (workers/api/tokens.py) and never logged or shown: logs and views name a key by
 its fingerprint.
 
@@ -13,16 +14,15 @@ can neither read nor ride another key's session.
 
 from __future__ import annotations
 
-import asyncio
 import logging
 from pathlib import Path
 
 from aiohttp import web
 
-from gateway.auth_config import AuthConfig
-from gateway.config import ConfigError, ServerConfig, load_auth_file
-from gateway.ops_metrics import OpsMetrics
-from gateway.policy_store import ReloadSource, file_stamp
+from gateway.config.auth import AuthConfig
+from gateway.config.config import ConfigError, ServerConfig, load_auth_file
+from gateway.config.watcher import ReloadSource
+from gateway.observe.ops_metrics import OpsMetrics
 from workers.api.tokens import (
     AUTHORIZATION,
     Forbidden,
@@ -62,10 +62,6 @@ class AuthStore:
         self.server = server
         self.metrics = metrics
         self.last_error: str | None = None
-        self._stat = self._file_stat()
-
-    def _file_stat(self) -> tuple[int, int] | None:
-        return file_stamp(self.path)
 
     def describe(self) -> str:
         keys = ", ".join(fingerprint(k) for k in self.current.api_keys) or "none"
@@ -75,7 +71,6 @@ class AuthStore:
     def reload_file(self, source: ReloadSource) -> bool:
         if self.path is None:
             return False
-        self._stat = self._file_stat()
         try:
             candidate = load_auth_file(self.path)
             check_exposure(candidate, self.server, self.server.host)
@@ -91,17 +86,6 @@ class AuthStore:
         if changed:
             log.info("auth reloaded from %s: %s", source, self.describe())
         return True
-
-    async def watch(self, interval_s: float = 0.25) -> None:
-        """Polls the config file, as the policy's watcher does (gateway/policy_store.py)."""
-        while True:
-            await asyncio.sleep(interval_s)
-            stat = self._file_stat()
-            if stat is not None and stat != self._stat:
-                try:
-                    self.reload_file("file")
-                except Exception:  # the watcher must outlive any surprise in a file
-                    log.exception("auth reload from file failed unexpectedly")
 
     # -- checks ---------------------------------------------------------------------------------------
     def api_scope(self, request: web.Request) -> str:

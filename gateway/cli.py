@@ -82,8 +82,8 @@ def check_problems(path: Path, kind: str = "auto", environ: Mapping[str, str] | 
     The same functions the gateway runs: ``load_config_env`` at start, ``policy_env`` on a
     reload (for a bare policy file, as ``PUT /admin/policy`` takes it). Each checks every field.
     """
-    from gateway.config import _read_yaml
-    from gateway.env_overrides import load_config_env, policy_env, section_keys
+    from gateway.config.config import _read_yaml
+    from gateway.config.env_overrides import load_config_env, policy_env, section_keys
     from policies import FieldError, PolicyConfig
 
     try:
@@ -124,7 +124,7 @@ def serve(args: argparse.Namespace) -> int:
     # exist in the environment before anything imports it; the workers inherit it.
     multiproc = tempfile.TemporaryDirectory(prefix="specgate-metrics-")
     os.environ.setdefault("PROMETHEUS_MULTIPROC_DIR", multiproc.name)
-    from gateway.metrics import keep_series_in_memory
+    from gateway.observe.metrics import keep_series_in_memory
 
     keep_series_in_memory()  # the workers write the files; the gateway's own series stay in memory
 
@@ -132,11 +132,11 @@ def serve(args: argparse.Namespace) -> int:
 
     import uvloop
 
-    from gateway.app import create_app
     from gateway.auth import check_exposure
-    from gateway.config import ConfigError
-    from gateway.drain import DRAIN_KEY
-    from gateway.env_overrides import load_config_env
+    from gateway.config.config import ConfigError
+    from gateway.config.env_overrides import load_config_env
+    from gateway.relay.app import create_app
+    from gateway.relay.drain import DRAIN_KEY
     from policies import FieldError
     from workers.api.web_runner import run_app
 
@@ -173,10 +173,10 @@ def serve(args: argparse.Namespace) -> int:
     try:
         app = create_app(config, openai_routes=not picker)
         if picker:
-            from gateway.epp import add_endpoint_picker
+            from gateway.epp.picker import add_endpoint_picker
 
             add_endpoint_picker(app)
-        # SIGTERM/SIGINT: drain (gateway/drain.py), then the cleanup stops the workers.
+        # SIGTERM/SIGINT: drain (gateway/relay/drain.py), then the cleanup stops the workers.
         run_app(app, host=server.host, port=server.port, drainer=app[DRAIN_KEY])
     finally:
         multiproc.cleanup()

@@ -1,28 +1,26 @@
 """The live policy: what is active, when and from where it was loaded, and how it is replaced.
 
-Three ways in: the config file changes on disk (polled by a task), SIGHUP, and
-``PUT /admin/policy``. A candidate that fails to parse or validate is rejected with the
-field and value named, and the running policy stays. Requests read ``store.active`` once at
-admission, so a reload affects new requests only.
+Three ways in: the config file changes on disk and SIGHUP (both through the one config watcher,
+gateway/config/watcher.py), and ``PUT /admin/policy``. A candidate that fails to parse or
+validate is rejected with the field and value named, and the running policy stays. Requests
+read ``store.active`` once at admission, so a reload affects new requests only.
 """
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import logging
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
 
-from gateway.config import ConfigError, _read_yaml
-from gateway.env_overrides import Origin, load_policy_env, policy_origins, read_overrides
-from gateway.metrics import GatewayMetrics
+from gateway.config.config import ConfigError, _read_yaml
+from gateway.config.env_overrides import Origin, load_policy_env, policy_origins, read_overrides
+from gateway.config.watcher import ReloadSource
+from gateway.observe.metrics import GatewayMetrics
 from policies import FieldError, PolicyConfig
 
 log = logging.getLogger(__name__)
-ReloadSource = Literal["startup", "file", "sighup", "api"]
 
 
 @dataclass(frozen=True)
@@ -45,7 +43,6 @@ class PolicyStore:
         self.path = path
         self.metrics = metrics
         self.last_error: str | None = None
-        self._mtime = self._stat()
         # Where each active value came from (GET /admin/policy): the file, a SPECGATE_POLICY__*
         # variable, or the default; a PUT makes them all "api" until the next reload.
         self.origins: dict[str, Origin] = self._startup_origins()
@@ -64,9 +61,6 @@ class PolicyStore:
     @property
     def active(self) -> PolicyConfig:
         return self.current.policy
-
-    def _stat(self) -> tuple[int, int] | None:
-        return file_stamp(self.path)
 
     def apply(self, candidate: PolicyConfig, source: ReloadSource,
               origins: dict[str, Origin] | None = None) -> None:
@@ -91,7 +85,6 @@ class PolicyStore:
     def reload_file(self, source: ReloadSource) -> ReloadResult:
         if self.path is None:
             return ReloadResult(False, "gateway was started without a config file")
-        self._mtime = self._stat()
         try:
             # The environment's overrides are applied again on every reload (they outrank the file).
             candidate, origins = load_policy_env(self.path)
@@ -99,30 +92,3 @@ class PolicyStore:
             return self.reject(exc, source)
         self.apply(candidate, source, origins)
         return ReloadResult(True)
-
-    async def watch(self, interval_s: float = 0.25) -> None:
-        """Polls the file's mtime and size; a change triggers a reload.
-
-        Polling (not inotify) works on every filesystem and for editors that replace the
-        file by renaming; a 250 ms period keeps edits visible well within 2 s.
-        """
-        while True:
-            await asyncio.sleep(interval_s)
-            stat = self._stat()
-            if stat is not None and stat != self._mtime:
-                try:
-                    self.reload_file("file")
-                except Exception:  # the watcher must outlive any surprise in a file
-                    log.exception("policy reload from file failed unexpectedly")
-
-
-def file_stamp(path: Path | None) -> tuple[int, int] | None:
-    """(mtime, size) of a watched config file: a change to either triggers a reload. None when
-    there is no file, or it cannot be read right now (mid-rename by an editor, say)."""
-    if path is None:
-        return None
-    try:
-        st = path.stat()
-    except OSError:
-        return None
-    return st.st_mtime_ns, st.st_size

@@ -18,9 +18,9 @@ from typing import Any
 
 import orjson
 
-from gateway.config import RemoteProtocol
-from gateway.fleet import WorkerHandle
-from gateway.worker_http import WorkerConnectError, WorkerResponse, WorkerStreamError
+from gateway.config.config import RemoteProtocol
+from gateway.fleet.handle import WorkerHandle
+from gateway.fleet.worker_http import WorkerConnectError, WorkerResponse, WorkerStreamError
 from workers.api.errors import (
     ApiError,
     BadRequest,
@@ -54,7 +54,7 @@ class WorkerUnreachable(Exception):
 
 class WorkerLost(WorkerFailed):
     """The worker's stream broke or ended early (it died, or its connection did): the generation
-    can resume on another worker (gateway/migration.py). An error event the worker sent is not this."""
+    can resume on another worker (gateway/relay/migration.py). An error event the worker sent is not this."""
 
 
 class NoWorker(Exception):
@@ -146,7 +146,7 @@ class RawChunk:
     # the chunk (then it is serialized again).
     payload: bytes | None
     # The event's ids comment (workers/api/wire.py), its JSON unparsed: only a stream that
-    # migrates needs the ids (gateway/migration.py StreamIds).
+    # migrates needs the ids (gateway/relay/migration.py StreamIds).
     ids: bytes | None = None
     report: StepReport | None = None  # the chunk's ``specgate`` step report, parsed once
 

@@ -6,13 +6,12 @@ from dataclasses import dataclass, field
 
 from aiohttp import web
 
-from gateway.busy_poll import BusyPoll
-from gateway.config import GatewayConfig
-from gateway.fleet import Fleet
-from gateway.metrics import GatewayMetrics
+from gateway.config.config import GatewayConfig
+from gateway.fleet.fleet import Fleet
+from gateway.observe.metrics import GatewayMetrics
 from gateway.policy_store import PolicyStore
-from gateway.session_store import MemoryStore, SessionStore
-from gateway.sessions import SessionTable
+from gateway.sessions.store import MemoryStore, SessionStore
+from gateway.sessions.table import SessionTable
 
 
 @dataclass(frozen=True)
@@ -22,7 +21,6 @@ class GatewayState:
     sessions: SessionTable
     policy: PolicyStore
     fleet: Fleet
-    busy_poll: BusyPoll | None = None  # server.busy_poll_s > 0
     # Per-session controller state shared with other replicas (state.backend: redis), else a no-op.
     store: SessionStore = field(default_factory=MemoryStore)
 

@@ -49,7 +49,7 @@ class FieldError(ValueError):
     Parsers check every field, so that an edit with three mistakes is refused with three
     messages, not fixed one rerun at a time. They raise the first problem found, carrying all of
     them in ``problems`` (itself included): ``str()`` stays that one message, ``summary()``
-    lists every one. The policy's errors and config.yaml's (gateway/config_errors.py) are both.
+    lists every one. The policy's errors and config.yaml's (gateway/config/errors.py) are both.
     """
 
     def __init__(self, message: str, field: str, value: object) -> None:

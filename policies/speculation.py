@@ -122,9 +122,15 @@ def decide(session: SessionState, worker: WorkerState, request: RequestFacts, po
     The one entry point for the choice at admission (the rules in the module docstring, in
     order); a worker's steps may only lower the K (``step_depth``, ``policies.cost.batch_step_k``,
     ``policies.cost.catch_up_pays``)."""
-    decision = _rules(session, worker, request, policy)
+    return run_on(_rules(session, worker, request, policy), worker)
+
+
+def run_on(decision: Decision, worker: WorkerState) -> Decision:
+    """What ``worker`` runs of the rules' ``decision``: a worker of one fixed speculative mode runs
+    its own K, whatever the rules wanted (``worker_speculative_only`` where they wanted plain).
+    ``decide`` ends here; the gateway calls it too, where it asked the rules about such a worker
+    as if it served both modes, to learn which mode they want (gateway/admission.py ``route``)."""
     if not worker.serves_plain and worker.max_k > 0:
-        # One fixed speculative mode: it runs its own K, whatever the rules wanted.
         if decision.mode == "plain":
             return Decision("speculative", worker.max_k, "worker_speculative_only")
         return replace(decision, k=worker.max_k, tree=None)

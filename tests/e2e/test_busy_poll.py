@@ -1,4 +1,4 @@
-"""``server.busy_poll_s`` (gateway/busy_poll.py): the loop polls around requests, never while idle."""
+"""``server.busy_poll_s`` (gateway/relay/busy_poll.py): the loop polls around requests, never while idle."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from gateway.busy_poll import BusyPoll
-from gateway.config import ConfigError, parse_config
+from gateway.config.config import ConfigError, parse_config
+from gateway.relay.busy_poll import BusyPoll
 from tests.e2e.harness import sdk_client, start_gateway, write_config
 
 

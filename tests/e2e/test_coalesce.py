@@ -18,10 +18,10 @@ from typing import Any
 import aiohttp
 import pytest
 
-from gateway.config import ConfigError, parse_config
+from gateway.config.config import ConfigError, parse_config
 from gateway.proxy import WorkerLost, read_whole_answer
 from tests.e2e.harness import Gateway, GatewayFactory, start_tcp_worker
-from tests.unit.test_worker_http import serve
+from tests.unit.worker_http_server import serve
 from workers.api.errors import WorkerFailed
 from workers.api.generation import SpecSteps
 from workers.api.wire import (

@@ -17,11 +17,17 @@ from typing import Any
 import pytest
 import yaml
 
-from gateway.config import ConfigError
-from gateway.env_overrides import EnvOverrideError, load_config_env, load_policy_env, read_overrides, section_keys
-from gateway.worker_output import relay_line
+from bench.procs import free_port, wait_ok
+from gateway.config.config import ConfigError
+from gateway.config.env_overrides import (
+    EnvOverrideError,
+    load_config_env,
+    load_policy_env,
+    read_overrides,
+    section_keys,
+)
+from gateway.fleet.worker_output import relay_line
 from tests.e2e.harness import Gateway, start_gateway, write_config
-from tests.e2e.processes import free_port, wait_ok
 
 REPO = Path(__file__).resolve().parents[2]
 ENV = {"SPECGATE_POLICY__MAX_BATCH": "32", "SPECGATE_POLICY__BATCH_RESUME": "30",
@@ -172,7 +178,7 @@ def test_json_logs_carry_request_context_and_no_secrets(gateway: Gateway) -> Non
     assert SECRET not in text and PROMPT not in text
     for entry in found:
         assert {"timestamp", "level", "logger", "message"} <= set(entry), entry
-    done = [e for e in found if e.get("session") == "log-session" and e["logger"] == "gateway.relay"]
+    done = [e for e in found if e.get("session") == "log-session" and e["logger"] == "gateway.relay.relay"]
     assert len(done) == 1, text
     assert done[0]["decision"] == mode and len(done[0]["request_id"]) == 32
     assert done[0]["level"] == "INFO" and "completion request on" in done[0]["message"]

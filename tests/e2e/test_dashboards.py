@@ -17,9 +17,8 @@ import yaml
 
 from dashboards import build
 from dashboards.observe import DEPLOY, REPO, write_config
+from tests.e2e.documented_metrics import METRICS_DOC, base_name, documented_metrics
 from tests.e2e.prom_harness import DASHBOARD, alert_exprs, dashboard_targets, metric_names, promtool
-
-METRICS_DOC = REPO / "docs" / "metrics.md"
 
 
 @pytest.fixture(scope="module")
@@ -120,19 +119,8 @@ def test_grafana_provisioning_points_at_the_dashboard() -> None:
     assert "authorization:" in (DEPLOY / "prometheus.yml").read_text()  # the metrics-token placeholder
 
 
-def documented_metrics() -> set[str]:
-    """Metric names in docs/metrics.md's tables (first column, in backticks)."""
-    names = set()
-    for line in METRICS_DOC.read_text().splitlines():
-        match = re.match(r"\|\s*`((?:specgate_|vllm:)[a-z0-9_:]+)`", line)
-        if match:
-            names.add(match.group(1))
-    return names
 
 
-def base_name(series: str) -> str:
-    """A histogram's series as its documented name (``x_bucket`` -> ``x``)."""
-    return re.sub(r"_(bucket|sum|count|gcount|gsum)$", "", series)
 
 
 def test_docs_describe_every_metric_the_dashboard_and_alerts_use() -> None:

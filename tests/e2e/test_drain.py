@@ -14,8 +14,8 @@ from typing import Any
 import aiohttp
 import pytest
 
+from bench.procs import sse_data
 from tests.e2e.harness import start_gateway, write_config
-from tests.e2e.processes import sse_data
 
 PROMPT = "import os\n\n\ndef walk(root):\n    "
 DRAIN_S = 6.0

@@ -1,4 +1,4 @@
-"""Real Envoy (gateway/envoy_config.py's configs) in front of real `specgate serve` replicas:
+"""Real Envoy (gateway/epp/envoy_config.py's configs) in front of real `specgate serve` replicas:
 both configs pass `envoy --mode validate`; ring hash on X-Session-ID keeps a session on one
 replica and spreads sessions over all; a replica killed under load loses only the streams that
 had already begun, and its sessions move to the survivor."""
@@ -16,10 +16,10 @@ from typing import Any
 import openai
 import pytest
 
-from gateway.envoy_config import epp_bootstrap, ring_hash_bootstrap, round_robin_bootstrap
+from bench.procs import free_port
+from gateway.epp.envoy_config import epp_bootstrap, ring_hash_bootstrap, round_robin_bootstrap
 from tests.e2e.envoy_harness import Envoy, Replica, start_envoy, start_replica, validate
 from tests.e2e.harness import REPO
-from tests.e2e.processes import free_port
 
 MODEL = "specgate-demo"
 MAX_TOKENS = 24
@@ -69,13 +69,13 @@ def test_envoy_validates_the_rendered_configs(name: str, bootstrap: dict[str, An
 def test_the_module_prints_yaml_envoy_accepts(tmp_path: Path) -> None:
     import yaml
 
-    from gateway.envoy_config import main
+    from gateway.epp.envoy_config import main
 
     for argv in (["epp", "--listen", "127.0.0.1:8080", "--epp", "127.0.0.1:9002", "--admin", "127.0.0.1:9901"],
                  ["ring-hash", "--listen", "127.0.0.1:8080", "--replica", "127.0.0.1:8001",
                   "--replica", "127.0.0.1:8002"]):
-        printed = subprocess.run([sys.executable, "-m", "gateway.envoy_config", *argv], cwd=REPO, capture_output=True,
-                                 text=True, check=True, timeout=60).stdout
+        printed = subprocess.run([sys.executable, "-m", "gateway.epp.envoy_config", *argv], cwd=REPO,
+                                 capture_output=True, text=True, check=True, timeout=60).stdout
         result = validate(yaml.safe_load(printed), tmp_path)
         assert result.returncode == 0, f"{argv}:\n{result.stdout}\n{result.stderr}"
     with pytest.raises(SystemExit):

@@ -23,6 +23,7 @@ import pytest
 from envoy.extensions.filters.http.ext_proc.v3.processing_mode_pb2 import ProcessingMode
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from bench.procs import free_port, start_sim_worker, stop
 from policies import PolicyConfig, SessionState, observe
 from tests.e2e.epp_harness import (
     Epp,
@@ -35,7 +36,6 @@ from tests.e2e.epp_harness import (
     response_headers_message,
     start_epp,
 )
-from tests.e2e.processes import free_port, start_sim_worker, stop
 
 DESTINATION = "x-gateway-destination-endpoint"
 POLICY = {"num_speculative_tokens": 6, "min_proposals": 16, "acceptance_half_life": 64, "max_temperature": 0.8}

@@ -16,10 +16,10 @@ from typing import Any
 import openai
 import pytest
 
-from gateway.envoy_config import BodyMode, epp_bootstrap
+from bench.procs import free_port, start_sim_worker, stop
+from gateway.epp.envoy_config import BodyMode, epp_bootstrap
 from tests.e2e.envoy_harness import Envoy, start_envoy
 from tests.e2e.epp_harness import Epp, start_epp
-from tests.e2e.processes import free_port, start_sim_worker, stop
 
 # The sim accepts 20% of the drafts of [math] prompts (far below the floor), 85% of the others.
 SIM = {"time_scale": 0.002, "seed": 1, "acceptance": {"math": [[None, 0.2]], "chat": [[None, 0.85]]}}

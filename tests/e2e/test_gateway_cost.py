@@ -17,7 +17,7 @@ import pytest
 
 from policies import CostModel, PolicyConfig, StepMix, choose_k
 from tests.e2e.harness import MODELS, Gateway, sdk_client, start_gateway, write_config
-from tests.unit.test_cost_policy import AMX_VERIFY, curve
+from tests.unit.cost_curves import AMX_VERIFY, curve
 from workers.costs.cache import CostCache
 from workers.costs.cost_report import PrecisionCandidate, PrecisionChoice, report_from_forward_times
 from workers.engines.embedded.measurement.settings import MeasureSettings

@@ -17,7 +17,7 @@ from typing import Any
 import aiohttp
 import pytest
 
-from gateway.config import ConfigError, ServerConfig, load_config
+from gateway.config.config import ConfigError, ServerConfig, load_config
 from tests.e2e.harness import Gateway, GatewayFactory
 
 MODEL = "specgate-demo"

@@ -13,8 +13,8 @@ from typing import Any
 import aiohttp
 import pytest
 
+from bench.procs import sse_data
 from tests.e2e.harness import Gateway, GatewayFactory
-from tests.e2e.processes import sse_data
 
 PROMPTS = [
     "import os\n\n\ndef list_python_files(root):\n    ",

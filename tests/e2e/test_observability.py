@@ -286,7 +286,7 @@ def test_no_session_id_in_any_series(observed: Observed) -> None:
 
 
 def test_docs_describe_every_metric_prometheus_sees(observed: Observed) -> None:
-    from tests.e2e.test_dashboards import base_name, documented_metrics
+    from tests.e2e.documented_metrics import base_name, documented_metrics
 
     exported = {base_name(n) for n in observed.prometheus.metric_names() if n.startswith(("specgate_", "vllm:"))}
     assert len(exported) >= 20

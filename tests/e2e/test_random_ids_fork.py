@@ -1,11 +1,11 @@
-"""gateway.sessions.RandomIds across a fork: a child's next id is not its parent's (os.fork, so
+"""gateway.sessions.table.RandomIds across a fork: a child's next id is not its parent's (os.fork, so
 the e2e tier; split from tests/unit/test_gateway_units.py)."""
 
 from __future__ import annotations
 
 import os
 
-from gateway.sessions import RandomIds
+from gateway.sessions.table import RandomIds
 
 
 def test_random_ids_are_unique_hex_across_refills_and_forks() -> None:

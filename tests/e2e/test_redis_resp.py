@@ -1,4 +1,4 @@
-"""gateway/redis_resp.py: the session store's Redis client, against a real redis-server.
+"""gateway/sessions/redis_resp.py: the session store's Redis client, against a real redis-server.
 
 The parser on its own (replies fed in pieces, as reads split them), then one pipelined
 connection: replies matched to callers in order under many concurrent calls and a cancelled
@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 import redis
 
-from gateway.redis_resp import (
+from gateway.sessions.redis_resp import (
     RedisClient,
     RedisDown,
     RedisReplyError,

@@ -20,10 +20,10 @@ from typing import Any
 import openai
 import pytest
 
-from gateway.envoy_config import epp_bootstrap, ring_hash_bootstrap
+from bench.procs import free_port, start_sim_worker, stop
+from gateway.epp.envoy_config import epp_bootstrap, ring_hash_bootstrap
 from tests.e2e.envoy_harness import Envoy, Replica, start_envoy, start_replica
 from tests.e2e.epp_harness import Epp, start_epp
-from tests.e2e.processes import free_port, start_sim_worker, stop
 from tests.e2e.redis_harness import RedisServer, start_redis
 
 LOW = "plain; reason=low_acceptance"

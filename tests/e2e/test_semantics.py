@@ -24,7 +24,7 @@ import torch
 
 from gateway.admission import user_session_id
 from tests.e2e.harness import MODELS, Gateway, sdk_client
-from tests.unit.engine.test_seeded import MIN_MARGIN, gumbel_reference
+from tests.unit.engine.seeded_reference import MIN_MARGIN, gumbel_reference
 from workers.engines.embedded.llama import LlamaForCausalLM
 from workers.engines.embedded.projections import TORCH_DTYPES, resolve_dtype
 from workers.engines.embedded.sampling import SamplingParams

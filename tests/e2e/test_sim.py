@@ -12,7 +12,7 @@ from dataclasses import replace
 import openai
 import pytest
 
-from gateway.config import ConfigError, parse_config
+from gateway.config.config import ConfigError, parse_config
 from tests.e2e.harness import REPO, Gateway, sdk_client, start_gateway, write_config
 from workers.api.sim_config import (
     PUBLISHED_K,
@@ -224,7 +224,7 @@ def test_sim_worker_refuses_oversized_requests_and_reports_drafts(sim_gateway: G
 
 def test_a_non_streaming_answer_is_accounted_before_the_next_request(sim_gateway: Gateway) -> None:
     """The gateway writes a non-streaming answer before it accounts the worker's chunks
-    (gateway/relay.py ``_answer``): by the time the client holds the answer, the session's
+    (gateway/relay/relay.py ``_answer``): by the time the client holds the answer, the session's
     evidence, the per-position draft counters and the token counter already include it."""
     def counters() -> tuple[float, float, float]:
         return (sim_gateway.metric("specgate_tokens_total"),

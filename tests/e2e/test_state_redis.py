@@ -26,9 +26,9 @@ import pytest
 import redis
 from prometheus_client import CollectorRegistry
 
-from gateway.config import GatewayConfig, SessionsConfig, StateConfig
-from gateway.ops_metrics import OpsMetrics
-from gateway.session_store import (
+from gateway.config.config import GatewayConfig, SessionsConfig, StateConfig
+from gateway.observe.ops_metrics import OpsMetrics
+from gateway.sessions.store import (
     SCHEMA_VERSION,
     CorruptState,
     MemoryStore,
@@ -38,7 +38,7 @@ from gateway.session_store import (
     dump_session,
     parse_session,
 )
-from gateway.sessions import ModeChange, Session
+from gateway.sessions.table import ModeChange, Session
 from policies import Decision, PolicyConfig, SessionState
 from tests.e2e.harness import Gateway, sdk_client, start_gateway, write_config
 from tests.e2e.redis_harness import RedisServer, start_redis
@@ -188,7 +188,7 @@ def test_the_memory_store_does_not_import_redis() -> None:
     import subprocess
     import sys
 
-    code = ("import sys; from gateway.app import create_app; from gateway.config import GatewayConfig; "
+    code = ("import sys; from gateway.relay.app import create_app; from gateway.config.config import GatewayConfig; "
             "create_app(GatewayConfig()); assert 'redis' not in sys.modules, 'redis imported'")
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
     store = create_store(GatewayConfig(), OpsMetrics.create(CollectorRegistry()))

@@ -22,8 +22,8 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTrace
 from opentelemetry.proto.common.v1.common_pb2 import AnyValue
 from opentelemetry.proto.trace.v1.trace_pb2 import Span
 
-from gateway.config import TracingConfig
-from gateway.tracing import Tracing, enabled_by
+from gateway.config.config import TracingConfig
+from gateway.observe.tracing import Tracing, enabled_by
 from tests.e2e.harness import Gateway, start_gateway, start_tcp_worker, write_config
 
 PROMPT = "PROMPT-SENTINEL-not-in-spans"

@@ -1,4 +1,5 @@
-"""The layering, checked on the source: who may import whom (docs/architecture.md).
+"""The layering, checked on the source: who may import whom (docs/architecture.md), and the
+gateway's rooms as that document maps them.
 
 Pure: reads the project's files with ``ast`` and starts nothing. The import graph counts every
 ``import`` and ``from`` anywhere in a file (under ``TYPE_CHECKING``, inside functions), with
@@ -28,6 +29,11 @@ ALLOWED_GATEWAY_EDGES = {("gateway.cli", "workers.__main__")}
 # The bottom layer imports no engine, no server, no gateway, and not torch.
 API_MAY_IMPORT = ("workers.api", "policies")
 API_FORBIDDEN_EXTERNAL = {"torch", "safetensors", "vllm"}
+
+# The gateway in rooms by job (issue #42): these packages exist, and few modules are left beside them.
+GATEWAY_ROOMS = ("config", "fleet", "observe", "sessions", "relay", "epp")
+MAX_GATEWAY_TOP_LEVEL = 12  # .py files directly in gateway/, __init__.py and __main__.py counted
+ARCHITECTURE_DOC = ROOT / "docs" / "architecture.md"
 
 Graph = Mapping[str, set[str]]
 
@@ -152,6 +158,13 @@ def policies_violations(raw: Mapping[str, Iterable[str]]) -> list[str]:
     return sorted(set(found))
 
 
+def imports_of_test_modules(graph: Graph) -> list[str]:
+    """Imports of a test module (``test_*``) from anywhere: what two test files share lives in a
+    helper module, so collecting one never runs the other's tests or fixtures."""
+    return [f"{source} -> {target}" for source in sorted(graph) for target in sorted(graph[source])
+            if target.rpartition(".")[2].startswith("test_")]
+
+
 def cycles(graph: Graph) -> list[list[str]]:
     """One cycle (a path back to its start) per strongly connected group of modules (Tarjan)."""
     index: dict[str, int] = {}
@@ -244,6 +257,61 @@ def long_functions(files: Mapping[str, Path], root: Path, limit: int = MAX_FUNCT
     return found
 
 
+def map_layers(doc: str, package: str) -> list[list[str]]:
+    """The package's map in the architecture document: the fenced block under its ``## package/``
+    heading, one layer an indented line, top first; each entry ``name.py`` or ``room/``, before
+    the line's `` — `` and its description."""
+    section = doc.split(f"\n## {package}/\n", 1)[1]
+    block = section.split("```\n", 2)[1]
+    return [line.split(" — ")[0].split() for line in block.splitlines() if line.startswith(" ") and line.strip()]
+
+
+def top_level_entries(root: Path, package: str) -> tuple[set[str], int]:
+    """(the package's rooms, ``room/``, and modules, ``name.py``, __init__.py aside; how many .py
+    files lie directly in it)."""
+    folder = root / package
+    modules = {p.name for p in folder.glob("*.py")}
+    rooms = {f"{d.name}/" for d in folder.iterdir() if (d / "__init__.py").is_file()}
+    return rooms | (modules - {"__init__.py"}), len(modules)
+
+
+def layout_problems(layers: list[list[str]], entries: set[str], py_files: int, rooms: Iterable[str],
+                    max_top_level: int) -> list[str]:
+    """The map against the tree: every entry on it exists and every one that exists is on it, the
+    rooms are there, and the top level holds at most ``max_top_level`` .py files."""
+    mapped = [entry for layer in layers for entry in layer]
+    found = [f"{e}: on the map, not in the tree" for e in mapped if e not in entries]
+    found += [f"{e}: in the tree, not on the map" for e in sorted(entries - set(mapped))]
+    found += [f"{room}/: no such room" for room in rooms if f"{room}/" not in entries]
+    if py_files > max_top_level:
+        found.append(f"{py_files} modules at the top level (at most {max_top_level})")
+    return found
+
+
+def layer_violations(graph: Graph, layers: list[list[str]], package: str) -> list[str]:
+    """Imports between the package's entries that do not go down the map: a module imports its
+    own room and the lines below its own only."""
+    line_of = {entry: i for i, layer in enumerate(layers) for entry in layer}
+    rooms = {entry.rstrip("/") for entry in line_of if entry.endswith("/")}
+
+    def entry_of(module: str) -> str | None:
+        parts = module.split(".")
+        if parts[0] != package or len(parts) < 2:
+            return None
+        return f"{parts[1]}/" if parts[1] in rooms else f"{parts[1]}.py"
+
+    found = []
+    for source in sorted(graph):
+        here = entry_of(source)
+        for target in sorted(graph[source]):
+            there = entry_of(target)
+            if here is None or there is None or here == there or here not in line_of or there not in line_of:
+                continue
+            if line_of[there] <= line_of[here]:
+                found.append(f"{source} -> {target} ({there} is not below {here} on the map)")
+    return found
+
+
 # -- the project --------------------------------------------------------------------------------------------
 Project = tuple[dict[str, set[str]], dict[str, Path], dict[str, set[str]]]
 
@@ -257,8 +325,8 @@ def project() -> Project:
 
 def test_the_tree_is_read(project: Project) -> None:
     _, files, graph = project
-    assert {"gateway.relay", "workers.api.wire", "policies.speculation", "specgate_vllm.rules"} <= set(files)
-    assert "workers.api.wire" in graph["gateway.relay"]
+    assert {"gateway.relay.relay", "workers.api.wire", "policies.speculation", "specgate_vllm.rules"} <= set(files)
+    assert "workers.api.wire" in graph["gateway.relay.relay"]
 
 
 def test_gateway_imports_only_the_bottom_layer_of_workers(project: Project) -> None:
@@ -277,6 +345,10 @@ def test_no_import_cycles(project: Project) -> None:
     assert cycles(project[2]) == []
 
 
+def test_no_module_imports_a_test_module(project: Project) -> None:
+    assert imports_of_test_modules(project[2]) == []
+
+
 def test_no_long_files_outside_tests(project: Project) -> None:
     assert long_files(project[1], ROOT) == []
 
@@ -285,11 +357,18 @@ def test_no_long_functions_outside_tests(project: Project) -> None:
     assert long_functions(project[1], ROOT) == []
 
 
+def test_the_gateway_is_in_rooms_as_the_map_shows(project: Project) -> None:
+    layers = map_layers(ARCHITECTURE_DOC.read_text(), "gateway")
+    entries, py_files = top_level_entries(ROOT, "gateway")
+    assert layout_problems(layers, entries, py_files, GATEWAY_ROOMS, MAX_GATEWAY_TOP_LEVEL) == []
+    assert layer_violations(project[2], layers, "gateway") == []
+
+
 # -- each check can fail ----------------------------------------------------------------------------------
 def test_gateway_check_names_an_upward_edge() -> None:
-    graph = {"gateway.relay": {"workers.api.wire", "workers.engines.interface", "policies"},
+    graph = {"gateway.relay.relay": {"workers.api.wire", "workers.engines.interface", "policies"},
              "gateway.cli": {"workers.__main__"}}
-    assert gateway_violations(graph) == ["gateway.relay -> workers.engines.interface"]
+    assert gateway_violations(graph) == ["gateway.relay.relay -> workers.engines.interface"]
 
 
 def test_api_check_names_an_engine_or_torch() -> None:
@@ -302,6 +381,12 @@ def test_api_check_names_an_engine_or_torch() -> None:
 def test_policies_check_names_a_third_party_or_project_import() -> None:
     raw = {"policies.cost": {"math", "__future__", "policies.config", "numpy", "workers.api.limits"}}
     assert policies_violations(raw) == ["policies.cost -> numpy", "policies.cost -> workers.api.limits"]
+
+
+def test_test_import_check_names_the_edge() -> None:
+    graph = {"tests.e2e.test_semantics": {"tests.unit.engine.test_seeded", "tests.unit.engine.seeded_reference"},
+             "tests.unit.engine.seeded_reference": {"workers.engines.embedded.llama"}}
+    assert imports_of_test_modules(graph) == ["tests.e2e.test_semantics -> tests.unit.engine.test_seeded"]
 
 
 @pytest.mark.parametrize(("graph", "expected"), [
@@ -358,3 +443,41 @@ def test_long_function_check_names_the_function(tmp_path: Path) -> None:
     })
     _, files = read_project(tmp_path)
     assert long_functions(files, tmp_path) == ["pkg/mod.py:81 big: 81 lines", "pkg/mod.py:163 method: 82 lines"]
+
+
+MAP = """# Architecture
+
+## pkg/
+Words.
+
+```
+pkg/
+  cli.py         — the top
+  room/ b.py     — a room, and a module beside it
+  a.py           — the bottom
+```
+"""
+
+
+def test_map_is_read_one_layer_a_line() -> None:
+    assert map_layers(MAP, "pkg") == [["cli.py"], ["room/", "b.py"], ["a.py"]]
+
+
+def test_layout_check_names_what_is_missing_extra_or_too_many(tmp_path: Path) -> None:
+    _write(tmp_path, {"pkg/__init__.py": "", "pkg/cli.py": "", "pkg/a.py": "", "pkg/c.py": "",
+                      "pkg/room/__init__.py": "", "pkg/room/x.py": "", "pkg/loose/notes.txt": ""})
+    entries, py_files = top_level_entries(tmp_path, "pkg")
+    assert entries == {"cli.py", "a.py", "c.py", "room/"} and py_files == 4
+    layers = map_layers(MAP, "pkg")
+    assert layout_problems(layers, entries, py_files, ("room", "gone"), 3) == [
+        "b.py: on the map, not in the tree", "c.py: in the tree, not on the map", "gone/: no such room",
+        "4 modules at the top level (at most 3)"]
+
+
+def test_layer_check_names_an_import_up_or_across_the_map() -> None:
+    layers = map_layers(MAP, "pkg")
+    graph = {"pkg.cli": {"pkg.room.x", "pkg.a"}, "pkg.room.x": {"pkg.room.y", "pkg.a", "pkg.b"},
+             "pkg.a": {"pkg.room.x", "policies"}, "pkg.b": set()}
+    assert layer_violations(graph, layers, "pkg") == [
+        "pkg.a -> pkg.room.x (room/ is not below a.py on the map)",
+        "pkg.room.x -> pkg.b (b.py is not below room/ on the map)"]

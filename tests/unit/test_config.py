@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 import yaml
 
-from gateway.config import (
+from gateway.config.config import (
     ConfigError,
     GatewayConfig,
     ModelConfig,

@@ -1,5 +1,5 @@
 """K auto priced at the worker's draft mix (policies/cost.py): pure data in, K out; the worker's
-per-step rule; the gateway's bookkeeping of the mix (gateway/draft_mix.py).
+per-step rule; the gateway's bookkeeping of the mix (gateway/fleet/draft_mix.py).
 
 The model is the simulated GPU deployment's derived cost model (workers/engines/sim/engine.py: a 70B
 target with a 1B draft on TP4 H100s), where the mix matters most: a draft forward costs the same
@@ -14,7 +14,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from gateway.draft_mix import DraftMix
+from gateway.fleet.draft_mix import DraftMix
 from policies import (
     CostModel,
     Decision,

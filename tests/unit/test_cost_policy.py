@@ -32,14 +32,11 @@ from policies import (
     whole_step_costs,
 )
 from tests.policy_data import COOL, PROPERTY, state
+from tests.unit.cost_curves import AMX_VERIFY, curve
 
-AMX_VERIFY = (1.0, 1.02, 1.01, 1.03, 1.03, 1.04, 1.07, 1.08, 1.10)  # n = 1..9 tokens / 1 token
 AVX512_VERIFY = (1.0, 1.23, 1.38, 1.52, 1.67, 1.82, 1.98, 2.16, 2.36)
 
 
-def curve(verify: tuple[float, ...], c: float) -> tuple[float, ...]:
-    """step_cost[K] = verify(K+1 tokens) + K draft forwards of relative cost c."""
-    return tuple(round(verify[k] + k * c, 4) for k in range(len(verify)))
 
 
 # Depth 1 as measured; at depth 16 the target is compute-bound: verifying n tokens costs ~n.

@@ -5,12 +5,13 @@ from __future__ import annotations
 import pytest
 from prometheus_client import CollectorRegistry, Histogram
 
-from gateway.config import SessionsConfig
-from gateway.fleet import HEALTHY_RUN_S, precision_signature, restart_delay
-from gateway.metrics import TOKEN_GAP_BUCKETS, GatewayMetrics
-from gateway.routing import Candidate, choose_worker
-from gateway.sessions import SessionTable
-from policies import Decision
+from gateway.config.config import SessionsConfig
+from gateway.fleet.probe import precision_signature
+from gateway.fleet.routing import Candidate, Route, choose_route, choose_worker
+from gateway.fleet.supervisor import HEALTHY_RUN_S, restart_delay
+from gateway.observe.metrics import TOKEN_GAP_BUCKETS, GatewayMetrics
+from gateway.sessions.table import SessionTable
+from policies import Decision, Mode
 
 
 def test_lru_bound_evicts_least_recently_used() -> None:
@@ -66,19 +67,35 @@ def ready(worker_id: str, load: int, modes: frozenset[str] = frozenset({"specula
     return Candidate(worker_id, True, load, modes)  # type: ignore[arg-type]
 
 
-@pytest.mark.parametrize(("current", "candidates", "prefer", "expected"), [
-    (None, [ready("a", 3), ready("b", 1), ready("c", 2)], None, "b"),  # least loaded
-    ("a", [ready("a", 3), ready("b", 1)], None, "a"),  # sticky while ready
-    ("a", [Candidate("a", False, 0, frozenset()), ready("b", 5)], None, "b"),  # moves when down
-    ("gone", [ready("a", 1)], None, "a"),  # its worker no longer exists
-    (None, [ready("a", 1), ready("b", 1)], None, "a"),  # ties: first listed
-    (None, [Candidate("a", False, 0, frozenset())], None, None),  # nothing ready
-    (None, [ready("a", 0, frozenset({"plain"})), ready("b", 4)], "speculative", "b"),  # serves the mode
-    (None, [ready("a", 0, frozenset({"plain"}))], "speculative", "a"),  # nobody does: any ready worker
+@pytest.mark.parametrize(("current", "candidates", "expected"), [
+    (None, [ready("a", 3), ready("b", 1), ready("c", 2)], "b"),  # least loaded
+    ("a", [ready("a", 3), ready("b", 1)], "a"),  # sticky while ready
+    ("a", [Candidate("a", False, 0, frozenset()), ready("b", 5)], "b"),  # moves when down
+    ("gone", [ready("a", 1)], "a"),  # its worker no longer exists
+    (None, [ready("a", 1), ready("b", 1)], "a"),  # ties: first listed
+    (None, [Candidate("a", False, 0, frozenset())], None),  # nothing ready
 ])
-def test_choose_worker(current: str | None, candidates: list[Candidate], prefer: str | None,
-                       expected: str | None) -> None:
-    assert choose_worker(current, candidates, prefer) == expected  # type: ignore[arg-type]
+def test_choose_worker(current: str | None, candidates: list[Candidate], expected: str | None) -> None:
+    assert choose_worker(current, candidates) == expected
+    route = choose_route(current, candidates)
+    assert (route.worker_id if route else None) == expected
+
+
+PLAIN: frozenset[Mode] = frozenset({"plain"})
+SPECULATIVE: frozenset[Mode] = frozenset({"speculative"})
+
+
+@pytest.mark.parametrize(("current", "candidates", "expected"), [
+    (None, [ready("a", 0, PLAIN), ready("b", 4), ready("c", 2, SPECULATIVE)], Route("a", "c")),  # least loaded
+    ("c", [ready("a", 0, PLAIN), ready("c", 2, SPECULATIVE)], Route("c", "a")),  # sticky, and the other mode
+    (None, [ready("a", 0, PLAIN), ready("b", 4, PLAIN)], Route("a")),  # nobody serves the other mode
+    (None, [ready("a", 0, PLAIN), Candidate("b", False, 0, SPECULATIVE)], Route("a")),  # ...that is ready
+    (None, [ready("a", 0), ready("b", 0, SPECULATIVE)], Route("a")),  # both modes: no other needed
+    (None, [ready("a", 0, frozenset()), ready("b", 1, PLAIN)], Route("a")),  # serves nothing yet
+])
+def test_choose_route_names_a_worker_of_the_other_mode(current: str | None, candidates: list[Candidate],
+                                                       expected: Route) -> None:
+    assert choose_route(current, candidates) == expected
 
 
 @pytest.mark.parametrize("amount", [0.0, 0.0005, 0.001, 0.003, 0.7, 5.0])  # a boundary, the last bucket, +Inf

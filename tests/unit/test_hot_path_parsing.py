@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from gateway.migration import StreamIds
+from gateway.relay.migration import StreamIds
 from workers.api import wire
 from workers.api.limits import MAX_JSON_DEPTH, InputRefused, loads_json
 from workers.api.logs import JsonFormatter, RequestLog, TextFormatter, decision_var, request_id_var, session_var
@@ -70,16 +70,16 @@ def test_depth_limit_holds_at_the_boundary() -> None:
 
 
 def _records() -> list[logging.LogRecord]:
-    log = logging.getLogger("gateway.relay")
-    records = [log.makeRecord("gateway.relay", logging.INFO, "", 0, "%s request on %s done in %.3f s",
+    log = logging.getLogger("gateway.relay.relay")
+    records = [log.makeRecord("gateway.relay.relay", logging.INFO, "", 0, "%s request on %s done in %.3f s",
                               ("completion", "sim-0", 0.00123), None),
-               log.makeRecord("gateway.relay", logging.WARNING, "", 0, "no args", (), None,
+               log.makeRecord("gateway.relay.relay", logging.WARNING, "", 0, "no args", (), None,
                               sinfo="Stack (most recent call last):\n  here")]
     try:
         raise ValueError("boom")
     except ValueError:
         records.append(log.makeRecord("gateway.fleet", logging.ERROR, "", 0, "failed: %r", ("x",), sys.exc_info()))
-    later = log.makeRecord("gateway.relay", logging.INFO, "", 0, "a second later", (), None)
+    later = log.makeRecord("gateway.relay.relay", logging.INFO, "", 0, "a second later", (), None)
     later.created, later.msecs = records[0].created + 1.0, 7.0
     return [*records, later, records[0]]
 
@@ -236,7 +236,7 @@ def test_request_log_running_writes_the_rest_as_it_ends() -> None:
 
 def test_stream_ids_parse_only_when_asked_and_as_before() -> None:
     """A stream's token ids stay as the worker's bytes until a migration asks for them; then
-    they are what parsing each event's ids comment as it came gave (gateway/migration.py)."""
+    they are what parsing each event's ids comment as it came gave (gateway/relay/migration.py)."""
     ids = StreamIds()
     ids.add(b'{"token_ids":[5,6],"prompt_ids":[1,2,3]}', True)
     ids.add(None, False)  # a chunk without text or ids (usage): nothing to keep

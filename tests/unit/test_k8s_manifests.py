@@ -23,9 +23,9 @@ import kubernetes_validate  # type: ignore[import-untyped]
 import pytest
 import yaml
 
-from gateway.auth_config import ADMIN_TOKEN_ENV, API_KEYS_ENV, WORKER_TOKEN_ENV, parse_auth
 from gateway.cli import check_problems
-from gateway.config import ConfigError, parse_config
+from gateway.config.auth import ADMIN_TOKEN_ENV, API_KEYS_ENV, WORKER_TOKEN_ENV, parse_auth
+from gateway.config.config import ConfigError, parse_config
 from tests.schemas.crd_to_jsonschema import convert
 from workers.__main__ import TOKEN_ENV, parse_args
 

@@ -25,11 +25,13 @@ from policies import (
     observe,
     observe_steps,
     record_decision,
+    run_on,
     step_depth,
 )
 from policies import (
     tested_drafts as drafts_tested,  # aliased: pytest would collect a name starting with 'test'
 )
+from policies.tree import parse_shape
 from tests.policy_data import COOL, FRESH, IDLE, LATCHED, POLICY, above, below, fold, rules_only, serve, state
 
 # --------------------------------------------------------------------------------------------
@@ -70,6 +72,19 @@ SPEC_ONLY = WorkerState(0, False, max_k=5, serves_plain=False)
 def test_worker_speculative_only(session: SessionState, worker: WorkerState, facts: RequestFacts,
                                  expected: Decision) -> None:
     assert decide(session, worker, facts, POLICY) == expected
+
+
+@pytest.mark.parametrize(("wanted", "worker", "expected"), [
+    # What a worker of one fixed speculative mode runs of the rules' decision: decide's last step,
+    # which the gateway applies itself after asking the rules as if the worker served plain too.
+    (Decision("plain", 0, "high_temperature"), SPEC_ONLY, Decision("speculative", 5, "worker_speculative_only")),
+    (Decision("speculative", 2, "probe"), SPEC_ONLY, Decision("speculative", 5, "probe")),
+    (Decision("speculative", 3, "default", parse_shape("2+3")), SPEC_ONLY, Decision("speculative", 5, "default")),
+    (Decision("plain", 0, "high_temperature"), WorkerState(0, False, max_k=5),
+     Decision("plain", 0, "high_temperature")),
+])
+def test_run_on_a_fixed_mode_worker(wanted: Decision, worker: WorkerState, expected: Decision) -> None:
+    assert run_on(wanted, worker) == expected
 
 
 # --------------------------------------------------------------------------------------------

@@ -12,7 +12,7 @@ reach a log line through this module.
 With ``json`` every line Python itself writes to stderr is JSON too: warnings go through the
 ``py.warnings`` logger, and an uncaught exception is logged (``py.exceptions``) rather than
 printed. Lines that no Python code formats (a C extension's own warning, a fatal interpreter
-error) are the one exception; the gateway wraps those of its workers (gateway/worker_output.py).
+error) are the one exception; the gateway wraps those of its workers (gateway/fleet/worker_output.py).
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ LOG_FORMATS: tuple[LogFormat, ...] = ("text", "json")
 # (a worker's, relayed by the gateway): the JSON formatter passes it on unchanged.
 JSON_LINE_ATTR = "specgate_json_line"
 # Record attributes the JSON formatter copies into the line: the gateway sets them on the
-# worker output it wraps (gateway/worker_output.py).
+# worker output it wraps (gateway/fleet/worker_output.py).
 WORKER_ATTR, STREAM_ATTR = "worker", "stream"
 
 request_id_var: contextvars.ContextVar[str | None] = contextvars.ContextVar("specgate_request_id", default=None)

@@ -1,7 +1,7 @@
 """Prometheus helpers both sides use: multiprocess mode with the process id cached.
 
 The gateway and its workers share one PROMETHEUS_MULTIPROC_DIR, so each process calls
-``use_cached_pid`` before it creates a metric (gateway/metrics.py, workers/server/metrics.py).
+``use_cached_pid`` before it creates a metric (gateway/observe/metrics.py, workers/server/metrics.py).
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """The public OpenAI API as pydantic models: what a request may hold, what a response looks like.
 
 ``protocol.parse_request`` validates every request with ``CompletionBody`` or
-``ChatCompletionBody``, and ``gateway/openapi.py`` builds ``GET /openapi.json`` from these
+``ChatCompletionBody``, and ``gateway/relay/openapi.py`` builds ``GET /openapi.json`` from these
 same classes, so the document and the validation cannot drift apart.
 
 Every OpenAI parameter is one of three things here (README lists them):
@@ -106,7 +106,7 @@ class ResponseFormatText(_Strict):
 
 
 class Resume(_Strict):
-    """Continue a generation another worker began (gateway/migration.py): the prompt's token
+    """Continue a generation another worker began (gateway/relay/migration.py): the prompt's token
     ids, the output tokens generated so far, and how many characters of their text the client
     already has. The worker skips templating and tokenizing and goes on from prompt + output."""
 
@@ -161,7 +161,7 @@ class _RequestBody(_Strict):
                                                       "samples (stop strings still end it)")
     min_tokens: Annotated[int, Field(ge=0, le=MAX_TOKENS_LIMIT)] | None = Field(
         None, description="vLLM's: no EOS before this many output tokens, and no stop string matched before them")
-    # Set by the gateway for its workers; refused from clients (gateway/relay.py).
+    # Set by the gateway for its workers; refused from clients (gateway/relay/relay.py).
     specgate: SkipJsonSchema[Directive | None] = None
     vllm_xargs: SkipJsonSchema[dict[str, Any] | None] = None
 

@@ -28,7 +28,7 @@ VLLM_SPEC_K, VLLM_MAX_BATCH, VLLM_BATCH_RESUME = "spec_k", "spec_max_batch", "sp
 # A streamed chunk's token ids and, in the first chunk, the prompt's travel in an SSE comment
 # line of the chunk's event (``: ids {"token_ids": [...], "prompt_ids": [...]}``): every SSE
 # client ignores comments, so the chunk stays an OpenAI chunk and the gateway can relay its
-# bytes untouched while it keeps the ids (for resuming on another worker, gateway/migration.py).
+# bytes untouched while it keeps the ids (for resuming on another worker, gateway/relay/migration.py).
 TOKEN_IDS_FIELD, PROMPT_IDS_FIELD = "token_ids", "prompt_ids"
 IDS_COMMENT = b": ids "
 # A whole answer (``Directive.whole_answer``, workers/server/coalesce.py): its body is the OpenAI answer's

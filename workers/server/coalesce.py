@@ -2,7 +2,7 @@
 
 The gateway asks its workers for a stream whatever the client asked for: the step reports
 feed the session's acceptance as they come, and a generation whose worker dies resumes from
-the token ids received (gateway/migration.py). A client that asked for one JSON answer sees
+the token ids received (gateway/relay/migration.py). A client that asked for one JSON answer sees
 none of the per-step events, yet the gateway read, parsed and accounted each one, and the
 worker wrote each one: for a 64-token answer half the gateway's CPU (bench.overhead, c32_64).
 

@@ -16,8 +16,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from bench.procs import free_port, wait_ok
 from tests.e2e.harness import MODELS
-from tests.e2e.processes import free_port, wait_ok
 
 ENGINE_K = 3  # the demo engines' num_speculative_tokens
 MAX_MODEL_LEN = 512

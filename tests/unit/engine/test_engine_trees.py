@@ -14,7 +14,7 @@ from workers.engines.embedded.engine import GenerationRequest, SpeculativeEngine
 from workers.engines.embedded.llama import LlamaForCausalLM
 from workers.engines.embedded.sampling import SamplingParams
 
-from .test_engine import GREEDY, PROMPTS, generate, output_tokens, run_until_idle
+from .engine_runs import GREEDY, PROMPTS, generate, output_tokens, run_until_idle
 
 GreedyReference = Callable[[Sequence[int], int], list[int]]
 MAX_K = 6

@@ -19,33 +19,19 @@ from collections.abc import Sequence
 import pytest
 import torch
 
+from tests.unit.engine.seeded_reference import MIN_MARGIN, gumbel_reference
 from workers.engines.embedded.engine import GenerationRequest, SpeculativeEngine, StepEvent
 from workers.engines.embedded.llama import LlamaForCausalLM
-from workers.engines.embedded.sampling import SamplingParams, Verdict, noise_key, probabilities, seeded_noise, verify
+from workers.engines.embedded.sampling import SamplingParams, Verdict, noise_key, seeded_noise, verify
 
-from .test_engine import PROMPTS, output_tokens, run_until_idle
+from .engine_runs import PROMPTS, output_tokens, run_until_idle
 
 MAX_K = 6
 HOT = 0.8
 SEED = 4242
 MAX_TOKENS = 40
-MIN_MARGIN = 1e-3  # far above float32 rounding of the logits (test_kv_rewind_after_rejection: 1e-4)
 
 
-def gumbel_reference(model: LlamaForCausalLM, prompt: Sequence[int], n: int, params: SamplingParams
-                     ) -> tuple[list[int], float]:
-    """The seeded answer by full forwards (no cache, no drafts), and the smallest top-2 score gap."""
-    assert params.seed is not None
-    tokens = list(prompt)
-    margin = float("inf")
-    with torch.inference_mode():
-        for t in range(n):
-            logits = model.forward_train(torch.tensor([tokens]))[0, -1]
-            scores = torch.log(probabilities(logits, params)) + seeded_noise(params.seed, t, logits.shape[-1])
-            top = torch.topk(scores, 2).values
-            margin = min(margin, float(top[0] - top[1]))
-            tokens.append(int(scores.argmax()))
-    return tokens[len(prompt):], margin
 
 
 @pytest.fixture(scope="module")

@@ -4,9 +4,11 @@ or round robin, which needs the replicas to share session state: ``state.backend
 
 The gateway never imports this module; the tests and operators do:
 
-    python -m gateway.envoy_config epp --listen 127.0.0.1:8080 --epp 127.0.0.1:9002 --admin 127.0.0.1:9901
-    python -m gateway.envoy_config ring-hash --listen 127.0.0.1:8080 --replica 127.0.0.1:8001 --replica 127.0.0.1:8002
-    python -m gateway.envoy_config round-robin --listen 127.0.0.1:8080 --replica 127.0.0.1:8001 --replica 127.0.0.1:8002
+    python -m gateway.epp.envoy_config epp --listen 127.0.0.1:8080 --epp 127.0.0.1:9002 --admin 127.0.0.1:9901
+    python -m gateway.epp.envoy_config ring-hash --listen 127.0.0.1:8080 --replica 127.0.0.1:8001 \\
+        --replica 127.0.0.1:8002
+    python -m gateway.epp.envoy_config round-robin --listen 127.0.0.1:8080 --replica 127.0.0.1:8001 \\
+        --replica 127.0.0.1:8002
 
 print the YAML that `envoy -c FILE` runs (`make install-envoy` installs the binary).
 """
@@ -30,7 +32,7 @@ DESTINATION_HEADER = "x-gateway-destination-endpoint"
 DESTINATION_METADATA_NAMESPACE = "envoy.lb"
 SESSION_HEADER = "x-session-id"  # what `specgate serve` keys sessions on
 EPP_CLUSTER = "specgate-epp"
-# The picker's dynamic metadata namespace and keys (gateway/epp_exchange.py) -> response header.
+# The picker's dynamic metadata namespace and keys (gateway/epp/exchange.py) -> response header.
 PICKER_METADATA_NAMESPACE = "specgate"
 PICKER_RESPONSE_HEADERS = {SESSION_HEADER: "session", "x-specgate-mode": "mode", "x-specgate-worker": "worker"}
 ENDPOINTS_CLUSTER = "specgate-endpoints"
@@ -326,7 +328,7 @@ def _host_port(text: str) -> tuple[str, int]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m gateway.envoy_config",
+    parser = argparse.ArgumentParser(prog="python -m gateway.epp.envoy_config",
                                      description="Print an Envoy bootstrap config (YAML) for specgate.")
     modes = parser.add_subparsers(dest="mode", required=True)
     epp = modes.add_parser("epp", help="Envoy asking `specgate epp` (ext_proc) where each request goes")

@@ -12,7 +12,7 @@ import weakref
 from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 
-from gateway.config import SessionsConfig
+from gateway.config.config import SessionsConfig
 from policies import Decision, Mode, SessionState
 
 

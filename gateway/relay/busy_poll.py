@@ -19,6 +19,8 @@ import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager, suppress
 
+from aiohttp import web
+
 
 class BusyPoll:
     """Keeps the loop polling until ``window_s`` after the latest ``touch``."""
@@ -52,3 +54,7 @@ class BusyPoll:
             task.cancel()
             with suppress(asyncio.CancelledError):
                 await task
+
+
+# In the app only with ``server.busy_poll_s`` > 0 (gateway/relay/app.py); the relay touches it.
+BUSY_POLL_KEY = web.AppKey("busy_poll", BusyPoll)

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
 
-from gateway.config import TracingConfig
+from gateway.config.config import TracingConfig
 
 if TYPE_CHECKING:
     from opentelemetry.sdk.trace import TracerProvider

@@ -1,7 +1,7 @@
 """A small asyncio Redis client for the session store: GET, pipelined SETs with expiry, one connection.
 
 redis-py's per-command machinery (pool checkout, packing, response callbacks) cost the relay a
-quarter of its busy time at 32 concurrent (docs/scaleout-bench.md). As gateway/worker_http.py
+quarter of its busy time at 32 concurrent (docs/scaleout-bench.md). As gateway/fleet/worker_http.py
 for HTTP, this does only what the store needs: ONE connection, commands written without waiting
 for earlier replies, RESP2 replies parsed as they arrive and each handed to the oldest waiter
 (Redis answers a connection's commands in order). ``RedisDown`` and ``RedisTimeout`` fail every

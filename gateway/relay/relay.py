@@ -22,14 +22,15 @@ from gateway.admission import (
     session_id_of,
 )
 from gateway.auth import scope_of
-from gateway.drain import DRAIN_KEY, InFlight
-from gateway.migration import MigratingStream
-from gateway.ops_metrics import OPS_KEY
+from gateway.fleet.worker_http import WorkerResponse
+from gateway.observe.ops_metrics import OPS_KEY
+from gateway.observe.tracing import TRACING_KEY, RequestTrace
 from gateway.proxy import RawChunk, StreamTally, WholeAnswer, WorkerUnreachable, open_stream, worker_body
-from gateway.sessions import Session
+from gateway.relay.busy_poll import BUSY_POLL_KEY
+from gateway.relay.drain import DRAIN_KEY, InFlight
+from gateway.relay.migration import MigratingStream
+from gateway.sessions.table import Session
 from gateway.state import GatewayState
-from gateway.tracing import TRACING_KEY, RequestTrace
-from gateway.worker_http import WorkerResponse
 from workers.api.answers import assemble, chunk_text
 from workers.api.errors import ApiError, ClientDisconnected
 from workers.api.logs import RequestLog, decision_var, request_id_var, session_var
@@ -53,7 +54,7 @@ async def _admit(state: GatewayState, session: Session, req: CompletionRequest, 
                  gone: Callable[[], bool] | None = None) -> tuple[Admission, WorkerResponse]:
     """Routes, decides and opens the worker stream, retrying on other workers before the first chunk.
 
-    ``resume`` continues a generation another worker began (gateway/migration.py): only
+    ``resume`` continues a generation another worker began (gateway/relay/migration.py): only
     workers that speak specgate's protocol can take it. ``trace`` gets a child span per attempt.
     With ``gone`` (whether the client left), a request that finds no worker ready waits for one
     (``pick_ready``); without, it fails at once (a migration waits in its own way).
@@ -73,7 +74,7 @@ async def _admit(state: GatewayState, session: Session, req: CompletionRequest, 
                                               whole_answer=coalesce_s > 0), handle.protocol)
         handle.draft_mix.add(decision)
         attempt = trace.attempt(worker_id, decision)
-        headers = attempt.headers  # the trace context (gateway/tracing.py)
+        headers = attempt.headers  # the trace context (gateway/observe/tracing.py)
         request_id = request_id_var.get()
         if handle.speaks_specgate and request_id is not None:
             # A specgate worker tags its log lines for this request with the same id and session.
@@ -207,7 +208,7 @@ async def relay(request: web.Request, kind: RequestKind, state: GatewayState) ->
     trace = request.app[TRACING_KEY].start(request, kind)  # a no-op unless tracing is on
     error: BaseException | None = None
     drain = request.app[DRAIN_KEY]
-    busy_poll = state.busy_poll
+    busy_poll = request.app.get(BUSY_POLL_KEY)
     if busy_poll is not None:  # server.busy_poll_s: awake for the worker's answer
         busy_poll.touch(time.monotonic())
     try:
@@ -243,7 +244,7 @@ async def _relay(request: web.Request, kind: RequestKind, state: GatewayState, t
     trace.admitted(session.session_id, admission.handle.worker_id, admission.decision,
                    req.raw.get("prompt", req.raw.get("messages")))
     decision_var.set(admission.decision.header)
-    # A worker that dies mid-way: the stream resumes on another (gateway/migration.py).
+    # A worker that dies mid-way: the stream resumes on another (gateway/relay/migration.py).
     stream = MigratingStream(state, session, req, admission, response, functools.partial(_admit, trace=trace),
                              drain, ops)
     in_flight.stream = stream

@@ -20,7 +20,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from gateway.config_errors import ConfigError, Problems
+from gateway.config.errors import ConfigError, Problems
 
 API_KEYS_ENV, ADMIN_TOKEN_ENV, WORKER_TOKEN_ENV = "SPECGATE_API_KEYS", "SPECGATE_ADMIN_TOKEN", "SPECGATE_WORKER_TOKEN"
 MIN_SECRET_CHARS = 8  # shorter secrets are guessable; refuse them rather than protect nothing
@@ -73,7 +73,7 @@ def _keys(raw: Any, name: str) -> tuple[str, ...]:
 
 
 def parse_auth(raw: Any, env: Mapping[str, str] | None = None) -> AuthConfig:
-    """Every field checked (the ConfigError raised carries each problem, gateway/config_errors.py)."""
+    """Every field checked (the ConfigError raised carries each problem, gateway/config/errors.py)."""
     env = os.environ if env is None else env
     if raw is None:
         raw = {}

@@ -13,9 +13,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from gateway.auth_config import AuthConfig, parse_auth
-from gateway.config_errors import ConfigError, Problems
-from gateway.safe_yaml import YamlRefused, load_yaml
+from gateway.config.auth import AuthConfig, parse_auth
+from gateway.config.errors import ConfigError, Problems
+from gateway.config.safe_yaml import YamlRefused, load_yaml
 from policies.config import PolicyConfig, PolicyConfigError, raise_problems
 
 __all__ = ["ConfigError", "GatewayConfig", "load_config", "parse_config"]
@@ -52,7 +52,7 @@ class ServerConfig:
     # (workers/server/coalesce.py): fewer events to relay. 0: a chunk per engine step.
     coalesce_s: float = 0.05
     # After each request's arrival and end, poll the event loop instead of sleeping this long
-    # (gateway/busy_poll.py): a worker's answer finds the gateway awake. 0: off.
+    # (gateway/relay/busy_poll.py): a worker's answer finds the gateway awake. 0: off.
     busy_poll_s: float = 0.0
 
 
@@ -134,7 +134,7 @@ class EppConfig:
 
 @dataclass(frozen=True)
 class TracingConfig:
-    # Off unless set here or by the standard OTEL_* variables (OTEL_EXPORTER_OTLP_ENDPOINT): gateway/tracing.py.
+    # Off unless set here or by the standard OTEL_* variables (OTEL_EXPORTER_OTLP_ENDPOINT): gateway/observe/tracing.py.
     enabled: bool = False
     otlp_endpoint: str | None = None  # OTLP/HTTP base URL, e.g. http://collector:4318 (default: OTEL_* or localhost)
     service_name: str = "specgate"

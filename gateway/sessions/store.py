@@ -24,9 +24,9 @@ from typing import TYPE_CHECKING, Any
 
 import orjson
 
-from gateway.config import GatewayConfig
-from gateway.ops_metrics import OpsMetrics
-from gateway.sessions import ModeChange, Session
+from gateway.config.config import GatewayConfig
+from gateway.observe.ops_metrics import OpsMetrics
+from gateway.sessions.table import ModeChange, Session
 from policies import REASONS, Decision, SessionState, TreeShape, TreeShapeError
 from policies.acceptance import legacy_weight
 from policies.config import PolicyConfig
@@ -34,7 +34,7 @@ from policies.tree import parse_shape
 from policies.tree_choice import CELLS, EMPTY_CELL
 
 if TYPE_CHECKING:
-    from gateway.redis_resp import RedisClient
+    from gateway.sessions.redis_resp import RedisClient
 
 log = logging.getLogger(__name__)
 
@@ -303,7 +303,7 @@ class RedisStore(SessionStore):
 
     @contextlib.asynccontextmanager
     async def running(self) -> AsyncIterator[None]:
-        from gateway.redis_resp import RedisClient, RedisReplyError  # only with backend redis
+        from gateway.sessions.redis_resp import RedisClient, RedisReplyError  # only with backend redis
 
         self._errors = (RedisReplyError, OSError, TimeoutError)
         # One connection; after a failure the next call (retry_s later) connects again. WRONGTYPE

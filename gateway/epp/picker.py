@@ -3,7 +3,7 @@
 Envoy asks, over the ext_proc gRPC protocol, which model server takes each request (the
 Kubernetes Gateway API Inference Extension's endpoint-picker protocol); the picker answers with
 the same session table, policy, routing and metrics as ``specgate serve``
-(gateway/epp_exchange.py). The gRPC server runs beside the gateway's aiohttp app, which keeps
+(gateway/epp/exchange.py). The gRPC server runs beside the gateway's aiohttp app, which keeps
 serving ``/metrics``, ``/health``, ``/ready`` and ``/admin`` on ``server.port``; it starts in a
 cleanup context and stops after it yields. gRPC health answers for liveness (the empty
 service name and ``liveness``), for the ext_proc service, and for ``readiness``, which serves
@@ -32,8 +32,8 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from prometheus_client import CollectorRegistry, Counter
 
 from gateway.auth import AUTH_KEY, AuthStore
-from gateway.drain import DRAIN_KEY
-from gateway.epp_exchange import Exchange
+from gateway.epp.exchange import Exchange
+from gateway.relay.drain import DRAIN_KEY
 from gateway.state import STATE_KEY, GatewayState
 
 log = logging.getLogger(__name__)

@@ -1,16 +1,14 @@
 """The gateway's app factory: OpenAI routes, health, metrics, and the admin API.
 
-State lives in typed ``web.AppKey``s; the fleet, the policy-file watcher and the SIGHUP
-handler are started in a cleanup context and stopped after it yields.
+State lives in typed ``web.AppKey``s; the fleet and the config watcher (the file's changes and
+SIGHUP, for the policy and the API keys) are started in a cleanup context and stopped after it
+yields.
 """
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import json
 import logging
-import signal
 import time
 from collections.abc import AsyncIterator
 from typing import Any
@@ -18,21 +16,22 @@ from typing import Any
 from aiohttp import web
 
 from gateway.auth import AUTH_KEY, AuthStore, authenticate
-from gateway.busy_poll import BusyPoll
-from gateway.config import GatewayConfig, parse_policy
-from gateway.drain import DRAIN_KEY, Drain
-from gateway.fleet import Fleet
-from gateway.metrics import GatewayMetrics, LiveStateCollector
-from gateway.openapi import openapi_document
-from gateway.ops_metrics import OPS_KEY, OpsMetrics
+from gateway.config.config import GatewayConfig, parse_policy
+from gateway.config.safe_yaml import YamlRefused, load_yaml
+from gateway.config.watcher import ConfigWatcher
+from gateway.fleet.fleet import Fleet
+from gateway.observe.metrics import GatewayMetrics, LiveStateCollector
+from gateway.observe.ops_metrics import OPS_KEY, OpsMetrics
+from gateway.observe.tracing import TRACING_KEY, Tracing
 from gateway.policy_store import PolicyStore
-from gateway.relay import REQUEST_LOG_KEY, relay
-from gateway.safe_yaml import YamlRefused, load_yaml
-from gateway.session_store import create_store
-from gateway.sessions import SessionTable
+from gateway.relay.busy_poll import BUSY_POLL_KEY, BusyPoll
+from gateway.relay.drain import DRAIN_KEY, Drain
+from gateway.relay.openapi import openapi_document
+from gateway.relay.relay import REQUEST_LOG_KEY, relay
+from gateway.relay.tokenize import detokenize, tokenize
+from gateway.sessions.store import create_store
+from gateway.sessions.table import SessionTable
 from gateway.state import STATE_KEY, GatewayState
-from gateway.tokenize import detokenize, tokenize
-from gateway.tracing import TRACING_KEY, Tracing
 from policies import PolicyConfigError, acceptance_view, worker_acceptance
 from policies.tree_choice import view as rank_view
 from workers.api.errors import BadRequest, NotFound, Unavailable
@@ -43,6 +42,7 @@ from workers.api.web_common import BODY_TIMEOUT_KEY, Handler, health, model_list
 log = logging.getLogger(__name__)
 MAX_POLICY_BYTES = 64 << 10  # a policy is a few numbers and shapes; YAML beyond this is not a policy
 OPENAPI_KEY = web.AppKey("openapi", bytes)
+WATCHER_KEY = web.AppKey("config_watcher", ConfigWatcher)
 
 @web.middleware
 async def count_requests(request: web.Request, handler: Handler) -> web.StreamResponse:
@@ -62,7 +62,7 @@ async def count_requests(request: web.Request, handler: Handler) -> web.StreamRe
 
 def create_app(config: GatewayConfig, metrics: GatewayMetrics | None = None,
                openai_routes: bool = True) -> web.Application:
-    """The gateway; without ``openai_routes`` (the endpoint picker, gateway/epp.py) Envoy sends
+    """The gateway; without ``openai_routes`` (the endpoint picker, gateway/epp/picker.py) Envoy sends
     the OpenAI requests to the model servers and this app serves the rest."""
     # authenticate runs inside openai_errors, so a refusal is an OpenAI error object.
     app = web.Application(middlewares=[count_requests, openai_errors, authenticate],
@@ -79,18 +79,21 @@ def create_app(config: GatewayConfig, metrics: GatewayMetrics | None = None,
     app[OPENAPI_KEY] = json.dumps(openapi_document(config.model.name)).encode()
     store = PolicyStore(config.policy, config.source, metrics)
     app[TRACING_KEY] = Tracing.create(config.tracing)
-    busy_poll = BusyPoll(config.server.busy_poll_s) if config.server.busy_poll_s > 0 else None
-    app[STATE_KEY] = GatewayState(config, metrics, sessions, store, Fleet(config, metrics, worker_down), busy_poll,
+    app[STATE_KEY] = GatewayState(config, metrics, sessions, store, Fleet(config, metrics, worker_down),
                                   create_store(config, ops))
     metrics.live.register(LiveStateCollector(metrics.model, lambda: store.active, sessions.policy_states))
     app[OPS_KEY] = ops
-    app[AUTH_KEY] = AuthStore(config.auth, config.source, config.server, ops)
+    auth = app[AUTH_KEY] = AuthStore(config.auth, config.source, config.server, ops)
+    # One watcher of the config file for every part that re-reads it.
+    app[WATCHER_KEY] = ConfigWatcher(config.source, (store.reload_file, auth.reload_file))
     app[DRAIN_KEY] = Drain(config.server.drain_timeout_s, ops)
-    app[REQUEST_LOG_KEY] = RequestLog(logging.getLogger("gateway.relay"))
+    app[REQUEST_LOG_KEY] = RequestLog(logging.getLogger("gateway.relay.relay"))
     app.cleanup_ctx.append(_request_log)
     app.cleanup_ctx.append(_session_store)
     app.cleanup_ctx.append(_background)
-    if busy_poll is not None:
+    app.cleanup_ctx.append(_watch_config)  # after the fleet: it stops first
+    if config.server.busy_poll_s > 0:  # server.busy_poll_s: awake around requests
+        app[BUSY_POLL_KEY] = BusyPoll(config.server.busy_poll_s)
         app.cleanup_ctx.append(_busy_poll)
     if openai_routes:
         app.router.add_post("/v1/chat/completions", _chat_completions)
@@ -110,36 +113,20 @@ def create_app(config: GatewayConfig, metrics: GatewayMetrics | None = None,
 
 
 async def _background(app: web.Application) -> AsyncIterator[None]:
-    fleet, store, auth = app[STATE_KEY].fleet, app[STATE_KEY].policy, app[AUTH_KEY]
+    fleet = app[STATE_KEY].fleet
     await fleet.start()
-    watchers = [asyncio.create_task(store.watch(), name="policy-file-watcher"),
-                asyncio.create_task(auth.watch(), name="auth-file-watcher")]
-    loop = asyncio.get_running_loop()
-    sighup = False
-
-    def on_sighup() -> None:
-        store.reload_file("sighup")
-        auth.reload_file("sighup")
-
-    with contextlib.suppress(NotImplementedError, RuntimeError, ValueError):
-        loop.add_signal_handler(signal.SIGHUP, on_sighup)
-        sighup = True
     yield
-    if sighup:
-        loop.remove_signal_handler(signal.SIGHUP)
-    for watcher in watchers:
-        watcher.cancel()
-    for watcher in watchers:
-        with contextlib.suppress(asyncio.CancelledError):
-            await watcher
     await fleet.stop()
     app[TRACING_KEY].shutdown()
 
 
+async def _watch_config(app: web.Application) -> AsyncIterator[None]:
+    async with app[WATCHER_KEY].running():
+        yield
+
+
 async def _busy_poll(app: web.Application) -> AsyncIterator[None]:
-    busy_poll = app[STATE_KEY].busy_poll
-    assert busy_poll is not None  # added only with one
-    async with busy_poll.running():
+    async with app[BUSY_POLL_KEY].running():
         yield
 
 

@@ -8,8 +8,8 @@ from __future__ import annotations
 import orjson
 from aiohttp import web
 
+from gateway.fleet.worker_http import WorkerConnectError, WorkerStreamError
 from gateway.state import STATE_KEY
-from gateway.worker_http import WorkerConnectError, WorkerStreamError
 from workers.api.errors import BadRequest, NotFound, Unavailable, WorkerFailed
 from workers.api.web_common import read_json
 

@@ -1,7 +1,7 @@
 """Gateway counters for resilience and access: retries, migrations, drain, key reloads, and
 requests waiting for a ready worker.
 
-Kept apart from gateway/metrics.py's dashboard metrics; registered in the same registry, so
+Kept apart from gateway/observe/metrics.py's dashboard metrics; registered in the same registry, so
 ``/metrics`` shows them all.
 """
 
@@ -39,7 +39,7 @@ class OpsMetrics:
                            multiprocess_mode="livemax", registry=registry),
             shutdown_refusals=Counter("specgate_shutdown_refusals", "Requests refused or ended because the gateway "
                                       "is shutting down", registry=registry),
-            # gateway/session_store.py. "reason", not the operation: the kind of failure says whether
+            # gateway/sessions/store.py. "reason", not the operation: the kind of failure says whether
             # Redis is slow (timeout), gone (error) or holds values this schema cannot read (corrupt).
             state_backend_errors=Counter("specgate_state_backend_errors", "Session state backend (redis) calls that "
                                          "failed, by kind; the request was served from local state",

@@ -21,8 +21,8 @@ from dataclasses import fields, is_dataclass
 from pathlib import Path
 from typing import Any, Literal, get_type_hints
 
-from gateway.config import ConfigError, GatewayConfig, _read_yaml, parse_config, parse_policy
-from gateway.safe_yaml import YamlRefused, load_yaml
+from gateway.config.config import ConfigError, GatewayConfig, _read_yaml, parse_config, parse_policy
+from gateway.config.safe_yaml import YamlRefused, load_yaml
 from policies import FieldError, PolicyConfig, PolicyConfigError, raise_problems
 
 PREFIX = "SPECGATE_"

@@ -22,7 +22,7 @@ from typing import Protocol, TypeVar
 
 from aiohttp import web
 
-from gateway.ops_metrics import OpsMetrics
+from gateway.observe.ops_metrics import OpsMetrics
 from workers.api.errors import Unavailable
 
 log = logging.getLogger(__name__)

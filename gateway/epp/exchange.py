@@ -8,7 +8,7 @@ route, ``decide``: gateway/admission.py), names the chosen endpoint to Envoy in 
 Inference Extension's endpoint-picker protocol), and writes the decision into the body in the
 model server's own terms; the session, mode and worker go back as ``specgate`` dynamic
 metadata, which the route turns into the response's headers. The response's step reports fold
-into the session as the relay folds them (gateway/epp_feedback.py); a request whose response
+into the session as the relay folds them (gateway/epp/feedback.py); a request whose response
 teaches nothing (``Picked.feedback``) has its response phases skipped (``mode_override``) where
 Envoy lets the picker: at the response's headers in BUFFERED, at the pick for a request without
 a body, never in FULL_DUPLEX_STREAMED.
@@ -40,11 +40,11 @@ from gateway.admission import (
     session_id_of,
 )
 from gateway.auth import AuthStore
-from gateway.epp_feedback import ResponseReader
-from gateway.fleet import WorkerHandle
+from gateway.epp.feedback import ResponseReader
+from gateway.fleet.handle import WorkerHandle
+from gateway.observe.tracing import AttemptTrace
 from gateway.proxy import StreamTally, worker_body
 from gateway.state import GatewayState
-from gateway.tracing import AttemptTrace
 from workers.api.errors import ApiError, BadRequest, Overloaded, PayloadTooLarge, Unavailable
 from workers.api.limits import InputRefused, loads_json
 from workers.api.wire import SESSION_HEADER, CompletionRequest, RequestKind
@@ -57,7 +57,7 @@ SUBSET_KEY = "x-gateway-destination-endpoint-subset"
 MODE_HEADER = "x-specgate-mode"
 WORKER_HEADER = "x-specgate-worker"
 # The picker's own dynamic metadata: the route copies these keys into the response headers
-# (gateway/envoy_config.py epp_bootstrap), for requests whose response phases are skipped too.
+# (gateway/epp/envoy_config.py epp_bootstrap), for requests whose response phases are skipped too.
 METADATA_NAMESPACE = "specgate"
 RESPONSE_HEADERS = {SESSION_HEADER.lower(): "session", MODE_HEADER: "mode", WORKER_HEADER: "worker"}
 _KINDS: dict[str, RequestKind] = {"/v1/chat/completions": "chat", "/v1/completions": "completion"}

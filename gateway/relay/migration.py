@@ -32,8 +32,8 @@ from typing import Any
 import orjson
 
 from gateway.admission import Admission
-from gateway.drain import Drain, ShuttingDown
-from gateway.ops_metrics import OpsMetrics
+from gateway.fleet.worker_http import WorkerResponse
+from gateway.observe.ops_metrics import OpsMetrics
 from gateway.proxy import (
     NoWorker,
     RawChunk,
@@ -43,9 +43,9 @@ from gateway.proxy import (
     iter_chunk_batches,
     read_whole_answer,
 )
-from gateway.sessions import Session
+from gateway.relay.drain import Drain, ShuttingDown
+from gateway.sessions.table import Session
 from gateway.state import GatewayState
-from gateway.worker_http import WorkerResponse
 from workers.api.answers import chunk_text, speculative_usage
 from workers.api.errors import ApiError, WorkerFailed, WorkerTimeout
 from workers.api.generation import StepCounts

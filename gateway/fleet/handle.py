@@ -1,0 +1,87 @@
+"""One worker as the gateway sees it: where it is, what it serves, its status, and what the gateway
+has in flight there; the fleet (fleet.py), its supervisor (supervisor.py) and its probe
+(probe.py) each keep their part of it up to date, and admission reads it."""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import aiohttp
+
+from gateway.config.config import RemoteProtocol
+from gateway.fleet.draft_mix import DraftMix
+from gateway.fleet.routing import Candidate
+from gateway.fleet.worker_http import WorkerHttp
+from policies import CostModel, Mode, SessionState
+
+WorkerStatus = Literal["starting", "ready", "unhealthy", "restarting", "stopped"]
+
+
+@dataclass
+class WorkerHandle:
+    worker_id: str
+    base_url: str  # http://worker for a Unix socket, the server's URL for remote workers
+    client: aiohttp.ClientSession  # health polls and metrics scrapes
+    http: WorkerHttp  # the relay's requests (gateway/fleet/worker_http.py)
+    modes: frozenset[Mode]
+    max_k: int
+    socket_path: Path | None = None  # local workers only
+    remote: bool = False
+    # specgate: takes the directive and reports every step; vllm: a vLLM server with specgate's
+    # plugin, driven through vllm_xargs; openai: any OpenAI server, serving one fixed mode.
+    protocol: RemoteProtocol = "specgate"
+    status: WorkerStatus = "starting"
+    process: asyncio.subprocess.Process | None = None
+    restarts: int = 0
+    # The requests the gateway has forwarded and not yet finished, by the decision each went
+    # with: their count is ``in_flight``, their drafting mix what K auto prices a step at.
+    draft_mix: DraftMix = field(default_factory=DraftMix)
+    reported_depth: int = 0  # the worker's own running + queued count, from its last poll
+    batch_full: bool = False  # the policy's batch latch for this worker (gateway side)
+    info: dict[str, Any] = field(default_factory=dict)
+    last_error: str = ""
+    started_at: float = 0.0
+    cost: CostModel | None = None  # its published step costs (policy K auto), from its last poll
+    tree_max_nodes: int = 0  # the most token-tree nodes its engine verifies in a step (0: chains only)
+    # Acceptance over all the worker's sessions, folded as a session's is: the α a session new
+    # to it is costed at (policies.speculation.acceptance_for_k).
+    acceptance: SessionState = field(default_factory=SessionState)
+    cost_error: str = ""  # why its last published cost model was unusable
+    cost_raw: Any = None  # the published cost model ``cost`` was parsed from
+    # JSON logs only: the tasks relaying its stdout and stderr into the gateway's log.
+    output: list[asyncio.Task[None]] = field(default_factory=list)
+
+    @property
+    def in_flight(self) -> int:
+        return self.draft_mix.count
+
+    @property
+    def speaks_specgate(self) -> bool:
+        return self.protocol == "specgate"
+
+    @property
+    def load(self) -> int:
+        # A local worker's socket is private to this gateway, so the in-flight count is exact and
+        # current; the worker's own report lags by a poll. A remote worker may serve other
+        # clients too, so its report counts as well.
+        return max(self.in_flight, self.reported_depth) if self.remote else self.in_flight
+
+    def candidate(self) -> Candidate:
+        return Candidate(self.worker_id, self.status == "ready", self.load, self.modes)
+
+    def view(self) -> dict[str, Any]:
+        return {
+            "worker_id": self.worker_id, "status": self.status, "remote": self.remote, "protocol": self.protocol,
+            "engine": self.info.get("engine"), "url": self.base_url
+            if self.remote else str(self.socket_path), "pid": self.process.pid if self.process else None,
+            "modes": sorted(self.modes), "max_k": self.max_k, "restarts": self.restarts, "in_flight": self.in_flight,
+            "batch_depth": self.info.get("batch_depth", self.in_flight), "queue_length": self.info.get("queue_length"),
+            "batch_full": self.batch_full, "precision": self.info.get("precision"), "stats": self.info.get("stats"),
+            "cost_model": self.info.get("cost_model"), "acceptance": self.acceptance.acceptance_estimate,
+            "tree_max_nodes": self.tree_max_nodes,
+            "draft_mix": self.draft_mix.view(),
+            "last_error": self.last_error or None,
+        }

@@ -1,0 +1,95 @@
+"""gateway/admission.py ``route``: the worker and the decision there, from one call of the
+policy's ``decide``, over workers of both modes and of one fixed mode each."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, cast
+
+import pytest
+
+import policies
+from gateway import admission
+from gateway.config.config import parse_config
+from gateway.fleet.fleet import Fleet
+from gateway.fleet.handle import WorkerHandle
+from gateway.observe.metrics import GatewayMetrics
+from gateway.policy_store import PolicyStore
+from gateway.sessions.table import SessionTable
+from gateway.state import GatewayState
+from policies import Decision, Mode, SessionState
+from workers.api.request_parser import parse_request
+
+REPO = Path(__file__).resolve().parents[2]
+LATCHED = SessionState(acceptance_estimate=0.2, acceptance_weight=40.0, proposals_seen=40, low_acceptance=True)
+
+
+def worker(worker_id: str, modes: set[Mode], max_k: int) -> WorkerHandle:
+    """A ready remote worker; route reads its modes, K and load, never its connections."""
+    return WorkerHandle(worker_id, "http://127.0.0.1:9", cast(Any, None), cast(Any, None), frozenset(modes), max_k,
+                        remote=True, protocol="openai", status="ready")
+
+
+def gateway_state(*handles: WorkerHandle) -> GatewayState:
+    # The fleet's workers are set below, not started: the config names one remote so it parses.
+    config = parse_config({"workers": {"count": 0, "remote": [{"url": "http://127.0.0.1:9", "name": "unused"}]}},
+                          REPO)
+    metrics = GatewayMetrics.create(config.model.name)
+    fleet = Fleet(config, metrics, lambda _: None)
+    fleet.workers.update({h.worker_id: h for h in handles})
+    return GatewayState(config, metrics, SessionTable(config.sessions), PolicyStore(config.policy, None, metrics),
+                        fleet)
+
+
+def both() -> WorkerHandle:
+    return worker("both", {"speculative", "plain"}, 4)
+
+
+def plain() -> WorkerHandle:
+    return worker("plain", {"plain"}, 0)
+
+
+def spec() -> WorkerHandle:
+    return worker("spec", {"speculative"}, 3)
+
+
+@pytest.mark.parametrize(("workers", "sticky", "temperature", "session_state", "expected"), [
+    ([both], None, 0.0, SessionState(), ("both", "speculative; k=4; reason=default")),
+    # One fixed mode each: the request goes where the mode the rules want runs, for their reason.
+    ([plain, spec], None, 0.0, SessionState(), ("spec", "speculative; k=3; reason=default")),
+    ([plain, spec], None, 1.0, SessionState(), ("plain", "plain; reason=high_temperature")),
+    ([plain, spec], "spec", 1.0, SessionState(), ("plain", "plain; reason=high_temperature")),
+    ([plain, spec], "plain", 0.0, SessionState(), ("spec", "speculative; k=3; reason=default")),
+    # A session that stays on its plain worker is counted plain for the rules' reason (its probes come).
+    ([plain, spec], "plain", 0.0, LATCHED, ("plain", "plain; reason=low_acceptance")),
+    # No worker serves the wanted mode: the fixed mode's reason says what runs.
+    ([plain], None, 0.0, SessionState(), ("plain", "plain; reason=worker_plain_only")),
+    ([spec], None, 1.0, SessionState(), ("spec", "speculative; k=3; reason=worker_speculative_only")),
+])
+def test_route_decides_once(monkeypatch: pytest.MonkeyPatch, workers: list[Any], sticky: str | None,
+                            temperature: float, session_state: SessionState, expected: tuple[str, str]) -> None:
+    calls: list[Decision] = []
+
+    def counted(*args: Any) -> Decision:
+        calls.append(policies.decide(*args))
+        return calls[-1]
+
+    monkeypatch.setattr(admission, "decide", counted)
+    state = gateway_state(*(make() for make in workers))
+    session = state.sessions.touch("s", 0.0)
+    session.worker_id, session.policy_state = sticky, session_state
+    req = parse_request("completion", {"model": state.config.model.name, "prompt": "x", "temperature": temperature})
+    routed = admission.route(state, session, state.fleet.candidates(), req, state.policy.active)
+    assert routed is not None
+    handle, decision = routed
+    assert (handle.worker_id, decision.header) == expected
+    assert len(calls) == 1
+
+
+def test_route_finds_no_worker_when_none_is_ready() -> None:
+    down = plain()
+    down.status = "unhealthy"
+    state = gateway_state(down)
+    session = state.sessions.touch("s", 0.0)
+    req = parse_request("completion", {"model": state.config.model.name, "prompt": "x"})
+    assert admission.route(state, session, state.fleet.candidates(), req, state.policy.active) is None
