@@ -131,16 +131,22 @@ def load_served(args: argparse.Namespace, batch_sizes: list[int]) -> tuple[Serve
     codec = TextCodec.from_model_dir(args.target)
     texts = heldout_prompts(max(args.prompts, args.alpha_prompts, *batch_sizes), seed=1)
     prompts = [codec.encode(t) for t in texts]
+    # Each engine's caches as long as its sequences get, not the model's window: SmolLM2's 8,192
+    # positions a slot made this bench 18 GB and the kernel killed it.
+    args.max_positions = max(map(len, prompts)) + max(args.max_tokens, args.batch_max_tokens) + args.kmax + 1
     # Unseeded requests draw their streams' seeds from this engine's rng: fixed, so runs repeat.
-    engine = SpeculativeEngine(target, draft, max_slots=args.alpha_prompts, max_k=args.kmax, rng=random.Random(7))
-    b1_engines = {k: SpeculativeEngine(target, draft, max_slots=1, max_k=args.kmax) for k in range(args.kmax + 1)}
+    engine = SpeculativeEngine(target, draft, max_slots=args.alpha_prompts, max_k=args.kmax, rng=random.Random(7),
+                               max_positions=args.max_positions)
+    b1_engines = {k: SpeculativeEngine(target, draft, max_slots=1, max_k=args.kmax, max_positions=args.max_positions)
+                  for k in range(args.kmax + 1)}
     # speedup_b1 is against the fastest plain configuration: where the kernels multiply in both
     # ways, the other way decodes plain too (key OTHER_PLAIN), taking turns with the rest.
     other_products: Products = "float32" if products == "bfloat16" else "bfloat16"
     kernel = rowgemm.load()
     if target.fused is not None and kernel is not None and kernel.dot_products:
         other_target = LlamaForCausalLM.from_pretrained(args.target, TORCH_DTYPES[args.dtype], True, other_products)
-        b1_engines[OTHER_PLAIN] = SpeculativeEngine(other_target, draft, max_slots=1, max_k=args.kmax)
+        b1_engines[OTHER_PLAIN] = SpeculativeEngine(other_target, draft, max_slots=1, max_k=args.kmax,
+                                                    max_positions=args.max_positions)
     run_interleaved(b1_engines, [prompts[:1]], 8, 0.0)  # warm-up
     served = Served(costs, startup_model, online, target, draft, prompts, b1_engines, other_products)
     return served, engine
@@ -331,7 +337,8 @@ def compare_at_batch(args: argparse.Namespace, served: Served, batch1: Batch1,
     # turns) into the ratio. Plain again (key -1) is that noise, measured in the same run:
     # where K auto runs plain throughout, its ratio to plain is no more than that.
     roles = [0, best_k, args.kmax + 1, -1]
-    engines = [SpeculativeEngine(served.target, served.draft, max_slots=size, max_k=args.kmax) for _ in roles]
+    engines = [SpeculativeEngine(served.target, served.draft, max_slots=size, max_k=args.kmax,
+                                 max_positions=args.max_positions) for _ in roles]
     totals: dict[int, RunResult] = {}
     auto_ratios, again_ratios = [], []
     drafted: dict[int, dict[int, int]] = {}

@@ -118,7 +118,8 @@ def measure_trees(args: argparse.Namespace, models: tuple[LlamaForCausalLM, Llam
     plans: dict[int, Paths] = {k: Paths(k=k) for k in chains}
     plans |= {TREE_KEY + i: Paths(tree=s) for i, s in enumerate(shapes)}
     auto = plans[AUTO] = AutoWithTrees(online, args.kmax)
-    engines = {key: SpeculativeEngine(*models, max_slots=1, max_k=args.kmax) for key in [0, *plans]}
+    engines = {key: SpeculativeEngine(*models, max_slots=1, max_k=args.kmax, max_positions=args.max_positions)
+               for key in [0, *plans]}
     results, outputs = run_interleaved(engines, [[ids] for ids in prompts], args.max_tokens, 0.0, costs=online,
                                        plans=plans)
     plain = results[0].tok_s
