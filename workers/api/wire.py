@@ -25,10 +25,12 @@ DIRECTIVE_FIELD = "specgate"
 # per-request extension field, under the plugin's names (workers/vllm_plugin/specgate_vllm/rules.py).
 VLLM_XARGS_FIELD = "vllm_xargs"
 VLLM_SPEC_K, VLLM_MAX_BATCH, VLLM_BATCH_RESUME = "spec_k", "spec_max_batch", "spec_batch_resume"
-# A streamed chunk's token ids and, in the first chunk, the prompt's travel in an SSE comment
-# line of the chunk's event (``: ids {"token_ids": [...], "prompt_ids": [...]}``): every SSE
-# client ignores comments, so the chunk stays an OpenAI chunk and the gateway can relay its
-# bytes untouched while it keeps the ids (for resuming on another worker, gateway/relay/migration.py).
+# A streamed chunk's token ids and, in the first chunk, the prompt's travel in an SSE comment,
+# an event of its own just before the chunk's (``: ids {"token_ids": [...], "prompt_ids": [...]}``):
+# every SSE client ignores comments, so the chunk stays an OpenAI chunk and the gateway can relay
+# its bytes untouched while it keeps the ids (for resuming on another worker, gateway/relay/migration.py).
+# Its own event, not a line of the chunk's: vLLM's bench client drops a whole event that starts
+# with a comment line, so behind Envoy, where worker bytes reach it, it saw no token at all.
 TOKEN_IDS_FIELD, PROMPT_IDS_FIELD = "token_ids", "prompt_ids"
 IDS_COMMENT = b": ids "
 # A whole answer (``Directive.whole_answer``, workers/server/coalesce.py): its body is the OpenAI answer's
@@ -185,13 +187,14 @@ class StepReport:
         return out
 
     def ids_comment(self) -> bytes:
-        """The SSE comment line that carries this step's ids (empty when it has none)."""
+        """The SSE comment event that carries this step's ids, sent just before the chunk's own
+        (empty when it has none)."""
         ids: dict[str, list[int]] = {}
         if self.token_ids is not None:
             ids[TOKEN_IDS_FIELD] = list(self.token_ids)
         if self.prompt_ids is not None:
             ids[PROMPT_IDS_FIELD] = list(self.prompt_ids)
-        return IDS_COMMENT + orjson.dumps(ids) + b"\n" if ids else b""
+        return IDS_COMMENT + orjson.dumps(ids) + b"\n\n" if ids else b""
 
     @classmethod
     def from_json(cls, raw: Any) -> StepReport | None:
