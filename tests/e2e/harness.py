@@ -145,14 +145,16 @@ def start_gateway(config_path: Path, log_dir: Path, ready_timeout_s: float = 120
 
 
 def start_tcp_worker(log_dir: Path, *extra: str, ready_timeout_s: float = 120.0,
-                     env: dict[str, str] | None = None) -> tuple[subprocess.Popen[bytes], int]:
-    """A standalone specgate worker on TCP, as on another machine (``env``: extra variables)."""
+                     env: dict[str, str] | None = None, target: Path = MODELS / "demo-target",
+                     draft: Path | None = MODELS / "demo-draft") -> tuple[subprocess.Popen[bytes], int]:
+    """A standalone specgate worker on TCP, as on another machine (``env``: extra variables;
+    ``draft`` None: the target alone)."""
     port = free_port()
     log_path = log_dir / f"worker-{port}.log"
+    models = ["--target", str(target)] + ([] if draft is None else ["--draft", str(draft)])
     with log_path.open("wb") as log:
         process = subprocess.Popen(
-            [sys.executable, "-m", "workers", "--worker-id", f"tcp-{port}", "--port", str(port),
-             "--target", str(MODELS / "demo-target"), "--draft", str(MODELS / "demo-draft"),
+            [sys.executable, "-m", "workers", "--worker-id", f"tcp-{port}", "--port", str(port), *models,
              "--cost-cache-dir", str(cost_cache_dir()), "--cost-budget-s", str(TEST_COST_BUDGET_S), *extra],
             cwd=REPO, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})})
     try:

@@ -1,5 +1,6 @@
-"""The draft distillation (models/distill*.py, models/draft_format.py) on tiny random models: the loss, resumed
-training against uninterrupted training, the head's subset, the draft format's round trips and its checks."""
+"""The draft distillation (models/distill*.py, models/draft_format.py, models/expand_draft.py) on tiny random
+models: the loss, resumed training against uninterrupted training, the head's subset, the draft format's round
+trips and its checks, and the install-time expansion for vLLM."""
 
 from __future__ import annotations
 
@@ -33,6 +34,7 @@ from models.draft_format import (
     sha256_of,
     special_ids,
 )
+from models.expand_draft import STAMP, expand
 from workers.engines.embedded.config import ModelConfig
 from workers.engines.embedded.llama import LlamaForCausalLM
 
@@ -294,3 +296,31 @@ def test_config_and_target_checks_name_the_file(target: Path, draft_dir: Path) -
     (draft_dir / "config.json").write_text(json.dumps(config | {"embedding": "table"}))
     with pytest.raises(DraftFormatError, match=r"config\.json: not a draft config"):
         load_draft(draft_dir, target)
+
+
+# -- the install-time expansion (make install-vllm) --------------------------------------------------------------
+def test_expansion_is_stamped_and_a_second_run_does_nothing(target: Path, draft_dir: Path, tmp_path: Path) -> None:
+    out = tmp_path / "full"
+    assert expand(draft_dir, target, out)
+    stamp = json.loads((out / STAMP).read_text())
+    assert stamp["target_sha256"] == sha256_of(target / "model.safetensors") and stamp["dtype"] == "float32"
+    assert load_file(str(out / "model.safetensors"))["lm_head.weight"].shape == (4096, 32)
+    written = (out / "model.safetensors").stat().st_mtime_ns
+    assert not expand(draft_dir, target, out)
+    assert (out / "model.safetensors").stat().st_mtime_ns == written
+    # Another dtype, or a changed draft, expands again; no staging directory is left behind.
+    assert expand(draft_dir, target, out, "bfloat16")
+    assert load_file(str(out / "model.safetensors"))["lm_head.weight"].dtype == torch.bfloat16
+    state = load_file(str(draft_dir / "model.safetensors"))
+    state["lm_head.weight"] = state["lm_head.weight"] * 2
+    save_file(state, str(draft_dir / "model.safetensors"))
+    assert expand(draft_dir, target, out, "bfloat16")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["draft", "full"]
+
+
+def test_expansion_against_another_target_writes_nothing(target: Path, draft_dir: Path, tmp_path: Path) -> None:
+    config = json.loads((draft_dir / "config.json").read_text())
+    (draft_dir / "config.json").write_text(json.dumps(config | {"target_sha256": "0" * 64}))
+    with pytest.raises(DraftFormatError, match=r"model\.safetensors: sha256 differs from target_sha256"):
+        expand(draft_dir, target, tmp_path / "full")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["draft"]

