@@ -41,7 +41,7 @@ import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
 from bench.procs import REPO, bench_env, free_port, get_json, stop, wait_ok
-from bench.serve_modes import VLLM_PYTHON
+from bench.serve_modes import VLLM_PYTHON, vllm_client
 from workers.costs.cache import cpu_label
 
 TASK_PROMPTS = REPO / "bench" / "data" / "task_prompts.jsonl"
@@ -114,20 +114,9 @@ def worker_costs(port: int, k: int) -> dict[str, float | None]:
             "verify_ratio": verify[min(k, len(verify) - 1)] if verify else None}
 
 
-def vllm_client(port: int, model: str, concurrency: int, prompts: int, dataset: Path) -> dict[str, Any]:
-    command = [str(VLLM_PYTHON), "-m", "bench.vllm_bench_client", "--base-url", f"http://127.0.0.1:{port}",
-               "--backend", "openai", "--endpoint", "/v1/completions", "--model", model,
-               "--dataset-name", "custom", "--dataset-path", str(dataset), "--custom-output-len", "64",
-               "--temperature", "0", "--tokenizer", str(REPO / "models/smollm2-135m-instruct-q4_1"),
-               "--max-concurrency", str(concurrency), "--num-prompts", str(prompts), "--seed", "0"]
-    env = bench_env() | {"HF_HUB_OFFLINE": "1"}
-    done = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=1800, check=False)
-    for line in done.stdout.splitlines():
-        if line.startswith('{"date"'):
-            figures: dict[str, Any] = json.loads(line)
-            return figures
-    raise RuntimeError(f"vllm bench serve printed no result (exit {done.returncode}):\n{done.stdout[-3000:]}"
-                       f"\n{done.stderr[-3000:]}")
+def run_client(port: int, model: str, concurrency: int, prompts: int, dataset: Path) -> dict[str, Any]:
+    return vllm_client(port, concurrency, prompts, model=model, dataset=dataset,
+                       tokenizer=REPO / "models/smollm2-135m-instruct-q4_1", chat_template=True)
 
 
 def measure(name: str, log_dir: Path, args: argparse.Namespace) -> dict[str, dict[str, Any]]:
@@ -137,11 +126,11 @@ def measure(name: str, log_dir: Path, args: argparse.Namespace) -> dict[str, dic
     model, k = config["model"]["name"], int(k_setting) if k_setting != "auto" else 6
     out: dict[str, dict[str, Any]] = {}
     try:
-        vllm_client(port, model, 2, 4, dataset)  # warm-up: the workers' first prefills and caches
+        run_client(port, model, 2, 4, dataset)  # warm-up: the workers' first prefills and caches
         for concurrency in CONCURRENCY:
             before = counters(port)
             prompts = (8 if quick else 24) * (1 if concurrency == 1 else 4)
-            result = vllm_client(port, model, concurrency, prompts, dataset)
+            result = run_client(port, model, concurrency, prompts, dataset)
             after = counters(port)
             delta = {key: after[key] - before[key] for key in after}
             decoded = delta["tokens_speculative"] + delta["tokens_plain"]

@@ -45,15 +45,20 @@ CONCURRENCY = (1, 16)
 TARGET = 0.97
 
 
-def vllm_client(port: int, concurrency: int, prompts: int) -> dict[str, Any]:
-    """One ``vllm bench serve`` run; its JSON figures."""
+def vllm_client(port: int, concurrency: int, prompts: int, *, model: str = "specgate-demo",
+                dataset: Path = CODE_PROMPTS, tokenizer: Path = REPO / "models/demo-target",
+                chat_template: bool = False) -> dict[str, Any]:
+    """One ``vllm bench serve`` run; its JSON figures. ``chat_template``: the client applies the
+    tokenizer's chat template to each prompt (a chat model's prompts); else it sends them as text."""
     command = [str(VLLM_PYTHON), "-m", "bench.vllm_bench_client", "--base-url", f"http://127.0.0.1:{port}",
-               "--backend", "openai", "--endpoint", "/v1/completions", "--model", "specgate-demo",
-               "--dataset-name", "custom", "--dataset-path", str(CODE_PROMPTS), "--skip-chat-template",
-               "--custom-output-len", "64", "--temperature", "0", "--tokenizer", str(REPO / "models/demo-target"),
+               "--backend", "openai", "--endpoint", "/v1/completions", "--model", model,
+               "--dataset-name", "custom", "--dataset-path", str(dataset),
+               "--custom-output-len", "64", "--temperature", "0", "--tokenizer", str(tokenizer),
                "--max-concurrency", str(concurrency), "--num-prompts", str(prompts), "--seed", "0"]
+    if not chat_template:
+        command.append("--skip-chat-template")
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(REPO)}
-    done = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=900, check=False)
+    done = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=1800, check=False)
     for line in done.stdout.splitlines():
         if line.startswith('{"date"'):
             figures: dict[str, Any] = json.loads(line)
