@@ -46,7 +46,7 @@ from typing import Any
 
 import aiohttp
 
-from bench.procs import REPO, print_result, start_serve_gateway, stop
+from bench.procs import REPO, cpu_seconds, get_json, print_result, start_serve_gateway, stop
 from bench.prompts import load_task_prompts
 from workers.costs.cache import cpu_label
 
@@ -85,12 +85,21 @@ def decision_label(header: str) -> str:
     return label if reason in ("default", "") else f"{label} ({reason})"
 
 
+@dataclass(frozen=True)
+class Answer:
+    body: dict[str, Any]
+    mode: str  # X-Specgate-Mode
+    seconds: float  # wall, at the client
+    cpu_seconds: float  # the CPU time every process of the bench spent meanwhile (Gateways.pids, this one)
+
+
 @dataclass
 class Tally:
     """What one session (class, configuration, temperature) was answered, summed."""
     requests: int = 0
     completion_tokens: int = 0
     seconds: float = 0.0
+    cpu_seconds: float = 0.0
     proposed: int = 0
     accepted: int = 0
     tested: int = 0
@@ -98,19 +107,24 @@ class Tally:
     plain_steps: int = 0
     decisions: Counter[str] = field(default_factory=Counter)
 
-    def add(self, answer: dict[str, Any], mode_header: str, seconds: float) -> None:
-        usage = answer["usage"]
+    def add(self, answer: Answer) -> None:
+        usage = answer.body["usage"]
         speculative = usage.get("speculative") or {}
         self.requests += 1
         self.completion_tokens += int(usage["completion_tokens"])
-        self.seconds += seconds
+        self.seconds += answer.seconds
+        self.cpu_seconds += answer.cpu_seconds
         for name in ("proposed", "accepted", "tested", "speculative_steps", "plain_steps"):
             setattr(self, name, getattr(self, name) + int(speculative.get(name) or 0))
-        self.decisions[decision_label(mode_header)] += 1
+        self.decisions[decision_label(answer.mode)] += 1
 
     @property
     def tokens_per_s(self) -> float:
         return self.completion_tokens / self.seconds if self.seconds else 0.0
+
+    @property
+    def tokens_per_cpu_s(self) -> float:
+        return self.completion_tokens / self.cpu_seconds if self.cpu_seconds else 0.0
 
     @property
     def alpha(self) -> float | None:
@@ -128,7 +142,13 @@ class Gateways:
     pair: str
     plain: str
     model: str
+    pids: list[int] = field(default_factory=list)  # both gateways and their workers
     active: dict[str, Any] | None = None
+
+    def cpu_seconds(self) -> float:
+        """CPU time of every process of the bench so far: on one core, what a request's wall time
+        would be with nothing else running there."""
+        return sum(cpu_seconds(pid) for pid in self.pids) + time.process_time()
 
     def url(self, setup: Setup) -> str:
         return self.plain if setup.policy is None else self.pair
@@ -149,21 +169,22 @@ class Client:
         self.gateways.active = setup.policy
 
     async def ask(self, setup: Setup, session_id: str, prompt: str, temperature: float,
-                  seed: int | None, max_tokens: int | None = None) -> tuple[dict[str, Any], str, float]:
-        """One chat completion: the answer, its ``X-Specgate-Mode`` and its wall seconds."""
+                  seed: int | None, max_tokens: int | None = None) -> Answer:
+        """One chat completion, timed."""
         await self.use(setup)
         body: dict[str, Any] = {"model": self.gateways.model, "messages": [{"role": "user", "content": prompt}],
                                 "temperature": temperature, "max_tokens": max_tokens or self.max_tokens}
         if seed is not None:
             body["seed"] = seed
-        started = time.perf_counter()
+        started, cpu_started = time.perf_counter(), self.gateways.cpu_seconds()
         async with self.http.post(self.gateways.url(setup) + "/v1/chat/completions", json=body,
                                   headers={"X-Session-ID": session_id}) as response:
             answer: dict[str, Any] = await response.json()
             seconds = time.perf_counter() - started
             if response.status != 200:
                 raise RuntimeError(f"{session_id}: HTTP {response.status}: {answer}")
-            return answer, response.headers.get("X-Specgate-Mode", ""), seconds
+            return Answer(answer, response.headers.get("X-Specgate-Mode", ""), seconds,
+                          self.gateways.cpu_seconds() - cpu_started)
 
     async def admin_session(self, session_id: str) -> dict[str, Any]:
         async with self.http.get(f"{self.gateways.pair}/admin/sessions/{session_id}") as response:
@@ -201,11 +222,10 @@ async def measure(gateways: Gateways, prompts: dict[str, list[str]], plan: list[
                     for setup in plan[turn:] + plan[:turn]:
                         sid = session_id(class_name, setup, temperature)
                         seed = 1 + class_no * 1000 + index if temperature > 0 else None
-                        answer, mode, seconds = await client.ask(setup, sid, texts[index], temperature, seed)
-                        run.tallies.setdefault((temperature, class_name, setup.name), Tally()).add(answer, mode,
-                                                                                                     seconds)
+                        answer = await client.ask(setup, sid, texts[index], temperature, seed)
+                        run.tallies.setdefault((temperature, class_name, setup.name), Tally()).add(answer)
                         if temperature == 0:
-                            text = str(answer["choices"][0]["message"]["content"])
+                            text = str(answer.body["choices"][0]["message"]["content"])
                             run.texts_t0.setdefault((class_name, index), set()).add(text)
                 print(f"  T={temperature:g} prompt {index + 1}/{per_class} done", flush=True)
         for temperature, class_name, name in run.tallies:
@@ -223,12 +243,20 @@ def class_figures(run: Run, temperature: float, class_name: str, plan: list[Setu
     best_fixed = max(fixed, key=lambda name: tally[name].tokens_per_s)
     better = max(("plain", best_fixed), key=lambda name: tally[name].tokens_per_s)
     ratio = tally["auto"].tokens_per_s / tally[better].tokens_per_s if tally[better].tokens_per_s else 0.0
+    # The same by CPU time: what the figures would be with the core to the bench alone.
+    cpu_rate = {name: round(t.tokens_per_cpu_s, 2) for name, t in tally.items()}
+    cpu_best = max(fixed, key=lambda name: cpu_rate[name])
+    cpu_better = max(("plain", cpu_best), key=lambda name: cpu_rate[name])
+    cpu_ratio = cpu_rate["auto"] / cpu_rate[cpu_better] if cpu_rate[cpu_better] else 0.0
     alpha = {name: None if tally[name].alpha is None else round(tally[name].alpha or 0.0, 4) for name in fixed}
     auto = tally["auto"]
     decisions = dict(auto.decisions.most_common())
     alpha_k = alpha[f"K={ALPHA_K}"]
+    at_k = tally[f"K={ALPHA_K}"]
     return {
         f"alpha_k{ALPHA_K}": alpha_k, "alpha_by_k": alpha,
+        # vLLM's acceptance rate, the published figures' (docs/sim.md): untested drafts count as rejected
+        f"accepted_per_proposed_k{ALPHA_K}": round(at_k.accepted / at_k.proposed, 4) if at_k.proposed else None,
         "below_floor": alpha_k is not None and alpha_k < FLOOR,
         "auto": {"decisions": decisions, "most_common": auto.decisions.most_common(1)[0][0],
                  "plain_decision_share": round(sum(n for d, n in decisions.items() if d.startswith("plain"))
@@ -237,6 +265,9 @@ def class_figures(run: Run, temperature: float, class_name: str, plan: list[Setu
                  "alpha": None if auto.alpha is None else round(auto.alpha, 4), "tested": auto.tested},
         "tokens_per_s": rate, "best_fixed": best_fixed, "better": better,
         "auto_over_better": round(ratio, 4), "met": ratio >= TARGET,
+        "by_cpu_time": {"tokens_per_cpu_s": cpu_rate, "best_fixed": cpu_best, "better": cpu_better,
+                        "auto_over_better": round(cpu_ratio, 4), "met": cpu_ratio >= TARGET},
+        "busy_share": round(sum(t.cpu_seconds for t in tally.values()) / sum(t.seconds for t in tally.values()), 4),
         "requests": tally["auto"].requests,
         "completion_tokens": {name: t.completion_tokens for name, t in tally.items()},
         "drafts": {name: {"proposed": tally[name].proposed, "accepted": tally[name].accepted,
@@ -257,16 +288,19 @@ def gateway_counts_match(run: Run, plan: list[Setup]) -> bool:
 
 
 def table(figures: dict[str, dict[str, Any]], temperature: str) -> list[str]:
+    """The rows as printed: tokens/s by wall time, then auto ÷ the better by CPU time, and the
+    share of the wall time the bench's processes ran (below 1: something else had the core)."""
     lines = [f"T={temperature}: class  α@K={ALPHA_K}  auto chose (plain steps)         "
-             "tok/s plain   K=5  best fixed    auto  auto÷better  met"]
+             "tok/s plain   K=5  best fixed    auto  auto÷better  met  | by CPU: auto÷better  busy"]
     for class_name, row in figures.items():
-        rate = row["tokens_per_s"]
+        rate, cpu = row["tokens_per_s"], row["by_cpu_time"]
         alpha = "  -  " if row[f"alpha_k{ALPHA_K}"] is None else f"{row[f'alpha_k{ALPHA_K}']:.3f}"
         chose = f"{row['auto']['most_common']} ({row['auto']['plain_step_share']:.0%})"
         best = f"{rate[row['best_fixed']]:.1f} {row['best_fixed']}"
         lines.append(f"     {class_name:<6} {alpha:>6}  {chose:<30} {rate['plain']:>11.1f} "
                      f"{rate[f'K={ALPHA_K}']:>5.1f}  {best:>10}  {rate['auto']:>6.1f}  "
-                     f"{row['auto_over_better']:>10.3f}  {'yes' if row['met'] else 'NO'}")
+                     f"{row['auto_over_better']:>10.3f}  {'yes' if row['met'] else 'NO ':<3}  | "
+                     f"{cpu['auto_over_better']:>18.3f} {'yes' if cpu['met'] else 'NO '}  {row['busy_share']:.2f}")
     return lines
 
 
@@ -309,7 +343,10 @@ def start_gateways(args: argparse.Namespace, log_dir: Path) -> tuple[list[Any], 
         for process in processes:
             stop(process)
         raise
-    return processes, Gateways(f"http://127.0.0.1:{pair_port}", f"http://127.0.0.1:{plain_port}", args.target.name)
+    gateways = Gateways(f"http://127.0.0.1:{pair_port}", f"http://127.0.0.1:{plain_port}", args.target.name)
+    for process, url in ((plain, gateways.plain), (pair, gateways.pair)):
+        gateways.pids += [process.pid, *(int(w["pid"]) for w in get_json(url + "/admin/workers")["workers"])]
+    return processes, gateways
 
 
 def main(argv: list[str] | None = None) -> None:
