@@ -36,6 +36,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import shlex
+import shutil
 import sys
 import tempfile
 import time
@@ -59,6 +60,9 @@ WARMUP_PROMPT = "Say hello in three languages."  # not in the prompt set
 # The pair serves float32 on one thread, one sequence at a time (the real target's measured
 # setting, docs/engine.md); the plain gateway the same target the same way.
 WORKERS: dict[str, Any] = {"count": 1, "threads": 1, "max_slots": 1, "dtype": "float32"}
+# A shared machine can stall a worker past the default 60 s (memory pressure from other jobs):
+# the bench would rather wait than fail.
+SERVER: dict[str, Any] = {"worker_timeout_s": 300}
 FIXED_RULES_OFF: dict[str, Any] = {"acceptance_floor": 0.0, "acceptance_resume": 0.0, "max_temperature": 2.0}
 
 
@@ -333,11 +337,11 @@ def start_gateways(args: argparse.Namespace, log_dir: Path) -> tuple[list[Any], 
     workers = {**WORKERS, **({"cost_cache_dir": str(args.cost_cache)} if args.cost_cache else {})}
     processes = []
     try:
-        plain, plain_port = start_serve_gateway(log_dir, {**model, "draft": None}, workers, None,
+        plain, plain_port = start_serve_gateway(log_dir, {**model, "draft": None}, workers, None, server=SERVER,
                                                 ready_timeout_s=300)
         processes.append(plain)
         pair, pair_port = start_serve_gateway(log_dir, {**model, "draft": str(args.draft.resolve())}, workers,
-                                              None, ready_timeout_s=300)
+                                              None, server=SERVER, ready_timeout_s=300)
         processes.append(pair)
     except BaseException:
         for process in processes:
@@ -347,6 +351,25 @@ def start_gateways(args: argparse.Namespace, log_dir: Path) -> tuple[list[Any], 
     for process, url in ((plain, gateways.plain), (pair, gateways.pair)):
         gateways.pids += [process.pid, *(int(w["pid"]) for w in get_json(url + "/admin/workers")["workers"])]
     return processes, gateways
+
+
+def run_bench(args: argparse.Namespace, prompts: dict[str, list[str]], plan: list[Setup]) -> Run:
+    """Starts the gateways, measures, stops them; where anything fails, their logs are kept and named."""
+    log_dir = Path(tempfile.mkdtemp(prefix="bench-tasks-"))
+    started = time.monotonic()
+    try:
+        processes, gateways = start_gateways(args, log_dir)
+        print(f"gateways ready in {time.monotonic() - started:.1f} s", flush=True)
+        try:
+            run = asyncio.run(measure(gateways, prompts, plan, args.temperatures, args.max_tokens))
+        finally:
+            for process in processes:
+                stop(process)
+    except BaseException:
+        print(f"bench.tasks failed: the gateways' logs are in {log_dir}", file=sys.stderr, flush=True)
+        raise
+    shutil.rmtree(log_dir, ignore_errors=True)
+    return run
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -359,14 +382,7 @@ def main(argv: list[str] | None = None) -> None:
           f"{sum(map(len, prompts.values()))} prompts, {args.max_tokens} tokens, configurations "
           f"{[s.name for s in plan]}, T {args.temperatures}", flush=True)
     started = time.monotonic()
-    with tempfile.TemporaryDirectory(prefix="bench-tasks-") as tmp:
-        processes, gateways = start_gateways(args, Path(tmp))
-        print(f"gateways ready in {time.monotonic() - started:.1f} s", flush=True)
-        try:
-            run = asyncio.run(measure(gateways, prompts, plan, args.temperatures, args.max_tokens))
-        finally:
-            for process in processes:
-                stop(process)
+    run = run_bench(args, prompts, plan)
     by_temperature = {f"{t:g}": {c: class_figures(run, t, c, plan) for c in prompts} for t in args.temperatures}
     for temperature, figures in by_temperature.items():
         print("\n".join(table(figures, temperature)))
