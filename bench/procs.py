@@ -117,14 +117,22 @@ def start_local_gateway(log_dir: Path, policy: dict[str, Any] | None = None, *, 
                         workers: int = 2, cost_cache: Path | None = None) -> tuple[subprocess.Popen[bytes], int]:
     """``specgate serve`` with ``workers`` embedded workers on the demo pair (no draft: plain
     only), as ``make serve`` runs it; the workers' start-up costs cached in ``cost_cache``."""
-    port = free_port()
     models = REPO / "models"
-    config = {"server": {"host": "127.0.0.1", "port": port},
-              "model": {"name": "specgate-demo", "target": str(models / "demo-target"),
-                        "draft": str(models / "demo-draft") if draft else None},
-              # The workers measure their costs for the default budget, as make serve's do (a shorter
-              # one leaves most batch depths extrapolated from batch 1, and K auto prices them so).
-              "workers": {"count": workers, "cost_cache_dir": str(cost_cache or log_dir / "costs")},
+    model = {"name": "specgate-demo", "target": str(models / "demo-target"),
+             "draft": str(models / "demo-draft") if draft else None}
+    # The workers measure their costs for the default budget, as make serve's do (a shorter
+    # one leaves most batch depths extrapolated from batch 1, and K auto prices them so).
+    worker_config = {"count": workers, "cost_cache_dir": str(cost_cache or log_dir / "costs")}
+    return start_serve_gateway(log_dir, model, worker_config, policy)
+
+
+def start_serve_gateway(log_dir: Path, model: dict[str, Any], workers: dict[str, Any],
+                        policy: dict[str, Any] | None = None, *, server: dict[str, Any] | None = None,
+                        ready_timeout_s: float = 180.0) -> tuple[subprocess.Popen[bytes], int]:
+    """``specgate serve`` with embedded workers: ``model``, ``workers``, ``policy`` and more of
+    ``server`` are those sections of its config; returns once it is ready (a worker is)."""
+    port = free_port()
+    config = {"server": {**(server or {}), "host": "127.0.0.1", "port": port}, "model": model, "workers": workers,
               "policy": policy or {}}
     path = log_dir / f"gateway-{port}.yaml"
     path.write_text(yaml.safe_dump(config))
@@ -133,7 +141,7 @@ def start_local_gateway(log_dir: Path, policy: dict[str, Any] | None = None, *, 
         process = subprocess.Popen([sys.executable, "-m", "gateway", "--config", str(path)], cwd=REPO, stdout=log,
                                    stderr=subprocess.STDOUT, env=bench_env())
     try:
-        wait_ok(process, f"http://127.0.0.1:{port}/ready", 180, log_path)
+        wait_ok(process, f"http://127.0.0.1:{port}/ready", ready_timeout_s, log_path)
     except RuntimeError:
         stop(process)
         raise

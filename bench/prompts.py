@@ -5,6 +5,12 @@
 demo models never trained on them, ``workers.demo.corpus``), each starting at a ``def`` line, in
 groups of four from one file: a session of four requests reads one file (``sessions_of``). Regenerate with
 ``python -m bench.prompts`` (the stdlib of another Python version gives other snippets).
+
+``task_prompts.jsonl``: ``bench.tasks``' chat prompts for a real instruct model, written by hand,
+``TASK_PER_CLASS`` of each of ``TASK_CLASSES`` (``{"id", "class", "prompt"}`` a line, the prompt a
+user message): ``code`` (complete a function stub), ``json`` (fill a given schema from a short
+text), ``math`` (word problems), ``chat`` (open questions). None repeats the real draft's
+distillation prompts (``models/distill_prompts.jsonl``; tests/unit/test_task_prompts.py).
 """
 
 from __future__ import annotations
@@ -14,22 +20,34 @@ import json
 import random
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 from workers.demo.corpus import stdlib_sources
 
 DATA = Path(__file__).resolve().parent / "data"
 CODE_PROMPTS = DATA / "code_prompts.jsonl"
+TASK_PROMPTS = DATA / "task_prompts.jsonl"
+TASK_CLASSES = ("code", "json", "math", "chat")
+TASK_PER_CLASS = 25
 SNIPPET_LINES = 6
 PER_FILE = 4  # prompts per session, all from one held-out file
 MAX_GROUPS_PER_FILE = 3
 
 
+def _rows(path: Path) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+
+
 def load_prompts(path: Path = CODE_PROMPTS) -> list[str]:
-    prompts = []
-    for line in path.read_text(encoding="utf-8").splitlines():
-        if line.strip():
-            prompts.append(str(json.loads(line)["prompt"]))
-    return prompts
+    return [str(row["prompt"]) for row in _rows(path)]
+
+
+def load_task_prompts(path: Path = TASK_PROMPTS) -> dict[str, list[str]]:
+    """The prompts of each class, in file order (classes in the order they first appear)."""
+    by_class: dict[str, list[str]] = {}
+    for row in _rows(path):
+        by_class.setdefault(str(row["class"]), []).append(str(row["prompt"]))
+    return by_class
 
 
 def sessions_of(prompts: Sequence[str], sessions: int, per_session: int = PER_FILE) -> list[list[str]]:

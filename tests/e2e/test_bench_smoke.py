@@ -14,6 +14,7 @@ import pytest
 from bench.fleet_sim import KINDS
 from bench.overhead import target_lines
 from bench.policy_real import live_prompt
+from bench.prompts import TASK_CLASSES
 from tests.e2e.harness import REPO
 from workers.engines.embedded.kernels import rowgemm
 from workers.engines.embedded.projections import bf16_prepacking_available
@@ -82,6 +83,36 @@ def test_bench_policy_quick_json(tmp_path: Path) -> None:
     assert (tmp_path / "policy_goodput.png").stat().st_size > 0
     assert "goodput (output tokens/s" in stdout
 
+
+
+@pytest.mark.slow
+def test_bench_tasks_quick_json() -> None:
+    """The real pair through real gateways: every class at T=0 and T=1, figures in range, and at
+    T=1 auto decodes plain by the temperature rule."""
+    assert (REPO / "models/smollm2-135m-instruct-q4_1/model.safetensors").is_file(), "run make install"
+    result, stdout = _json_run("-m", "bench.tasks", "--quick", "--json", timeout=300)
+    assert result["cpu"] and result["command"] == "python -m bench.tasks --quick --json"
+    assert result["configurations"] == ["plain", "K=5", "auto"] and set(result["temperatures"]) == {"0", "1"}
+    for rows in result["temperatures"].values():
+        assert list(rows) == list(TASK_CLASSES)
+        for row in rows.values():
+            assert set(row["tokens_per_s"]) == {"plain", "K=5", "auto"}
+            assert all(rate > 0 for rate in row["tokens_per_s"].values())
+            assert 0.0 <= row["alpha_k5"] <= 1.0 and row["drafts"]["K=5"]["tested"] > 0
+            assert row["below_floor"] == (row["alpha_k5"] < 0.60) and row["best_fixed"] == "K=5"
+            assert row["better"] in ("plain", "K=5") and row["auto_over_better"] > 0
+            assert row["met"] == (row["auto_over_better"] >= 0.97)
+            assert 0.0 <= row["auto"]["plain_step_share"] <= 1.0 and row["requests"] == 1
+    for row in result["temperatures"]["0"].values():
+        assert not any("high_temperature" in decision for decision in row["auto"]["decisions"])
+    for row in result["temperatures"]["1"].values():
+        assert row["auto"] == {"decisions": {"plain (high_temperature)": 1}, "tested": 0,
+                                "most_common": "plain (high_temperature)", "alpha": None,
+                                "plain_decision_share": 1.0, "plain_step_share": 1.0}
+    same, prompts = result["t0_same_text_prompts"]
+    assert prompts == len(TASK_CLASSES) and 0 <= same <= prompts
+    assert result["gateway_counts_match_workers"]  # the gateway counted the drafts the answers reported
+    assert "auto÷better" in stdout and f"CPU: {result['cpu']}" in stdout
 
 @pytest.mark.slow
 def test_bench_overhead_quick_json() -> None:
