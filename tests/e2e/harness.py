@@ -174,3 +174,25 @@ def target_prepacked_expected(target: str) -> bool:
     from workers.engines.embedded.projections import bf16_prepacking_available
 
     return bf16_prepacking_available() if target == "bfloat16" else rowgemm.load() is not None
+
+
+def worker_sse_events(raw: str) -> list[tuple[dict[str, Any], list[int]]]:
+    """A specgate worker's streamed body as (chunk, the token ids sent for it), ``[DONE]`` left out.
+
+    A worker sends each chunk's ids in an SSE comment event of its own just before the chunk
+    (workers/api/wire.py, ``IDS_COMMENT``); a chunk without one gets [].
+    """
+    comment = ": ids "
+    events: list[tuple[dict[str, Any], list[int]]] = []
+    ids: list[int] = []
+    for event in raw.split("\n\n"):
+        data = None
+        for line in event.split("\n"):
+            if line.startswith(comment):
+                ids = json.loads(line[len(comment):]).get("token_ids", [])
+            elif line.startswith("data: "):
+                data = line[len("data: "):]
+        if data is not None and data != "[DONE]":
+            events.append((json.loads(data), ids))
+            ids = []
+    return events

@@ -20,7 +20,7 @@ import pytest
 
 from gateway.config.config import ConfigError, parse_config
 from gateway.proxy import WorkerLost, read_whole_answer
-from tests.e2e.harness import Gateway, GatewayFactory, start_tcp_worker
+from tests.e2e.harness import Gateway, GatewayFactory, start_tcp_worker, worker_sse_events
 from tests.unit.worker_http_server import serve
 from workers.api.errors import WorkerFailed
 from workers.api.generation import SpecSteps
@@ -118,17 +118,7 @@ async def _events(url: str, body: dict[str, Any]) -> tuple[list[tuple[dict[str, 
         assert response.status == 200, await response.text()
         raw = (await response.read()).decode()
         headers = {k.lower(): v for k, v in response.headers.items()}
-    out = []
-    for event in raw.split("\n\n"):
-        ids: list[int] = []
-        data = None
-        for line in event.split("\n"):
-            if line.startswith(IDS_COMMENT.decode()):
-                ids = json.loads(line[len(IDS_COMMENT):]).get("token_ids", [])
-            elif line.startswith("data: "):
-                data = line[6:]
-        if data is not None and data != "[DONE]":
-            out.append((json.loads(data), ids))
+    out = worker_sse_events(raw)
     assert raw.endswith("data: [DONE]\n\n")
     return out, headers
 
@@ -158,7 +148,8 @@ def _same_generation(per_step: list[tuple[dict[str, Any], list[int]]],
         assert sum(s.tokens for s in steps) == usage["completion_tokens"]
     text = ["".join(chunk["choices"][0]["text"] for chunk, _ in events[:-1]) for events in (per_step, held)]
     assert text[0] == text[1] and text[0]
-    assert [i for _, ids in per_step for i in ids] == [i for _, ids in held for i in ids]
+    per_step_ids, held_ids = ([i for _, ids in events for i in ids] for events in (per_step, held))
+    assert per_step_ids == held_ids and len(per_step_ids) == per_step[-1][0]["usage"]["completion_tokens"]
     assert held[-2][0]["choices"][0]["finish_reason"] == per_step[-2][0]["choices"][0]["finish_reason"] == "length"
 
 

