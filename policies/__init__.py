@@ -21,6 +21,7 @@ else should call them to choose a K. After a request, ``record_decision``, ``obs
 ``observe_steps`` fold what happened into the session's state.
 """
 
+from policies.acceptance import acceptance_latch
 from policies.config import FieldError, PolicyConfig, PolicyConfigError, bounded_repr, bounded_text, raise_problems
 from policies.cost import (
     CostModel,
@@ -38,6 +39,8 @@ from policies.cost import (
     step_k,
     whole_step_costs,
 )
+from policies.lookup import LookupState, price_lookup
+from policies.methods import METHODS, Method
 from policies.speculation import (
     FIXED_MODE_REASONS,
     REASONS,
@@ -49,11 +52,10 @@ from policies.speculation import (
     StepDepth,
     WorkerState,
     acceptance_for_k,
-    acceptance_latch,
-    acceptance_view,
     batch_latch,
     decide,
     observe,
+    observe_lookup,
     observe_path,
     observe_steps,
     record_decision,
@@ -63,15 +65,19 @@ from policies.speculation import (
     worker_acceptance,
 )
 from policies.tree import MAX_TREE_NODES, StepPath, TreeShape, TreeShapeError, expected_tree_tokens, level_pass
-from policies.tree_choice import choose_plan, tree_gain
+from policies.tree_choice import choose_plan, plan_value, tree_gain
+from policies.views import acceptance_view, lookup_views
 
 __all__ = [
     "FIXED_MODE_REASONS",
     "MAX_TREE_NODES",
+    "METHODS",
     "REASONS",
     "CostModel",
     "Decision",
     "FieldError",
+    "LookupState",
+    "Method",
     "Mode",
     "PolicyConfig",
     "PolicyConfigError",
@@ -101,11 +107,15 @@ __all__ = [
     "expected_tree_tokens",
     "gain",
     "level_pass",
+    "lookup_views",
     "mixed_step_cost",
     "objective",
     "observe",
+    "observe_lookup",
     "observe_path",
     "observe_steps",
+    "plan_value",
+    "price_lookup",
     "raise_problems",
     "record_decision",
     "run_on",

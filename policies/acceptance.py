@@ -17,7 +17,7 @@ matter, and two orders of the same steps differ only by how much each step has d
 
 **Its uncertainty.** ``stderr = sqrt(p (1 − p) / weight)``, the binomial standard error with the
 weight as the count. The acceptance latch trips when ``estimate + acceptance_latch_stderrs ×
-stderr`` is below the floor (``policies.speculation.acceptance_latch``; docs/policy.md gives
+stderr`` is below the floor (``acceptance_latch``; docs/policy.md gives
 the false-fallback rate this buys).
 
 **Before evidence.** The cost model reads ``posterior``: the estimate shrunk towards a prior
@@ -30,7 +30,10 @@ estimate carries 85% of it at the default 16.
 from __future__ import annotations
 
 import math
-from typing import Any, TypeAlias
+from typing import TYPE_CHECKING, Any, TypeAlias
+
+if TYPE_CHECKING:
+    from policies.config import PolicyConfig
 
 # Arithmetic only, no branches on the values: the same functions run on floats here and on
 # numpy arrays in bench.estimator, which simulates 10,000 sessions at once through them.
@@ -75,3 +78,18 @@ def legacy_weight(drafts: int, half_life: float) -> float:
     """The weight to give an estimate stored without one (session state schema 1, whose EWMA
     kept only the lifetime count): its drafts, but at most H / ln 2."""
     return float(min(float(drafts), half_life / LN2))
+
+
+def acceptance_latch(latched: bool, estimate: float, weight: float, proposals_seen: int,
+                     policy: PolicyConfig) -> bool:
+    """Hysteresis: trip once the estimate is below the floor by more than
+    ``acceptance_latch_stderrs`` standard errors (given ``min_proposals`` tested drafts); clear
+    only once the estimate is back above resume.
+
+    The confidence margin is what keeps a session at α = 0.70 from being latched by a run of
+    bad luck: a bare estimate below the floor latches 26-29% of them within 256 drafts
+    (docs/policy.md, ``bench.estimator``)."""
+    if latched:
+        return estimate < policy.acceptance_resume
+    return (proposals_seen >= policy.min_proposals and weight > 0.0
+            and bool(below_floor(estimate, weight, policy.acceptance_floor, policy.acceptance_latch_stderrs)))

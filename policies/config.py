@@ -14,6 +14,7 @@ from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass, fields
 from typing import Any, Literal
 
+from policies.methods import METHODS
 from policies.tree import TreeShape, TreeShapeError
 
 EXCERPT_CHARS = 200  # error messages quote at most this much of a value
@@ -136,6 +137,13 @@ class PolicyConfig:
     # auto: a session keeps a chain (or plain) rather than a tree, or its tree rather than a chain or
     # another tree, unless the other promises (1 + this)x its throughput.
     tree_switch_gain: float = 0.05
+    # The speculation methods a session may use (policies/methods.py): the draft model, prompt
+    # lookup (ngram) and suffix matching (suffix). Per session, the one that promises the most
+    # tokens per unit of time on the worker's costs, from that session's acceptance of each.
+    methods: tuple[str, ...] = ("draft",)
+    # A method the session has not tried is tried on at most every Nth request (its first try
+    # is its only evidence); once tried it is priced on its own acceptance and coverage.
+    method_explore_every: int = 2
 
     def __post_init__(self) -> None:
         raise_problems(rule_problems(self.as_dict()))
@@ -194,6 +202,10 @@ def _typed(key: str, value: Any, expected: str) -> Any:
     """The value as its field's type (an int for a float field becomes a float); raises PolicyConfigError."""
     if key in AUTO_FIELDS and value == "auto":
         return value
+    if key == "methods":
+        if not isinstance(value, list | tuple) or not all(isinstance(v, str) for v in value):
+            raise PolicyConfigError(key, value, f"must be a list of methods among {', '.join(METHODS)}")
+        return tuple(value)
     if key == "tree_shapes":
         # YAML reads a one-level tree (3) as a number: its notation is its digits.
         if not isinstance(value, list | tuple) or not all(
@@ -265,7 +277,24 @@ def rule_problems(values: Mapping[str, Any], bad: Collection[str] = ()) -> list[
     require(0.0 <= values["tree_switch_gain"] <= 1.0, "tree_switch_gain", "must be between 0 and 1")
     problem = _tree_shapes_problem(values["tree_shapes"])
     require(problem is None, "tree_shapes", problem or "")
+    require(values["method_explore_every"] >= 1, "method_explore_every", "must be >= 1")
+    problem = _methods_problem(values["methods"])
+    require(problem is None, "methods", problem or "")
     return list(found.values())
+
+
+def _methods_problem(names: Any) -> str | None:
+    """What is wrong with ``methods`` (None: nothing)."""
+    if not isinstance(names, tuple) or not all(isinstance(n, str) for n in names):
+        return f"must be a list of methods among {', '.join(METHODS)}"
+    if not names:
+        return f"must list at least one method among {', '.join(METHODS)}"
+    unknown = [n for n in names if n not in METHODS]
+    if unknown:
+        return f"unknown method {bounded_text(unknown[0], 40)!r}; known: {', '.join(METHODS)}"
+    if len(set(names)) != len(names):
+        return "lists a method twice"
+    return None
 
 
 def _tree_shapes_problem(texts: Any) -> str | None:

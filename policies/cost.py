@@ -219,6 +219,25 @@ def mixed_step_cost(model: CostModel, depth: int, drafting: int, drafts: int, dr
     return (1 - w) * relative(lo) + w * relative(hi)
 
 
+def lookup_step_cost(model: CostModel, depth: int, k: int) -> float:
+    """Relative cost of a step whose every sequence verifies ``k`` lookup proposals (prompt lookup,
+    suffix match: ``policies/methods.py``): the target's forward of k + 1 tokens and the per-draft
+    work outside the forwards, but no draft forward. A model without its parts is priced as a
+    draft-model step of K (an upper bound)."""
+    if k <= 0:
+        return 1.0
+    parts = model.parts
+    if parts is None:
+        return step_cost(model, depth, k)
+    lo, hi, w = _between(model.depths, depth)
+
+    def relative(i: int) -> float:
+        target = parts.plain_ms[i] * _verify(parts.verify[i], 1.0 + k)
+        return (target + parts.overhead_ms[i] + parts.draft_overhead_ms[i] * k) / (parts.plain_ms[i]
+                                                                                    + parts.overhead_ms[i])
+    return (1 - w) * relative(lo) + w * relative(hi)
+
+
 def _verify(row: Sequence[float], tokens: float) -> float:
     """The target's relative forward cost at ``tokens`` per sequence (>= 1), linear between the
     measured n = 1..len(row); no step verifies more than the last."""

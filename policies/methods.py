@@ -34,3 +34,4 @@ def is_method(value: object) -> TypeGuard[Method]:
 def is_lookup(method: Method) -> bool:
     """Proposals are point masses found in text already seen, at no model's cost."""
     return method in LOOKUP_METHODS
+

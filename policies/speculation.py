@@ -44,17 +44,19 @@ from collections.abc import Iterable
 from dataclasses import dataclass, replace
 from typing import Literal
 
-from policies.acceptance import below_floor, decayed_fold, posterior, stderr
+from policies.acceptance import acceptance_latch, decayed_fold, posterior
 from policies.config import PolicyConfig
-from policies.cost import CostModel, StepMix, choose_k, gain, objective
+from policies.cost import CostModel, StepMix, choose_k, expected_tokens, gain, objective, step_cost
+from policies.lookup import LookupState, fold_lookup_steps, lookup_state, price_lookup, with_lookup_state
+from policies.methods import METHODS, Method, is_lookup
 from policies.tree import StepPath, TreeShape
-from policies.tree_choice import Counts, Ranks, chain_counts, choose_plan, fold_ranks, path_counts
+from policies.tree_choice import Counts, Ranks, chain_counts, choose_plan, fold_ranks, path_counts, plan_value
 
 Mode = Literal["speculative", "plain"]
 Reason = Literal["default", "probe", "worker_plain_only", "worker_speculative_only", "high_temperature",
-                 "batch_full", "low_acceptance", "no_gain", "free_batch"]
+                 "batch_full", "low_acceptance", "no_gain", "free_batch", "explore"]
 REASONS: tuple[Reason, ...] = ("default", "probe", "worker_plain_only", "worker_speculative_only",
-                               "high_temperature", "batch_full", "low_acceptance", "no_gain", "free_batch")
+                               "high_temperature", "batch_full", "low_acceptance", "no_gain", "free_batch", "explore")
 # Decisions forced by what a fixed-mode worker serves, not by the rules.
 FIXED_MODE_REASONS: frozenset[Reason] = frozenset({"worker_plain_only", "worker_speculative_only"})
 
@@ -65,14 +67,21 @@ class Decision:
     k: int  # drafts per step; 0 when plain; a tree's depth
     reason: Reason
     tree: TreeShape | None = None  # a token tree instead of a chain of K (K auto, policies/tree_choice.py)
+    # Where the session chose among methods (``policy.methods`` lists a lookup method the worker
+    # offers): the one it speculates with. None: the draft model, no choice made.
+    # (A plain decision made among methods names the one priced best, or "draft": the
+    # session's explore count then moves on.)
+    method: Method | None = None
 
     @property
     def header(self) -> str:
-        """The ``X-Specgate-Mode`` response header value."""
+        """The ``X-Specgate-Mode`` response header value: today's fields in today's order, with
+        ``method=`` after the mode where a method was chosen (clients that read ``k=`` still do)."""
         if self.mode == "speculative":
+            method = "" if self.method is None else f"method={self.method}; "
             if self.tree is not None:
-                return f"speculative; tree={self.tree}; reason={self.reason}"
-            return f"speculative; k={self.k}; reason={self.reason}"
+                return f"speculative; {method}tree={self.tree}; reason={self.reason}"
+            return f"speculative; {method}k={self.k}; reason={self.reason}"
         return f"plain; reason={self.reason}"
 
 
@@ -93,6 +102,12 @@ class SessionState:
     since_tree: int = 0  # K auto decisions since the last tree: when a tree on the prior may be explored
     # Rank acceptances by depth with their tests (policies/tree_choice.py); () until the first step.
     ranks: Ranks = ()
+    # The fields above are the draft model's. Each lookup method's evidence (policies/lookup.py),
+    # () until one ran; the method last chosen (hysteresis); requests since an untried method
+    # was last explored (``method_explore_every``).
+    lookups: tuple[LookupState, ...] = ()
+    method: Method = "draft"
+    since_method: int = 0
 
 
 @dataclass(frozen=True)
@@ -109,6 +124,8 @@ class WorkerState:
     # None: unknown, priced uniformly.
     mix: StepMix | None = None
     tree_max_nodes: int = 0  # the most tree nodes its engine verifies in one step; 0: chains only
+    methods: tuple[Method, ...] = ("draft",)  # the speculation methods its engine offers
+    lookups: tuple[LookupState, ...] = ()  # its evidence per lookup method, over all its sessions
 
 
 @dataclass(frozen=True)
@@ -149,6 +166,9 @@ def _rules(session: SessionState, worker: WorkerState, request: RequestFacts, po
         return Decision("plain", 0, "high_temperature")
     if worker.batch_full:
         return Decision("plain", 0, "batch_full")
+    lookups = [m for m in policy.methods if is_lookup(m) and m in worker.methods]  # type: ignore[arg-type]
+    if lookups:
+        return _method_rules(session, worker, policy, lookups, k)
     if session.low_acceptance and (waived_k := _free_batch_k(session, worker, policy, k)):
         return Decision("speculative", waived_k, "free_batch")
     probe_due = session.plain_since_probe + 1 >= policy.probe_every
@@ -167,6 +187,96 @@ def _rules(session: SessionState, worker: WorkerState, request: RequestFacts, po
                 return Decision("speculative", _probe_k(session, worker, policy, 1), "probe")
             return Decision("plain", 0, "no_gain")
     return Decision("speculative", k, "default", tree)
+
+
+def _method_rules(session: SessionState, worker: WorkerState, policy: PolicyConfig, lookups: list[Method],
+                  k: int) -> Decision:
+    """Rules 4-6 where a session may choose its method (``policy.methods`` and the worker's).
+
+    Each method not latched by its own acceptance floor is priced: the draft model as without
+    methods (its K or tree, ``choose_plan``), each lookup method on its α and coverage
+    (``price_lookup``). The best is kept unless the session's current method is within
+    ``k_switch_gain`` of it. A method the session never tried is priced on the worker's evidence
+    for it where the worker has some; every ``method_explore_every``-th request, one it never
+    tried runs (``explore``). Plain only when no method is expected to pay: every one latched
+    (``low_acceptance``, probed every ``probe_every``-th request with the best-estimated one) or
+    none pays ``min_gain`` (``no_gain``)."""
+    depth, auto = worker.batch_depth + 1, policy.num_speculative_tokens == "auto"
+    options: dict[Method, tuple[float, int, TreeShape | None]] = {}
+    latched: list[Method] = []
+    untried: list[Method] = []
+    if "draft" in policy.methods and "draft" in worker.methods:
+        if session.low_acceptance:
+            latched.append("draft")
+        else:
+            options["draft"] = _draft_option(session, worker, policy, k)
+    for method in lookups:
+        state, prior = lookup_state(session.lookups, method), lookup_state(worker.lookups, method)
+        if state.low_acceptance:
+            latched.append(method)
+            continue
+        if not state.tried:
+            untried.append(method)
+            if not prior.tried:
+                continue
+        price = price_lookup(state, prior, worker.cost, depth, worker.max_k if auto else k, policy,
+                             policy.acceptance_resume)
+        options[method] = (price.value, price.k if auto else k, None)
+    if untried and session.since_method + 1 >= policy.method_explore_every:
+        return Decision("speculative", k, "explore", method=untried[0])
+    probe_due = session.plain_since_probe + 1 >= policy.probe_every
+    if not options:
+        if not latched:
+            return Decision("plain", 0, "no_gain", method="draft")
+        if probe_due:
+            method = max(latched, key=lambda m: _estimate(session, m))
+            return Decision("speculative", _probe_k(session, worker, policy, k) if method == "draft" else k, "probe",
+                            method=method)
+        return Decision("plain", 0, "low_acceptance", method=latched[0])
+    best = max(options, key=lambda m: (options[m][0], -METHODS.index(m)))
+    current = session.method
+    if current in options and options[current][0] * (1.0 + policy.k_switch_gain) >= options[best][0]:
+        best = current
+    value, best_k, tree = options[best]
+    if best_k == 0 or (auto and worker.cost is not None and value <= 1.0 + policy.min_gain):
+        if probe_due:
+            return Decision("speculative", _probe_k(session, worker, policy, 1) if best == "draft" else k, "probe",
+                            method=best)
+        return Decision("plain", 0, "no_gain", method=best)
+    return Decision("speculative", best_k, "default", tree, method=best)
+
+
+def _draft_option(session: SessionState, worker: WorkerState, policy: PolicyConfig,
+                  k: int) -> tuple[float, int, TreeShape | None]:
+    """The draft model's (value, K, tree) for this session: its plan as ``_rules`` chooses it and
+    what that plan is expected to buy (plain decoding is 1; without a cost model every step is
+    priced as plain, so the value is the tokens a step emits)."""
+    alpha = acceptance_for_k(session, worker, policy)
+    if policy.num_speculative_tokens != "auto" or worker.cost is None:
+        cost = 1.0 if worker.cost is None else step_cost(worker.cost, worker.batch_depth + 1, min(k, worker.cost.max_k))
+        return expected_tokens(alpha, k) / cost, k, None
+    current_k = session.auto_k if session.method == "draft" else None
+    current_tree = session.auto_tree if session.method == "draft" else None
+    plan_k, tree = choose_plan(worker.cost, alpha, session.ranks, worker.batch_depth + 1, worker.max_k,
+                               worker.tree_max_nodes, policy, current_k, current_tree,
+                               session.since_tree + 1 >= policy.tree_explore_every, _mix(worker))
+    value = plan_value(worker.cost, alpha, session.ranks, worker.batch_depth + 1, plan_k, tree, policy, _mix(worker))
+    return value, plan_k, tree
+
+
+def _estimate(session: SessionState, method: Method) -> float:
+    """A method's bare acceptance estimate in the session (0 without one)."""
+    if method == "draft":
+        return session.acceptance_estimate or 0.0
+    return lookup_state(session.lookups, method).acceptance_estimate or 0.0
+
+
+def observe_lookup(session: SessionState, method: Method, steps: Iterable[tuple[int, int]],
+                   policy: PolicyConfig) -> SessionState:
+    """A lookup method's steps, as (proposed, accepted), into the session's (or a worker's)
+    evidence for it; a step that proposed nothing counts toward the method's coverage alone."""
+    state = fold_lookup_steps(lookup_state(session.lookups, method), steps, policy)
+    return replace(session, lookups=with_lookup_state(session.lookups, state))
 
 
 def _free_batch_k(session: SessionState, worker: WorkerState, policy: PolicyConfig, k: int) -> int:
@@ -211,29 +321,6 @@ def worker_acceptance(worker: SessionState, policy: PolicyConfig) -> float | Non
                      policy.acceptance_prior_drafts)
 
 
-def acceptance_view(state: SessionState, policy: PolicyConfig, prior: float | None) -> dict[str, float | int | None]:
-    """An estimate as ``/admin`` shows it, each figure named for what it is. ``alpha`` is what
-    the floor is compared with: the per-draft acceptance given the drafts before it were
-    accepted. ``accepted_per_proposed`` is vLLM's acceptance rate (accepted ÷ proposed over the
-    life): drafts after a step's first rejection count as failures there, so it depends on K and
-    is lower than α at the same quality (docs/policy.md). ``prior``: the worker's estimate, or
-    None where there is none (a worker's own view)."""
-    estimate, weight = state.acceptance_estimate, state.acceptance_weight
-    known = estimate is not None and weight > 0.0
-    return {
-        "alpha": round(estimate, 4) if known and estimate is not None else None,
-        "alpha_stderr": round(stderr(estimate, weight), 4) if known and estimate is not None else None,
-        "alpha_weight": round(weight, 2),
-        "alpha_priced": round(posterior(estimate, weight, policy.acceptance_resume if prior is None else prior,
-                                        policy.acceptance_prior_drafts), 4),
-        "drafts_tested": state.proposals_seen,
-        "drafts_proposed": state.drafts_proposed,
-        "drafts_accepted": state.drafts_accepted,
-        "accepted_per_proposed": round(state.drafts_accepted / state.drafts_proposed, 4)
-        if state.drafts_proposed else None,
-    }
-
-
 def _probe_k(session: SessionState, worker: WorkerState, policy: PolicyConfig, fallback: int) -> int:
     """A probe's K: with ``auto`` and a cost model, the K with the best gain (never 0)."""
     if policy.num_speculative_tokens != "auto" or worker.cost is None:
@@ -257,6 +344,13 @@ def record_decision(session: SessionState, decision: Decision, auto_k: bool = Fa
         session = replace(session, plain_since_probe=session.plain_since_probe + 1)
     if decision.reason == "probe":
         return replace(session, plain_since_probe=0)
+    if decision.method is not None:  # methods in play: the explore count, and the method it runs
+        since = 0 if decision.reason == "explore" else min(session.since_method + 1, _MAX_SINCE)
+        session = replace(session, since_method=since)
+        if decision.mode == "speculative":
+            session = replace(session, method=decision.method)
+            if decision.method != "draft":
+                return session
     if auto_k and decision.reason in ("default", "no_gain"):
         since = 0 if decision.tree is not None else min(session.since_tree + 1, _MAX_SINCE)
         return replace(session, auto_k=decision.k, auto_tree=decision.tree, since_tree=since)
@@ -347,21 +441,6 @@ def tested_drafts(proposed: int, accepted: int) -> int:
     if proposed <= 0:
         return 0
     return accepted + (1 if accepted < proposed else 0)
-
-
-def acceptance_latch(latched: bool, estimate: float, weight: float, proposals_seen: int,
-                     policy: PolicyConfig) -> bool:
-    """Hysteresis: trip once the estimate is below the floor by more than
-    ``acceptance_latch_stderrs`` standard errors (given ``min_proposals`` tested drafts); clear
-    only once the estimate is back above resume.
-
-    The confidence margin is what keeps a session at α = 0.70 from being latched by a run of
-    bad luck: a bare estimate below the floor latches 26-29% of them within 256 drafts
-    (docs/policy.md, ``bench.estimator``)."""
-    if latched:
-        return estimate < policy.acceptance_resume
-    return (proposals_seen >= policy.min_proposals and weight > 0.0
-            and bool(below_floor(estimate, weight, policy.acceptance_floor, policy.acceptance_latch_stderrs)))
 
 
 def batch_latch(latched: bool, batch_depth: int, policy: PolicyConfig) -> bool:

@@ -197,15 +197,9 @@ def choose_plan(model: CostModel, alpha: float, ranks: Ranks, depth: int, max_k:
     values: dict[tuple[int, TreeShape | None], float] = {
         (k, None): objective(model, alpha, k, depth, policy.min_gain, mix)
         for k in range(0, min(max_k, model.max_k) + 1)}
-    rho = policy.tree_rank_prior
     for shape in shapes:
-        if not fits(shape, model, max_k, tree_max_nodes):
-            continue
-        tokens = expected_tree_tokens(shape, rank_rows(ranks, alpha, shape, rho, need))
-        others = tokens
-        if mix is not None and mix.acceptance is not None:  # the others at the worker's α, on the prior
-            others = expected_tree_tokens(shape, rank_rows((), mix.acceptance, shape, rho, need))
-        values[(shape.depth, shape)] = tree_gain(model, shape, tokens, others, depth, mix)
+        if fits(shape, model, max_k, tree_max_nodes):
+            values[(shape.depth, shape)] = _tree_value(model, alpha, ranks, depth, shape, policy, mix)
     best = max(values, key=lambda key: (values[key], key[1] is None, -key[0]))
     current = (current_k if current_tree is None else current_tree.depth, current_tree)
     if current_k is not None and current in values:
@@ -213,3 +207,22 @@ def choose_plan(model: CostModel, alpha: float, ranks: Ranks, depth: int, max_k:
         if values[current] * (1.0 + margin) >= values[best]:
             return current
     return best
+
+
+def plan_value(model: CostModel, alpha: float, ranks: Ranks, depth: int, k: int, tree: TreeShape | None,
+               policy: PolicyConfig, mix: StepMix | None = None) -> float:
+    """What ``choose_plan`` maximizes, for one plan: plain (K 0) is 1 + ``min_gain``, a chain its
+    gain, a tree its ``tree_gain`` on the session's rank acceptances."""
+    if tree is None:
+        return objective(model, alpha, k, depth, policy.min_gain, mix)
+    return _tree_value(model, alpha, ranks, depth, tree, policy, mix)
+
+
+def _tree_value(model: CostModel, alpha: float, ranks: Ranks, depth: int, shape: TreeShape, policy: PolicyConfig,
+                mix: StepMix | None) -> float:
+    need, rho = max(1, policy.min_proposals), policy.tree_rank_prior
+    tokens = expected_tree_tokens(shape, rank_rows(ranks, alpha, shape, rho, need))
+    others = tokens
+    if mix is not None and mix.acceptance is not None:  # the others at the worker's α, on the prior
+        others = expected_tree_tokens(shape, rank_rows((), mix.acceptance, shape, rho, need))
+    return tree_gain(model, shape, tokens, others, depth, mix)

@@ -45,6 +45,10 @@ from tests.policy_data import COOL, FRESH, IDLE, LATCHED, POLICY, above, below, 
     (Decision("plain", 0, "worker_plain_only"), "plain; reason=worker_plain_only"),
     (Decision("plain", 0, "batch_full"), "plain; reason=batch_full"),
     (Decision("plain", 0, "low_acceptance"), "plain; reason=low_acceptance"),
+    # Where a method was chosen it follows the mode; k= keeps its place after it.
+    (Decision("speculative", 8, "default", method="ngram"), "speculative; method=ngram; k=8; reason=default"),
+    (Decision("speculative", 6, "explore", method="draft"), "speculative; method=draft; k=6; reason=explore"),
+    (Decision("plain", 0, "no_gain", method=None), "plain; reason=no_gain"),
 ])
 def test_header(decision: Decision, header: str) -> None:
     assert decision.header == header
@@ -52,7 +56,7 @@ def test_header(decision: Decision, header: str) -> None:
 
 def test_reasons_lists_every_rule() -> None:
     assert set(REASONS) == {"default", "probe", "worker_plain_only", "worker_speculative_only", "high_temperature",
-                            "batch_full", "low_acceptance", "no_gain", "free_batch"}
+                            "batch_full", "low_acceptance", "no_gain", "free_batch", "explore"}
 
 
 SPEC_ONLY = WorkerState(0, False, max_k=5, serves_plain=False)

@@ -28,8 +28,26 @@ def test_defaults() -> None:
         "min_gain": 0.05, "k_switch_gain": 0.05,
         "free_batch": 0, "max_step_drafts": 0,  # off: the thresholds above are the rules
         "tree_shapes": ("2+3", "2x2+2", "3+4", "2x2+4"), "tree_rank_prior": 0.7, "tree_explore_every": 4,
-        "tree_switch_gain": 0.05,
+        "tree_switch_gain": 0.05, "methods": ("draft",), "method_explore_every": 2,
     }
+
+
+@pytest.mark.parametrize(("raw", "problem"), [
+    (["draft", "ngrams"], "unknown method 'ngrams'; known: draft, ngram, suffix"),
+    ([], "must list at least one method"),
+    (["ngram", "ngram"], "lists a method twice"),
+    ("ngram", "must be a list of methods"),
+    ([1], "must be a list of methods"),
+])
+def test_bad_methods_are_named(raw: Any, problem: str) -> None:
+    with pytest.raises(PolicyConfigError) as info:
+        PolicyConfig.from_mapping({"methods": raw})
+    assert info.value.field == "methods"
+    assert str(info.value).startswith("policy.methods: ") and problem in str(info.value)
+
+
+def test_methods_keep_their_order() -> None:
+    assert PolicyConfig.from_mapping({"methods": ["suffix", "draft"]}).methods == ("suffix", "draft")
 
 
 def test_ints_are_accepted_for_float_fields() -> None:

@@ -1,0 +1,122 @@
+"""A lookup method's evidence and price, per session and per worker (``policies/methods.py``
+says what the methods are).
+
+Pure, as the rest of ``policies/``: ``policies.speculation.decide`` prices each lookup method a
+session may use with ``price_lookup`` and compares it with the draft model's plan; the gateway
+folds a lookup request's steps with ``fold_lookup_steps``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass, replace
+
+from policies.acceptance import acceptance_latch, decayed_fold, posterior
+from policies.config import PolicyConfig
+from policies.cost import CostModel, expected_tokens, lookup_step_cost
+from policies.methods import METHODS, Method
+
+
+@dataclass(frozen=True)
+class LookupState:
+    """One lookup method's evidence in a session (or, over all its sessions, a worker).
+
+    α as the draft's (``policies.acceptance``: decayed accepted over decayed tested drafts, the
+    same half-life and latch), and the method's *coverage*: the share of its steps that proposed
+    anything. A lookup step without a match is a plain step, so what a lookup method is worth
+    depends on how often it finds one as much as on how often its proposals pass. Steps decay
+    with ``acceptance_half_life`` counted in steps.
+    """
+
+    method: Method
+    acceptance_estimate: float | None = None
+    acceptance_weight: float = 0.0
+    proposals_seen: int = 0  # drafts tested over the life
+    drafts_proposed: int = 0
+    drafts_accepted: int = 0
+    low_acceptance: bool = False  # the floor's latch, per method
+    steps_weight: float = 0.0  # decayed steps run with this method
+    proposing_weight: float = 0.0  # ...of which proposed at least one token
+    steps_seen: int = 0  # steps over the life
+
+    @property
+    def coverage(self) -> float | None:
+        return None if self.steps_weight <= 0.0 else self.proposing_weight / self.steps_weight
+
+    @property
+    def tried(self) -> bool:
+        return self.steps_seen > 0
+
+
+def lookup_state(states: tuple[LookupState, ...], method: Method) -> LookupState:
+    return next((s for s in states if s.method == method), LookupState(method))
+
+
+def with_lookup_state(states: tuple[LookupState, ...], state: LookupState) -> tuple[LookupState, ...]:
+    """``states`` with ``state`` in its method's place (methods in METHODS order)."""
+    by_method = {s.method: s for s in states} | {state.method: state}
+    return tuple(by_method[m] for m in METHODS if m in by_method)
+
+
+def fold_lookup_steps(state: LookupState, steps: Iterable[tuple[int, int]], policy: PolicyConfig) -> LookupState:
+    """Lookup steps, as (proposed, accepted), into ``state``: every step into the coverage, the
+    proposing ones into α and the latch (a step that accepted n of its K proposals tested n + 1
+    of them, or K; ``policies.speculation.tested_drafts``)."""
+    out = state
+    for proposed, accepted in steps:
+        decay = 0.5 ** (1.0 / policy.acceptance_half_life)
+        hit = proposed > 0
+        out = replace(out, steps_weight=out.steps_weight * decay + 1.0,
+                      proposing_weight=out.proposing_weight * decay + (1.0 if hit else 0.0),
+                      steps_seen=out.steps_seen + 1)
+        if not hit:
+            continue
+        accepted = max(0, min(accepted, proposed))
+        tested = accepted + (1 if accepted < proposed else 0)
+        estimate, weight = decayed_fold(out.acceptance_estimate or 0.0, out.acceptance_weight, tested, accepted,
+                                        policy.acceptance_half_life)
+        seen = out.proposals_seen + tested
+        out = replace(out, acceptance_estimate=estimate, acceptance_weight=weight, proposals_seen=seen,
+                      drafts_proposed=out.drafts_proposed + proposed, drafts_accepted=out.drafts_accepted + accepted,
+                      low_acceptance=acceptance_latch(out.low_acceptance, estimate, weight, seen, policy))
+    return out
+
+
+@dataclass(frozen=True)
+class LookupPrice:
+    """What a lookup method is expected to be worth for a session: its α and coverage, shrunk
+    towards the worker's for the method (``acceptance_prior_drafts``), and the K (the cap on a
+    step's proposal) that buys the most."""
+
+    alpha: float
+    coverage: float
+    k: int
+    value: float  # tokens per unit of time relative to plain decoding
+
+
+def price_lookup(session: LookupState, worker: LookupState, model: CostModel | None, depth: int, max_k: int,
+                 policy: PolicyConfig, prior_alpha: float) -> LookupPrice:
+    """The session's lookup method priced on the worker's measured verification costs.
+
+    A proposing step of K costs the target's forward of K + 1 tokens and no draft forward
+    (``lookup_step_cost``); a step without a match costs a plain step and emits one token. So
+    the value is (c E(α, K) + 1 − c) / (c cost(K) + 1 − c), c the coverage. Without a cost model
+    each step is priced as plain (the tokens per step alone)."""
+    prior_a = worker.acceptance_estimate if worker.acceptance_weight > 0 else None
+    alpha = posterior(session.acceptance_estimate, session.acceptance_weight,
+                      posterior(prior_a, worker.acceptance_weight, prior_alpha, policy.acceptance_prior_drafts),
+                      policy.acceptance_prior_drafts)
+    prior_c = worker.coverage if worker.coverage is not None else LOOKUP_PRIOR_COVERAGE
+    coverage = posterior(session.coverage, session.steps_weight, prior_c, policy.acceptance_prior_drafts)
+    best = LookupPrice(alpha, coverage, 0, 1.0)
+    for k in range(1, max_k + 1):
+        cost = 1.0 if model is None else lookup_step_cost(model, depth, min(k, model.max_k))
+        value = (coverage * expected_tokens(alpha, k) + 1.0 - coverage) / (coverage * cost + 1.0 - coverage)
+        if value > best.value:
+            best = LookupPrice(alpha, coverage, k, value)
+    return best
+
+
+# A lookup method's coverage before any step of it was seen, by the session or its worker: the
+# price of exploring it is bounded by ``method_explore_every``, not by this guess.
+LOOKUP_PRIOR_COVERAGE = 0.5
