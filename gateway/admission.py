@@ -31,6 +31,7 @@ from policies import (
     batch_latch,
     decide,
     observe,
+    observe_lookup,
     observe_path,
     observe_steps,
     record_decision,
@@ -38,6 +39,7 @@ from policies import (
     tested_drafts,
     worker_acceptance,
 )
+from policies.methods import Method, is_lookup
 from policies.tree import parse_shape
 from workers.api.answers import chunk_text, speculative_usage
 from workers.api.errors import BadRequest, ClientDisconnected, NotFound
@@ -116,7 +118,8 @@ def worker_state(handle: WorkerHandle, policy: PolicyConfig) -> WorkerState:
     handle.batch_full = batch_latch(handle.batch_full, handle.load, policy)
     return WorkerState(handle.load, handle.batch_full, handle.max_k, "speculative" in handle.modes,
                        "plain" in handle.modes, handle.cost, worker_acceptance(handle.acceptance, policy),
-                       handle.draft_mix.step_mix(), handle.tree_max_nodes if handle.speaks_specgate else 0)
+                       handle.draft_mix.step_mix(), handle.tree_max_nodes if handle.speaks_specgate else 0,
+                       handle.methods if handle.speaks_specgate else ("draft",), handle.acceptance.lookups)
 
 
 def route(state: GatewayState, session: Session, candidates: list[Candidate], req: CompletionRequest,
@@ -150,8 +153,10 @@ def directive_for(decision: Decision, policy: PolicyConfig, resume: ResumePoint 
                   ) -> Directive:
     """The ``specgate`` directive a decision sends a specgate or vLLM worker (the relay's and the
     endpoint picker's): its K, or its tree (K then the tree's depth), and the live batch thresholds."""
+    method = decision.method if decision.method is not None and is_lookup(decision.method) else None
     return Directive(decision.k, policy.max_batch, policy.batch_resume, policy.max_step_drafts, resume,
-                     policy.auto_k, tree=None if decision.tree is None else str(decision.tree), **fields)
+                     policy.auto_k, tree=None if decision.tree is None else str(decision.tree), method=method,
+                     **fields)
 
 
 def record(state: GatewayState, session: Session, decision: Decision, policy: PolicyConfig) -> None:
@@ -159,6 +164,8 @@ def record(state: GatewayState, session: Session, decision: Decision, policy: Po
     metrics.series(metrics.decisions, decision.mode, decision.reason).inc()
     if decision.mode == "speculative":  # "chain" or the tree's shape: bounded by policy.tree_shapes (at most 8)
         metrics.series(metrics.tree_decisions, "chain" if decision.tree is None else str(decision.tree)).inc()
+    if decision.mode == "speculative" and decision.method is not None:
+        metrics.series(metrics.method_decisions, decision.method, decision.reason).inc()
     if decision.mode == "plain":
         metrics.series(metrics.fallbacks, decision.reason).inc()
     previous = session.last_decision
@@ -345,6 +352,12 @@ def _clamped(metrics: GatewayMetrics, proposed: int, accepted: int) -> tuple[int
 
 def account_step(metrics: GatewayMetrics, admission: Admission, tally: StreamTally, report: StepReport) -> None:
     """One engine step's drafts into the session's and the worker's acceptance, the tally and metrics."""
+    method = admission.decision.method
+    if method is not None and is_lookup(method) and admission.decision.mode == "speculative":
+        _account_lookup_step(metrics, admission, tally, method, report)
+        return
+    if method == "draft" and admission.decision.mode == "speculative":
+        metrics.record_method_step(method, report.proposed, report.accepted)
     if report.proposed == 0 and report.accepted == 0 and not report.late_steps:
         return  # a plain step: no drafts to count (every step of a plain stream comes here)
     report = checked_step(metrics, report)
@@ -371,6 +384,30 @@ def account_step(metrics: GatewayMetrics, admission: Admission, tally: StreamTal
         tally.tested += sum(tested_drafts(g.proposed, g.accepted) * g.count for g in report.late_steps)
         for group in report.late_steps:
             metrics.record_steps(handle.worker_id, group.proposed, group.accepted, group.count)
+
+
+def _account_lookup_step(metrics: GatewayMetrics, admission: Admission, tally: StreamTally, method: Method,
+                         report: StepReport) -> None:
+    """A lookup request's step: into the method's evidence, a step that proposed nothing too (it
+    counts toward the method's coverage: how often a lookup finds anything to propose)."""
+    report = checked_step(metrics, report)
+    session, handle, policy = admission.session, admission.handle, admission.policy
+    steps = [(report.proposed, report.accepted)]
+    steps += [(g.proposed, g.accepted) for g in report.late_steps for _ in range(min(g.count, MAX_LATE_STEPS))]
+    session.policy_state = observe_lookup(session.policy_state, method, steps, policy)
+    handle.acceptance = observe_lookup(handle.acceptance, method, steps, policy)
+    proposing = [(p, a) for p, a in steps if p > 0]
+    tally.proposed += sum(p for p, _ in proposing)
+    tally.accepted += sum(a for _, a in proposing)
+    tally.tested += sum(tested_drafts(p, a) for p, a in proposing)
+    tally.speculative_steps += len(proposing)
+    if report.proposed > 0:
+        metrics.record_steps(handle.worker_id, report.proposed, report.accepted)
+    for proposed, accepted in steps:
+        metrics.record_method_step(method, proposed, accepted)
+
+
+MAX_LATE_STEPS = 4096  # late step groups folded one by one up to this count (a worker's bug must stay cheap)
 
 
 def step_path(report: StepReport) -> StepPath | None:

@@ -15,7 +15,7 @@ from gateway.config.config import RemoteProtocol
 from gateway.fleet.draft_mix import DraftMix
 from gateway.fleet.routing import Candidate
 from gateway.fleet.worker_http import WorkerHttp
-from policies import CostModel, Mode, SessionState
+from policies import CostModel, Method, Mode, SessionState
 
 WorkerStatus = Literal["starting", "ready", "unhealthy", "restarting", "stopped"]
 
@@ -46,6 +46,9 @@ class WorkerHandle:
     started_at: float = 0.0
     cost: CostModel | None = None  # its published step costs (policy K auto), from its last poll
     tree_max_nodes: int = 0  # the most token-tree nodes its engine verifies in a step (0: chains only)
+    # The speculation methods its engine offers (policies/methods.py): a specgate worker's own
+    # list; a worker that publishes none runs the draft model alone.
+    methods: tuple[Method, ...] = ("draft",)
     # Acceptance over all the worker's sessions, folded as a session's is: the α a session new
     # to it is costed at (policies.speculation.acceptance_for_k).
     acceptance: SessionState = field(default_factory=SessionState)
@@ -81,7 +84,8 @@ class WorkerHandle:
             "batch_depth": self.info.get("batch_depth", self.in_flight), "queue_length": self.info.get("queue_length"),
             "batch_full": self.batch_full, "precision": self.info.get("precision"), "stats": self.info.get("stats"),
             "cost_model": self.info.get("cost_model"), "acceptance": self.acceptance.acceptance_estimate,
-            "tree_max_nodes": self.tree_max_nodes,
+            "tree_max_nodes": self.tree_max_nodes, "methods": list(self.methods),
+            "acceptance_by_method": {s.method: s.acceptance_estimate for s in self.acceptance.lookups},
             "draft_mix": self.draft_mix.view(),
             "last_error": self.last_error or None,
         }

@@ -24,7 +24,7 @@ import orjson
 from gateway.config.config import GatewayConfig
 from gateway.fleet.handle import WorkerHandle, WorkerStatus
 from gateway.observe.metrics import GatewayMetrics
-from policies import MAX_TREE_NODES, CostModel
+from policies import MAX_TREE_NODES, METHODS, CostModel, Method
 
 log = logging.getLogger(__name__)
 PROBE_TIMEOUT_S = 2.0
@@ -137,6 +137,7 @@ class Probe:
         handle.cost = self._cost_model(handle, info.get("cost_model"))
         handle.reported_depth = int(info.get("batch_depth", 0)) + int(info.get("queue_length", 0))
         handle.tree_max_nodes = _tree_max_nodes(info.get("tree_max_nodes"))
+        handle.methods = _methods(info.get("methods"), handle.max_k)
         if handle.remote:
             handle.modes = frozenset(m for m in info.get("modes", []) if m in ("speculative", "plain"))
             handle.max_k = int(info.get("max_k", 0))
@@ -197,6 +198,14 @@ def precision_signature(info: dict[str, Any]) -> str | None:
     packed = " prepacked" if precision.get("target_prepacked") else ""
     products = precision.get("products")
     return f"a {target}{packed} target" + (f" with {products} products" if products else "")
+
+
+def _methods(raw: Any, max_k: int) -> tuple[Method, ...]:
+    """A worker's ``methods``: the known ones it lists, in ``METHODS`` order; absent (a worker
+    from before methods): the draft model, where it speculates at all."""
+    if not isinstance(raw, list):
+        return ("draft",) if max_k > 0 else ()
+    return tuple(m for m in METHODS if m in raw)
 
 
 def _tree_max_nodes(raw: Any) -> int:

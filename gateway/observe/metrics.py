@@ -70,6 +70,9 @@ class GatewayMetrics:
     sessions: Gauge
     decisions: Counter
     tree_decisions: Counter
+    method_decisions: Counter
+    method_steps: Counter
+    method_drafts: Counter
     fallbacks: Counter
     mode_switches: Counter
     policy_reloads: Counter
@@ -115,6 +118,13 @@ class GatewayMetrics:
             tree_decisions=Counter("specgate_speculation_shapes", "Decisions to speculate by what is drafted: "
                                    "chain, or a token tree's shape (policy.tree_shapes: at most 8)", labels("shape"),
                                    registry=reg),
+            method_decisions=Counter("specgate_method_decisions", "Decisions to speculate by method, where sessions "
+                                     "choose one (policy.methods)", labels("method", "reason"), registry=reg),
+            method_steps=Counter("specgate_method_steps", "Engine steps of requests speculating with a method "
+                                 "(a lookup step that found nothing to propose included)", labels("method"),
+                                 registry=reg),
+            method_drafts=Counter("specgate_method_drafts", "Drafts by method: proposed, tested (accepted plus the "
+                                  "first rejected) and accepted", labels("method", "count"), registry=reg),
             fallbacks=Counter("specgate_fallbacks", "Decisions to decode plain, by reason", labels("reason"),
                               registry=reg),
             mode_switches=Counter("specgate_mode_switches", "Session mode changes", labels("to", "reason"),
@@ -153,6 +163,15 @@ class GatewayMetrics:
         if child is None:
             child = self._series[key] = metric.labels(self.model, *values)
         return child
+
+    def record_method_step(self, method: str, proposed: int, accepted: int) -> None:
+        """One step of a request speculating with ``method`` (chosen among ``policy.methods``)."""
+        self.series(self.method_steps, method).inc()
+        if proposed > 0:
+            accepted = max(0, min(accepted, proposed))
+            self.series(self.method_drafts, method, "proposed").inc(proposed)
+            self.series(self.method_drafts, method, "tested").inc(tested_drafts(proposed, accepted))
+            self.series(self.method_drafts, method, "accepted").inc(accepted)
 
     def clamped_report(self, reason: str) -> None:
         """One step report (or late-step group) clamped for ``reason`` (``gateway.admission.checked_step``)."""

@@ -32,7 +32,7 @@ from gateway.relay.tokenize import detokenize, tokenize
 from gateway.sessions.store import create_store
 from gateway.sessions.table import SessionTable
 from gateway.state import STATE_KEY, GatewayState
-from policies import PolicyConfigError, acceptance_view, worker_acceptance
+from policies import PolicyConfigError, acceptance_view, lookup_views, worker_acceptance
 from policies.tree_choice import view as rank_view
 from workers.api.errors import BadRequest, NotFound, Unavailable
 from workers.api.limits import InputRefused, loads_json
@@ -253,6 +253,11 @@ async def _get_session(request: web.Request) -> web.Response:
         "requests": session.requests,
         "mode": session.mode, "k": decision.k if decision else None, "reason": decision.reason if decision else None,
         "tree": str(decision.tree) if decision and decision.tree else None,
+        # Where the session chooses its method (policy.methods): the one it last ran, the one the
+        # last decision named, and each lookup method's evidence (the draft's is "acceptance").
+        "method": state.method, "decision_method": decision.method if decision else None,
+        "since_method": state.since_method,
+        "methods": lookup_views(state, policy, handle.acceptance.lookups if handle else ()),
         # α, the floor's acceptance, and its evidence; "acceptance" has it all, vLLM's rate beside.
         "acceptance_estimate": state.acceptance_estimate, "evidence_drafted_tokens": state.proposals_seen,
         "acceptance": acceptance_view(state, policy, worker_acceptance(handle.acceptance, policy) if handle else None),

@@ -27,9 +27,10 @@ import orjson
 from gateway.config.config import GatewayConfig
 from gateway.observe.ops_metrics import OpsMetrics
 from gateway.sessions.table import ModeChange, Session
-from policies import REASONS, Decision, SessionState, TreeShape, TreeShapeError
+from policies import REASONS, Decision, LookupState, Method, SessionState, TreeShape, TreeShapeError
 from policies.acceptance import legacy_weight
 from policies.config import PolicyConfig
+from policies.methods import is_method
 from policies.tree import parse_shape
 from policies.tree_choice import CELLS, EMPTY_CELL
 
@@ -76,6 +77,14 @@ def dump_session(session: Session) -> bytes:
         out["tree"] = {"auto": None if s.auto_tree is None else str(s.auto_tree), "since": s.since_tree,
                        "ranks": [[i, beta, weight, tests] for i, (beta, weight, tests) in enumerate(s.ranks)
                                  if tests > 0]}
+    # Speculation methods (policy.methods): added the same way, absent while the session has
+    # chosen none.
+    if s.lookups or s.method != "draft" or s.since_method or (d is not None and d.method is not None):
+        out["methods"] = {"method": s.method, "since": s.since_method,
+                          "decision": None if d is None else d.method,
+                          "lookups": [[x.method, x.acceptance_estimate, x.acceptance_weight, x.proposals_seen,
+                                       x.drafts_proposed, x.drafts_accepted, x.low_acceptance, x.steps_weight,
+                                       x.proposing_weight, x.steps_seen] for x in s.lookups]}
     return orjson.dumps(out)
 
 
@@ -140,6 +149,29 @@ def _tree_state(state: SessionState, raw: Any, half_life: float, legacy: bool) -
     return replace(state, auto_tree=_tree(raw["auto"]), since_tree=_int(raw["since"]), ranks=ranks)
 
 
+def _method(value: Any) -> Method:
+    if not is_method(value):
+        raise CorruptState(f"expected a speculation method, got {value!r}")
+    return value
+
+
+def _method_state(state: SessionState, decision: Decision | None, raw: Any) -> tuple[SessionState, Decision | None]:
+    """The "methods" object (absent: the draft model alone, as before methods)."""
+    if raw is None:
+        return state, decision
+    lookups = []
+    for method, estimate, weight, seen, proposed, accepted, low, steps_w, proposing_w, steps in raw["lookups"]:
+        if not isinstance(low, bool):
+            raise CorruptState(f"low_acceptance must be a bool, got {low!r}")
+        lookups.append(LookupState(_method(method), _float(estimate, optional=True, unit=True), _weight(weight),
+                                   _int(seen), _int(proposed), _int(accepted), low, _weight(steps_w),
+                                   _weight(proposing_w), _int(steps)))
+    state = replace(state, method=_method(raw["method"]), since_method=_int(raw["since"]), lookups=tuple(lookups))
+    if decision is not None and raw["decision"] is not None:
+        decision = replace(decision, method=_method(raw["decision"]))
+    return state, decision
+
+
 def _weight(value: Any) -> float:
     weight = _float(value)
     if not 0.0 <= weight < 1e12:
@@ -179,6 +211,7 @@ def parse_session(raw: bytes | str, half_life: float = DEFAULT_HALF_LIFE
         state = _state(data["state"], half_life, legacy)
         state = _tree_state(state, data.get("tree"), half_life, legacy)
         decision = _decision(*data["decision"]) if data["decision"] is not None else None
+        state, decision = _method_state(state, decision, data.get("methods"))
         history = []
         for at, mode, reason, k, *tree in data["history"]:
             if len(tree) > 1:

@@ -134,6 +134,33 @@ def test_a_tree_session_round_trips_and_one_stored_before_trees_still_loads() ->
             apply_session(target, orjson.dumps(bad))
 
 
+
+def test_a_session_choosing_methods_round_trips_and_one_stored_before_methods_still_loads() -> None:
+    from policies import observe_lookup
+    from policies.speculation import record_decision
+
+    source = a_session()
+    state = observe_lookup(source.policy_state, "ngram", [(4, 3), (0, 0), (6, 6)], PolicyConfig())
+    decision = Decision("speculative", 6, "explore", method="suffix")
+    source.policy_state = record_decision(state, decision)
+    source.last_decision = decision
+    target = Session("sess-1", last_seen=99.0, history=deque(maxlen=4), scope="k1")
+    apply_session(target, dump_session(source))
+    assert controller_fields(target) == controller_fields(source)
+    assert target.policy_state.method == "suffix" and target.last_decision == decision
+    assert target.policy_state.lookups[0].steps_seen == 3 and target.policy_state.lookups[0].drafts_accepted == 9
+    old = orjson.loads(dump_session(a_session()))
+    assert "methods" not in old  # nothing chosen: stored exactly as before methods
+    stored = orjson.loads(dump_session(source))
+    methods = stored["methods"]
+    for bad_methods in ({**methods, "method": "eagle"},
+                        {**methods, "lookups": [["ngram", 0.5, 1.0, 1, 1, 1, "no", 1.0, 1.0, 1]]},
+                        {**methods, "lookups": [["ngram", 1.5, 1.0, 1, 1, 1, False, 1.0, 1.0, 1]]},
+                        {**methods, "lookups": [["ngram", 0.5]]}):
+        with pytest.raises(CorruptState):
+            apply_session(target, orjson.dumps({**stored, "methods": bad_methods}))
+
+
 GOOD = orjson.loads(dump_session(a_session()))
 
 

@@ -17,6 +17,7 @@ from typing import Any, Literal
 
 import orjson
 
+from policies.methods import Method
 from workers.api.generation import SpecSteps, group_steps
 
 RequestKind = Literal["chat", "completion"]
@@ -94,6 +95,8 @@ class Directive:
     step_log: bool = False
     # A token tree instead of a chain (its notation, policies/tree.py: "2x2+3"); ``k`` is then its depth.
     tree: str | None = None
+    # A lookup method to propose with instead of the draft model (policies/methods.py); None: the draft.
+    method: Method | None = None
 
     def to_json(self) -> dict[str, Any]:
         out: dict[str, Any] = {"k": self.k, "max_batch": self.max_batch, "batch_resume": self.batch_resume}
@@ -111,6 +114,8 @@ class Directive:
             out["step_log"] = True
         if self.tree is not None:  # absent unless set, as the fields above
             out["tree"] = self.tree
+        if self.method is not None:
+            out["method"] = self.method
         return out
 
 
