@@ -197,8 +197,8 @@ def _method_rules(session: SessionState, worker: WorkerState, policy: PolicyConf
     methods (its K or tree, ``choose_plan``), each lookup method on its α and coverage
     (``price_lookup``). The best is kept unless the session's current method is within
     ``k_switch_gain`` of it. A method the session never tried is priced on the worker's evidence
-    for it where the worker has some; every ``method_explore_every``-th request, one it never
-    tried runs (``explore``). Plain only when no method is expected to pay: every one latched
+    for it where the worker has some; every ``method_explore_every``-th request (or at once, where
+    no other method is on offer), one it never tried runs (``explore``). Plain only when no method is expected to pay: every one latched
     (``low_acceptance``, probed every ``probe_every``-th request with the best-estimated one) or
     none pays ``min_gain`` (``no_gain``)."""
     depth, auto = worker.batch_depth + 1, policy.num_speculative_tokens == "auto"
@@ -222,7 +222,8 @@ def _method_rules(session: SessionState, worker: WorkerState, policy: PolicyConf
         price = price_lookup(state, prior, worker.cost, depth, worker.max_k if auto else k, policy,
                              policy.acceptance_resume)
         options[method] = (price.value, price.k if auto else k, None)
-    if untried and session.since_method + 1 >= policy.method_explore_every:
+    # Where nothing else is on offer, trying costs nothing: the method runs at once.
+    if untried and (not options or session.since_method + 1 >= policy.method_explore_every):
         return Decision("speculative", k, "explore", method=untried[0])
     probe_due = session.plain_since_probe + 1 >= policy.probe_every
     if not options:

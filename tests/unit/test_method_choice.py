@@ -103,6 +103,12 @@ def test_an_untried_method_is_explored_every_nth_request() -> None:
     assert (decision.method, decision.reason) == ("suffix", "explore")
 
 
+def test_a_lone_method_runs_at_once() -> None:
+    policy = replace(AUTO, methods=("ngram",))
+    decision = decide(SessionState(), ALL, COOL, policy)
+    assert (decision.mode, decision.method, decision.reason) == ("speculative", "ngram", "explore")
+
+
 def test_an_untried_method_is_priced_on_the_workers_evidence() -> None:
     worker = replace(ALL, lookups=(lookup("ngram", 0.95, 0.9),))
     decision = decide(state(0.6, 100), worker, COOL, AUTO)  # not due to explore: priced on the worker's

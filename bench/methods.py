@@ -1,0 +1,260 @@
+"""Which speculation method pays, by workload: multi-turn sessions through real gateway and
+worker processes, each configuration of ``policy.methods`` on a fresh worker.
+
+    python -m bench.methods [--quick] [--json] [--max-tokens 128] [--sessions-per-kind N]
+                            [--target DIR] [--draft DIR]
+
+The sessions are ``bench/data/method_sessions.jsonl``: code editing (rename, add type hints, fix
+a bug in a given function: the answer repeats most of it), RAG (answer with quotes from a given
+passage), an agent loop (tool outputs fed back and partly repeated) and open chat. Each turn is
+a chat completion at T=0 carrying the conversation so far (its answers included) and the
+session's ``X-Session-ID``, one request at a time (batch 1). The kinds take turns session by
+session, so every configuration sees the same interleaved, mixed workload.
+
+Configurations: **plain** (a gateway without the draft), then on the pair's gateway with
+``num_speculative_tokens: auto``: **draft**, **ngram**, **suffix** (``policy.methods`` of that
+one method) and **choice** (``[draft, ngram, suffix]``: each session chooses,
+``policies/speculation.py``). Each runs on a gateway of its own, started for it: the suffix
+store keeps the worker's recent outputs, and a worker that had already answered the same
+sessions would find every answer there.
+
+Reported per configuration and kind: tokens/s (completion tokens ÷ the requests' wall seconds
+at the client, prefill included) and per CPU second of the bench's processes (robust to other
+jobs on the core); α and coverage of the lookup methods (from the answers' usage); the method
+each session ended on (its last ``X-Specgate-Mode``). Then the targets: the best lookup method
+÷ plain on code editing and RAG (≥ 1.5); choice ÷ the best single method over the mixed
+workload (≥ 1.1); choice ÷ the best method per kind in hindsight (≥ 0.97).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import shlex
+import shutil
+import sys
+import tempfile
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+
+from bench.procs import REPO, cpu_seconds, get_json, print_result, start_serve_gateway, stop
+from workers.costs.cache import cpu_label
+
+SESSIONS = REPO / "bench" / "data" / "method_sessions.jsonl"
+DEFAULT_TARGET = REPO / "models" / "smollm2-135m-instruct-q4_1"
+DEFAULT_DRAFT = REPO / "models" / "smollm2-draft"
+KINDS = ("code_edit", "rag", "agent", "chat")
+LOOKUP_TARGET, CHOICE_TARGET, HINDSIGHT_TARGET = 1.5, 1.1, 0.97
+WORKERS: dict[str, Any] = {"count": 1, "threads": 1, "max_slots": 1, "dtype": "float32"}
+SERVER: dict[str, Any] = {"worker_timeout_s": 300}
+CONFIGS: dict[str, list[str] | None] = {"plain": None, "draft": ["draft"], "ngram": ["ngram"], "suffix": ["suffix"],
+                                        "choice": ["draft", "ngram", "suffix"]}
+
+
+@dataclass(frozen=True)
+class Session:
+    id: str
+    kind: str
+    system: str
+    turns: tuple[str, ...]
+
+
+def load_sessions(path: Path = SESSIONS) -> list[Session]:
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return [Session(r["id"], r["kind"], r["system"], tuple(r["turns"])) for r in rows]
+
+
+def interleaved(sessions: list[Session], per_kind: int | None, turns: int | None) -> list[Session]:
+    """The kinds taking turns session by session, ``per_kind`` of each (None: all), each cut to
+    ``turns`` turns (None: all)."""
+    by_kind = {k: [s for s in sessions if s.kind == k][:per_kind] for k in KINDS}
+    out: list[Session] = []
+    for i in range(max(map(len, by_kind.values()))):
+        out += [by_kind[k][i] for k in KINDS if i < len(by_kind[k])]
+    return [Session(s.id, s.kind, s.system, s.turns[:turns]) for s in out]
+
+
+@dataclass
+class Tally:
+    requests: int = 0
+    tokens: int = 0
+    seconds: float = 0.0
+    cpu_seconds: float = 0.0
+    proposed: int = 0
+    accepted: int = 0
+    tested: int = 0
+    speculative_steps: int = 0
+    plain_steps: int = 0
+    methods: Counter[str] = field(default_factory=Counter)  # the method each request ran ("plain" for none)
+    ended_on: Counter[str] = field(default_factory=Counter)  # each session's last request's method
+
+    def add(self, usage: dict[str, Any], header: str, seconds: float, cpu: float) -> None:
+        spec = usage.get("speculative") or {}
+        self.requests += 1
+        self.tokens += int(usage["completion_tokens"])
+        self.seconds += seconds
+        self.cpu_seconds += cpu
+        for name in ("proposed", "accepted", "tested", "speculative_steps", "plain_steps"):
+            setattr(self, name, getattr(self, name) + int(spec.get(name) or 0))
+        self.methods[method_of(header)] += 1
+
+    def figures(self) -> dict[str, Any]:
+        steps = self.speculative_steps + self.plain_steps
+        return {"requests": self.requests, "completion_tokens": self.tokens,
+                "tok_s": round(self.tokens / self.seconds, 2) if self.seconds else None,
+                "tok_cpu_s": round(self.tokens / self.cpu_seconds, 2) if self.cpu_seconds else None,
+                "alpha": round(self.accepted / self.tested, 3) if self.tested else None,
+                "proposing_steps": round(self.speculative_steps / steps, 3) if steps else None,
+                "methods": dict(self.methods), "ended_on": dict(self.ended_on)}
+
+
+def method_of(header: str) -> str:
+    """``speculative; method=ngram; k=8; reason=default`` -> ngram; a draft-model decision made
+    without methods -> draft; plain -> plain."""
+    if not header.startswith("speculative"):
+        return "plain"
+    fields = dict(part.strip().split("=", 1) for part in header.split(";")[1:] if "=" in part)
+    return fields.get("method", "draft")
+
+
+async def run_config(url: str, model: str, sessions: list[Session], max_tokens: int, pids: list[int],
+                     prefix: str) -> dict[str, Tally]:
+    def cpu_now() -> float:
+        return sum(cpu_seconds(pid) for pid in pids) + time.process_time()
+
+    tallies = {k: Tally() for k in KINDS}
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=900)) as http:
+        for session in sessions:
+            messages: list[dict[str, str]] = [{"role": "system", "content": session.system}]
+            header = ""
+            for turn in session.turns:
+                messages.append({"role": "user", "content": turn})
+                body = {"model": model, "messages": messages, "temperature": 0, "max_tokens": max_tokens}
+                started, cpu_started = time.perf_counter(), cpu_now()
+                async with http.post(url + "/v1/chat/completions", json=body,
+                                     headers={"X-Session-ID": f"{prefix}-{session.id}"}) as response:
+                    answer = await response.json()
+                    if response.status != 200:
+                        raise RuntimeError(f"{session.id}: HTTP {response.status}: {answer}")
+                    header = response.headers.get("X-Specgate-Mode", "")
+                tallies[session.kind].add(answer["usage"], header, time.perf_counter() - started,
+                                          cpu_now() - cpu_started)
+                messages.append({"role": "assistant", "content": answer["choices"][0]["message"]["content"]})
+            tallies[session.kind].ended_on[method_of(header)] += 1
+    return tallies
+
+
+def start(args: argparse.Namespace, log_dir: Path, methods: list[str] | None) -> tuple[Any, str, list[int]]:
+    model = {"name": args.target.name, "target": str(args.target.resolve()),
+             "draft": None if methods is None else str(args.draft.resolve())}
+    policy = None if methods is None else {"num_speculative_tokens": "auto", "methods": methods}
+    process, port = start_serve_gateway(log_dir, model, WORKERS, policy, server=SERVER, ready_timeout_s=300)
+    url = f"http://127.0.0.1:{port}"
+    pids = [process.pid, *(int(w["pid"]) for w in get_json(url + "/admin/workers")["workers"])]
+    return process, url, pids
+
+
+def total(tallies: dict[str, Tally], kinds: tuple[str, ...] = KINDS) -> tuple[int, float, float]:
+    return (sum(tallies[k].tokens for k in kinds), sum(tallies[k].seconds for k in kinds),
+            sum(tallies[k].cpu_seconds for k in kinds))
+
+
+def ratio(a: float, b: float) -> float | None:
+    return round(a / b, 3) if a and b else None
+
+
+def targets(runs: dict[str, dict[str, Tally]]) -> dict[str, Any]:
+    """The issue's three targets, by wall time and by CPU time."""
+    out: dict[str, Any] = {}
+    for clock, index in (("wall", 1), ("cpu", 2)):
+        def speed(config: str, kinds: tuple[str, ...] = KINDS, i: int = index) -> float:
+            figures = total(runs[config], kinds)
+            return figures[0] / figures[i] if figures[i] else 0.0
+        singles = [c for c in ("draft", "ngram", "suffix") if c in runs]
+        lookups = [c for c in ("ngram", "suffix") if c in runs]
+        best_lookup = {k: max((speed(c, (k,)) for c in lookups), default=0.0) for k in ("code_edit", "rag")}
+        best_single = max((speed(c) for c in singles), default=0.0)
+        # In hindsight: each kind on its best method (plain included), the times summed.
+        hindsight_s = sum(min((total(runs[c], (k,))[index] for c in ["plain", *singles] if c in runs
+                               and total(runs[c], (k,))[index] > 0), default=0.0) for k in KINDS)
+        hindsight = total(runs["plain"])[0] / hindsight_s if hindsight_s else 0.0
+        out[clock] = {
+            "lookup_over_plain": {k: ratio(v, speed("plain", (k,))) for k, v in best_lookup.items()},
+            "choice_over_best_single": ratio(speed("choice"), best_single) if "choice" in runs else None,
+            "choice_over_hindsight": ratio(speed("choice"), hindsight) if "choice" in runs else None,
+        }
+        row = out[clock]
+        row["met"] = {"lookup_1.5x_plain": all((v or 0) >= LOOKUP_TARGET for v in row["lookup_over_plain"].values()),
+                      "choice_1.1x_best_single": (row["choice_over_best_single"] or 0) >= CHOICE_TARGET,
+                      "choice_0.97x_hindsight": (row["choice_over_hindsight"] or 0) >= HINDSIGHT_TARGET}
+    return out
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="a smoke run: 1 session per kind, 1 turn, 8 tokens")
+    parser.add_argument("--json", action="store_true", help="one JSON object as the last line")
+    parser.add_argument("--max-tokens", type=int, help="per request (default 128; --quick: 8)")
+    parser.add_argument("--sessions-per-kind", type=int, help="(default: all; --quick: 1)")
+    parser.add_argument("--configs", default=",".join(CONFIGS), help=f"comma-separated among {', '.join(CONFIGS)}")
+    parser.add_argument("--target", type=Path, default=DEFAULT_TARGET)
+    parser.add_argument("--draft", type=Path, default=DEFAULT_DRAFT)
+    args = parser.parse_args(argv)
+    args.max_tokens = args.max_tokens or (8 if args.quick else 128)
+    args.sessions_per_kind = args.sessions_per_kind or (1 if args.quick else None)
+    args.turns = 1 if args.quick else None
+    args.configs = [c for c in args.configs.split(",") if c]
+    unknown = [c for c in args.configs if c not in CONFIGS]
+    if unknown or "plain" not in args.configs:
+        parser.error(f"--configs: unknown {unknown}" if unknown else "--configs must include plain")
+    return args
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    command = "python -m bench.methods" + "".join(" " + shlex.quote(a) for a in (sys.argv[1:] if argv is None
+                                                                                   else argv))
+    sessions = interleaved(load_sessions(), args.sessions_per_kind, args.turns)
+    print(f"CPU: {cpu_label()}\n{command}\ntarget {args.target}, draft {args.draft}; {len(sessions)} sessions, "
+          f"{sum(len(s.turns) for s in sessions)} requests per configuration, {args.max_tokens} tokens", flush=True)
+    log_dir = Path(tempfile.mkdtemp(prefix="bench-methods-"))
+    started = time.monotonic()
+    runs: dict[str, dict[str, Tally]] = {}
+    try:
+        for name in args.configs:
+            process, url, pids = start(args, log_dir, CONFIGS[name])
+            try:
+                runs[name] = asyncio.run(run_config(url, args.target.name, sessions, args.max_tokens, pids, name))
+            finally:
+                stop(process)
+            tokens, seconds, _ = total(runs[name])
+            print(f"{name:>7}: {tokens} tokens in {seconds:.1f} s ({tokens / seconds:.1f} tok/s)", flush=True)
+    except BaseException:
+        print(f"bench.methods failed: the gateways' logs are in {log_dir}", file=sys.stderr, flush=True)
+        raise
+    shutil.rmtree(log_dir, ignore_errors=True)
+    figures = {name: {k: tally.figures() for k, tally in tallies.items() if tally.requests}
+               for name, tallies in runs.items()}
+    print(f"\n{'kind':<10}" + "".join(f"{name:>10}" for name in runs) + "   (tok/s; α; ended on)")
+    for kind in KINDS:
+        cells = [figures[n].get(kind, {}) for n in runs]
+        print(f"{kind:<10}" + "".join(f"{c.get('tok_s') or 0:>10.1f}" for c in cells)
+              + "   " + "; ".join(f"{n}: α {c.get('alpha')} {c.get('ended_on')}" for n, c in zip(runs, cells,
+                                                                                                 strict=True)))
+    result = targets(runs)
+    print(json.dumps(result, indent=1))
+    out = {"bench": "methods", "cpu": cpu_label(), "command": command, "target": str(args.target),
+           "draft": str(args.draft), "max_tokens": args.max_tokens, "sessions": len(sessions),
+           "requests_per_config": sum(len(s.turns) for s in sessions), "configs": {n: CONFIGS[n] for n in runs},
+           "figures": figures, "targets": result, "wall_s": round(time.monotonic() - started, 1)}
+    print_result(out, args.json)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,42 @@
+"""bench.methods' workload (bench/data/method_sessions.jsonl) and its pure helpers."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+
+from bench.methods import KINDS, interleaved, load_sessions, method_of
+
+
+def test_the_sessions_cover_every_kind_with_several_turns() -> None:
+    sessions = load_sessions()
+    assert len({s.id for s in sessions}) == len(sessions)
+    counts = Counter(s.kind for s in sessions)
+    assert set(counts) == set(KINDS) and min(counts.values()) >= 3
+    assert all(len(s.turns) >= 3 and s.system for s in sessions)
+    for session in sessions:
+        first = session.turns[0]
+        if session.kind == "code_edit":  # the answer repeats the function it is given
+            assert "```python\n" in first and first.count("\n") >= 8
+        if session.kind == "rag":
+            assert first.startswith("Passage:\n") and len(first) > 400
+        if session.kind == "agent":
+            assert all("Tool output:\n{" in turn for turn in session.turns)
+
+
+def test_the_kinds_take_turns() -> None:
+    order = [s.kind for s in interleaved(load_sessions(), 2, 1)]
+    assert order == [*KINDS, *KINDS]
+    assert all(len(s.turns) == 1 for s in interleaved(load_sessions(), None, 1))
+
+
+@pytest.mark.parametrize(("header", "method"), [
+    ("speculative; method=ngram; k=8; reason=default", "ngram"),
+    ("speculative; method=suffix; k=4; reason=explore", "suffix"),
+    ("speculative; k=6; reason=default", "draft"),
+    ("speculative; tree=2x2+3; reason=default", "draft"),
+    ("plain; reason=no_gain", "plain"),
+])
+def test_method_of_reads_the_mode_header(header: str, method: str) -> None:
+    assert method_of(header) == method
