@@ -184,6 +184,31 @@ POLICY = (
          _threshold("max_batch"), _threshold("batch_resume")),
         min=0),
     PanelSpec(
+        "Speculation by method",
+        "Decisions to speculate per second by method (draft model, prompt lookup ngram, suffix), where sessions "
+        "choose one (policy.methods); explore: a method's first run in a session.",
+        "reqps",
+        (Query(f"sum by (method, reason) (rate(specgate_method_decisions_total{{{M}}}[{RATE}]))",
+               "{{method}} {{reason}}"),),
+        stacked=True),
+    PanelSpec(
+        "Acceptance by method",
+        "alpha by method: accepted / tested drafts, what each method's own acceptance_floor latch reads.",
+        "percentunit",
+        (Query(f'sum by (method) (rate(specgate_method_drafts_total{{{M}, count="accepted"}}[{RATE}])) / '
+               f'sum by (method) (rate(specgate_method_drafts_total{{{M}, count="tested"}}[{RATE}]))',
+               "alpha {{method}}"),
+         _threshold("acceptance_floor")),
+        min=0, max=1),
+    PanelSpec(
+        "Drafts proposed per step by method",
+        "Proposals per engine step of requests speculating with each method. A lookup step that finds no match "
+        "proposes nothing and runs plain, so for ngram and suffix this is coverage times proposal length.",
+        "short",
+        (Query(f'sum by (method) (rate(specgate_method_drafts_total{{{M}, count="proposed"}}[{RATE}])) / '
+               f"sum by (method) (rate(specgate_method_steps_total{{{M}}}[{RATE}]))", "{{method}}"),),
+        min=0),
+    PanelSpec(
         "Active policy",
         "The policy the gateway runs now (config.yaml names), as of the last scrape.",
         "short",
