@@ -14,10 +14,11 @@ import hashlib
 import time
 from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from gateway.fleet.handle import WorkerHandle
-from gateway.fleet.routing import Candidate, choose_route
+from gateway.fleet.prefix_index import prompt_blocks
+from gateway.fleet.routing import Candidate, RouteReason, choose_route
 from gateway.observe.metrics import GatewayMetrics
 from gateway.proxy import NoWorkerLeft, NoWorkerReady, RawChunk, StreamTally
 from gateway.sessions.table import ModeChange, Session
@@ -75,6 +76,15 @@ class Admission:
     policy: PolicyConfig
     attempt: AttemptTrace
     retries: int = 0  # workers found unreachable before this one took the request
+    route: RouteReason = "load"  # why this worker (X-Specgate-Route): the session's, a prefix hit, or load
+
+
+class Placement(NamedTuple):
+    """Where a request goes: the worker, the decision there, and why that worker."""
+
+    handle: WorkerHandle
+    decision: Decision
+    route: RouteReason
 
 
 def session_id_of(headers: Mapping[str, str], req: CompletionRequest) -> str | None:
@@ -123,7 +133,7 @@ def worker_state(handle: WorkerHandle, policy: PolicyConfig) -> WorkerState:
 
 
 def route(state: GatewayState, session: Session, candidates: list[Candidate], req: CompletionRequest,
-          policy: PolicyConfig) -> tuple[WorkerHandle, Decision] | None:
+          policy: PolicyConfig, blocks: tuple[int, ...] = ()) -> Placement | None:
     """The session's worker and the decision there, from one call of the policy's ``decide``.
 
     Mode-aware where workers serve one fixed mode: when the session's (or the least-loaded)
@@ -133,20 +143,23 @@ def route(state: GatewayState, session: Session, candidates: list[Candidate], re
     Only where no ready worker serves the wanted mode does a fixed-mode reason
     (``worker_plain_only``, ``worker_speculative_only``) name what runs instead.
     """
-    chosen = choose_route(session.worker_id, candidates)
+    index = state.fleet.prefix_index
+    hits = {c.worker_id: index.hit(c.worker_id, blocks) for c in candidates} if blocks else None
+    chosen = choose_route(session.worker_id, candidates, hits, policy)
     if chosen is None:
         return None
     handle = state.fleet.workers[chosen.worker_id]
     facts = RequestFacts(req.temperature)
     if chosen.other_id is None:
-        return handle, decide(session.policy_state, worker_state(handle, policy), facts, policy)
+        return Placement(handle, decide(session.policy_state, worker_state(handle, policy), facts, policy),
+                         chosen.reason)
     other = state.fleet.workers[chosen.other_id]
     speculating, plain = (handle, other) if "speculative" in handle.modes else (other, handle)
     worker = worker_state(speculating, policy)
     wanted = decide(session.policy_state, replace(worker, serves_plain=True), facts, policy)
     if wanted.mode == "plain":
-        return plain, wanted
-    return speculating, run_on(wanted, worker)
+        return Placement(plain, wanted, chosen.reason)
+    return Placement(speculating, run_on(wanted, worker), chosen.reason)
 
 
 def directive_for(decision: Decision, policy: PolicyConfig, resume: ResumePoint | None = None, **fields: Any
@@ -183,7 +196,7 @@ def record(state: GatewayState, session: Session, decision: Decision, policy: Po
 
 def pick(state: GatewayState, session: Session, req: CompletionRequest, policy: PolicyConfig,
          tried: Collection[str] = (), exclude: Collection[str] = (), resume: ResumePoint | None = None,
-         allowed: Collection[str] | None = None) -> tuple[WorkerHandle, Decision]:
+         allowed: Collection[str] | None = None) -> Placement:
     """The worker for this request and the decision there, among the ready workers not ``tried``.
 
     ``resume`` (a generation another worker began) needs a worker that speaks specgate's
@@ -194,21 +207,25 @@ def pick(state: GatewayState, session: Session, req: CompletionRequest, policy: 
     candidates = [c for c in state.fleet.candidates() if c.worker_id not in tried
                   and (allowed is None or c.worker_id in allowed)
                   and (resume is None or state.fleet.workers[c.worker_id].speaks_specgate)]
-    routed = route(state, session, candidates, req, policy)
+    index = state.fleet.prefix_index
+    index.max_blocks = policy.route_index_blocks  # live: a smaller bound takes effect at the next record
+    blocks = prompt_blocks(req) if policy.route_index_blocks > 0 else ()
+    routed = route(state, session, candidates, req, policy, blocks)
     if routed is None:
         failed = set(tried) - set(exclude)
         if failed:
             raise NoWorkerLeft(f"no worker could take the request (tried {', '.join(sorted(failed))})")
         raise NoWorkerReady("no worker is ready", retry_after_s=1.0)
-    handle, _ = routed
-    session.worker_id = handle.worker_id
+    session.worker_id = routed.handle.worker_id
+    index.record(routed.handle.worker_id, blocks)
+    state.metrics.series(state.metrics.routes, routed.route).inc()
     return routed
 
 
 async def pick_ready(state: GatewayState, session: Session, req: CompletionRequest, policy: PolicyConfig,
                      tried: Collection[str] = (), exclude: Collection[str] = (), resume: ResumePoint | None = None,
                      allowed: Collection[str] | None = None, *,
-                     gone: Callable[[], bool] = lambda: False) -> tuple[WorkerHandle, Decision]:
+                     gone: Callable[[], bool] = lambda: False) -> Placement:
     """``pick``, waiting up to ``server.admission_wait_s`` for a worker when none is ready.
 
     Only ``NoWorkerReady`` waits: a request that every worker failed (``NoWorkerLeft``) fails

@@ -144,6 +144,17 @@ class PolicyConfig:
     # A method the session has not tried is tried on at most every Nth request (its first try
     # is its only evidence); once tried it is priced on its own acceptance and coverage.
     method_explore_every: int = 2
+    # Placing a request not bound to a worker (gateway/fleet/routing.py): the load guard first --
+    # load alone decides while the most loaded worker is ahead of the least by more than
+    # route_balance_abs and more than route_balance_rel times (SGLang's rule) -- then, where some
+    # worker is expected to hold at least route_min_prefix_hit of the prompt, the best
+    # route_prefix_weight x hit + route_load_weight x (1 - load / the highest load); else least loaded.
+    route_prefix_weight: float = 3.0
+    route_load_weight: float = 2.0
+    route_min_prefix_hit: float = 0.1
+    route_balance_abs: int = 4
+    route_balance_rel: float = 1.5
+    route_index_blocks: int = 65536  # prompt blocks the gateway remembers per worker (LRU; 0: no prefix routing)
 
     def __post_init__(self) -> None:
         raise_problems(rule_problems(self.as_dict()))
@@ -278,6 +289,13 @@ def rule_problems(values: Mapping[str, Any], bad: Collection[str] = ()) -> list[
     problem = _tree_shapes_problem(values["tree_shapes"])
     require(problem is None, "tree_shapes", problem or "")
     require(values["method_explore_every"] >= 1, "method_explore_every", "must be >= 1")
+    for name in ("route_prefix_weight", "route_load_weight"):
+        require(0.0 <= values[name] <= 1000.0, name, "must be in 0..1000")
+    require(0.0 <= values["route_min_prefix_hit"] <= 1.0, "route_min_prefix_hit", "must be between 0 and 1")
+    require(values["route_balance_abs"] >= 0, "route_balance_abs", "must be >= 0")
+    require(values["route_balance_rel"] >= 1.0 and math.isfinite(values["route_balance_rel"]), "route_balance_rel",
+            "must be >= 1")
+    require(0 <= values["route_index_blocks"] <= 1 << 24, "route_index_blocks", "must be in 0..16777216")
     problem = _methods_problem(values["methods"])
     require(problem is None, "methods", problem or "")
     return list(found.values())

@@ -34,7 +34,8 @@ SESSION_HEADER = "x-session-id"  # what `specgate serve` keys sessions on
 EPP_CLUSTER = "specgate-epp"
 # The picker's dynamic metadata namespace and keys (gateway/epp/exchange.py) -> response header.
 PICKER_METADATA_NAMESPACE = "specgate"
-PICKER_RESPONSE_HEADERS = {SESSION_HEADER: "session", "x-specgate-mode": "mode", "x-specgate-worker": "worker"}
+PICKER_RESPONSE_HEADERS = {SESSION_HEADER: "session", "x-specgate-mode": "mode", "x-specgate-worker": "worker",
+                           "x-specgate-route": "route"}
 ENDPOINTS_CLUSTER = "specgate-endpoints"
 REPLICAS_CLUSTER = "specgate-replicas"
 ROUND_ROBIN_CLUSTER = "specgate-round-robin"

@@ -59,7 +59,9 @@ WORKER_HEADER = "x-specgate-worker"
 # The picker's own dynamic metadata: the route copies these keys into the response headers
 # (gateway/epp/envoy_config.py epp_bootstrap), for requests whose response phases are skipped too.
 METADATA_NAMESPACE = "specgate"
-RESPONSE_HEADERS = {SESSION_HEADER.lower(): "session", MODE_HEADER: "mode", WORKER_HEADER: "worker"}
+ROUTE_HEADER = "x-specgate-route"
+RESPONSE_HEADERS = {SESSION_HEADER.lower(): "session", MODE_HEADER: "mode", WORKER_HEADER: "worker",
+                    ROUTE_HEADER: "route"}
 _KINDS: dict[str, RequestKind] = {"/v1/chat/completions": "chat", "/v1/completions": "completion"}
 _OVERWRITE = HeaderValueOption.HeaderAppendAction.OVERWRITE_IF_EXISTS_OR_ADD
 
@@ -241,10 +243,10 @@ class Exchange:
         session.requests += 1
         await state.store.load(session)
         policy = state.policy.active
-        handle, decision = await pick_ready(state, session, req, policy, allowed=allowed)
+        handle, decision, route = await pick_ready(state, session, req, policy, allowed=allowed)
         self._shed_if_full(handle)
         commit(state, session, handle, decision, policy)
-        admission = Admission(session, handle, decision, policy, AttemptTrace(None))
+        admission = Admission(session, handle, decision, policy, AttemptTrace(None), route=route)
         self.picked = Picked(self.endpoints[handle.worker_id], handle, admission, req,
                              self._body_for(req, handle, admission))
         return self.picked
@@ -363,7 +365,7 @@ def _subset(message: ext_proc.ProcessingRequest) -> frozenset[str] | None:
 
 def _response_headers(admission: Admission) -> dict[str, str]:
     return {SESSION_HEADER.lower(): admission.session.session_id, MODE_HEADER: admission.decision.header,
-            WORKER_HEADER: admission.handle.worker_id}
+            WORKER_HEADER: admission.handle.worker_id, ROUTE_HEADER: admission.route}
 
 
 def _metadata(picked: Picked) -> Struct:

@@ -1,18 +1,32 @@
 """Choosing a worker for a request: pure, data in and worker ids out.
 
-A session sticks to its worker while that worker is ready; otherwise (new session, or its
-worker went down) it goes to the least-loaded ready worker. With workers that serve one fixed
-mode (OpenAI servers without specgate's plugin), the route also names the least-loaded ready
-worker that serves the other mode, so admission can send the request where the mode the rules
-want runs (gateway/admission.py ``route``).
+A session sticks to its worker while that worker is ready and not the one overloading an
+unbalanced fleet (``sticky``). A request not bound to a worker (a new session, or one whose
+worker is gone or overloaded) is placed by a score, or by load alone:
+
+- **The load guard**, first (SGLang's rule): the fleet is unbalanced when the most loaded ready
+  worker's load exceeds the least loaded's by more than ``route_balance_abs`` and is more than
+  ``route_balance_rel`` times it. Then load alone places it: the least-loaded worker (``load``).
+  Cache affinity never piles more onto a hotspot.
+- **Prefix and load**: otherwise, where some worker is expected to hold at least
+  ``route_min_prefix_hit`` of the prompt (``prefix_index.PrefixIndex``: the share of its leading
+  blocks the gateway sent there before), each worker scores ``route_prefix_weight`` × its
+  expected hit + ``route_load_weight`` × (1 − its load ÷ the fleet's highest), and the best wins
+  (``prefix``; llm-d's picker weighs prefix, queue and KV use 3 / 2 / 2). Else the least loaded
+  (``load``).
+
+With workers that serve one fixed mode (OpenAI servers without specgate's plugin), the route
+also names the least-loaded ready worker that serves the other mode, so admission can send the
+request where the mode the rules want runs (gateway/admission.py ``route``).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Literal
 
-from policies import Mode
+from policies import Mode, PolicyConfig
 
 BOTH_MODES: frozenset[Mode] = frozenset({"speculative", "plain"})
 
@@ -25,36 +39,69 @@ class Candidate:
     modes: frozenset[Mode]
 
 
+RouteReason = Literal["sticky", "prefix", "load"]
+ROUTE_REASONS: tuple[RouteReason, ...] = ("sticky", "prefix", "load")
+
+
 @dataclass(frozen=True)
 class Route:
     worker_id: str  # the session's worker: sticky while ready, else the least loaded
     # Where that worker serves one mode only: the least-loaded ready worker serving the other
     # (None when it serves both, or no ready worker serves the other).
     other_id: str | None = None
+    reason: RouteReason = "load"  # why worker_id: the session's own, the expected prefix hit, or load
+
+
+DEFAULT_RULES = PolicyConfig()
 
 
 def choose_worker(current: str | None, candidates: Sequence[Candidate]) -> str | None:
-    chosen = _session_worker(current, [c for c in candidates if c.ready])
-    return None if chosen is None else chosen.worker_id
+    route = choose_route(current, candidates)
+    return None if route is None else route.worker_id
 
 
-def choose_route(current: str | None, candidates: Sequence[Candidate]) -> Route | None:
-    """The session's worker and, where it serves one fixed mode, a worker serving the other."""
+def choose_route(current: str | None, candidates: Sequence[Candidate], hits: Mapping[str, float] | None = None,
+                 rules: PolicyConfig = DEFAULT_RULES) -> Route | None:
+    """The session's worker and, where it serves one fixed mode, a worker serving the other.
+
+    ``hits``: each worker's expected prefix hit for this request (0..1; absent: 0)."""
     ready = [c for c in candidates if c.ready]
-    chosen = _session_worker(current, ready)
+    chosen, reason = _session_worker(current, ready, hits or {}, rules)
     if chosen is None:
         return None
     if len(chosen.modes) != 1:  # both modes (or none: it runs what it can, worker_plain_only)
-        return Route(chosen.worker_id)
+        return Route(chosen.worker_id, reason=reason)
     missing = next(iter(BOTH_MODES - chosen.modes))
     serving = [c for c in ready if c is not chosen and missing in c.modes]
     other = min(serving, key=lambda c: c.load) if serving else None
-    return Route(chosen.worker_id, other.worker_id if other is not None else None)
+    return Route(chosen.worker_id, other.worker_id if other is not None else None, reason)
 
 
-def _session_worker(current: str | None, ready: Sequence[Candidate]) -> Candidate | None:
+def unbalanced(loads: Sequence[int], rules: PolicyConfig) -> bool:
+    """The load guard: the most loaded worker is ahead of the least loaded by more than
+    ``route_balance_abs`` and by more than ``route_balance_rel`` times."""
+    if len(loads) < 2:
+        return False
+    most, least = max(loads), min(loads)
+    return most - least > rules.route_balance_abs and most > rules.route_balance_rel * least
+
+
+def _session_worker(current: str | None, ready: Sequence[Candidate], hits: Mapping[str, float],
+                    rules: PolicyConfig) -> tuple[Candidate | None, RouteReason]:
+    if not ready:
+        return None, "load"
+    guard = unbalanced([c.load for c in ready], rules)
+    most = max(c.load for c in ready)
     for candidate in ready:
-        if candidate.worker_id == current:
-            return candidate
+        if candidate.worker_id == current and not (guard and candidate.load == most):
+            return candidate, "sticky"
     # Ties go to the first listed, so routing is deterministic.
-    return min(ready, key=lambda c: c.load, default=None)
+    least = min(ready, key=lambda c: c.load)
+    if guard or max((hits.get(c.worker_id, 0.0) for c in ready), default=0.0) < rules.route_min_prefix_hit:
+        return least, "load"
+
+    def score(c: Candidate) -> float:
+        return (rules.route_prefix_weight * hits.get(c.worker_id, 0.0)
+                + rules.route_load_weight * (1.0 - c.load / max(1, most)))
+    best = max(ready, key=score)  # max keeps the first of equals
+    return best, "prefix" if hits.get(best.worker_id, 0.0) > 0.0 else "load"

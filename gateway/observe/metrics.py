@@ -70,6 +70,7 @@ class GatewayMetrics:
     sessions: Gauge
     decisions: Counter
     tree_decisions: Counter
+    routes: Counter
     method_decisions: Counter
     method_steps: Counter
     method_drafts: Counter
@@ -118,6 +119,9 @@ class GatewayMetrics:
             tree_decisions=Counter("specgate_speculation_shapes", "Decisions to speculate by what is drafted: "
                                    "chain, or a token tree's shape (policy.tree_shapes: at most 8)", labels("shape"),
                                    registry=reg),
+            routes=Counter("specgate_routes", "Requests placed on a worker, by why that worker: sticky (the "
+                           "session's own), prefix (an expected prefix hit won the score) or load (least loaded, "
+                           "or the load guard)", labels("reason"), registry=reg),
             method_decisions=Counter("specgate_method_decisions", "Decisions to speculate by method, where sessions "
                                      "choose one (policy.methods)", labels("method", "reason"), registry=reg),
             method_steps=Counter("specgate_method_steps", "Engine steps of requests speculating with a method "

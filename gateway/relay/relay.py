@@ -41,6 +41,7 @@ log = logging.getLogger(__name__)
 # The one line per request, written in batches (workers/api/logs.py); its task runs in app.py's cleanup context.
 REQUEST_LOG_KEY = web.AppKey("request_log", RequestLog)
 MODE_HEADER = "X-Specgate-Mode"
+ROUTE_HEADER = "X-Specgate-Route"  # why this worker: sticky (the session's), prefix (a cached prefix) or load
 WORKER_HEADER = "X-Specgate-Worker"
 _PATHS: dict[RequestKind, str] = {"chat": "/v1/chat/completions", "completion": "/v1/completions"}
 
@@ -64,9 +65,10 @@ async def _admit(state: GatewayState, session: Session, req: CompletionRequest, 
     tried: set[str] = set(exclude)
     while True:
         if gone is None:
-            handle, decision = pick(state, session, req, policy, tried, exclude, resume)
+            handle, decision, route = pick(state, session, req, policy, tried, exclude, resume)
         else:
-            handle, decision = await pick_ready(state, session, req, policy, tried, exclude, resume, gone=gone)
+            handle, decision, route = await pick_ready(state, session, req, policy, tried, exclude, resume,
+                                                       gone=gone)
         worker_id = handle.worker_id
         # A non-streaming client sees no chunk: its worker may send them a few at a time.
         coalesce_s = 0.0 if req.stream else state.config.server.coalesce_s
@@ -95,7 +97,7 @@ async def _admit(state: GatewayState, session: Session, req: CompletionRequest, 
             attempt.failed(exc)
             raise
         record(state, session, decision, policy)
-        return Admission(session, handle, decision, policy, attempt, len(tried - exclude)), response
+        return Admission(session, handle, decision, policy, attempt, len(tried - exclude), route), response
 
 
 def _client_gone(request: web.Request) -> bool:
@@ -249,7 +251,7 @@ async def _relay(request: web.Request, kind: RequestKind, state: GatewayState, t
                              drain, ops)
     in_flight.stream = stream
     headers = {SESSION_HEADER: session.session_id, MODE_HEADER: admission.decision.header,
-               WORKER_HEADER: admission.handle.worker_id}
+               WORKER_HEADER: admission.handle.worker_id, ROUTE_HEADER: admission.route}
     tally = StreamTally()
     batches = stream.batches()
     try:

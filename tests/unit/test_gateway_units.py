@@ -7,11 +7,11 @@ from prometheus_client import CollectorRegistry, Histogram
 
 from gateway.config.config import SessionsConfig
 from gateway.fleet.probe import precision_signature
-from gateway.fleet.routing import Candidate, Route, choose_route, choose_worker
+from gateway.fleet.routing import Candidate, Route, choose_route, choose_worker, unbalanced
 from gateway.fleet.supervisor import HEALTHY_RUN_S, restart_delay
 from gateway.observe.metrics import TOKEN_GAP_BUCKETS, GatewayMetrics
 from gateway.sessions.table import SessionTable
-from policies import Decision, Mode
+from policies import Decision, Mode, PolicyConfig
 
 
 def test_lru_bound_evicts_least_recently_used() -> None:
@@ -87,7 +87,7 @@ SPECULATIVE: frozenset[Mode] = frozenset({"speculative"})
 
 @pytest.mark.parametrize(("current", "candidates", "expected"), [
     (None, [ready("a", 0, PLAIN), ready("b", 4), ready("c", 2, SPECULATIVE)], Route("a", "c")),  # least loaded
-    ("c", [ready("a", 0, PLAIN), ready("c", 2, SPECULATIVE)], Route("c", "a")),  # sticky, and the other mode
+    ("c", [ready("a", 0, PLAIN), ready("c", 2, SPECULATIVE)], Route("c", "a", "sticky")),  # sticky, and the other mode
     (None, [ready("a", 0, PLAIN), ready("b", 4, PLAIN)], Route("a")),  # nobody serves the other mode
     (None, [ready("a", 0, PLAIN), Candidate("b", False, 0, SPECULATIVE)], Route("a")),  # ...that is ready
     (None, [ready("a", 0), ready("b", 0, SPECULATIVE)], Route("a")),  # both modes: no other needed
@@ -96,6 +96,34 @@ SPECULATIVE: frozenset[Mode] = frozenset({"speculative"})
 def test_choose_route_names_a_worker_of_the_other_mode(current: str | None, candidates: list[Candidate],
                                                        expected: Route) -> None:
     assert choose_route(current, candidates) == expected
+
+
+RULES = PolicyConfig(route_balance_abs=4, route_balance_rel=1.5, route_min_prefix_hit=0.1)
+
+
+@pytest.mark.parametrize(("current", "loads", "hits", "expected"), [
+    # sticky while its worker is ready and not the one an unbalanced fleet piles on
+    ("a", {"a": 3, "b": 0}, {}, Route("a", reason="sticky")),
+    ("a", {"a": 9, "b": 2}, {}, Route("b", reason="load")),  # unbalanced: 9 - 2 > 4 and 9 > 1.5 x 2
+    ("a", {"a": 9, "b": 2, "c": 9}, {}, Route("b", reason="load")),  # a shares the top: it moves too
+    ("a", {"a": 6, "b": 2, "c": 9}, {}, Route("a", reason="sticky")),  # unbalanced, but c is the hotspot
+    # a new request: the expected prefix hit against load
+    (None, {"a": 2, "b": 0}, {"a": 0.8}, Route("a", reason="prefix")),  # 3 x 0.8 + 2 x 0 beats 0 + 2 x 1
+    (None, {"a": 2, "b": 0}, {"a": 0.2}, Route("b", reason="load")),  # 0.6 < 2: load wins the score
+    (None, {"a": 2, "b": 0}, {"a": 0.05}, Route("b", reason="load")),  # below route_min_prefix_hit: least loaded
+    (None, {"a": 9, "b": 2}, {"a": 1.0}, Route("b", reason="load")),  # the guard: load alone
+    (None, {"a": 6, "b": 2}, {"a": 1.0}, Route("a", reason="prefix")),  # 6 - 2 = 4: not beyond the guard
+    (None, {"a": 1, "b": 1}, {"a": 0.5, "b": 0.5}, Route("a", reason="prefix")),  # ties: first listed
+])
+def test_cache_aware_routing_with_a_load_guard(current: str | None, loads: dict[str, int], hits: dict[str, float],
+                                               expected: Route) -> None:
+    assert choose_route(current, [ready(w, load) for w, load in loads.items()], hits, RULES) == expected
+
+
+def test_the_load_guard_needs_both_thresholds() -> None:
+    assert unbalanced([10, 2], RULES) and not unbalanced([6, 2], RULES)  # 4 is not beyond route_balance_abs
+    assert not unbalanced([30, 25], RULES)  # far apart, but within 1.5x
+    assert not unbalanced([7], RULES)
 
 
 @pytest.mark.parametrize("amount", [0.0, 0.0005, 0.001, 0.003, 0.7, 5.0])  # a boundary, the last bucket, +Inf
