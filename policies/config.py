@@ -8,6 +8,7 @@ and every rule is checked, so an edit with several mistakes gets a message for e
 
 from __future__ import annotations
 
+import difflib
 import functools
 import math
 from collections.abc import Collection, Iterable, Mapping
@@ -174,7 +175,7 @@ class PolicyConfig:
         problems: list[PolicyConfigError] = []
         for key, value in raw.items():
             if key not in known:
-                problems.append(PolicyConfigError(str(key), value, f"unknown field; known fields: {', '.join(known)}"))
+                problems.append(PolicyConfigError(str(key), value, _unknown(str(key), known)))
                 continue
             try:
                 values[key] = _typed(key, value, str(known[key].type))
@@ -198,6 +199,14 @@ class PolicyConfig:
 
     def as_dict(self) -> dict[str, float | int | str | tuple[str, ...]]:
         return {f.name: getattr(self, f.name) for f in fields(self)}
+
+
+def _unknown(key: str, known: Collection[str]) -> str:
+    """An unknown field's problem: the known fields it is closest to (listing all of them would make
+    each of a hostile body's thousands of problems a paragraph)."""
+    close = difflib.get_close_matches(key[:100], list(known), n=3, cutoff=0.6)
+    hint = f"did you mean {' or '.join(close)}? " if close else ""
+    return f"unknown field; {hint}(the policy's fields: docs/config.md)"
 
 
 AUTO_FIELDS = ("num_speculative_tokens", "free_batch")  # integer fields that also take "auto"

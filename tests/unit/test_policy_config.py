@@ -29,6 +29,8 @@ def test_defaults() -> None:
         "free_batch": 0, "max_step_drafts": 0,  # off: the thresholds above are the rules
         "tree_shapes": ("2+3", "2x2+2", "3+4", "2x2+4"), "tree_rank_prior": 0.7, "tree_explore_every": 4,
         "tree_switch_gain": 0.05, "methods": ("draft",), "method_explore_every": 2,
+        "route_prefix_weight": 3.0, "route_load_weight": 2.0, "route_min_prefix_hit": 0.1, "route_balance_abs": 4,
+        "route_balance_rel": 1.5, "route_index_blocks": 65536,
     }
 
 
