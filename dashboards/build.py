@@ -184,6 +184,14 @@ POLICY = (
          _threshold("max_batch"), _threshold("batch_resume")),
         min=0),
     PanelSpec(
+        "Requests placed by why that worker",
+        "sticky: the session's own worker. prefix: a new placement won by the expected prefix hit (the gateway sent "
+        "that worker the same prompt start before). load: the least-loaded worker, or the load guard overruled "
+        "(policy.route_balance_abs and route_balance_rel).",
+        "reqps",
+        (Query(f"sum by (reason) (rate(specgate_routes_total{{{M}}}[{RATE}]))", "{{reason}}"),),
+        stacked=True),
+    PanelSpec(
         "Speculation by method",
         "Decisions to speculate per second by method (draft model, prompt lookup ngram, suffix), where sessions "
         "choose one (policy.methods); explore: a method's first run in a session.",

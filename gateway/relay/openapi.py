@@ -56,8 +56,10 @@ def _errors(*statuses: str) -> dict[str, Any]:
 def _completion_operation(summary: str, body: type[BaseModel], response: type[BaseModel]) -> dict[str, Any]:
     headers = {name: {"description": description, "schema": {"type": "string"}} for name, description in (
         ("X-Session-ID", "the session key used"), ("X-Specgate-Worker", "the worker that served the request"),
-        ("X-Specgate-Mode", "the decision, e.g. `speculative; k=6; reason=default` "
-                             "or `speculative; tree=2x2+3; reason=default`"))}
+        ("X-Specgate-Mode", "the decision, e.g. `speculative; k=6; reason=default`, "
+                             "`speculative; tree=2x2+3; reason=default` or `speculative; method=ngram; k=8; "
+                             "reason=default`"),
+        ("X-Specgate-Route", "why that worker: `sticky`, `prefix` or `load`"))}
     return {
         "summary": summary,
         "parameters": [{"name": "X-Session-ID", "in": "header", "required": False,
