@@ -20,6 +20,7 @@ from __future__ import annotations
 from types import SimpleNamespace
 from typing import Any, get_args
 
+from policies.methods import is_method
 from policies.tree import TreeShapeError, parse_shape
 from workers.api.schema import (
     MAX_COALESCE_S,
@@ -105,9 +106,13 @@ def _directive(value: Any) -> SimpleNamespace:
             out.coalesce_s = _float(v, 0, MAX_COALESCE_S)
         elif key == "tree":
             out.tree = _tree(v)
+        elif key == "method":
+            if v is not None and not is_method(v):
+                raise _Refused
+            out.method = v
         else:
             raise _Refused
-    if out.tree is not None and parse_shape(out.tree).depth != out.k:
+    if out.tree is not None and (parse_shape(out.tree).depth != out.k or out.method not in (None, "draft")):
         raise _Refused  # pydantic words the error
     return out
 

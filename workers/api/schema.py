@@ -130,12 +130,16 @@ class Directive(_Strict):
     step_log: bool = False  # a non-streaming answer lists its steps' drafts (the endpoint picker's feedback)
     # A token tree instead of a chain of k (policies/tree.py's notation, "2x2+3"); k is its depth.
     tree: Annotated[str, Field(max_length=MAX_TREE_TEXT), AfterValidator(_tree_shape)] | None = None
+    # A lookup method proposes instead of the draft model (policies/methods.py); None: the draft.
+    method: Literal["draft", "ngram", "suffix"] | None = None
 
     @model_validator(mode="after")
     def _tree_depth(self) -> Directive:
         if self.tree is not None and (depth := parse_shape(self.tree).depth) != self.k:
             raise ValueError(f"a tree's k is its depth ({depth} for {self.tree}; "
                              f"got k={self.k})")
+        if self.tree is not None and self.method not in (None, "draft"):
+            raise ValueError(f"a token tree is drafted by the draft model, not {self.method}")
         return self
 
 

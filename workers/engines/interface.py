@@ -14,6 +14,7 @@ from collections.abc import AsyncGenerator, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
 
+from policies.methods import Method
 from policies.tree import StepPath, TreeShape
 from workers.api.generation import SamplingParams, SpecSteps
 from workers.costs.cost_report import CostReport
@@ -36,6 +37,10 @@ class GenerationRequest:
     # Speculate with this token tree instead of a chain of ``k`` (then ``k`` == its depth); an
     # engine that serves chains only runs the chain of that depth (``Engine.tree_shapes``).
     tree: TreeShape | None = None
+    # Where the proposals come from (policies/methods.py): the draft model, or a lookup method an
+    # engine that offers it runs instead (``EngineInfo.methods``; one that does not runs the draft).
+    method: Method = "draft"
+    session: str | None = None  # the client's X-Session-ID: what the suffix method may match
 
 
 @dataclass(frozen=True)
@@ -112,6 +117,8 @@ class EngineInfo:
     eos_token_ids: frozenset[int]
     # The most draft nodes of a token tree it verifies in one step (policies.tree); 0: chains only.
     tree_max_nodes: int = 0
+    # The speculation methods it runs (policies/methods.py); () for a plain-only engine.
+    methods: tuple[Method, ...] = ()
     # Engine-specific (precision, vLLM version, the sim's model and its live step lateness, ...).
     details: Mapping[str, Any] = field(default_factory=dict)
 

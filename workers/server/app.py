@@ -20,6 +20,7 @@ from aiohttp import web
 from aiohttp.typedefs import Middleware
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
+from policies.methods import Method
 from policies.tree import TreeShape
 from workers.api.answers import assemble, speculative_usage
 from workers.api.errors import ApiError, BadRequest, NotFound, Overloaded, WorkerFailed
@@ -154,6 +155,13 @@ def _tree_of(ctx: WorkerContext, req: CompletionRequest) -> TreeShape | None:
     return shape if shape.nodes <= info.tree_max_nodes and shape.depth <= info.max_k else None
 
 
+def _method_of(ctx: WorkerContext, req: CompletionRequest) -> Method:
+    """The directive's method, where this engine runs it; else the draft model (as ``_tree_of``
+    falls back to the chain)."""
+    method = req.directive.method if req.directive is not None else None
+    return method if method is not None and method in ctx.engine.info.methods else "draft"
+
+
 # -- handlers -----------------------------------------------------------------------------------------
 def describe(ctx: WorkerContext) -> dict[str, Any]:
     engine = ctx.engine
@@ -164,6 +172,7 @@ def describe(ctx: WorkerContext) -> dict[str, Any]:
         "worker_id": ctx.settings.worker_id, "engine": info.kind, "model": ctx.settings.served_model_name,
         "modes": ["speculative", "plain"] if info.max_k > 0 else ["plain"], "max_k": info.max_k,
         "max_slots": info.max_slots, "context_window": info.context_window, "tree_max_nodes": info.tree_max_nodes,
+        "methods": list(info.methods if info.methods or info.max_k <= 0 else ("draft",)),
         **info.details,
         "batch_depth": engine.batch_depth, "queue_length": engine.queue_length, "batch_full": engine.batch_full,
         "stats": {"steps": stats.steps, "draft_tokens": stats.draft_tokens, "accepted_tokens": stats.accepted_tokens,
@@ -258,7 +267,7 @@ async def _serve(request: web.Request, kind: RequestKind) -> web.StreamResponse:
     generation = GenerationRequest(
         request_id=("chatcmpl-" if kind == "chat" else "cmpl-") + secrets.token_hex(12), prompt_ids=prompt_ids,
         max_tokens=max_tokens, k=k, resumed_tokens=len(resume.output_ids) if resume is not None else 0,
-        tree=_tree_of(ctx, req),
+        tree=_tree_of(ctx, req), method=_method_of(ctx, req), session=request.headers.get(SESSION_HEADER),
         params=SamplingParams(temperature=req.temperature, top_p=req.top_p, top_k=req.top_k, seed=req.seed,
                               position_offset=len(resume.output_ids) if resume is not None else 0,
                               ignore_eos=req.ignore_eos, min_tokens=req.min_tokens))

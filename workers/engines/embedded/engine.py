@@ -25,11 +25,14 @@ from dataclasses import replace
 
 import torch
 
+from policies.methods import LOOKUP_METHODS
 from policies.tree import MAX_TREE_NODES
 from workers.api.limits import check_sampling
+from workers.engines.embedded.drafting import propose_greedy
 from workers.engines.embedded.forwards import native_rows, single_row
 from workers.engines.embedded.kv_cache import CacheBatch, KVCache
 from workers.engines.embedded.llama import LlamaForCausalLM
+from workers.engines.embedded.lookup.proposer import LookupProposer, LookupSettings
 from workers.engines.embedded.sampling import (
     Verdict,
     gumbel_max,
@@ -37,6 +40,7 @@ from workers.engines.embedded.sampling import (
     sample,
     verify,
     verify_greedy,
+    verify_point_mass,
 )
 from workers.engines.embedded.sequence import Row as _Row
 from workers.engines.embedded.sequence import Sequence as _Sequence
@@ -50,7 +54,8 @@ class SpeculativeEngine:
     def __init__(self, target: LlamaForCausalLM, draft: LlamaForCausalLM | None, *, max_slots: int = 8,
                  max_k: int = 8, step_depth_rule: StepDepthRule | None = None,
                  rng: random.Random | None = None, drafting_in_one_call: bool = True,
-                 max_tree_nodes: int = MAX_TREE_NODES, max_positions: int | None = None) -> None:
+                 max_tree_nodes: int = MAX_TREE_NODES, max_positions: int | None = None,
+                 lookup: LookupSettings | None = None) -> None:
         if draft is not None and draft.cfg.vocab_size != target.cfg.vocab_size:
             raise ValueError("draft and target must share a vocabulary")
         self.target = target
@@ -72,8 +77,10 @@ class SpeculativeEngine:
         if draft is not None:
             self.draft_cache = KVCache.allocate(draft.cfg, max_slots, draft.lm_head.weight.dtype, self.max_positions)
         self.eos_ids = frozenset(target.cfg.eos_token_ids)
+        # Prompt lookup and suffix matching, where the engine speculates at all (their K is the draft's).
+        self.lookup = LookupProposer(lookup or LookupSettings()) if self.max_k > 0 else None
         self.step_depth_rule = step_depth_rule
-        # Greedy drafting in one kernel call (_propose_greedy); False drafts per position, as
+        # Greedy drafting in one kernel call (drafting.propose_greedy); False drafts per position, as
         # every other sequence does (bench.kernels measures what the one call buys).
         self.drafting_in_one_call = drafting_in_one_call
         self.step_cost_rule: StepCostRule | None = None
@@ -133,6 +140,8 @@ class SpeculativeEngine:
     def abort(self, request_id: str) -> bool:
         """Drops the sequence and frees its slot at once. True if it was known."""
         seq = self._running.pop(request_id, None)
+        if self.lookup is not None:
+            self.lookup.drop(request_id)
         if seq is not None:
             self._free_slots.append(seq.slot)
             self._free_slots.sort()
@@ -200,22 +209,31 @@ class SpeculativeEngine:
             # sequences caught up and drafted K=3 while the rest decoded plain paid K+1 tokens
             # a row for all 32 rows (rows are padded to the widest) for the tokens of few:
             # 0.75x plain at batch 32 (bench.engine, AVX512-BF16 EPYC).
-            if (k > 0 and self.catch_up_rule is not None and lag > ORDINARY_LAG
+            if (k > 0 and self.catch_up_rule is not None and lag > ORDINARY_LAG and not self._looks_up(seq)
                     and not self.catch_up_rule(lag, seq.request.max_tokens - seq.emitted, k, depth)):
                 k = 0
             requested.append(k)
             seq.drafts, seq.draft_probs = [], []
-        common = self.step_cost_rule(requested) if self.step_cost_rule is not None and any(requested) else None
+        # The cost rule prices the draft's forwards: lookup sequences draft none and keep their K.
+        drafting = [0 if self._looks_up(s) else k for s, k in zip(seqs, requested, strict=True)]
+        common = self.step_cost_rule(drafting) if self.step_cost_rule is not None and any(drafting) else None
         for seq, k in zip(seqs, requested, strict=True):
+            if self._looks_up(seq):
+                assert self.lookup is not None
+                seq.drafts = self.lookup.propose(seq.request.request_id, seq.request.method, seq.tokens,
+                                                 seq.request.session, k)
+                seq.step_k, seq.step_tree = len(seq.drafts), None
+                continue
             seq.step_k = self._room(seq, common) if common is not None and k > 0 else k
             # A tree where the step's K reaches its depth (tree_step.plan), else a chain of that K.
             seq.step_tree = tree_step.plan(self, seq, seq.step_k) if seq.step_k > 0 else None
             if seq.step_tree is not None:
                 seq.step_k = seq.step_tree.layout.shape.depth
-        catch_up = max((len(s.tokens) - s.draft_len for s in seqs if s.step_k > 0), default=0)
+        drafted = [s for s in seqs if s.step_k > 0 and not self._looks_up(s)]
+        catch_up = max((len(s.tokens) - s.draft_len for s in drafted), default=0)
         failed: dict[str, Exception] = {}  # one sequence's failure must not end the others
         started = time.perf_counter()
-        self._propose([s for s in seqs if s.step_k > 0 and s.step_tree is None], failed)
+        self._propose([s for s in drafted if s.step_tree is None], failed)
         tree_step.propose(self, [s for s in seqs if s.step_tree is not None], failed)
         proposed = time.perf_counter()
         seqs = [s for s in seqs if s.request.request_id not in failed]
@@ -223,7 +241,7 @@ class SpeculativeEngine:
         rows = [self._target_row(s) for s in seqs]
         target_logits = self._forward_isolated(self.target, self.target_cache, seqs, rows, failed)
         self.last_draft_s, self.last_target_s = proposed - started, time.perf_counter() - proposed
-        drafting = [s.step_k for s in seqs if s.step_k > 0]  # a tree counts its depth (its draft forwards)
+        drafting = [s.step_k for s in drafted if s.request.request_id not in failed]  # a tree: its depth
         self.last_shape = StepShape(len(rows), max((len(r.new_tokens) for r in rows), default=0),
                                     prefill, len(drafting), max(drafting, default=0), sum(drafting), catch_up,
                                     sum(len(r.new_tokens) for r in rows), any(s.step_tree is not None for s in seqs))
@@ -308,7 +326,7 @@ class SpeculativeEngine:
         if not seqs:
             return
         assert self.draft is not None and self.draft_cache is not None
-        if self._propose_greedy(seqs):
+        if propose_greedy(self.draft, self.draft_cache, self.drafting_in_one_call, seqs):
             return
         for j in range(max(s.step_k for s in seqs)):
             active = [s for s in seqs if s.step_k > j and s.request.request_id not in failed]
@@ -325,33 +343,6 @@ class SpeculativeEngine:
                 except Exception as exc:
                     failed[seq.request.request_id] = exc
 
-    def _propose_greedy(self, seqs: list[_Sequence]) -> bool:
-        """All K drafts of greedy sequences drafting the same K in one kernel call
-        (``FusedForward.draft_greedy``); False where that does not apply (the per-position
-        path then drafts). The same forwards and argmaxes as that path, so the same drafts;
-        a batch that raises is drafted again per position, which rewrites the same cache
-        positions and isolates the failing sequence."""
-        assert self.draft is not None and self.draft_cache is not None
-        fused, k = self.draft.fused, seqs[0].step_k
-        # (A reduced-vocabulary draft's kernel argmax is a head row, not a token to feed back.)
-        if fused is None or self.draft.vocab_ids is not None or not self.drafting_in_one_call or any(
-                s.step_k != k or s.request.params.temperature > 0.0 for s in seqs):
-            return False
-        # The first forward catches the draft cache up: 1-2 tokens, more after a plain spell or
-        # on a prompt; the kernel's attention serves rows up to a length (native_forward).
-        rows = [s.tokens[s.draft_len:] for s in seqs]
-        if max(map(len, rows)) > self.draft.native_attention_max_tokens:
-            return False
-        try:
-            drafts = fused.draft_greedy(rows, self.draft_cache.k, self.draft_cache.v, [s.slot for s in seqs],
-                                        [s.draft_len for s in seqs], k)
-        except Exception:
-            return False
-        for seq, row, row_drafts in zip(seqs, rows, drafts, strict=True):
-            seq.draft_len += len(row) + k - 1
-            seq.drafts = row_drafts
-        return True
-
     def _draft_token(self, seq: _Sequence, logits: torch.Tensor, position: int) -> None:
         """logits (V,): the draft's proposal at draft position ``position`` of this step."""
         if seq.request.params.temperature <= 0.0:
@@ -364,6 +355,10 @@ class SpeculativeEngine:
         q = probabilities(logits, seq.request.params)
         seq.drafts.append(int(sample(q, seq.generator).item()))
         seq.draft_probs.append(q)
+
+    def _looks_up(self, seq: _Sequence) -> bool:
+        """Proposes by lookup (ngram, suffix) rather than with the draft model."""
+        return self.lookup is not None and seq.request.method in LOOKUP_METHODS
 
     def _below_min_tokens(self, seq: _Sequence) -> bool:
         return seq.request.params.position_offset + seq.emitted < seq.request.params.min_tokens
@@ -387,6 +382,8 @@ class SpeculativeEngine:
             # for greedy: a draft stands while it equals it; plain decoding is the K = 0 case.
             noise = torch.stack([seq.noise_at(j, logits.shape[-1]) for j in range(seq.step_k + 1)])
             verdict = verify_greedy(seq.drafts, gumbel_max(logits, seq.request.params, noise))
+        elif seq.step_k > 0 and self._looks_up(seq):  # point masses (lookup/proposer.py)
+            verdict = verify_point_mass(seq.drafts, probabilities(logits, seq.request.params), seq.generator)
         elif seq.step_k > 0:
             p = probabilities(logits, seq.request.params)  # (K+1, V)
             verdict = verify(torch.tensor(seq.drafts), torch.stack(seq.draft_probs), p, seq.generator)
@@ -395,7 +392,7 @@ class SpeculativeEngine:
             verdict = Verdict([int(sample(p[0], seq.generator).item())], 0)
         new_tokens, accepted = verdict.tokens, verdict.accepted
         if seq.step_tree is None:
-            if seq.step_k > 0:
+            if seq.step_k > 0 and not self._looks_up(seq):
                 # Rewind: the draft cache holds the prefix plus d_1..d_{K-1}; keep what was accepted.
                 seq.draft_len = before + min(accepted, seq.step_k - 1)
             seq.target_len = before + accepted  # rewind the target cache to the accepted prefix
@@ -415,6 +412,10 @@ class SpeculativeEngine:
             done = seq.request.params.position_offset + seq.emitted
             seq.noise = {pos: g for pos, g in seq.noise.items() if pos >= done}
         if finish is not None:
+            if self.lookup is not None:  # the suffix store keeps the finished prompt and output
+                request = seq.request
+                self.lookup.finished(request.request_id, request.prompt_ids, seq.tokens[len(request.prompt_ids):],
+                                     request.session)
             self.abort(seq.request.request_id)
         return StepEvent(seq.request.request_id, emitted, seq.step_k, accepted, depth, finish, eos=finish == "stop",
                          path=path)

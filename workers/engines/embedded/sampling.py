@@ -87,6 +87,32 @@ def verify(draft_tokens: torch.Tensor, q: torch.Tensor, p: torch.Tensor, generat
     return Verdict(tokens, n)
 
 
+def verify_point_mass(draft_tokens: list[int], p: torch.Tensor, generator: torch.Generator) -> Verdict:
+    """The speculative sampling rule for proposals that are point masses (q = 1 at the proposed
+    token: prompt lookup, suffix matching).
+
+    p (K+1, V): the target's distributions at the K positions plus the bonus one. Proposal i is
+    accepted with probability p_i(x_i); at the first rejection the replacement is drawn from p with
+    x_i removed and renormalised (max(0, p − q) for a one-hot q); if all pass, a bonus token is
+    drawn from p_K. Each emitted token is then distributed exactly as the target's.
+    """
+    k = len(draft_tokens)
+    proposed = torch.tensor(draft_tokens, dtype=torch.long)
+    accepted_mask = torch.rand(k, generator=generator) < p[torch.arange(k), proposed]
+    rejected = (~accepted_mask).nonzero()
+    n = int(rejected[0].item()) if len(rejected) else k
+    tokens = draft_tokens[:n]
+    if n < k:
+        residual = p[n].clone()
+        residual[draft_tokens[n]] = 0.0
+        total = residual.sum()
+        # All of p's mass on the rejected token cannot happen (it would have been accepted); guard anyway.
+        tokens.append(int(sample(residual / total if total > 0 else p[n], generator).item()))
+    else:
+        tokens.append(int(sample(p[k], generator).item()))
+    return Verdict(tokens, n)
+
+
 def verify_greedy(draft_tokens: list[int], target_argmax: list[int]) -> Verdict:
     """Temperature 0: drafts are accepted while they equal the target's argmax (K+1 entries)."""
     n = 0

@@ -1,0 +1,55 @@
+"""The engine's lookup methods in one place: each running sequence's own index (``ngram``: its
+n-grams; ``suffix``: its keys) and the worker's ``SuffixStore``, which a sequence joins when it
+finishes (its prompt for its session, its output for every session)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from policies.methods import Method
+from workers.engines.embedded.lookup.ngram import DEFAULT_PROMPT_LOOKUP_MAX, DEFAULT_PROMPT_LOOKUP_MIN, NgramIndex
+from workers.engines.embedded.lookup.suffix import DEFAULT_MAX_BYTES, SequenceKeys, SuffixStore
+
+
+@dataclass(frozen=True)
+class LookupSettings:
+    prompt_lookup_min: int = DEFAULT_PROMPT_LOOKUP_MIN
+    prompt_lookup_max: int = DEFAULT_PROMPT_LOOKUP_MAX
+    suffix_cache_bytes: int = DEFAULT_MAX_BYTES  # the worker's suffix store (SuffixStore.memory_bytes)
+
+
+class LookupProposer:
+    def __init__(self, settings: LookupSettings = LookupSettings()) -> None:
+        self.settings = settings
+        self.suffix = SuffixStore(settings.suffix_cache_bytes)
+        self._ngrams: dict[str, NgramIndex] = {}
+        self._keys: dict[str, SequenceKeys] = {}
+
+    def propose(self, request_id: str, method: Method, tokens: Sequence[int], session: str | None,
+                k: int) -> list[int]:
+        """Up to ``k`` point-mass proposals for the sequence ``tokens`` (prompt and output so far)."""
+        if k <= 0:
+            return []
+        if method == "ngram":
+            index = self._ngrams.get(request_id)
+            if index is None:
+                index = self._ngrams[request_id] = NgramIndex(self.settings.prompt_lookup_min,
+                                                              self.settings.prompt_lookup_max)
+            return index.propose(tokens, k)
+        keys = self._keys.get(request_id)
+        if keys is None:
+            keys = self._keys[request_id] = SequenceKeys()
+        return self.suffix.propose(tokens, session, k, keys)
+
+    def finished(self, request_id: str, prompt: Sequence[int], output: Sequence[int], session: str | None) -> None:
+        """A sequence ended with its output: the store keeps both (whatever its method was)."""
+        self.drop(request_id)
+        if self.settings.suffix_cache_bytes > 0:
+            if session is not None:  # a prompt is matched for its own session only
+                self.suffix.add(prompt, session, shared=False)
+            self.suffix.add(output, session, shared=True)
+
+    def drop(self, request_id: str) -> None:
+        self._ngrams.pop(request_id, None)
+        self._keys.pop(request_id, None)

@@ -1,0 +1,180 @@
+"""Suffix matching (``suffix``, after SuffixDecoding): propose the most frequent continuation of
+the sequence's longest suffix match among the session's earlier prompts and outputs, the
+worker's recent outputs, and the sequence itself.
+
+**The structure.** A ``SuffixStore`` per worker holds *documents* (token arrays): each finished
+request's prompt (visible to its own session only) and output (visible to its session, and to
+every session as one of the worker's recent outputs). An index maps each ``KEY_LEN``-gram (packed
+into one int) to its most recent occurrences (at most ``MAX_OCCURRENCES`` per key), each a (document, position of the
+token that followed it). A proposal takes the occurrences of the sequence's last ``KEY_LEN``
+tokens, in the store and in the sequence itself, extends each backwards to its match length (up
+to ``MAX_MATCH``), keeps those with the longest match, and walks forward: at each depth the token
+most of the remaining candidates continue with, while it holds at least ``MIN_SHARE`` of them;
+the candidates that disagree drop out. That is a walk down a suffix tree's most frequent path,
+computed lazily from the occurrences. The proposal is at most K long, and at most
+``LENGTH_PER_MATCH`` × the match length (SuffixDecoding's adaptive length: a short match is weak
+evidence, so it speculates little).
+
+**The memory bound.** ``max_bytes`` bounds ``memory_bytes()``: ``TOKEN_BYTES`` per stored token
+(the documents' arrays) plus ``ENTRY_BYTES`` per index entry (an occurrence, an int in its key's
+list; a key seen once also costs its int key, its list and its dict slot). ``tests/unit/engine/test_lookup.py`` measures
+both constants with ``sys.getsizeof`` and checks they are upper bounds. Whole documents are
+evicted, least recently added first, and their index entries with them, until the bound holds;
+a document larger than the bound is not kept.
+"""
+
+from __future__ import annotations
+
+from array import array
+from collections import OrderedDict, deque
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+KEY_LEN = 3
+MAX_OCCURRENCES = 32  # per key: the most recent
+MAX_MATCH = 32  # tokens compared backwards
+MIN_SHARE = 0.3  # a continuation must be this share of the candidates left to be proposed
+LENGTH_PER_MATCH = 2.0  # a proposal is at most this x the match length
+TOKEN_BYTES = 4  # array('i')
+# An index entry: its occurrence (an int in a list) and, for a key seen once, the key (an int),
+# its list and its dict slot; measured by tests/unit/engine/test_lookup.py as an upper bound.
+ENTRY_BYTES = 256
+DEFAULT_MAX_BYTES = 64 << 20
+POSITION_BITS = 32  # an occurrence is (document id << POSITION_BITS) | position
+KEY_BASE = 1 << 20  # token ids below this (any vocabulary here) pack KEY_LEN of them into one int key
+
+
+@dataclass
+class _Document:
+    tokens: array[int]
+    session: str | None
+    shared: bool  # an output: every session may match it; a prompt: its own session only
+
+
+class SuffixStore:
+    def __init__(self, max_bytes: int = DEFAULT_MAX_BYTES) -> None:
+        self.max_bytes = max_bytes
+        self._documents: OrderedDict[int, _Document] = OrderedDict()
+        self._index: dict[int, list[int]] = {}
+        self._next_id = 0
+        self._tokens = 0
+        self._entries = 0
+
+    # -- the bound ------------------------------------------------------------------------------
+    def memory_bytes(self) -> int:
+        return self._tokens * TOKEN_BYTES + self._entries * ENTRY_BYTES
+
+    @property
+    def documents(self) -> int:
+        return len(self._documents)
+
+    def add(self, tokens: Sequence[int], session: str | None, shared: bool) -> None:
+        """A finished request's prompt (``shared`` False) or output (True)."""
+        if len(tokens) <= KEY_LEN or len(tokens) * (TOKEN_BYTES + ENTRY_BYTES) > self.max_bytes:
+            return
+        doc_id, self._next_id = self._next_id, self._next_id + 1
+        document = _Document(array("i", tokens), session, shared)
+        self._documents[doc_id] = document
+        self._tokens += len(tokens)
+        for pos in range(KEY_LEN, len(tokens)):
+            key = _key(tokens, pos)
+            occurrences = self._index.get(key)
+            if occurrences is None:
+                occurrences = self._index[key] = []
+            elif len(occurrences) == MAX_OCCURRENCES:
+                del occurrences[0]  # the oldest falls off
+                self._entries -= 1
+            occurrences.append(doc_id << POSITION_BITS | pos)
+            self._entries += 1
+        while self.memory_bytes() > self.max_bytes and self._documents:
+            self._evict(next(iter(self._documents)))
+
+    def _evict(self, doc_id: int) -> None:
+        document = self._documents.pop(doc_id)
+        tokens = document.tokens
+        self._tokens -= len(tokens)
+        for pos in range(KEY_LEN, len(tokens)):
+            key = _key(tokens, pos)
+            occurrences = self._index.get(key)
+            if occurrences is None:
+                continue
+            try:
+                occurrences.remove(doc_id << POSITION_BITS | pos)
+            except ValueError:
+                continue  # already pushed out by newer occurrences
+            self._entries -= 1
+            if not occurrences:
+                del self._index[key]
+
+    # -- proposing ------------------------------------------------------------------------------
+    def propose(self, tokens: Sequence[int], session: str | None, k: int,
+                own: SequenceKeys | None = None) -> list[int]:
+        """Up to ``k`` tokens continuing ``tokens`` (the sequence so far, whose own earlier
+        occurrences ``own`` indexes); [] where nothing matches."""
+        if k <= 0 or len(tokens) <= KEY_LEN:
+            return []
+        key = _key(tokens, len(tokens))
+        candidates: list[tuple[Sequence[int], int]] = []
+        for occurrence in self._index.get(key, ()):
+            doc_id, pos = occurrence >> POSITION_BITS, occurrence & ((1 << POSITION_BITS) - 1)
+            document = self._documents.get(doc_id)
+            if document is not None and (document.shared or (session is not None and document.session == session)):
+                candidates.append((document.tokens, pos))
+        # The sequence itself, where its last KEY_LEN tokens occurred before.
+        if own is not None:
+            candidates += [(tokens, pos) for pos in own.positions(tokens, key)]
+        if not candidates:
+            return []
+        lengths = [_match_length(tokens, source, pos) for source, pos in candidates]
+        longest = max(lengths)
+        best = [c for c, length in zip(candidates, lengths, strict=True) if length == longest]
+        cap = min(k, max(1, int(LENGTH_PER_MATCH * longest)))
+        proposal: list[int] = []
+        for depth in range(cap):
+            counts: dict[int, int] = {}
+            for source, pos in best:
+                if pos + depth < len(source) and (source is not tokens or pos + depth < len(tokens)):
+                    counts[source[pos + depth]] = counts.get(source[pos + depth], 0) + 1
+            if not counts:
+                break
+            token, count = max(counts.items(), key=lambda item: (item[1], -item[0]))
+            if count < MIN_SHARE * len(best):
+                break
+            proposal.append(token)
+            best = [(s, p) for s, p in best if p + depth < len(s) and s[p + depth] == token]
+        return proposal
+
+
+class SequenceKeys:
+    """One sequence's own ``KEY_LEN``-grams: each key's most recent positions (the token that
+    followed), indexed incrementally as the sequence grows; freed with it."""
+
+    def __init__(self) -> None:
+        self._positions: dict[int, deque[int]] = {}
+        self._indexed = KEY_LEN
+
+    def positions(self, tokens: Sequence[int], key: int) -> list[int]:
+        for pos in range(self._indexed, len(tokens)):  # a position counts once a token follows its key
+            found = self._positions.get(k := _key(tokens, pos))
+            if found is None:
+                found = self._positions[k] = deque(maxlen=MAX_OCCURRENCES)
+            found.append(pos)
+        self._indexed = max(self._indexed, len(tokens))
+        return list(self._positions.get(key, ()))
+
+
+def _key(tokens: Sequence[int], end: int) -> int:
+    """The KEY_LEN tokens before ``end`` as one int (cheaper than a tuple, in memory and in hashing)."""
+    key = 0
+    for token in tokens[end - KEY_LEN:end]:
+        key = key * KEY_BASE + token
+    return key
+
+
+def _match_length(tokens: Sequence[int], source: Sequence[int], pos: int) -> int:
+    """How many tokens before ``pos`` in ``source`` equal the end of ``tokens`` (at most MAX_MATCH)."""
+    length = 0
+    while (length < MAX_MATCH and length < pos and length < len(tokens)
+           and source[pos - 1 - length] == tokens[len(tokens) - 1 - length]):
+        length += 1
+    return length
