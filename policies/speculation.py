@@ -198,9 +198,9 @@ def _method_rules(session: SessionState, worker: WorkerState, policy: PolicyConf
     (``price_lookup``). The best is kept unless the session's current method is within
     ``k_switch_gain`` of it. A method the session never tried is priced on the worker's evidence
     for it where the worker has some; every ``method_explore_every``-th request (or at once, where
-    no other method is on offer), one it never tried runs (``explore``). Plain only when no method is expected to pay: every one latched
-    (``low_acceptance``, probed every ``probe_every``-th request with the best-estimated one) or
-    none pays ``min_gain`` (``no_gain``)."""
+    no other method is on offer), one it never tried runs (``explore``). Plain only when no
+    method is expected to pay: every one latched (``low_acceptance``, probed every
+    ``probe_every``-th request with the best-estimated one) or none pays ``min_gain`` (``no_gain``)."""
     depth, auto = worker.batch_depth + 1, policy.num_speculative_tokens == "auto"
     options: dict[Method, tuple[float, int, TreeShape | None]] = {}
     latched: list[Method] = []

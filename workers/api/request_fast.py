@@ -20,6 +20,7 @@ from __future__ import annotations
 from types import SimpleNamespace
 from typing import Any, get_args
 
+from policies.methods import is_method
 from policies.tree import TreeShapeError, parse_shape
 from workers.api.schema import (
     MAX_COALESCE_S,
@@ -105,11 +106,19 @@ def _directive(value: Any) -> SimpleNamespace:
             out.coalesce_s = _float(v, 0, MAX_COALESCE_S)
         elif key == "tree":
             out.tree = _tree(v)
+        elif key == "method":
+            out.method = _method(v)
         else:
             raise _Refused
     if out.tree is not None and parse_shape(out.tree).depth != out.k:
         raise _Refused  # pydantic words the error
     return out
+
+
+def _method(value: Any) -> str | None:
+    if value is None or (type(value) is str and is_method(value)):
+        return value
+    raise _Refused
 
 
 def _tree(value: Any) -> str | None:

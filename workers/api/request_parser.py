@@ -109,5 +109,5 @@ def parse_request(kind: RequestKind, body: Any) -> CompletionRequest:
         directive=None if directive is None else Directive(directive.k, directive.max_batch, directive.batch_resume,
                                                        directive.max_step_drafts, resume, directive.cost_rule,
                                                        directive.coalesce_s, directive.whole_answer,
-                                                       directive.step_log, directive.tree),
+                                                       directive.step_log, directive.tree, directive.method),
         raw=body)

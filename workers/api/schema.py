@@ -24,6 +24,7 @@ from typing import Annotated, Any, Literal
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
 from pydantic.json_schema import SkipJsonSchema
 
+from policies.methods import Method
 from policies.tree import TreeShapeError, parse_shape
 
 MAX_STOP_SEQUENCES = 4
@@ -130,6 +131,8 @@ class Directive(_Strict):
     step_log: bool = False  # a non-streaming answer lists its steps' drafts (the endpoint picker's feedback)
     # A token tree instead of a chain of k (policies/tree.py's notation, "2x2+3"); k is its depth.
     tree: Annotated[str, Field(max_length=MAX_TREE_TEXT), AfterValidator(_tree_shape)] | None = None
+    # A lookup method to propose with instead of the draft model (policies/methods.py); None: the draft.
+    method: Method | None = None
 
     @model_validator(mode="after")
     def _tree_depth(self) -> Directive:

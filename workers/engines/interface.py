@@ -14,6 +14,7 @@ from collections.abc import AsyncGenerator, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
 
+from policies.methods import Method
 from policies.tree import StepPath, TreeShape
 from workers.api.generation import SamplingParams, SpecSteps
 from workers.costs.cost_report import CostReport
@@ -36,6 +37,9 @@ class GenerationRequest:
     # Speculate with this token tree instead of a chain of ``k`` (then ``k`` == its depth); an
     # engine that serves chains only runs the chain of that depth (``Engine.tree_shapes``).
     tree: TreeShape | None = None
+    # Propose with this lookup method (policies/methods.py) instead of the draft model; None: the
+    # draft. An engine offers the methods its info lists (the sim: ``details["methods"]``).
+    method: Method | None = None
 
 
 @dataclass(frozen=True)

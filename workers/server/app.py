@@ -258,7 +258,7 @@ async def _serve(request: web.Request, kind: RequestKind) -> web.StreamResponse:
     generation = GenerationRequest(
         request_id=("chatcmpl-" if kind == "chat" else "cmpl-") + secrets.token_hex(12), prompt_ids=prompt_ids,
         max_tokens=max_tokens, k=k, resumed_tokens=len(resume.output_ids) if resume is not None else 0,
-        tree=_tree_of(ctx, req),
+        tree=_tree_of(ctx, req), method=req.directive.method if req.directive is not None else None,
         params=SamplingParams(temperature=req.temperature, top_p=req.top_p, top_k=req.top_k, seed=req.seed,
                               position_offset=len(resume.output_ids) if resume is not None else 0,
                               ignore_eos=req.ignore_eos, min_tokens=req.min_tokens))

@@ -10,7 +10,9 @@ the model, and the benches report by how much.
 Output tokens are random ids from the vocabulary outside the special ids, from a generator
 seeded by the request's ``seed`` (else the config's seed and the request's arrival order), so
 a seeded request's text is the same on every run. The prompt's category (``[json]``,
-``[code]``, ``[math]``, ``[chat]`` tag) and temperature set its acceptance.
+``[code]``, ``[math]``, ``[chat]``, ``[agent]``, ``[code_edit]``, ``[rag]``, ``[summary]`` tag),
+its temperature and its speculation method (the directive's: the draft model, or a lookup method
+with its own acceptance and coverage, docs/sim.md "Methods") set its acceptance.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from policies.methods import METHODS, is_lookup, is_method
 from workers.api.sim_config import SimConfig
 from workers.costs.cost_report import CostReport, depth_grid, report_from_forward_times
 from workers.costs.online import StepCostRule
@@ -126,6 +129,10 @@ class SimEngine:
         self._first_id = max([*specials, *eos_ids, -1]) + 1  # random ids above every special id
         # A live view: the lateness figures change as the engine steps.
         details: dict[str, Any] = {**config_summary(self.config)}
+        # The methods it offers, as the worker info's top-level "methods" (describe() spreads the
+        # details into it; the gateway's probe reads it). TODO(merge #43): once EngineInfo has its
+        # own ``methods`` field, set it there instead.
+        details["methods"] = list(METHODS) if self.batch.max_k > 0 else []
         details["sim"]["lateness"] = self.lateness.view()
         self._details = details
         self._info = EngineInfo(kind="sim", max_k=self.batch.max_k, max_slots=self.settings.max_slots,
@@ -170,8 +177,18 @@ class SimEngine:
         self._arrivals += 1
         seed = request.params.seed if request.params.seed is not None else self.config.seed * 1_000_003 + self._arrivals
         self._ids[request.request_id] = random.Random(seed)
+        # Read defensively: GenerationRequest.method is the lookup-engine branch's (#43); None or
+        # absent means the draft model.
+        method = getattr(request, "method", None) or "draft"
+        if not is_method(method):
+            raise EngineRequestError(f"unknown speculation method {method!r}")
+        temperature = request.params.temperature
+        if is_lookup(method):
+            alpha, coverage = table.lookup_alpha(method, category, temperature)
+            return SimSeq(request.request_id, request.k, alpha, request.max_tokens, len(request.prompt_ids),
+                          random.Random(seed ^ 0x5EED), lookup=True, coverage=coverage)
         # A tree's K is its depth (SimSeq); one this deployment does not verify runs as that chain (SimBatch.add).
-        return SimSeq(request.request_id, request.k, table.alpha(category, request.params.temperature),
+        return SimSeq(request.request_id, request.k, table.alpha(category, temperature),
                       request.max_tokens, len(request.prompt_ids), random.Random(seed ^ 0x5EED), tree=request.tree)
 
     async def generate(self, request: GenerationRequest) -> AsyncGenerator[StepEvent, None]:
