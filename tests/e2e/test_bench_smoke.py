@@ -86,6 +86,28 @@ def test_bench_policy_quick_json(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
+def test_bench_policy_methods_quick_json() -> None:
+    """Every configuration served every request of every category; no speed asserted."""
+    result, stdout = _json_run("-m", "bench.policy_methods", "--quick", "--json")
+    assert result["bench"] == "policy_methods" and result["cpu"]
+    configs = result["configs"]
+    assert set(configs) == {"draft", "ngram", "suffix", "choice"}
+    categories = {"chat", "code", "agent", "code_edit", "rag", "summary"}
+    expected = result["sessions_per_kind"] * result["turns"]
+    for name, config in configs.items():
+        assert set(config["categories"]) == categories
+        for row in config["categories"].values():
+            assert row["requests"] == expected and row["completion_tokens"] == expected * result["max_tokens"]
+            assert row["tok_s"] > 0
+        ran = set(config["overall"]["methods"]) - {"plain"}
+        assert ran <= set(config["methods"]), name  # a single-method gateway ran that method (or plain) only
+    summary = result["summary"]
+    assert set(summary["winner_by_category"]) == categories
+    assert set(summary["winner_by_category"].values()) <= {"draft", "ngram", "suffix"}
+    assert summary["choice_over_best_single"] > 0 and "choice ÷ best single" in stdout
+
+
+@pytest.mark.slow
 def test_bench_tasks_quick_json() -> None:
     """The real pair through real gateways: every class at T=0 and T=1, figures in range, and at
     T=1 auto decodes plain by the temperature rule."""

@@ -107,14 +107,18 @@ def _directive(value: Any) -> SimpleNamespace:
         elif key == "tree":
             out.tree = _tree(v)
         elif key == "method":
-            if v is not None and not is_method(v):
-                raise _Refused
-            out.method = v
+            out.method = _method(v)
         else:
             raise _Refused
     if out.tree is not None and (parse_shape(out.tree).depth != out.k or out.method not in (None, "draft")):
         raise _Refused  # pydantic words the error
     return out
+
+
+def _method(value: Any) -> str | None:
+    if value is None or (type(value) is str and is_method(value)):
+        return value
+    raise _Refused
 
 
 def _tree(value: Any) -> str | None:

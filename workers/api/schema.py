@@ -24,6 +24,7 @@ from typing import Annotated, Any, Literal
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
 from pydantic.json_schema import SkipJsonSchema
 
+from policies.methods import Method
 from policies.tree import TreeShapeError, parse_shape
 
 MAX_STOP_SEQUENCES = 4
@@ -131,7 +132,7 @@ class Directive(_Strict):
     # A token tree instead of a chain of k (policies/tree.py's notation, "2x2+3"); k is its depth.
     tree: Annotated[str, Field(max_length=MAX_TREE_TEXT), AfterValidator(_tree_shape)] | None = None
     # A lookup method proposes instead of the draft model (policies/methods.py); None: the draft.
-    method: Literal["draft", "ngram", "suffix"] | None = None
+    method: Method | None = None
 
     @model_validator(mode="after")
     def _tree_depth(self) -> Directive:

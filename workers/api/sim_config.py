@@ -109,26 +109,123 @@ DEFAULT_ACCEPTANCE: Mapping[str, Bands] = {
     "code": _published(0.814, 0.70, 0.45),
     "math": ((0.3, alpha_from_rate(0.647)), (0.8, 0.60), (math.inf, alpha_from_rate(0.40))),
     "chat": _published(0.60, 0.50, 0.40),
+    # The lookup methods' workloads (issue #43). No draft figure is published for them: an agent's
+    # tool calls and a code edit are taken to draft as code does, a RAG answer and a summary of a
+    # long document as chat does (assumed; docs/sim.md, "Methods").
+    "agent": _published(0.814, 0.70, 0.45),
+    "code_edit": _published(0.814, 0.70, 0.45),
+    "rag": _published(0.60, 0.50, 0.40),
+    "summary": _published(0.60, 0.50, 0.40),
 }
+
+
+# -- lookup methods (prompt lookup, suffix match; policies/methods.py) ---------------------------------
+@dataclass(frozen=True)
+class LookupCell:
+    """A lookup method on one workload: how often a step finds a match, and how well its point-mass
+    proposals pass (per-token α by temperature band, as the draft's)."""
+
+    coverage: float  # share of steps that propose anything; the rest are plain steps
+    bands: Bands
+
+
+# Published speed-ups over plain (vLLM on GPUs, tokens/s at T=0; issue #43): ShareGPT chat, HumanEval
+# code, SWE-Bench agent, for n-gram and suffix decoding.
+PUBLISHED_LOOKUP_SPEEDUP: Mapping[str, Mapping[str, float]] = {
+    "ngram": {"chat": 91 / 76, "code": 100 / 77, "agent": 175 / 76},
+    "suffix": {"chat": 113 / 76, "code": 148 / 77, "agent": 286 / 76},
+}
+# One equation per cell, two unknowns: the coverage is assumed (the share of the output a lookup can
+# find: little in open chat, most of an agent's repeated tool output; suffix, which also searches
+# earlier outputs, finds more), and α is fitted to the speed-up.
+ASSUMED_LOOKUP_COVERAGE: Mapping[str, Mapping[str, float]] = {
+    "ngram": {"chat": 0.30, "code": 0.40, "agent": 0.70},
+    "suffix": {"chat": 0.45, "code": 0.60, "agent": 0.90},
+}
+LOOKUP_SUMMARY_RATE = 0.065  # long-document summaries: 5-8% acceptance (vLLM's rate) for lookup
+LOOKUP_SUMMARY_COVERAGE = 0.9  # assumed: a long document matches nearly everywhere, mostly wrongly
+# Above T=0.3 a point mass passes less often (p(x) flattens): α × these, per band (assumed; hot
+# sampling is where lookup loses, and the policy's temperature rule sends it plain first).
+LOOKUP_TEMPERATURE_FACTORS = (1.0, 0.85, 0.5)
+
+
+def lookup_speedup(alpha: float, coverage: float, k: int = PUBLISHED_K) -> float:
+    """Tokens per step over plain at batch 1, where the sim's verification of K + 1 tokens costs a
+    plain step (memory-bound: docs/sim.md) and a lookup costs nothing: c·(E(α, K) − 1) + 1."""
+    emitted = k + 1.0 if alpha >= 1.0 else (1.0 - alpha ** (k + 1)) / (1.0 - alpha)
+    return coverage * (emitted - 1.0) + 1.0
+
+
+def fit_lookup_alpha(speedup: float, coverage: float, k: int = PUBLISHED_K) -> float:
+    """The α at which ``lookup_speedup`` meets ``speedup`` (bisection; 1.0 where even α = 1 falls short)."""
+    lo, hi = 0.0, 1.0
+    for _ in range(60):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if lookup_speedup(mid, coverage, k) < speedup else (lo, mid)
+    return (lo + hi) / 2
+
+
+def _lookup_cell(alpha: float, coverage: float) -> LookupCell:
+    bands = tuple((max_t, alpha * f) for max_t, f in zip((0.3, 0.8, math.inf), LOOKUP_TEMPERATURE_FACTORS,
+                                                            strict=True))
+    return LookupCell(coverage, bands)
+
+
+def _default_lookup() -> dict[str, dict[str, LookupCell]]:
+    out: dict[str, dict[str, LookupCell]] = {}
+    for method, speedups in PUBLISHED_LOOKUP_SPEEDUP.items():
+        coverage = ASSUMED_LOOKUP_COVERAGE[method]
+        cells = {c: _lookup_cell(fit_lookup_alpha(s, coverage[c]), coverage[c]) for c, s in speedups.items()}
+        # Assumed, not published: a code edit repeats its input as SWE-Bench's agent does; a RAG
+        # answer sits halfway between code and the agent (coverage and speed-up both); json drafts
+        # as code, math as chat.
+        rag_c = (coverage["code"] + coverage["agent"]) / 2
+        rag_s = (speedups["code"] + speedups["agent"]) / 2
+        cells |= {"code_edit": cells["agent"], "rag": _lookup_cell(fit_lookup_alpha(rag_s, rag_c), rag_c),
+                  "json": cells["code"], "math": cells["chat"],
+                  "summary": _lookup_cell(alpha_from_rate(LOOKUP_SUMMARY_RATE), LOOKUP_SUMMARY_COVERAGE)}
+        out[method] = cells
+    return out
+
+
+DEFAULT_LOOKUP: Mapping[str, Mapping[str, LookupCell]] = _default_lookup()
+
+
+def _band_alpha(bands: Bands, temperature: float) -> float:
+    for max_t, alpha in bands:
+        if temperature <= max_t:
+            return alpha
+    return bands[-1][1]
 
 
 @dataclass(frozen=True)
 class AcceptanceTable:
     bands: Mapping[str, Bands] = field(default_factory=lambda: dict(DEFAULT_ACCEPTANCE))
     default_category: str = "chat"  # prompts without a tag
+    # Per lookup method, per category (a category it lacks: the default category's, else chat's).
+    lookup: Mapping[str, Mapping[str, LookupCell]] = field(default_factory=lambda: dict(DEFAULT_LOOKUP))
 
     def alpha(self, category: str, temperature: float) -> float:
-        bands = self.bands.get(category) or self.bands[self.default_category]
-        for max_t, alpha in bands:
-            if temperature <= max_t:
-                return alpha
-        return bands[-1][1]
+        """The draft model's per-token α."""
+        return _band_alpha(self.bands.get(category) or self.bands[self.default_category], temperature)
+
+    def lookup_cell(self, method: str, category: str) -> LookupCell:
+        cells = self.lookup.get(method) or DEFAULT_LOOKUP[method]
+        return (cells.get(category) or cells.get(self.default_category) or cells.get("chat")
+                or next(iter(cells.values())))
+
+    def lookup_alpha(self, method: str, category: str, temperature: float) -> tuple[float, float]:
+        """A lookup method's (per-token α, coverage) on ``category`` at ``temperature``."""
+        cell = self.lookup_cell(method, category)
+        return _band_alpha(cell.bands, temperature), cell.coverage
 
     def category(self, text: str) -> str:
-        """The first ``[json]``/``[code]``/``[math]``/``[chat]`` tag (any table key) in the prompt's
-        text, else ``default_category``. A chat's text is its rendered messages, so a tag anywhere
-        in a message counts."""
-        match = re.search(r"\[(" + "|".join(map(re.escape, self.bands)) + r")\]", text, re.IGNORECASE)
+        """The first ``[json]``/``[code]``/``[math]``/``[chat]``/``[agent]``... tag (any key of the
+        draft's or a lookup method's table) in the prompt's text, else ``default_category``. A
+        chat's text is its rendered messages, so a tag anywhere in a message counts. Unknown to the
+        draft's table (a config that lists its own bands), a category drafts as the default's."""
+        names = dict.fromkeys([*self.bands, *(c for cells in self.lookup.values() for c in cells)])
+        match = re.search(r"\[(" + "|".join(map(re.escape, names)) + r")\]", text, re.IGNORECASE)
         return match.group(1).lower() if match else self.default_category
 
 
@@ -235,7 +332,7 @@ def parse(raw: Mapping[str, Any]) -> SimConfig:
         raise SimConfigError("(section)", raw, "must be a mapping")
     problems = _Problems()
     known = {"target", "draft", "hardware", "efficiency", "acceptance", "default_category", "time_scale", "seed",
-             "context_window", "tree_max_nodes"}
+             "context_window", "tree_max_nodes", "lookup"}
     for key in raw:
         if key not in known:
             problems.add(str(key), raw[key], f"unknown field; known: {', '.join(sorted(known))}")
@@ -254,10 +351,11 @@ def parse(raw: Mapping[str, Any]) -> SimConfig:
     efficiency = Efficiency(**{name: efficiency_field(name, default) for name, default in vars(d.efficiency).items()})
     acceptance = d.acceptance
     if "acceptance" in raw:
-        acceptance = AcceptanceTable(problems.check(lambda: _bands(raw["acceptance"]), acceptance.bands),
-                                     acceptance.default_category)
+        acceptance = replace(acceptance, bands=problems.check(lambda: _bands(raw["acceptance"]), acceptance.bands))
+    if "lookup" in raw:
+        acceptance = replace(acceptance, lookup=problems.check(lambda: _lookup(raw["lookup"]), acceptance.lookup))
     category = raw.get("default_category", acceptance.default_category)
-    if category not in acceptance.bands:
+    if category not in acceptance.bands:  # the draft's table: every category drafts as some row of it
         problems.add("default_category", category, f"must be one of {', '.join(acceptance.bands)}")
         category = acceptance.default_category
     seed = _integer(raw, "seed", 0, problems)
@@ -299,4 +397,30 @@ def _bands(raw: Any) -> Mapping[str, Bands]:
         if parsed != sorted(parsed):
             raise SimConfigError(name, bands, "bands must be in ascending max_temperature")
         out[category] = tuple(parsed)
+    return out
+
+
+def _lookup(raw: Any) -> Mapping[str, Mapping[str, LookupCell]]:
+    """``{method: {category: {coverage: c, acceptance: bands}}}`` over the defaults: a cell given
+    replaces that cell (its ``acceptance`` as ``_bands`` reads a category's), the rest stay."""
+    if not isinstance(raw, Mapping):
+        raise SimConfigError("lookup", raw, "must be a mapping of method to categories")
+    out = {method: dict(cells) for method, cells in DEFAULT_LOOKUP.items()}
+    for method, cells in raw.items():
+        if method not in out:
+            raise SimConfigError(f"lookup.{method}", cells, f"unknown lookup method; known: {', '.join(out)}")
+        if not isinstance(cells, Mapping):
+            raise SimConfigError(f"lookup.{method}", cells, "must be a mapping of category to a cell")
+        for category, cell in cells.items():
+            name = f"lookup.{method}.{category}"
+            if not isinstance(cell, Mapping) or set(cell) != {"coverage", "acceptance"}:
+                raise SimConfigError(name, cell, "must be {coverage: 0..1, acceptance: [[max_t, alpha], ...]}")
+            coverage = cell["coverage"]
+            if isinstance(coverage, bool) or not isinstance(coverage, int | float) or not 0 <= coverage <= 1:
+                raise SimConfigError(f"{name}.coverage", coverage, "must be a number in 0..1")
+            try:
+                bands = _bands({category: cell["acceptance"]})[category]
+            except SimConfigError as exc:
+                raise SimConfigError(f"{name}.acceptance", exc.value, exc.problem) from None
+            out[method][category] = LookupCell(float(coverage), bands)
     return out

@@ -10,7 +10,9 @@ the model, and the benches report by how much.
 Output tokens are random ids from the vocabulary outside the special ids, from a generator
 seeded by the request's ``seed`` (else the config's seed and the request's arrival order), so
 a seeded request's text is the same on every run. The prompt's category (``[json]``,
-``[code]``, ``[math]``, ``[chat]`` tag) and temperature set its acceptance.
+``[code]``, ``[math]``, ``[chat]``, ``[agent]``, ``[code_edit]``, ``[rag]``, ``[summary]`` tag),
+its temperature and its speculation method (the directive's: the draft model, or a lookup method
+with its own acceptance and coverage, docs/sim.md "Methods") set its acceptance.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from policies.methods import METHODS, is_lookup, is_method
 from workers.api.sim_config import SimConfig
 from workers.costs.cost_report import CostReport, depth_grid, report_from_forward_times
 from workers.costs.online import StepCostRule
@@ -131,7 +134,8 @@ class SimEngine:
         self._info = EngineInfo(kind="sim", max_k=self.batch.max_k, max_slots=self.settings.max_slots,
                                 context_window=self.config.context_window,
                                 vocab_size=int(config.get("vocab_size", self._codec.tokenizer.get_vocab_size())),
-                                eos_token_ids=eos_ids, details=details, tree_max_nodes=self.batch_tree_nodes)
+                                eos_token_ids=eos_ids, details=details, tree_max_nodes=self.batch_tree_nodes,
+                                methods=METHODS if self.batch.max_k > 0 else ())
         self._task = asyncio.create_task(self._loop(), name="sim-step-loop")
 
     async def stop(self) -> None:
@@ -170,8 +174,16 @@ class SimEngine:
         self._arrivals += 1
         seed = request.params.seed if request.params.seed is not None else self.config.seed * 1_000_003 + self._arrivals
         self._ids[request.request_id] = random.Random(seed)
+        method = request.method
+        if not is_method(method):
+            raise EngineRequestError(f"unknown speculation method {method!r}")
+        temperature = request.params.temperature
+        if is_lookup(method):
+            alpha, coverage = table.lookup_alpha(method, category, temperature)
+            return SimSeq(request.request_id, request.k, alpha, request.max_tokens, len(request.prompt_ids),
+                          random.Random(seed ^ 0x5EED), lookup=True, coverage=coverage)
         # A tree's K is its depth (SimSeq); one this deployment does not verify runs as that chain (SimBatch.add).
-        return SimSeq(request.request_id, request.k, table.alpha(category, request.params.temperature),
+        return SimSeq(request.request_id, request.k, table.alpha(category, temperature),
                       request.max_tokens, len(request.prompt_ids), random.Random(seed ^ 0x5EED), tree=request.tree)
 
     async def generate(self, request: GenerationRequest) -> AsyncGenerator[StepEvent, None]:

@@ -13,6 +13,10 @@ every number. See docs/sim.md for the model, its calibration and its limits.
 - **Acceptance**: each request has a per-token α, from its prompt's category and its
   temperature (``AcceptanceTable``). A step's accepted drafts are i.i.d. Bernoulli(α) trials
   truncated at the first rejection and capped at K, as speculative sampling produces them.
+- **Lookup methods** (prompt lookup, suffix match; ``SimSeq.lookup``): a step finds a match with
+  the request's coverage and then proposes its K as point masses, accepted as the draft's are
+  (α per method and workload, ``AcceptanceTable.lookup_alpha``); proposing costs no draft
+  forward, only the target's verification of the K + 1 tokens. A step without a match is plain.
 - **Token trees** (``trees.py``): a sequence may draft a tree (``SimSeq.tree``); its rank-r
   children are accepted with the calibrated rank acceptances, its draft forwards run over each
   level's nodes and the target verifies the root and every node in its row.
@@ -80,6 +84,9 @@ def config_summary(config: SimConfig) -> dict[str, Any]:
         "acceptance": {c: [[t if math.isfinite(t) else None, round(a, 4)] for t, a in b]
                        for c, b in config.acceptance.bands.items()},
         "default_category": config.acceptance.default_category,
+        "lookup": {m: {c: {"coverage": round(cell.coverage, 4), "acceptance": [
+                           [t if math.isfinite(t) else None, round(a, 4)] for t, a in cell.bands]}
+                       for c, cell in cells.items()} for m, cells in config.acceptance.lookup.items()},
         "trees": {"max_nodes": config.tree_max_nodes, "rank_ratio": round(RANK_RATIO, 4),
                   "calibration": {"chain": CHAIN_ACCEPTANCE, "tree": TREE_ACCEPTANCE, "tree_shape": str(ASSUMED_TREE),
                                   "alpha": round(CALIBRATED_ALPHA, 4)}},
@@ -103,48 +110,47 @@ class StepCost:
         return self.overhead + max(memory, compute)
 
     def step_time(self, ks: Sequence[int], contexts: Sequence[int], prefill_tokens: int = 0,
-                  trees: Sequence[TreeShape | None] | None = None) -> tuple[float, float]:
+                  trees: Sequence[TreeShape | None] | None = None,
+                  lookup: Sequence[bool] | None = None) -> tuple[float, float]:
         """(step seconds, of which the target's verification) for sequences with K_i drafts and
         context_i cached tokens; ``prefill_tokens`` prompt tokens processed alongside. ``trees``
         (one per sequence, None for a chain): a sequence's token tree of depth K_i, whose draft
-        forward d runs over its level d - 1 nodes and whose nodes all ride in the verification."""
+        forward d runs over its level d - 1 nodes and whose nodes all ride in the verification.
+        ``lookup`` (one per sequence): its K_i proposals came from a lookup (prompt lookup, suffix
+        match), so they ride in the verification but run no draft forward."""
         if not ks and not prefill_tokens:
             return 0.0, 0.0
-        if trees is not None and any(t is not None for t in trees):
-            return self._tree_step_time(ks, contexts, prefill_tokens, trees)
+        shapes = [None] * len(ks) if trees is None else [t if k > 0 else None for t, k in zip(trees, ks, strict=True)]
+        verified = sum(1 + (shape.nodes if shape is not None else k) for k, shape in zip(ks, shapes, strict=True))
+        drafted = ks if lookup is None else [0 if is_lookup else k for k, is_lookup in zip(ks, lookup, strict=True)]
+        verify_s = self.forward(self.target, verified, sum(contexts), prefill_tokens)
+        return self._draft_time(drafted, contexts, shapes) + verify_s, verify_s
+
+    def _draft_time(self, ks: Sequence[int], contexts: Sequence[int], shapes: Sequence[TreeShape | None]) -> float:
+        """The draft forwards of a step: forward j runs over what each sequence drafting more than
+        j tokens feeds it (one token for a chain, a tree's level j - 1 nodes)."""
         kmax = max(ks, default=0)
-        draft_s = 0.0
-        if kmax > 0 and self.draft is not None:
-            # Draft position j runs over the sequences drafting more than j tokens.
-            count = [0] * (kmax + 1)
-            ctx = [0] * (kmax + 1)
+        if kmax <= 0 or self.draft is None:
+            return 0.0
+        draft = self.draft
+        if all(shape is None for shape in shapes):  # chains: counted by K (the virtual fleet's hot path)
+            count, ctx = [0] * (kmax + 1), [0] * (kmax + 1)
             for k, c in zip(ks, contexts, strict=True):
                 count[k] += 1
                 ctx[k] += c
-            n = kv = 0
+            n = kv_sum = 0
+            draft_s = 0.0
             for j in range(kmax, 0, -1):
-                n, kv = n + count[j], kv + ctx[j]
-                draft_s += self.forward(self.draft, n, kv)
-        verify_s = self.forward(self.target, sum(ks) + len(ks), sum(contexts), prefill_tokens)
-        return draft_s + verify_s, verify_s
-
-    def _tree_step_time(self, ks: Sequence[int], contexts: Sequence[int], prefill_tokens: int,
-                        trees: Sequence[TreeShape | None]) -> tuple[float, float]:
-        kmax = max(ks, default=0)
-        tokens = [0] * kmax  # draft forward j+1: tokens it runs over, and their sequences' cache
+                n, kv_sum = n + count[j], kv_sum + ctx[j]
+                draft_s += self.forward(draft, n, kv_sum)
+            return draft_s
+        tokens = [0] * kmax
         kv = [0] * kmax
-        verified = 0
-        for k, c, tree in zip(ks, contexts, trees, strict=True):
-            shape = tree if tree is not None and k > 0 else None
-            verified += 1 + (shape.nodes if shape is not None else k)
+        for k, c, shape in zip(ks, contexts, shapes, strict=True):
             for j, width in enumerate(fed_widths(shape, k)):
                 tokens[j] += width
                 kv[j] += c
-        draft_s = 0.0
-        if self.draft is not None:
-            draft_s = sum(self.forward(self.draft, n, c) for n, c in zip(tokens, kv, strict=True))
-        verify_s = self.forward(self.target, verified, sum(contexts), prefill_tokens)
-        return draft_s + verify_s, verify_s
+        return sum(self.forward(draft, n, c) for n, c in zip(tokens, kv, strict=True))
 
 
 # -- fitting --------------------------------------------------------------------------------------------
@@ -203,14 +209,21 @@ class SimSeq:
     # Draft this token tree instead of a chain (``k`` is then its depth); steps that cap K cut
     # it to its top levels.
     tree: TreeShape | None = None
+    # Propose by lookup (prompt lookup, suffix match) instead of the draft model: a step finds a
+    # match with probability ``coverage`` and proposes its K as point masses, accepted with
+    # ``alpha`` as a draft's; a step without a match is plain. No draft forward either way.
+    lookup: bool = False
+    coverage: float = 1.0
     log_alpha: float = field(init=False)
     betas: tuple[float, ...] = field(init=False)  # its rank acceptances (trees.betas_for)
 
     def __post_init__(self) -> None:
         self.log_alpha = math.log(self.alpha) if self.alpha > 0 else -math.inf
         self.betas = betas_for(self.alpha)
-        if self.tree is not None:
+        if self.tree is not None and not self.lookup:
             self.k = self.tree.depth
+        elif self.lookup:
+            self.tree = None  # a lookup proposes a chain
 
 
 @dataclass(frozen=True)
@@ -295,14 +308,19 @@ class SimBatch:
             else:
                 ks.append(min(seq.k, cap))
             contexts.append(seq.context)
+        lookup = [seq.lookup for seq in seqs]
         alpha = self.acceptance.evidenced
         if self.cost_rule is not None and alpha is not None:
-            common = self.cost_rule.k(ks, alpha)
-            ks = [common if k > 0 else 0 for k in ks]
+            # The rule prices the draft's plan: lookup sequences keep their K (no draft forward to save).
+            common = self.cost_rule.k([0 if lk else k for k, lk in zip(ks, lookup, strict=True)], alpha)
+            ks = [k if lk else common if k > 0 else 0 for k, lk in zip(ks, lookup, strict=True)]
+        # A lookup that finds no match this step proposes nothing: a plain step for that sequence.
+        ks = [0 if lk and k > 0 and seq.rng.random() >= seq.coverage else k
+              for k, lk, seq in zip(ks, lookup, seqs, strict=True)]
         # Never more drafts than could be emitted.
         ks = [min(k, seq.remaining - 1) for k, seq in zip(ks, seqs, strict=True)]
         trees = [truncated(seq.tree, k) if seq.tree is not None else None for seq, k in zip(seqs, ks, strict=True)]
-        duration, verify = self.cost.step_time(ks, contexts, prefill, trees)
+        duration, verify = self.cost.step_time(ks, contexts, prefill, trees, lookup if any(lookup) else None)
         results = []
         for seq, k, tree in zip(seqs, ks, trees, strict=True):
             path = None
@@ -314,7 +332,8 @@ class SimBatch:
                     self.acceptance.add(1, 1 if i < passed else 0)
             else:
                 accepted = sample_accepted(seq.rng, seq.log_alpha, k)
-                self.acceptance.add(k, accepted)
+                if not seq.lookup:  # the batch's estimate is the draft's (K auto prices draft steps)
+                    self.acceptance.add(k, accepted)
             emitted = min(accepted + 1, seq.remaining)
             seq.context += seq.prefill + emitted
             seq.prefill = 0
