@@ -226,6 +226,12 @@ def _method_rules(session: SessionState, worker: WorkerState, policy: PolicyConf
     if untried and (not options or session.since_method + 1 >= policy.method_explore_every):
         return Decision("speculative", k, "explore", method=untried[0])
     probe_due = session.plain_since_probe + 1 >= policy.probe_every
+    # A latched method gets new evidence even while another one runs: probed every probe_every-th
+    # request, as a latched session is; else it could never come back above acceptance_resume.
+    if latched and options and session.since_method + 1 >= policy.probe_every:
+        method = max(latched, key=lambda m: _estimate(session, m))
+        return Decision("speculative", _probe_k(session, worker, policy, k) if method == "draft" else k, "probe",
+                        method=method)
     if not options:
         if not latched:
             return Decision("plain", 0, "no_gain", method="draft")
@@ -346,7 +352,7 @@ def record_decision(session: SessionState, decision: Decision, auto_k: bool = Fa
     if decision.reason == "probe":
         return replace(session, plain_since_probe=0)
     if decision.method is not None:  # methods in play: the explore count, and the method it runs
-        since = 0 if decision.reason == "explore" else min(session.since_method + 1, _MAX_SINCE)
+        since = 0 if decision.reason in ("explore", "probe") else min(session.since_method + 1, _MAX_SINCE)
         session = replace(session, since_method=since)
         if decision.mode == "speculative":
             session = replace(session, method=decision.method)

@@ -40,6 +40,9 @@ class WorkerHandle:
     # with: their count is ``in_flight``, their drafting mix what K auto prices a step at.
     draft_mix: DraftMix = field(default_factory=DraftMix)
     reported_depth: int = 0  # the worker's own running + queued count, from its last poll
+    # The gateway's own in-flight count when that poll was answered: the report's share that is
+    # this gateway's requests, which it tracks itself, exactly and without the poll's lag.
+    in_flight_at_report: int = 0
     batch_full: bool = False  # the policy's batch latch for this worker (gateway side)
     info: dict[str, Any] = field(default_factory=dict)
     last_error: str = ""
@@ -69,8 +72,12 @@ class WorkerHandle:
     def load(self) -> int:
         # A local worker's socket is private to this gateway, so the in-flight count is exact and
         # current; the worker's own report lags by a poll. A remote worker may serve other
-        # clients too, so its report counts as well.
-        return max(self.in_flight, self.reported_depth) if self.remote else self.in_flight
+        # clients too: what its report holds beyond this gateway's own requests at the time counts as
+        # theirs. (Not the report itself: a request that just finished would count until the next
+        # poll, and a session's next turn would be priced at a batch one deeper than it is.)
+        if not self.remote:
+            return self.in_flight
+        return self.in_flight + max(0, self.reported_depth - self.in_flight_at_report)
 
     def candidate(self) -> Candidate:
         return Candidate(self.worker_id, self.status == "ready", self.load, self.modes)

@@ -136,6 +136,7 @@ class Probe:
         handle.info = info
         handle.cost = self._cost_model(handle, info.get("cost_model"))
         handle.reported_depth = int(info.get("batch_depth", 0)) + int(info.get("queue_length", 0))
+        handle.in_flight_at_report = handle.in_flight
         handle.tree_max_nodes = _tree_max_nodes(info.get("tree_max_nodes"))
         handle.methods = _methods(info.get("methods"), handle.max_k)
         if handle.remote:
@@ -185,6 +186,7 @@ class Probe:
                 waiting += float(line.rsplit(" ", 1)[1])
         handle.info = {"engine": "vllm", "batch_depth": int(running), "queue_length": int(waiting)}
         handle.reported_depth = int(running + waiting)
+        handle.in_flight_at_report = handle.in_flight
 
 
 def precision_signature(info: dict[str, Any]) -> str | None:

@@ -60,11 +60,6 @@ def test_an_open_chat_session_ends_on_the_draft_or_plain(gateway_port: int) -> N
     assert not any("method=ngram" in m or "method=suffix" in m for m in seen[-3:]), seen
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "found by this test: after agent and code-edit sessions filled the worker's suffix evidence, a "
-    "chat session picks suffix and stays there; _method_rules explores untried lookup methods only, "
-    "so a session that never ran the draft prices it on the worker's draft evidence (scant here: "
-    "the other sessions ran suffix) or the prior, and never tries it"))
 def test_an_open_chat_session_after_lookup_sessions_ends_on_the_draft_or_plain(gateway_port: int) -> None:
     for category in ("agent", "code_edit"):
         modes(gateway_port, f"before-{category}", category)

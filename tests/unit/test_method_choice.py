@@ -127,6 +127,16 @@ def test_plain_only_when_every_method_is_latched() -> None:
     assert (probe.mode, probe.reason, probe.method) == ("speculative", "probe", "ngram")  # the best estimate: 0.3
 
 
+def test_a_latched_method_is_probed_while_another_runs() -> None:
+    session = with_lookups(state(0.3, 100, low_acceptance=True), lookup("ngram", 0.4, 0.2), lookup("suffix", 0.9, 0.9),
+                           method="suffix")
+    assert decide(session, ALL, COOL, AUTO).method == "suffix"
+    due = replace(session, since_method=AUTO.probe_every - 1)
+    probe = decide(due, ALL, COOL, AUTO)
+    assert (probe.mode, probe.method, probe.reason) == ("speculative", "draft", "probe")
+    assert record_decision(due, probe).since_method == 0
+
+
 def test_the_temperature_and_batch_rules_come_first() -> None:
     session = with_lookups(state(0.8, 100), lookup("ngram", 0.95, 0.9))
     assert decide(session, ALL, RequestFacts(temperature=1.0), AUTO).reason == "high_temperature"
