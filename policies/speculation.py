@@ -349,15 +349,15 @@ def record_decision(session: SessionState, decision: Decision, auto_k: bool = Fa
     hysteresis starts there."""
     if decision.reason in ("low_acceptance", "no_gain"):
         session = replace(session, plain_since_probe=session.plain_since_probe + 1)
-    if decision.reason == "probe":
-        return replace(session, plain_since_probe=0)
     if decision.method is not None:  # methods in play: the explore count, and the method it runs
         since = 0 if decision.reason in ("explore", "probe") else min(session.since_method + 1, _MAX_SINCE)
         session = replace(session, since_method=since)
-        if decision.mode == "speculative":
+        if decision.mode == "speculative" and decision.reason != "probe":  # a probe is not a switch
             session = replace(session, method=decision.method)
             if decision.method != "draft":
                 return session
+    if decision.reason == "probe":
+        return replace(session, plain_since_probe=0)
     if auto_k and decision.reason in ("default", "no_gain"):
         since = 0 if decision.tree is not None else min(session.since_tree + 1, _MAX_SINCE)
         return replace(session, auto_k=decision.k, auto_tree=decision.tree, since_tree=since)
