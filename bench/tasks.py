@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import shlex
 import shutil
 import sys
@@ -46,6 +47,7 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
+import yaml
 
 from bench.procs import REPO, cpu_seconds, get_json, print_result, start_serve_gateway, stop
 from bench.prompts import load_task_prompts
@@ -73,9 +75,12 @@ class Setup:
     policy: dict[str, Any] | None
 
 
-def setups(fixed_ks: list[int]) -> list[Setup]:
+def setups(fixed_ks: list[int], auto: dict[str, Any] | None = None) -> list[Setup]:
+    """plain, each fixed K, and auto: config.yaml's own policy (what ``make serve`` runs) with
+    ``num_speculative_tokens: auto``, updated with ``auto``."""
     fixed = [Setup(f"K={k}", {"num_speculative_tokens": k, **FIXED_RULES_OFF}) for k in fixed_ks]
-    return [Setup("plain", None), *fixed, Setup("auto", {"num_speculative_tokens": "auto"})]
+    served = yaml.safe_load((REPO / "config.yaml").read_text()).get("policy") or {}
+    return [Setup("plain", None), *fixed, Setup("auto", {**served, "num_speculative_tokens": "auto", **(auto or {})})]
 
 
 def decision_label(header: str) -> str:
@@ -317,6 +322,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--fixed-k", help="fixed Ks to measure, comma-separated; 5 is always one (default 2,3,5; "
                                           "--quick: 5)")
     parser.add_argument("--temperatures", default="0,1", help="comma-separated (default 0,1)")
+    parser.add_argument("--auto-policy", type=json.loads, default={},
+                        help="JSON: policy fields for the auto configuration over config.yaml's policy")
     parser.add_argument("--target", type=Path, default=DEFAULT_TARGET)
     parser.add_argument("--draft", type=Path, default=DEFAULT_DRAFT)
     parser.add_argument("--cost-cache", type=Path, help="the workers' cost cache (default: theirs, "
@@ -377,7 +384,7 @@ def main(argv: list[str] | None = None) -> None:
     command = "python -m bench.tasks" + "".join(" " + shlex.quote(a) for a in (sys.argv[1:] if argv is None
                                                                                   else argv))
     prompts = {name: texts[:args.prompts_per_class] for name, texts in load_task_prompts().items()}
-    plan = setups(args.fixed_k)
+    plan = setups(args.fixed_k, args.auto_policy)
     print(f"CPU: {cpu_label()}\n{command}\ntarget {args.target}, draft {args.draft}; "
           f"{sum(map(len, prompts.values()))} prompts, {args.max_tokens} tokens, configurations "
           f"{[s.name for s in plan]}, T {args.temperatures}", flush=True)
