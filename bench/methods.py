@@ -44,6 +44,8 @@ from typing import Any
 import aiohttp
 
 from bench.procs import REPO, cpu_seconds, get_json, print_result, start_serve_gateway, stop
+from bench.tasks import Answer
+from bench.tasks import Tally as TaskTally
 from workers.costs.cache import cpu_label
 
 SESSIONS = REPO / "bench" / "data" / "method_sessions.jsonl"
@@ -81,35 +83,22 @@ def interleaved(sessions: list[Session], per_kind: int | None, turns: int | None
 
 
 @dataclass
-class Tally:
-    requests: int = 0
-    tokens: int = 0
-    seconds: float = 0.0
-    cpu_seconds: float = 0.0
-    proposed: int = 0
-    accepted: int = 0
-    tested: int = 0
-    speculative_steps: int = 0
-    plain_steps: int = 0
+class Tally(TaskTally):
+    """bench.tasks' tally, and the method each request ran and each session ended on."""
+
     methods: Counter[str] = field(default_factory=Counter)  # the method each request ran ("plain" for none)
     ended_on: Counter[str] = field(default_factory=Counter)  # each session's last request's method
 
-    def add(self, usage: dict[str, Any], header: str, seconds: float, cpu: float) -> None:
-        spec = usage.get("speculative") or {}
-        self.requests += 1
-        self.tokens += int(usage["completion_tokens"])
-        self.seconds += seconds
-        self.cpu_seconds += cpu
-        for name in ("proposed", "accepted", "tested", "speculative_steps", "plain_steps"):
-            setattr(self, name, getattr(self, name) + int(spec.get(name) or 0))
-        self.methods[method_of(header)] += 1
+    def add(self, answer: Answer) -> None:
+        super().add(answer)
+        self.methods[method_of(answer.mode)] += 1
 
     def figures(self) -> dict[str, Any]:
         steps = self.speculative_steps + self.plain_steps
-        return {"requests": self.requests, "completion_tokens": self.tokens,
-                "tok_s": round(self.tokens / self.seconds, 2) if self.seconds else None,
-                "tok_cpu_s": round(self.tokens / self.cpu_seconds, 2) if self.cpu_seconds else None,
-                "alpha": round(self.accepted / self.tested, 3) if self.tested else None,
+        return {"requests": self.requests, "completion_tokens": self.completion_tokens,
+                "tok_s": round(self.tokens_per_s, 2) if self.seconds else None,
+                "tok_cpu_s": round(self.tokens_per_cpu_s, 2) if self.cpu_seconds else None,
+                "alpha": None if self.alpha is None else round(self.alpha, 3),
                 "proposing_steps": round(self.speculative_steps / steps, 3) if steps else None,
                 "methods": dict(self.methods), "ended_on": dict(self.ended_on)}
 
@@ -143,8 +132,8 @@ async def run_config(url: str, model: str, sessions: list[Session], max_tokens: 
                     if response.status != 200:
                         raise RuntimeError(f"{session.id}: HTTP {response.status}: {answer}")
                     header = response.headers.get("X-Specgate-Mode", "")
-                tallies[session.kind].add(answer["usage"], header, time.perf_counter() - started,
-                                          cpu_now() - cpu_started)
+                tallies[session.kind].add(Answer(answer, header, time.perf_counter() - started,
+                                                 cpu_now() - cpu_started))
                 messages.append({"role": "assistant", "content": answer["choices"][0]["message"]["content"]})
             tallies[session.kind].ended_on[method_of(header)] += 1
     return tallies
@@ -161,7 +150,7 @@ def start(args: argparse.Namespace, log_dir: Path, methods: list[str] | None) ->
 
 
 def total(tallies: dict[str, Tally], kinds: tuple[str, ...] = KINDS) -> tuple[int, float, float]:
-    return (sum(tallies[k].tokens for k in kinds), sum(tallies[k].seconds for k in kinds),
+    return (sum(tallies[k].completion_tokens for k in kinds), sum(tallies[k].seconds for k in kinds),
             sum(tallies[k].cpu_seconds for k in kinds))
 
 

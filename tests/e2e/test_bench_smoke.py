@@ -267,3 +267,23 @@ def test_bench_wakeup_measures_every_placement() -> None:
         if result["cpus"] >= 2:
             assert "other_cpu" in placements and f"{family}_cross_cpu_wakeups_us" in result
     assert result["cpu"] and "round trip" in stdout
+
+
+@pytest.mark.slow
+def test_bench_methods_quick_json() -> None:
+    """The real pair through real gateways, plain and the per-session choice: every session's
+    request answered, the figures in range; no speed asserted."""
+    assert (REPO / "models/smollm2-135m-instruct-q4_1/model.safetensors").is_file(), "run make install"
+    result, stdout = _json_run("-m", "bench.methods", "--quick", "--configs", "plain,choice", "--json", timeout=300)
+    assert result["bench"] == "methods" and result["cpu"] and set(result["configs"]) == {"plain", "choice"}
+    for name, rows in result["figures"].items():
+        assert set(rows) == {"code_edit", "rag", "agent", "chat"}
+        for row in rows.values():
+            assert row["requests"] == 1 and row["completion_tokens"] == result["max_tokens"] and row["tok_s"] > 0
+            assert sum(row["methods"].values()) == 1 and sum(row["ended_on"].values()) == 1
+        if name == "plain":
+            assert all(row["methods"] == {"plain": 1} for row in rows.values())
+    for clock in ("wall", "cpu"):
+        assert set(result["targets"][clock]["met"]) == {"lookup_1.5x_plain", "choice_1.1x_best_single",
+                                                        "choice_0.97x_hindsight"}
+    assert f"CPU: {result['cpu']}" in stdout
