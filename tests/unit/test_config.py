@@ -57,10 +57,12 @@ def test_repo_config_policy_is_the_files_values() -> None:
     # (a list in the file, tree_shapes, is a tuple in the frozen policy)
     file_values = {key: tuple(v) if isinstance(v, list) else v for key, v in section.items()}
     assert config.policy.as_dict() == {key: file_values.get(key, v) for key, v in PolicyConfig().as_dict().items()}
-    # the file documents the defaults; a changed default or a changed file shows up here. One
-    # deliberate departure: the real pair's K is auto (the default, 6, is the demo pair's best)
+    # the file documents the defaults; a changed default or a changed file shows up here. The
+    # deliberate departures: the real pair's K is auto (the default, 6, is the demo pair's best),
+    # and sessions choose among all three methods (the default, the draft alone, is today's behaviour)
     assert file_values["num_speculative_tokens"] == "auto"
-    assert config.policy == PolicyConfig.from_mapping({"num_speculative_tokens": "auto"})
+    assert config.policy == PolicyConfig.from_mapping({"num_speculative_tokens": "auto",
+                                                       "methods": ["draft", "ngram", "suffix"]})
     assert load_policy_file(CONFIG) == config.policy
 
 
