@@ -205,11 +205,14 @@ def _method_rules(session: SessionState, worker: WorkerState, policy: PolicyConf
     options: dict[Method, tuple[float, int, TreeShape | None]] = {}
     latched: list[Method] = []
     untried: list[Method] = []
+    waived = False  # the draft runs though latched: free_batch says it pays at this depth
     if "draft" in policy.methods and "draft" in worker.methods:
-        if session.low_acceptance:
-            latched.append("draft")
-        else:
+        if not session.low_acceptance:
             options["draft"] = _draft_option(session, worker, policy, k)
+        elif waived_k := _free_batch_k(session, worker, policy, k):
+            options["draft"], waived = (_draft_option(session, worker, policy, k)[0], waived_k, None), True
+        else:
+            latched.append("draft")
     for method in lookups:
         state, prior = lookup_state(session.lookups, method), lookup_state(worker.lookups, method)
         if state.low_acceptance:
@@ -250,7 +253,8 @@ def _method_rules(session: SessionState, worker: WorkerState, policy: PolicyConf
             return Decision("speculative", _probe_k(session, worker, policy, 1) if best == "draft" else k, "probe",
                             method=best)
         return Decision("plain", 0, "no_gain", method=best)
-    return Decision("speculative", best_k, "default", tree, method=best)
+    return Decision("speculative", best_k, "free_batch" if best == "draft" and waived else "default", tree,
+                    method=best)
 
 
 def _draft_option(session: SessionState, worker: WorkerState, policy: PolicyConfig,

@@ -162,3 +162,11 @@ def test_a_lookup_floor_latches_its_method_alone() -> None:
 def _serve(session: SessionState) -> tuple[Decision, SessionState]:
     decision = decide(session, ALL, COOL, AUTO)
     return decision, record_decision(session, decision, AUTO.auto_k)
+
+
+def test_free_batch_auto_keeps_a_latched_draft_on_offer() -> None:
+    latched = with_lookups(state(0.45, 100, low_acceptance=True), lookup("ngram", 0.3, 0.1, low=True),
+                           lookup("suffix", 0.3, 0.1, low=True))
+    assert decide(latched, ALL, COOL, AUTO).mode == "plain"  # the floor: every method latched
+    waived = decide(latched, ALL, COOL, replace(AUTO, free_batch="auto"))  # α 0.45 pays on these costs
+    assert (waived.mode, waived.method, waived.reason) == ("speculative", "draft", "free_batch") and waived.k > 0
