@@ -110,7 +110,7 @@ def test_bench_policy_methods_quick_json() -> None:
 @pytest.mark.slow
 def test_bench_tasks_quick_json() -> None:
     """The real pair through real gateways: every class at T=0 and T=1, figures in range, and at
-    T=1 auto decodes plain by the temperature rule."""
+    T=1 auto follows the temperature rule or its free_batch waiver."""
     assert (REPO / "models/smollm2-135m-instruct-q4_1/model.safetensors").is_file(), "run make install"
     result, stdout = _json_run("-m", "bench.tasks", "--quick", "--json", timeout=300)
     assert result["cpu"] and result["command"] == "python -m bench.tasks --quick --json"
@@ -127,10 +127,12 @@ def test_bench_tasks_quick_json() -> None:
             assert 0.0 <= row["auto"]["plain_step_share"] <= 1.0 and row["requests"] == 1
     for row in result["temperatures"]["0"].values():
         assert not any("high_temperature" in decision for decision in row["auto"]["decisions"])
+    # At T=1 the temperature rule decides, or config.yaml's free_batch: auto waives it where the
+    # worker's costs say this session's acceptance pays (docs/tasks.md): never another reason.
     for row in result["temperatures"]["1"].values():
-        assert row["auto"] == {"decisions": {"plain (high_temperature)": 1}, "tested": 0,
-                                "most_common": "plain (high_temperature)", "alpha": None,
-                                "plain_decision_share": 1.0, "plain_step_share": 1.0}
+        (decision,) = row["auto"]["decisions"]
+        assert decision == "plain (high_temperature)" or decision.endswith("(free_batch)"), decision
+        assert (row["auto"]["tested"] == 0) == decision.startswith("plain")
     same, prompts = result["t0_same_text_prompts"]
     assert prompts == len(TASK_CLASSES) and 0 <= same <= prompts
     assert result["gateway_counts_match_workers"]  # the gateway counted the drafts the answers reported

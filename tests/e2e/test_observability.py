@@ -138,6 +138,13 @@ def _workload(gateway: Gateway, client: openai.OpenAI) -> list[str]:
         client.completions.create(model="no-such-model", prompt="x", max_tokens=1)
     policy = gateway.get_json("/admin/policy")["policy"]
     assert _put_policy(gateway, {**policy, "acceptance_floor": 1.5}) == 400
+    # A session choosing its method (policy.methods): the draft first, then prompt lookup explored.
+    assert _put_policy(gateway, {**policy, "methods": ["draft", "ngram", "suffix"]}) == 200
+    chosen = [str(client.completions.with_raw_response.create(
+        model=MODEL, prompt=CODE_PROMPT, max_tokens=24, temperature=0,
+        extra_headers={"X-Session-ID": "methods-0"}).headers["X-Specgate-Mode"]) for _ in range(2)]
+    assert [m.split(";")[1].strip() for m in chosen] == ["method=draft", "method=ngram"], chosen
+    sessions.append("methods-0")
     assert _put_policy(gateway, {**policy, "acceptance_floor": 0.65}) == 200
     return sessions
 
