@@ -138,13 +138,20 @@ def _workload(gateway: Gateway, client: openai.OpenAI) -> list[str]:
         client.completions.create(model="no-such-model", prompt="x", max_tokens=1)
     policy = gateway.get_json("/admin/policy")["policy"]
     assert _put_policy(gateway, {**policy, "acceptance_floor": 1.5}) == 400
-    # A session choosing its method (policy.methods): the draft first, then prompt lookup explored.
+    # Sessions choosing their method (policy.methods): the draft first, then prompt lookup
+    # explored; a second session's draft request two scrapes later, so the method series
+    # increase while Prometheus already has them (a ratio of rates needs that).
     assert _put_policy(gateway, {**policy, "methods": ["draft", "ngram", "suffix"]}) == 200
-    chosen = [str(client.completions.with_raw_response.create(
-        model=MODEL, prompt=CODE_PROMPT, max_tokens=24, temperature=0,
-        extra_headers={"X-Session-ID": "methods-0"}).headers["X-Specgate-Mode"]) for _ in range(2)]
-    assert [m.split(";")[1].strip() for m in chosen] == ["method=draft", "method=ngram"], chosen
-    sessions.append("methods-0")
+
+    def choose(session: str) -> str:
+        return str(client.completions.with_raw_response.create(
+            model=MODEL, prompt=CODE_PROMPT, max_tokens=24, temperature=0,
+            extra_headers={"X-Session-ID": session}).headers["X-Specgate-Mode"]).split(";")[1].strip()
+    chosen = [choose("methods-0"), choose("methods-0")]
+    time.sleep(2.5)
+    chosen.append(choose("methods-1"))
+    assert chosen == ["method=draft", "method=ngram", "method=draft"], chosen
+    sessions += ["methods-0", "methods-1"]
     assert _put_policy(gateway, {**policy, "acceptance_floor": 0.65}) == 200
     return sessions
 
@@ -289,7 +296,7 @@ def test_no_session_id_in_any_series(observed: Observed) -> None:
     labels = {name for line in series if "{" in line
               for name in (pair.split("=")[0] for pair in line[line.index("{") + 1:line.rindex("}")].split(","))}
     assert labels <= {"model", "worker", "route", "status", "mode", "reason", "to", "source", "result", "name", "le",
-                      "position", "shape"}, labels
+                      "position", "shape", "method", "count"}, labels
 
 
 def test_docs_describe_every_metric_prometheus_sees(observed: Observed) -> None:
