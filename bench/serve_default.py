@@ -7,8 +7,8 @@ Three gateways, each ``specgate serve`` on config.yaml's model, workers and poli
 (SmolLM2-135M-Instruct with its distilled draft, two embedded workers), in turn:
 - ``default``: config.yaml as it is;
 - ``plain``: no draft;
-- ``speculative``: the policy never falls back (no acceptance floor, no batch or temperature
-  limit), at config.yaml's K.
+- ``speculative``: the draft model at a fixed K that never falls back (no acceptance floor, no
+  batch or temperature limit): config.yaml's K, or K=2 where config.yaml's is auto.
 
 Against each, at concurrency 1 and 16: ``vllm bench serve --backend openai --endpoint
 /v1/completions --dataset-name custom --dataset-path bench/data/task_prompts.jsonl
@@ -49,6 +49,7 @@ CONCURRENCY = (1, 16)
 TARGET = 0.97
 NEVER_FALL_BACK = {"acceptance_floor": 0.0, "acceptance_resume": 0.0, "max_batch": 100_000, "batch_resume": 99_999,
                    "max_temperature": 2.0}
+SPECULATIVE_K_FOR_AUTO = 2
 CONFIGS = ("default", "plain", "speculative")
 
 
@@ -62,7 +63,13 @@ def gateway_config(name: str, port: int, cost_cache: Path, policy_changes: dict[
     if name == "plain":
         model["draft"] = None
     elif name == "speculative":
-        policy |= NEVER_FALL_BACK
+        # Always the draft at a fixed K: config.yaml's K, or where that is auto, the real pair's best
+        # fixed K at batch 1 (bench.engine, docs/measured.md). With K auto every request of vLLM's
+        # client is a new session priced on a prior shrunk towards acceptance_resume, 0 here, and
+        # the "speculative" gateway decoded plain throughout.
+        policy |= NEVER_FALL_BACK | {"methods": ["draft"]}
+        if policy.get("num_speculative_tokens") == "auto":
+            policy["num_speculative_tokens"] = SPECULATIVE_K_FOR_AUTO
     return {"server": {"host": "127.0.0.1", "port": port}, "model": model, "workers": workers, "policy": policy}
 
 
