@@ -34,7 +34,8 @@ def _post(url: str, body: dict[str, Any], session: str | None = None) -> str:
     headers = {"Content-Type": "application/json", **({SESSION_HEADER: session} if session else {})}
     request = urllib.request.Request(url + "/v1/completions", json.dumps(body).encode(), headers)
     with urllib.request.urlopen(request, timeout=120) as response:
-        return response.read().decode()
+        raw: bytes = response.read()
+        return raw.decode()
 
 
 def _run(url: str, directive: dict[str, Any], session: str | None = None) -> tuple[str, list[int], list[StepReport],

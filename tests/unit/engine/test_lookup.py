@@ -101,6 +101,19 @@ def test_the_store_stays_within_its_bound_and_eviction_cleans_the_index() -> Non
     assert store.memory_bytes() == 0 and not store._index
 
 
+def test_eviction_is_least_recently_used() -> None:
+    """A document that supplied a proposal counts as used: the oldest unused one goes first."""
+    store = SuffixStore(max_bytes=3 * SuffixStore.largest_cost(20, "s"))
+    docs = [list(range(100 * i, 100 * i + 20)) for i in range(4)]
+    for doc in docs[:3]:
+        store.add(doc, "s", shared=True)
+    assert store.propose(docs[0][:8], "s", 4) == docs[0][8:12]  # the oldest, used
+    store.add(docs[3], "s", shared=True)
+    assert store.documents == 3
+    assert store.propose(docs[1][:8], "s", 4) == []  # the least recently used went
+    assert store.propose(docs[0][:8], "s", 4) == docs[0][8:12]
+
+
 def _allocated(fill: Callable[[SuffixStore], None], max_bytes: int = 1 << 40) -> tuple[int, SuffixStore]:
     """What the store holds after ``fill``, as tracemalloc counts it (its own allocations only:
     the documents' token lists are made before)."""

@@ -26,9 +26,9 @@ an occurrence, its int and its list slot; a document, its array's header, its ob
 slot in the LRU order. ``tests/unit/engine/test_lookup.py`` measures the store with
 ``tracemalloc`` (tiny documents with fresh session ids, long ones whose keys are all new, and
 repetitive ones) and checks the formula is never below what was allocated. Whole documents are
-evicted, least recently added first, and their index entries with them (a key whose last
-occurrence goes is deleted), until the bound holds; a document that could not fit alone is not
-kept.
+evicted, least recently used first (added, or supplying a proposal), and their index entries
+with them (a key whose last occurrence goes is deleted), until the bound holds; a document that
+could not fit alone is not kept.
 """
 
 from __future__ import annotations
@@ -135,11 +135,13 @@ class SuffixStore:
             return []
         key = _key(tokens, len(tokens))
         candidates: list[tuple[Sequence[int], int]] = []
+        sources: dict[int, int] = {}  # id(document.tokens) -> document id, to refresh what matched
         for occurrence in self._index.get(key, ()):
             doc_id, pos = occurrence >> POSITION_BITS, occurrence & ((1 << POSITION_BITS) - 1)
             document = self._documents.get(doc_id)
             if document is not None and (document.shared or (session is not None and document.session == session)):
                 candidates.append((document.tokens, pos))
+                sources[id(document.tokens)] = doc_id
         # The sequence itself, where its last KEY_LEN tokens occurred before.
         if own is not None:
             candidates += [(tokens, pos) for pos in own.positions(tokens, key)]
@@ -162,6 +164,12 @@ class SuffixStore:
                 break
             proposal.append(token)
             best = [(s, p) for s, p in best if p + depth < len(s) and s[p + depth] == token]
+        # Least recently used, not least recently added: a document that keeps supplying
+        # proposals (a session's growing context, a template every session repeats) stays.
+        if proposal:
+            for source, _ in best:
+                if (doc_id := sources.get(id(source))) is not None:
+                    self._documents.move_to_end(doc_id)
         return proposal
 
 
