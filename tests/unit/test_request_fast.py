@@ -73,7 +73,8 @@ BOUNDARY: dict[str, list[Any]] = {
                  {"max_batch": _M + 1}, {"batch_resume": 0}, {"batch_resume": _M + 1}, {"max_step_drafts": -1},
                  {"max_step_drafts": _M}, {"max_step_drafts": _M + 1}, {"coalesce_s": 60}, {"coalesce_s": 60.01},
                  {"coalesce_s": -1}, {"coalesce_s": 1}, {"whole_answer": 1}, {"cost_rule": 0}, {"other": 1},
-                 {"method": "Ngram"}, {"method": ""}, {"method": ["ngram"]}, {"k": 3, "tree": "2+2", "method": "ngram"}],
+                 {"method": "Ngram"}, {"method": ""}, {"method": ["ngram"]},
+                 {"k": 3, "tree": "2+2", "method": "ngram"}],
 }
 # One field set to a value near its limits or to anything at all, or the body left alone.
 CHANGE = st.one_of(st.none(), st.sampled_from(list(BOUNDARY)).flatmap(

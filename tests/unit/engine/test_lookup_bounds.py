@@ -1,7 +1,8 @@
 """Lookup methods at their edges: point-mass verification past the first position and the
 chi-square test's power against a wrong rule; proposals bounded by K, the request and the context
 (one repeated token, a prompt at the window's end); a draft-less engine stays plain; the suffix
-store learns from finished requests; the lookup knobs are checked, naming the field."""
+store learns from finished requests; the lookup knobs are checked, naming the field; the
+indexes' batched catch-up is the per-position rule."""
 
 from __future__ import annotations
 
@@ -15,7 +16,10 @@ from tests.unit.engine.engine_runs import GREEDY, generate, output_tokens
 from workers.engines.embedded.adapter import EmbeddedSettings
 from workers.engines.embedded.engine import GenerationRequest, SpeculativeEngine, StepEvent
 from workers.engines.embedded.llama import LlamaForCausalLM
+from workers.engines.embedded.lookup import suffix as suffix_module
+from workers.engines.embedded.lookup.ngram import NgramIndex
 from workers.engines.embedded.lookup.proposer import LookupProposer, LookupSettings, LookupSettingsError
+from workers.engines.embedded.lookup.suffix import KEY_LEN, MAX_OCCURRENCES, SequenceKeys
 from workers.engines.embedded.sampling import Verdict, sample, verify_point_mass
 
 from .conftest import ChiSquare, GreedyReference
@@ -140,3 +144,28 @@ def test_lookup_settings_reach_the_engine(target_model: LlamaForCausalLM, draft_
     assert engine.lookup.propose("r", "ngram", [1, 2, 9, 1, 2], None, 4) == []  # a 2-gram is below the minimum
     generate(engine, GenerationRequest("r", [1, 2, 3, 4, 5], 6, GREEDY, k=4, method="suffix", session="s"))
     assert engine.lookup.suffix.documents == 0  # a bound of 0 keeps nothing
+
+
+# -- the indexes' fast paths ------------------------------------------------------------------------
+def test_the_indexes_built_a_column_at_a_time_are_the_per_position_ones() -> None:
+    """NgramIndex's and the suffix keys' batched catch-up against the rule written per position,
+    on random sequences grown a few tokens at a time (a small vocabulary: many repeats)."""
+    gen = torch.Generator().manual_seed(24)
+    for _ in range(20):
+        tokens = torch.randint(0, 6, (int(torch.randint(1, 120, (1,), generator=gen)),), generator=gen).tolist()
+        index, keys = NgramIndex(2, 5), SequenceKeys()
+        for end in range(1, len(tokens) + 1, 7):
+            prefix = tokens[:end]
+            index.propose(prefix, 1)
+            expected: dict[int, dict[tuple[int, ...], int]] = {n: {} for n in range(2, 6)}
+            for i in range(1, len(prefix)):
+                for n in range(2, 6):
+                    if i >= n:
+                        expected[n][tuple(prefix[i - n:i])] = i
+            assert index._after == expected
+            if end > KEY_LEN:
+                last = suffix_module._key(prefix, end)
+                assert keys.positions(prefix, last) == [
+                    pos for pos in range(KEY_LEN, end) if suffix_module._key(prefix, pos) == last][-MAX_OCCURRENCES:]
+        assert suffix_module._keys(tokens, KEY_LEN, len(tokens)) == [
+            suffix_module._key(tokens, pos) for pos in range(KEY_LEN, len(tokens))]
