@@ -166,8 +166,8 @@ class SuffixStore:
         # proposals (a session's growing context, a template every session repeats) stays.
         if proposal:
             for source, _ in best:
-                if (doc_id := sources.get(id(source))) is not None:
-                    self._documents.move_to_end(doc_id)
+                if (used := sources.get(id(source))) is not None:
+                    self._documents.move_to_end(used)
         return proposal
 
 
