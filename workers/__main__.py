@@ -28,6 +28,9 @@ TOKEN_ENV = "SPECGATE_WORKER_TOKEN"
 
 
 def parse_args(argv: list[str] | None = None, prog: str = "python -m workers") -> argparse.Namespace:
+    # Pure Python, no torch: the lookup knobs' defaults and checks live with the proposers.
+    from workers.engines.embedded.lookup.proposer import LookupSettings, LookupSettingsError
+
     parser = argparse.ArgumentParser(prog=prog, description=__doc__)
     parser.add_argument("--worker-id", default=f"worker-{os.getpid()}")
     parser.add_argument("--engine", choices=["embedded", "vllm", "sim"], default="embedded")
@@ -55,6 +58,13 @@ def parse_args(argv: list[str] | None = None, prog: str = "python -m workers") -
     parser.add_argument("--max-model-len", type=int, default=None,
                         help="the context window: prompt + generation, the longest sequence a KV slot holds "
                              "(default: the model's max_position_embeddings)")
+    parser.add_argument("--prompt-lookup-min", type=int, default=LookupSettings.prompt_lookup_min,
+                        help="embedded, method ngram: the shortest n-gram prompt lookup matches (vLLM's name)")
+    parser.add_argument("--prompt-lookup-max", type=int, default=LookupSettings.prompt_lookup_max,
+                        help="embedded, method ngram: the longest n-gram, tried first")
+    parser.add_argument("--suffix-cache-bytes", type=int, default=LookupSettings.suffix_cache_bytes,
+                        help="embedded, method suffix: the memory bound of the worker's store of earlier prompts "
+                             "and outputs (0: none kept)")
     parser.add_argument("--vllm-args", type=json.loads, default={},
                         help="vllm: further AsyncEngineArgs as a JSON object, e.g. '{\"enforce_eager\": true}'")
     parser.add_argument("--sim-config", type=json.loads, default={},
@@ -68,7 +78,13 @@ def parse_args(argv: list[str] | None = None, prog: str = "python -m workers") -
     parser.add_argument("--host", default="127.0.0.1",
                         help="with --port; an address other than loopback needs the gateway's token "
                              f"(the {TOKEN_ENV} environment variable)")
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    if args.engine == "embedded":  # checked before any model loads
+        try:
+            LookupSettings(args.prompt_lookup_min, args.prompt_lookup_max, args.suffix_cache_bytes)
+        except LookupSettingsError as error:
+            parser.error(str(error))
+    return args
 
 
 def build_engine(args: argparse.Namespace) -> Engine:
@@ -93,7 +109,10 @@ def build_engine(args: argparse.Namespace) -> Engine:
     return EmbeddedEngine(EmbeddedSettings(target=args.target, draft=args.draft, max_slots=args.max_slots,
                                            max_k=args.max_k, dtype=args.dtype, draft_dtype=args.draft_dtype,
                                            exact=args.exact, cost_cache_dir=args.cost_cache_dir,
-                                           cost_budget_s=args.cost_budget_s, max_model_len=args.max_model_len))
+                                           cost_budget_s=args.cost_budget_s, max_model_len=args.max_model_len,
+                                           prompt_lookup_min=args.prompt_lookup_min,
+                                           prompt_lookup_max=args.prompt_lookup_max,
+                                           suffix_cache_bytes=args.suffix_cache_bytes))
 
 
 def die_with_parent() -> None:

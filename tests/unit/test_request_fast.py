@@ -26,6 +26,8 @@ EDGES: list[Any] = [
     {"k": 1, "resume": {"prompt_ids": [1], "output_ids": []}}, {"k": True}, {"coalesce_s": 61}, {"k": None},
     {"k": 5, "tree": "2x2+3"}, {"k": 4, "tree": "2x2+3"}, {"k": 1, "tree": "9"}, {"k": 1, "tree": 3},
     {"k": 0, "tree": None}, {"k": 1, "tree": "+1"}, {"k": 1, "tree": "2" * 50},
+    {"k": 6, "method": "ngram"}, {"k": 6, "method": "eagle"}, {"k": 2, "tree": "2+1", "method": "suffix"},
+    {"k": 2, "tree": "2+1", "method": "draft"}, {"method": None}, {"method": 1},
     {"role": "user", "content": "hi"}, [{"role": "user", "content": "hi"}],
     [{"role": "developer", "content": "be brief"}, {"role": "user", "content": ""}],
     [{"role": "user", "content": [{"type": "text", "text": "hi"}]}], [{"role": "user"}],
@@ -40,7 +42,8 @@ VALID: dict[str, list[Any]] = {
     "stream_options": [{"include_usage": True}, {}, {"include_usage": None, "include_obfuscation": True}],
     "user": ["u", ""], "messages": [[{"role": "user", "content": "hi"}]],
     "specgate": [{"k": 4, "max_batch": 64, "batch_resume": 48}, {"k": 0, "coalesce_s": 0.05, "whole_answer": True},
-                 {"cost_rule": True, "max_step_drafts": 8}, {}, {"k": 4, "tree": "2+3", "cost_rule": True}],
+                 {"cost_rule": True, "max_step_drafts": 8}, {}, {"k": 4, "tree": "2+3", "cost_rule": True},
+                 {"k": 6, "method": "ngram"}, {"k": 6, "method": "suffix"}, {"k": 4, "method": "draft"}],
 }
 
 
@@ -69,7 +72,9 @@ BOUNDARY: dict[str, list[Any]] = {
     "specgate": [{"k": 64}, {"k": 65}, {"k": -1}, {"k": 1.0}, {"max_batch": 0}, {"max_batch": _M},
                  {"max_batch": _M + 1}, {"batch_resume": 0}, {"batch_resume": _M + 1}, {"max_step_drafts": -1},
                  {"max_step_drafts": _M}, {"max_step_drafts": _M + 1}, {"coalesce_s": 60}, {"coalesce_s": 60.01},
-                 {"coalesce_s": -1}, {"coalesce_s": 1}, {"whole_answer": 1}, {"cost_rule": 0}, {"other": 1}],
+                 {"coalesce_s": -1}, {"coalesce_s": 1}, {"whole_answer": 1}, {"cost_rule": 0}, {"other": 1},
+                 {"method": "Ngram"}, {"method": ""}, {"method": ["ngram"]},
+                 {"k": 3, "tree": "2+2", "method": "ngram"}],
 }
 # One field set to a value near its limits or to anything at all, or the body left alone.
 CHANGE = st.one_of(st.none(), st.sampled_from(list(BOUNDARY)).flatmap(

@@ -21,6 +21,9 @@ from workers.costs.online import OnlineCosts
 from workers.engines.embedded.engine import SpeculativeEngine
 from workers.engines.embedded.kernels import rowgemm
 from workers.engines.embedded.llama import LlamaForCausalLM
+from workers.engines.embedded.lookup.ngram import DEFAULT_PROMPT_LOOKUP_MAX, DEFAULT_PROMPT_LOOKUP_MIN
+from workers.engines.embedded.lookup.proposer import LookupSettings
+from workers.engines.embedded.lookup.suffix import DEFAULT_MAX_BYTES
 from workers.engines.embedded.measurement.measure import measure_or_load
 from workers.engines.embedded.measurement.precision import torch_threads_serving
 from workers.engines.embedded.measurement.settings import MeasureSettings
@@ -56,6 +59,17 @@ class EmbeddedSettings:
     cost_cache_dir: Path | None = None  # None: ~/.cache/specgate/costs (workers/costs/cache.py)
     cost_budget_s: float = 4.0  # start-up measurement's time budget (a cache hit skips it)
     max_model_len: int | None = None  # longest sequence (prompt + generation + K) a slot holds; None: the model's
+    # Lookup methods (lookup/proposer.py; checked there, LookupSettingsError names the field).
+    prompt_lookup_min: int = DEFAULT_PROMPT_LOOKUP_MIN  # ngram: the shortest n-gram matched (vLLM's name)
+    prompt_lookup_max: int = DEFAULT_PROMPT_LOOKUP_MAX  # ngram: the longest, tried first
+    suffix_cache_bytes: int = DEFAULT_MAX_BYTES  # suffix: the worker's store's memory bound
+
+    def __post_init__(self) -> None:
+        _ = self.lookup  # checked when the worker starts, not at the first request
+
+    @property
+    def lookup(self) -> LookupSettings:
+        return LookupSettings(self.prompt_lookup_min, self.prompt_lookup_max, self.suffix_cache_bytes)
 
 
 def load_speculative_engine(settings: EmbeddedSettings, target: LlamaForCausalLM | None = None,
@@ -74,7 +88,7 @@ def load_speculative_engine(settings: EmbeddedSettings, target: LlamaForCausalLM
         log.warning("bfloat16 target without oneDNN prepacking on this CPU (no AVX512-BF16/AMX?): expect slow "
                     "steps and no bit-identical verification; workers.dtype: auto picks float32 here")
     return SpeculativeEngine(target, draft, max_slots=settings.max_slots, max_k=settings.max_k,
-                             max_positions=settings.max_model_len)
+                             max_positions=settings.max_model_len, lookup=settings.lookup)
 
 
 class EmbeddedEngine:

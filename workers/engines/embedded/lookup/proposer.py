@@ -11,12 +11,36 @@ from policies.methods import Method
 from workers.engines.embedded.lookup.ngram import DEFAULT_PROMPT_LOOKUP_MAX, DEFAULT_PROMPT_LOOKUP_MIN, NgramIndex
 from workers.engines.embedded.lookup.suffix import DEFAULT_MAX_BYTES, SequenceKeys, SuffixStore
 
+# A longer n-gram is rarely the one that decides, and each n costs a key per position per sequence.
+MAX_PROMPT_LOOKUP = 32
+
+
+class LookupSettingsError(ValueError):
+    """A lookup knob out of range; the message names the field."""
+
 
 @dataclass(frozen=True)
 class LookupSettings:
-    prompt_lookup_min: int = DEFAULT_PROMPT_LOOKUP_MIN
-    prompt_lookup_max: int = DEFAULT_PROMPT_LOOKUP_MAX
-    suffix_cache_bytes: int = DEFAULT_MAX_BYTES  # the worker's suffix store (SuffixStore.memory_bytes)
+    prompt_lookup_min: int = DEFAULT_PROMPT_LOOKUP_MIN  # the shortest n-gram prompt lookup matches
+    prompt_lookup_max: int = DEFAULT_PROMPT_LOOKUP_MAX  # the longest, tried first
+    # The worker's suffix store's bound (SuffixStore.memory_bytes); 0 keeps no documents (suffix
+    # then matches the running sequence alone).
+    suffix_cache_bytes: int = DEFAULT_MAX_BYTES
+
+    def __post_init__(self) -> None:
+        for name in ("prompt_lookup_min", "prompt_lookup_max", "suffix_cache_bytes"):
+            value = getattr(self, name)
+            if type(value) is not int:
+                raise LookupSettingsError(f"{name} must be an integer (got {value!r})")
+        if not 1 <= self.prompt_lookup_min <= MAX_PROMPT_LOOKUP:
+            raise LookupSettingsError(f"prompt_lookup_min must be in 1..{MAX_PROMPT_LOOKUP} "
+                                      f"(got {self.prompt_lookup_min})")
+        if not self.prompt_lookup_min <= self.prompt_lookup_max <= MAX_PROMPT_LOOKUP:
+            raise LookupSettingsError(f"prompt_lookup_max must be in prompt_lookup_min ({self.prompt_lookup_min})"
+                                      f"..{MAX_PROMPT_LOOKUP} (got {self.prompt_lookup_max})")
+        if self.suffix_cache_bytes < 0:
+            raise LookupSettingsError(f"suffix_cache_bytes must be >= 0 (got {self.suffix_cache_bytes}; "
+                                      "0 keeps no documents)")
 
 
 class LookupProposer:
