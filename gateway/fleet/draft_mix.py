@@ -1,4 +1,5 @@
-"""What the gateway has in flight on one worker, by the K each request was sent with.
+"""What the gateway has in flight on one worker, by the K each request was sent with (0 for a
+lookup method's: it runs no draft forward).
 
 K auto prices a step at its worker's draft mix (``policies/cost.py``): a session joining a batch
 where a third of the sequences draft gets a deeper K than one joining a batch where all do. The
@@ -13,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from policies import Decision, Reason, StepMix
+from policies.methods import is_lookup
 
 WOULD_DRAFT: frozenset[Reason] = frozenset({"no_gain", "batch_full"})
 
@@ -33,12 +35,12 @@ class DraftMix:
         return sum(n for k, n in self.by_k.items() if k > 0)
 
     def add(self, decision: Decision) -> None:
-        k = decision.k
+        k = _draft_k(decision)
         self.by_k[k] = self.by_k.get(k, 0) + 1
         self.would_draft += decision.reason in WOULD_DRAFT
 
     def remove(self, decision: Decision) -> None:
-        k = decision.k
+        k = _draft_k(decision)
         if decision.reason in WOULD_DRAFT:
             self.would_draft = max(0, self.would_draft - 1)
         left = self.by_k.get(k, 0) - 1
@@ -54,3 +56,9 @@ class DraftMix:
         """For ``/admin/workers``: in-flight requests by K, how many draft and how much per step."""
         return {"by_k": {str(k): n for k, n in sorted(self.by_k.items())}, "drafting": self.drafting,
                 "drafts_per_step": sum(k * n for k, n in self.by_k.items()), "would_draft": self.would_draft}
+
+
+def _draft_k(decision: Decision) -> int:
+    """The draft forwards a request adds to its steps: its K, or 0 for a lookup method's (its
+    proposals cost no forward; the mix prices the draft's)."""
+    return 0 if decision.method is not None and is_lookup(decision.method) else decision.k

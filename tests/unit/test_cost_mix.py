@@ -231,6 +231,17 @@ def test_draft_mix_counts_in_flight_requests_by_decision() -> None:
     assert mix.count == 0 and mix.step_mix() == StepMix() and mix.by_k == {}
 
 
+def test_a_lookup_request_counts_as_drafting_nothing() -> None:
+    mix = DraftMix()
+    lookup, draft = Decision("speculative", 8, "default", method="ngram"), Decision("speculative", 4, "default",
+                                                                                    method="draft")
+    mix.add(lookup)
+    mix.add(draft)
+    assert mix.step_mix() == StepMix(2, 1, 0) and mix.view()["drafts_per_step"] == 4
+    mix.remove(lookup)
+    assert mix.step_mix() == StepMix(1, 1, 0)
+
+
 def test_the_virtual_fleet_gives_the_policy_the_mix_the_gateway_tracks(monkeypatch: pytest.MonkeyPatch) -> None:
     """bench.policy's fleet drives decide with each replica's in-flight draft mix, as the gateway
     does, and takes requests back out of it when they finish."""
