@@ -127,7 +127,9 @@ async def test_batch_depth_fallback_without_flapping(tmp_path: Path) -> None:
             all_steps = [s for r in results for s in r["steps"][1:]]
             assert any(s["batch_depth"] > 4 and s["k"] == 0 for s in all_steps)
             for result in results:
-                speculating = [s["k"] > 0 for s in result["steps"][1:]]
+                # Its last step may have one token left to make, so nothing to draft (k 0 by the
+                # engine's room, not the latch): judged without it, as the request after is below.
+                speculating = [s["k"] > 0 for s in result["steps"][1:-1]]
                 # Depth rises then falls once: at most one switch each way per stream, never flapping.
                 assert transitions(speculating) <= 2, speculating
             # Load has dropped: a new request speculates again.
