@@ -207,8 +207,6 @@ def pick(state: GatewayState, session: Session, req: CompletionRequest, policy: 
     candidates = [c for c in state.fleet.candidates() if c.worker_id not in tried
                   and (allowed is None or c.worker_id in allowed)
                   and (resume is None or state.fleet.workers[c.worker_id].speaks_specgate)]
-    index = state.fleet.prefix_index
-    index.max_blocks = policy.route_index_blocks  # live: a smaller bound takes effect at the next record
     blocks = prompt_blocks(req) if policy.route_index_blocks > 0 else ()
     routed = route(state, session, candidates, req, policy, blocks)
     if routed is None:
@@ -217,7 +215,7 @@ def pick(state: GatewayState, session: Session, req: CompletionRequest, policy: 
             raise NoWorkerLeft(f"no worker could take the request (tried {', '.join(sorted(failed))})")
         raise NoWorkerReady("no worker is ready", retry_after_s=1.0)
     session.worker_id = routed.handle.worker_id
-    index.record(routed.handle.worker_id, blocks)
+    state.fleet.prefix_index.record(routed.handle.worker_id, blocks, policy.route_index_blocks)
     state.metrics.series(state.metrics.routes, routed.route).inc()
     return routed
 

@@ -27,7 +27,7 @@ from gateway.fleet.supervisor import Supervisor, finish_output
 from gateway.fleet.worker_http import Endpoint, WorkerHttp
 from gateway.observe.metrics import GatewayMetrics
 from gateway.observe.ops_metrics import AdmissionWaitMetrics
-from policies import Mode, PolicyConfig
+from policies import Mode
 
 
 class Fleet:
@@ -44,9 +44,8 @@ class Fleet:
         # Requests waiting for a ready worker (gateway/admission.py ``pick_ready``): how many, and
         # their metrics; the probe wakes them.
         self.waiting = 0
-        # Which prompt prefixes the gateway sent where (cache-aware routing, gateway/fleet/routing.py);
-        # admission keeps its bound at the live policy's route_index_blocks.
-        self.prefix_index = PrefixIndex(PolicyConfig().route_index_blocks)
+        # Which prompt prefixes the gateway sent where (cache-aware routing, gateway/fleet/routing.py).
+        self.prefix_index = PrefixIndex()
         self.admission_waits = AdmissionWaitMetrics.create(metrics.registry)
 
     # -- lifecycle ----------------------------------------------------------------------------------

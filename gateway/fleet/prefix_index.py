@@ -9,7 +9,8 @@ That is what SGLang's router keeps in a radix tree of characters and llm-d's pic
 LRU of block hashes: an estimate from the gateway's own routing, not the worker's cache (which
 may have evicted the prefix, or, behind another router, hold more).
 
-Bounded: each worker keeps at most ``max_blocks`` keys, the least recently used evicted first
+Bounded: each worker keeps at most ``max_blocks`` keys (the live policy's ``route_index_blocks``,
+given with each record), the least recently used evicted first
 (a hit or a record refreshes a key). A worker that leaves the fleet is forgotten.
 """
 
@@ -44,8 +45,7 @@ def prompt_blocks(req: CompletionRequest) -> tuple[int, ...]:
 
 
 class PrefixIndex:
-    def __init__(self, max_blocks: int) -> None:
-        self.max_blocks = max_blocks
+    def __init__(self) -> None:
         self._by_worker: dict[str, OrderedDict[int, None]] = {}
 
     def hit(self, worker_id: str, blocks: Sequence[int]) -> float:
@@ -61,15 +61,15 @@ class PrefixIndex:
             matched += 1
         return matched / len(blocks)
 
-    def record(self, worker_id: str, blocks: Sequence[int]) -> None:
+    def record(self, worker_id: str, blocks: Sequence[int], max_blocks: int) -> None:
         """The worker now holds ``blocks`` (it was sent the request), most recent last."""
-        if self.max_blocks <= 0 or not blocks:
+        if max_blocks <= 0 or not blocks:
             return
         seen = self._by_worker.setdefault(worker_id, OrderedDict())
-        for key in blocks[-self.max_blocks:]:
+        for key in blocks[-max_blocks:]:
             seen[key] = None
             seen.move_to_end(key)
-        while len(seen) > self.max_blocks:
+        while len(seen) > max_blocks:
             seen.popitem(last=False)
 
     def forget(self, worker_id: str) -> None:

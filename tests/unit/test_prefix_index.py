@@ -25,10 +25,10 @@ def test_blocks_are_a_hash_chain_of_the_prompt_text() -> None:
 
 
 def test_the_hit_is_the_leading_share_seen() -> None:
-    index = PrefixIndex(max_blocks=1000)
+    index = PrefixIndex()
     turn1 = chat(SYSTEM, "When did it open? " * 8)
     turn2 = chat(SYSTEM, "When did it open? " * 8 + "And how long is it? " * 8)
-    index.record("w0", turn1)
+    index.record("w0", turn1, 1000)
     assert index.hit("w0", turn1) == 1.0
     assert 0.0 < index.hit("w0", turn2) < 1.0 and index.hit("w0", turn2) == sum(
         1 for key in turn2 if key in set(turn1)) / len(turn2)
@@ -36,16 +36,16 @@ def test_the_hit_is_the_leading_share_seen() -> None:
 
 
 def test_each_worker_keeps_at_most_its_bound_least_recently_used_first() -> None:
-    index = PrefixIndex(max_blocks=8)
+    index = PrefixIndex()
     old, new = chat("a" * BLOCK_CHARS * 6), chat("b" * BLOCK_CHARS * 6)
-    index.record("w0", old)
-    index.record("w0", new)
+    index.record("w0", old, 8)
+    index.record("w0", new, 8)
     assert index.sizes() == {"w0": 8}
     assert index.hit("w0", new) == 1.0 and index.hit("w0", old) == 0.0  # old's first blocks went first
-    index.record("w0", chat("c" * BLOCK_CHARS * 100))  # longer than the bound: its last 8 kept
+    index.record("w0", chat("c" * BLOCK_CHARS * 100), 8)  # longer than the bound: its last 8 kept
     assert index.sizes() == {"w0": 8}
     index.forget("w0")
     assert index.sizes() == {} and index.hit("w0", new) == 0.0
-    off = PrefixIndex(max_blocks=0)
-    off.record("w0", new)
+    off = PrefixIndex()
+    off.record("w0", new, 0)
     assert off.sizes() == {}
