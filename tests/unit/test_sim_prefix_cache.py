@@ -23,7 +23,7 @@ def ids(n: int, start: int = 100) -> list[int]:
 
 def test_keys_are_a_chain_of_full_blocks() -> None:
     assert len(block_keys(ids(47))) == 2  # the partial block is left out
-    a, b = block_keys(ids(32)), block_keys([7] + ids(31))
+    a, b = block_keys(ids(32)), block_keys([7, *ids(31)])
     assert a[0] != b[0] and a[1] != b[1]  # a key stands for its whole prefix
 
 
@@ -61,7 +61,7 @@ def test_eviction_keeps_the_bound_least_recent_first_and_tails_before_heads() ->
     for n in range(10):  # many unrelated prompts: never more than the bound
         cache.insert(ids(3 * BLOCK_TOKENS, start=3000 + 100 * n))
         assert cache.tokens_held <= 4 * BLOCK_TOKENS
-    assert cache.lookup(system + [1]) == 0
+    assert cache.lookup([*system, 1]) == 0
 
 
 def test_zero_tokens_is_off() -> None:
