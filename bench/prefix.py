@@ -269,15 +269,19 @@ def targets(shared: dict[str, Any], hotspot: dict[str, Any]) -> dict[str, Any]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--json", action="store_true", help="print one JSON object as the last line")
-    parser.add_argument("--quick", action="store_true", help="a smoke run: 4 workers, a few sessions")
-    parser.add_argument("--workers", type=int, default=None, help="sim workers (default 16; 4 with --quick)")
-    parser.add_argument("--sessions", type=int, default=None, help="sessions per run (default 96; 8 with --quick)")
-    parser.add_argument("--time-scale", type=float, default=3.0,
-                        help="real seconds per simulated second (slower than real keeps one CPU core on time)")
+    parser.add_argument("--quick", action="store_true", help="a smoke run: 2 workers, a few sessions")
+    parser.add_argument("--workers", type=int, default=None, help="sim workers (default 16; 2 with --quick)")
+    parser.add_argument("--sessions", type=int, default=None, help="sessions per run (default 96; 4 with --quick)")
+    parser.add_argument("--time-scale", type=float, default=None,
+                        help="real seconds per simulated second (default 3, 1 with --quick: slower than real "
+                             "keeps the live fleet on the model's schedule on one CPU core)")
     args = parser.parse_args()
-    workers = args.workers or (4 if args.quick else 16)
-    sessions = args.sessions or (8 if args.quick else 96)
-    probe_sessions = 3 * concurrency(workers) // 2
+    workers = args.workers or (2 if args.quick else 16)
+    sessions = args.sessions or (4 if args.quick else 96)
+    args.time_scale = args.time_scale or (1.0 if args.quick else 3.0)
+    # The capacity probe: the closed loop's queue stays fed for half again its concurrency (a
+    # smoke run only needs a figure, not a good one).
+    probe_sessions = concurrency(workers) + 2 if args.quick else 3 * concurrency(workers) // 2
     sim = {"time_scale": args.time_scale, "prefix_cache_tokens": CACHE_TOKENS, "seed": 7}
     out: dict[str, Any] = {"bench": "prefix", "cpu": cpu_label(), "workers": workers, "time_scale": args.time_scale,
                            "prefix_cache_tokens": CACHE_TOKENS, "max_slots": MAX_SLOTS, "turns": TURNS,
