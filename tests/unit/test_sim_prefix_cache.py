@@ -9,12 +9,14 @@ from pathlib import Path
 
 import pytest
 
+from gateway.config.config import ConfigError, parse_config
 from workers.api.sim_config import SimConfig, SimConfigError
 from workers.engines.interface import GenerationRequest, StepEvent, StepStats
 from workers.engines.sim.engine import SimEngine, SimSettings
 from workers.engines.sim.prefix_cache import BLOCK_TOKENS, PrefixCache, block_keys
 
-TOKENIZER_DIR = Path(__file__).resolve().parents[2] / "models" / "demo-target"
+REPO = Path(__file__).resolve().parents[2]
+TOKENIZER_DIR = REPO / "models" / "demo-target"
 
 
 def ids(n: int, start: int = 100) -> list[int]:
@@ -75,6 +77,12 @@ def test_the_bound_is_checked_naming_the_field(bad: object) -> None:
     with pytest.raises(SimConfigError) as caught:
         SimConfig.from_mapping({"prefix_cache_tokens": bad})
     assert caught.value.field == "prefix_cache_tokens"
+
+
+def test_the_gateway_config_check_names_the_field() -> None:
+    with pytest.raises(ConfigError) as caught:
+        parse_config({"workers": {"engine": "sim", "sim": {"prefix_cache_tokens": -5}}}, REPO)
+    assert caught.value.field == "workers.sim.prefix_cache_tokens"
 
 
 def test_the_bound_is_read() -> None:
