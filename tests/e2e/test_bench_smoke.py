@@ -289,3 +289,26 @@ def test_bench_methods_quick_json() -> None:
         assert set(result["targets"][clock]["met"]) == {"lookup_1.5x_plain", "choice_1.1x_best_single",
                                                         "choice_0.97x_hindsight"}
     assert f"CPU: {result['cpu']}" in stdout
+
+
+@pytest.mark.slow
+def test_bench_prefix_quick_json() -> None:
+    """Every gateway configuration served every turn of both workloads; no speed asserted."""
+    result, stdout = _json_run("-m", "bench.prefix", "--quick", "--json")
+    assert result["bench"] == "prefix" and result["cpu"]
+    turns = result["turns"]
+    for workload in ("shared", "hotspot"):
+        runs = result[workload]
+        assert runs["capacity_sessions_per_s"] > 0
+        for config in ("cache_aware", "least_loaded"):
+            run = runs[config]
+            assert run["failed"] == 0 and run["turns"] == run["sessions"] * turns, (workload, config)
+            assert run["output_tok_s"] > 0 and run["ttft_p90_s"] >= run["ttft_p50_s"] > 0
+            assert sum(run["routes"].values()) == run["turns"]
+            assert 0 < run["cached_token_share"] < 1  # later turns found their history cached
+        assert "prefix" not in runs["least_loaded"]["routes"]  # route_index_blocks 0: no prefix routing
+    assert result["hotspot"]["cache_aware"]["queue_samples"] > 0
+    assert set(result["targets"]) == {"shared_ttft_p90_ratio", "shared_tok_s_ratio", "hotspot_sample_share",
+                                      "hotspot_tok_s_ratio"}
+    assert "target shared_ttft_p90_ratio" in stdout
+    assert 0 < result["cache_tokens_held_max"] <= result["prefix_cache_tokens"]

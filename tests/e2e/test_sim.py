@@ -253,3 +253,30 @@ def test_a_non_streaming_answer_is_accounted_before_the_next_request(sim_gateway
                 (index, record, speculative)
             evidence = record["evidence_drafted_tokens"]
     assert proposed_total > 0 and evidence > 0
+
+
+def test_a_sim_worker_with_a_prefix_cache_reports_cached_tokens(tmp_path_factory: pytest.TempPathFactory,
+                                                                 sim_gateway: Gateway) -> None:
+    """Turn 2 of a session reports the prompt tokens its worker had cached (OpenAI's
+    ``prompt_tokens_details.cached_tokens``); a worker without the cache leaves the field out."""
+    tmp = tmp_path_factory.mktemp("gw-sim-prefix")
+    config = write_config(tmp / "config.yaml", workers={"count": 1, "engine": "sim", "max_slots": 8,
+                                                         "sim": {"time_scale": 0, "prefix_cache_tokens": 4096}})
+    gw = start_gateway(config, tmp)
+    try:
+        gw.wait_workers_ready(1)
+        system = "[chat] " + " ".join(f"Rule {n}: be brief." for n in range(60))
+        with sdk_client(gw) as client:
+            cached = []
+            for turn in range(2):
+                answer = client.chat.completions.create(model="specgate-demo", messages=[
+                    {"role": "system", "content": system}, {"role": "user", "content": f"question {turn}"}],
+                                                        max_tokens=4, extra_headers={"X-Session-ID": "prefix"})
+                assert answer.usage is not None and answer.usage.prompt_tokens_details is not None
+                cached.append(answer.usage.prompt_tokens_details.cached_tokens)
+        assert cached[0] == 0 and cached[1] is not None and cached[1] >= 256
+    finally:
+        gw.stop()
+    with sdk_client(sim_gateway) as client:  # no prefix cache configured: no field
+        plain = client.completions.create(model="specgate-demo", prompt="[chat] hi", max_tokens=2)
+        assert plain.usage is not None and plain.usage.prompt_tokens_details is None

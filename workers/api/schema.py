@@ -280,11 +280,17 @@ class SpeculativeUsage(BaseModel):
     mode: Literal["speculative", "plain"]
 
 
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int = Field(description="prompt tokens served from the worker's prefix cache, not prefilled")
+
+
 class Usage(BaseModel):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
     speculative: SpeculativeUsage | None = None
+    # OpenAI's field; only from engines that report their prefix-cache hits (the sim).
+    prompt_tokens_details: PromptTokensDetails | None = None
 
 
 FinishReason = Literal["stop", "length"]

@@ -243,6 +243,9 @@ class SimConfig:
     context_window: int = 8192
     # The most draft nodes of a token tree a step verifies (policies.tree); 0: chains only.
     tree_max_nodes: int = MAX_TREE_NODES
+    # Tokens of KV a worker keeps for prefix reuse (workers/engines/sim/prefix_cache.py); 0: off,
+    # every request prefills its whole prompt. Off by default so existing sim figures stand.
+    prefix_cache_tokens: int = 0
 
     @classmethod
     def from_mapping(cls, raw: Mapping[str, Any] | None) -> SimConfig:
@@ -332,7 +335,7 @@ def parse(raw: Mapping[str, Any]) -> SimConfig:
         raise SimConfigError("(section)", raw, "must be a mapping")
     problems = _Problems()
     known = {"target", "draft", "hardware", "efficiency", "acceptance", "default_category", "time_scale", "seed",
-             "context_window", "tree_max_nodes", "lookup"}
+             "context_window", "tree_max_nodes", "lookup", "prefix_cache_tokens"}
     for key in raw:
         if key not in known:
             problems.add(str(key), raw[key], f"unknown field; known: {', '.join(sorted(known))}")
@@ -364,12 +367,13 @@ def parse(raw: Mapping[str, Any]) -> SimConfig:
     if tree_nodes > MAX_TREE_NODES:
         problems.add("tree_max_nodes", tree_nodes, f"must be at most {MAX_TREE_NODES}")
         tree_nodes = d.tree_max_nodes
+    prefix_tokens = _integer(raw, "prefix_cache_tokens", d.prefix_cache_tokens, problems, minimum=0)
     draft = (None if "draft" in raw and raw["draft"] is None
              else _shape(raw, "draft", LLAMA_1B, problems))
     config = SimConfig(_shape(raw, "target", d.target, problems), draft, hardware, efficiency,
                        replace(acceptance, default_category=category),
                        problems.check(lambda: _number(raw, "time_scale", d.time_scale, "", positive=False),
-                                      d.time_scale), seed, window, tree_nodes)
+                                      d.time_scale), seed, window, tree_nodes, prefix_tokens)
     problems.raise_any()
     return config
 

@@ -64,6 +64,9 @@ class StepEvent:
     error: Exception | None = None
     # A tree step: the tree drafted and the rank accepted at each level tested (policies.tree.StepPath).
     path: StepPath | None = None
+    # The prompt tokens the engine found in its prefix cache and did not prefill, on a request's
+    # first event; None from engines that do not report it (the usage then leaves it out).
+    cached_tokens: int | None = None
 
 
 class EngineRequestError(ValueError):

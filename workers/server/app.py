@@ -337,6 +337,7 @@ async def _generate(ctx: WorkerContext, req: CompletionRequest,
     ran = StepCounts()  # what ran, step by step (the worker's batch latch may run steps plain)
     finished = False
     first_chunk = True
+    cached: int | None = None  # the engine's prefix-cache hit, where it reports one
 
     def chunk(delta: str, finish: str | None, report: StepReport | None, first: bool = False) -> dict[str, Any]:
         if req.kind == "chat":
@@ -359,6 +360,8 @@ async def _generate(ctx: WorkerContext, req: CompletionRequest,
             # Engines that learn acceptance late (vLLM) report their speculative steps in
             # late_steps, and the rest of their steps are plain.
             ran.add(item.proposed, item.accepted, late)
+            if item.cached_tokens is not None:
+                cached = item.cached_tokens
             delta = text.push(item.tokens)
             # Tokens after a stop string were never the client's: they are not counted.
             kept = text.last_kept
@@ -385,12 +388,14 @@ async def _generate(ctx: WorkerContext, req: CompletionRequest,
         ctx.request_log.info("%s %s finished (%s): %d prompt + %d completion tokens, %d steps (%d speculative) "
                              "in %.3f s", req.kind, rid, finish, len(prompt_ids), earlier + emitted, ran.steps,
                              ran.speculative_steps, time.monotonic() - started)
+        usage: dict[str, Any] = {
+            "prompt_tokens": len(prompt_ids), "completion_tokens": earlier + emitted,
+            "total_tokens": len(prompt_ids) + earlier + emitted,
+            "speculative": speculative_usage(ran.proposed, ran.accepted, mode, ran.speculative_steps,
+                                             max(0, ran.steps - ran.speculative_steps), ran.tested)}
+        if cached is not None:  # OpenAI's field, only from engines that report it
+            usage["prompt_tokens_details"] = {"cached_tokens": cached}
         yield {"id": rid, "object": "chat.completion.chunk" if req.kind == "chat" else "text_completion",
-               "created": created, "model": model, "choices": [],
-               "usage": {"prompt_tokens": len(prompt_ids), "completion_tokens": earlier + emitted,
-                         "total_tokens": len(prompt_ids) + earlier + emitted,
-                         "speculative": speculative_usage(ran.proposed, ran.accepted, mode, ran.speculative_steps,
-                                                          max(0, ran.steps - ran.speculative_steps),
-                                                          ran.tested)}}, None
+               "created": created, "model": model, "choices": [], "usage": usage}, None
     finally:
         await events.aclose()  # aborts the sequence if it has not finished (stop string, client gone)

@@ -13,6 +13,11 @@ a seeded request's text is the same on every run. The prompt's category (``[json
 ``[code]``, ``[math]``, ``[chat]``, ``[agent]``, ``[code_edit]``, ``[rag]``, ``[summary]`` tag),
 its temperature and its speculation method (the directive's: the draft model, or a lookup method
 with its own acceptance and coverage, docs/sim.md "Methods") set its acceptance.
+
+With ``workers.sim.prefix_cache_tokens`` > 0 the worker keeps a prefix cache (``prefix_cache``):
+a prompt's leading blocks that an earlier request's prompt or output left there are not
+prefilled again, and the first step event reports them (``cached_tokens``, the usage's
+``prompt_tokens_details.cached_tokens``).
 """
 
 from __future__ import annotations
@@ -39,6 +44,7 @@ from workers.engines.interface import (
     StepObserver,
     StepStats,
 )
+from workers.engines.sim.prefix_cache import PrefixCache
 from workers.engines.sim.roofline import SimBatch, SimSeq, StepCost, config_summary
 from workers.text import TextCodec
 
@@ -88,6 +94,11 @@ class SimEngine:
         self._cost_report: CostReport | None = None
         self._sinks: dict[str, asyncio.Queue[StepEvent]] = {}
         self._ids: dict[str, random.Random] = {}  # each request's output-token generator
+        self.prefix_cache = PrefixCache(self.config.prefix_cache_tokens)
+        # Per request, while the cache is on: its prompt and output so far (cached when it
+        # finishes), and its cached prompt tokens until its first event reports them.
+        self._tokens: dict[str, list[int]] = {}
+        self._cached: dict[str, int] = {}
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
         self._observer: StepObserver | None = None
@@ -130,6 +141,8 @@ class SimEngine:
         # A live view: the lateness figures change as the engine steps.
         details: dict[str, Any] = {**config_summary(self.config)}
         details["sim"]["lateness"] = self.lateness.view()
+        if self.prefix_cache.enabled:
+            details["sim"]["prefix_cache"] = self._prefix_view()
         self._details = details
         self._info = EngineInfo(kind="sim", max_k=self.batch.max_k, max_slots=self.settings.max_slots,
                                 context_window=self.config.context_window,
@@ -178,13 +191,21 @@ class SimEngine:
         if not is_method(method):
             raise EngineRequestError(f"unknown speculation method {method!r}")
         temperature = request.params.temperature
+        cached = 0
+        if self.prefix_cache.enabled:
+            cached = self.prefix_cache.lookup(request.prompt_ids)
+            self._tokens[request.request_id] = list(request.prompt_ids)
+            self._cached[request.request_id] = cached
+            self._details["sim"]["prefix_cache"] = self._prefix_view()
+        # The cached tokens are KV the step reads, never prefilled: prefill is charged for the rest.
+        prefill = len(request.prompt_ids) - cached
         if is_lookup(method):
             alpha, coverage = table.lookup_alpha(method, category, temperature)
-            return SimSeq(request.request_id, request.k, alpha, request.max_tokens, len(request.prompt_ids),
-                          random.Random(seed ^ 0x5EED), lookup=True, coverage=coverage)
+            return SimSeq(request.request_id, request.k, alpha, request.max_tokens, prefill,
+                          random.Random(seed ^ 0x5EED), context=cached, lookup=True, coverage=coverage)
         # A tree's K is its depth (SimSeq); one this deployment does not verify runs as that chain (SimBatch.add).
         return SimSeq(request.request_id, request.k, table.alpha(category, temperature),
-                      request.max_tokens, len(request.prompt_ids), random.Random(seed ^ 0x5EED), tree=request.tree)
+                      request.max_tokens, prefill, random.Random(seed ^ 0x5EED), context=cached, tree=request.tree)
 
     async def generate(self, request: GenerationRequest) -> AsyncGenerator[StepEvent, None]:
         seq = self._seq(request)
@@ -201,6 +222,8 @@ class SimEngine:
         finally:
             self._sinks.pop(request.request_id, None)
             self._ids.pop(request.request_id, None)
+            self._tokens.pop(request.request_id, None)
+            self._cached.pop(request.request_id, None)
             if not finished:
                 self.batch.abort(request.request_id)
 
@@ -233,13 +256,32 @@ class SimEngine:
                     continue
                 tokens = [ids.randint(self._first_id, vocab_hi) for _ in range(r.emitted)]
                 proposed, accepted, emitted = proposed + r.k, accepted + r.accepted, emitted + r.emitted
+                cached = self._cached.pop(rid, None)
+                if self.prefix_cache.enabled:
+                    self._remember(rid, tokens, first=cached is not None, finished=r.finished)
                 sink.put_nowait(StepEvent(rid, tokens, r.k, r.accepted, step.depth,
-                                          "length" if r.finished else None, path=r.path))
+                                          "length" if r.finished else None, path=r.path, cached_tokens=cached))
             stats = StepStats(proposed, accepted, emitted, step.depth, len(self.batch.waiting),
                               step.duration_s * scale, step.verify_s * scale)
             self._totals.add(stats)
             if self._observer is not None:
                 self._observer(stats)
+
+    def _remember(self, rid: str, tokens: list[int], first: bool, finished: bool) -> None:
+        """The prefix cache learns a prompt once its prefill step ran (a concurrent request with
+        the same system prompt hits it, as in vLLM), and the prompt with its output at the end."""
+        held = self._tokens.get(rid)
+        if held is None:
+            return
+        if first:
+            self.prefix_cache.insert(held)
+        held.extend(tokens)
+        if finished:
+            self.prefix_cache.insert(held)
+            self._details["sim"]["prefix_cache"] = self._prefix_view()
+
+    def _prefix_view(self) -> dict[str, int | float]:
+        return self.prefix_cache.view(self.config.target.kv_bytes_per_token)
 
 
 def derived_cost_report(config: SimConfig, max_k: int, max_slots: int) -> CostReport:

@@ -80,6 +80,7 @@ def config_summary(config: SimConfig) -> dict[str, Any]:
         "gpus": config.hardware.gpus, "bandwidth_gb_s_per_gpu": config.hardware.bandwidth_gb_s,
         "peak_tflops_per_gpu": config.hardware.peak_tflops,
         "efficiency": vars(config.efficiency), "time_scale": config.time_scale,
+        "prefix_cache_tokens": config.prefix_cache_tokens,
         "plain_step_ms_b1": round(1000 * cost.step_time([0], [1024])[0], 3),
         "acceptance": {c: [[t if math.isfinite(t) else None, round(a, 4)] for t, a in b]
                        for c, b in config.acceptance.bands.items()},
