@@ -155,6 +155,13 @@ class PolicyConfig:
     route_min_prefix_hit: float = 0.1
     route_balance_abs: int = 4
     route_balance_rel: float = 1.5
+    # Bounded loads (consistent hashing with bounded loads; HAProxy's hash-balance-factor): a worker
+    # takes a session's next request (sticky) or a prefix-placed one only while its load after it
+    # stays within route_load_factor x the fleet's mean load (counting that request) +
+    # route_load_slack. The guard above needs a wide gap at shallow queues (4 ahead); this bound
+    # holds the hotspot a cache-affine session mix makes. 0: no bound.
+    route_load_factor: float = 2.0
+    route_load_slack: float = 2.0
     route_index_blocks: int = 65536  # prompt blocks the gateway remembers per worker (LRU; 0: no prefix routing)
 
     def __post_init__(self) -> None:
@@ -304,6 +311,11 @@ def rule_problems(values: Mapping[str, Any], bad: Collection[str] = ()) -> list[
     require(values["route_balance_abs"] >= 0, "route_balance_abs", "must be >= 0")
     require(values["route_balance_rel"] >= 1.0 and math.isfinite(values["route_balance_rel"]), "route_balance_rel",
             "must be >= 1")
+    require(values["route_load_factor"] == 0.0 or 1.0 <= values["route_load_factor"] <= 1000.0, "route_load_factor",
+            "must be 0 (no bound) or in 1..1000")
+    # At least one: a worker may always hold one request more than the mean, so an idle fleet's
+    # sessions stay sticky and the least-loaded worker is within every bound.
+    require(1.0 <= values["route_load_slack"] <= 1000.0, "route_load_slack", "must be in 1..1000")
     require(0 <= values["route_index_blocks"] <= 1 << 24, "route_index_blocks", "must be in 0..16777216")
     problem = _methods_problem(values["methods"])
     require(problem is None, "methods", problem or "")

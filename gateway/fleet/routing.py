@@ -1,8 +1,8 @@
 """Choosing a worker for a request: pure, data in and worker ids out.
 
-A session sticks to its worker while that worker is ready and not the one overloading an
-unbalanced fleet (``sticky``). A request not bound to a worker (a new session, or one whose
-worker is gone or overloaded) is placed by a score, or by load alone:
+A session sticks to its worker while that worker is ready, not the one overloading an
+unbalanced fleet, and within the load bound (``sticky``). A request not bound to a worker (a new
+session, or one whose worker is gone or overloaded) is placed by a score, or by load alone:
 
 - **The load guard**, first (SGLang's rule): the fleet is unbalanced when the most loaded ready
   worker's load exceeds the least loaded's by more than ``route_balance_abs`` and is more than
@@ -14,6 +14,12 @@ worker is gone or overloaded) is placed by a score, or by load alone:
   expected hit + ``route_load_weight`` × (1 − its load ÷ the fleet's highest), and the best wins
   (``prefix``; llm-d's picker weighs prefix, queue and KV use 3 / 2 / 2). Else the least loaded
   (``load``).
+- **The load bound** (consistent hashing with bounded loads): neither stickiness nor the score
+  sends a request to a worker whose load would then exceed ``route_load_factor`` × the fleet's
+  mean (this request counted) + ``route_load_slack``. The guard needs a wide gap (SGLang's 64,
+  4 here) and so lets a hot system prompt's worker run far ahead at shallow queues, its sessions
+  sticky there; the bound holds it (bench.prefix's hotspot workload). The least-loaded worker is
+  always within it.
 
 With workers that serve one fixed mode (OpenAI servers without specgate's plugin), the route
 also names the least-loaded ready worker that serves the other mode, so admission can send the
@@ -22,6 +28,7 @@ request where the mode the rules want runs (gateway/admission.py ``route``).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Literal
@@ -86,22 +93,35 @@ def unbalanced(loads: Sequence[int], rules: PolicyConfig) -> bool:
     return most - least > rules.route_balance_abs and most > rules.route_balance_rel * least
 
 
+def load_bound(loads: Sequence[int], rules: PolicyConfig) -> float:
+    """The most a worker may hold after taking a sticky or prefix-placed request: the fleet's
+    mean load with that request counted, times ``route_load_factor``, plus ``route_load_slack``
+    (infinite with the factor 0)."""
+    if rules.route_load_factor == 0.0 or not loads:
+        return math.inf
+    return rules.route_load_factor * (sum(loads) + 1) / len(loads) + rules.route_load_slack
+
+
 def _session_worker(current: str | None, ready: Sequence[Candidate], hits: Mapping[str, float],
                     rules: PolicyConfig) -> tuple[Candidate | None, RouteReason]:
     if not ready:
         return None, "load"
-    guard = unbalanced([c.load for c in ready], rules)
-    most = max(c.load for c in ready)
+    loads = [c.load for c in ready]
+    guard = unbalanced(loads, rules)
+    most = max(loads)
+    bound = load_bound(loads, rules)
     for candidate in ready:
-        if candidate.worker_id == current and not (guard and candidate.load == most):
+        if candidate.worker_id == current and not (guard and candidate.load == most) and candidate.load + 1 <= bound:
             return candidate, "sticky"
     # Ties go to the first listed, so routing is deterministic.
     least = min(ready, key=lambda c: c.load)
-    if guard or max((hits.get(c.worker_id, 0.0) for c in ready), default=0.0) < rules.route_min_prefix_hit:
+    # The least loaded is within the bound (its load is at most the mean; the slack is at least 1).
+    within = [c for c in ready if c.load + 1 <= bound]
+    if guard or max((hits.get(c.worker_id, 0.0) for c in within), default=0.0) < rules.route_min_prefix_hit:
         return least, "load"
 
     def score(c: Candidate) -> float:
         return (rules.route_prefix_weight * hits.get(c.worker_id, 0.0)
                 + rules.route_load_weight * (1.0 - c.load / max(1, most)))
-    best = max(ready, key=score)  # max keeps the first of equals
+    best = max(within, key=score)  # max keeps the first of equals
     return best, "prefix" if hits.get(best.worker_id, 0.0) > 0.0 else "load"

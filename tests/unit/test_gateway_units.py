@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 from prometheus_client import CollectorRegistry, Histogram
 
 from gateway.config.config import SessionsConfig
 from gateway.fleet.probe import precision_signature
-from gateway.fleet.routing import Candidate, Route, choose_route, choose_worker, unbalanced
+from gateway.fleet.routing import Candidate, Route, choose_route, choose_worker, load_bound, unbalanced
 from gateway.fleet.supervisor import HEALTHY_RUN_S, restart_delay
 from gateway.observe.metrics import TOKEN_GAP_BUCKETS, GatewayMetrics
 from gateway.sessions.table import SessionTable
@@ -114,10 +116,29 @@ RULES = PolicyConfig(route_balance_abs=4, route_balance_rel=1.5, route_min_prefi
     (None, {"a": 9, "b": 2}, {"a": 1.0}, Route("b", reason="load")),  # the guard: load alone
     (None, {"a": 6, "b": 2}, {"a": 1.0}, Route("a", reason="prefix")),  # 6 - 2 = 4: not beyond the guard
     (None, {"a": 1, "b": 1}, {"a": 0.5, "b": 0.5}, Route("a", reason="prefix")),  # ties: first listed
+    # the load bound, 2 x the mean (this request counted) + 2: the guard's 4-ahead is not reached,
+    # but a's 5th request would pass 2 x 5 / 4 + 2 = 4.5, so the session moves and the hit is not taken
+    ("a", {"a": 4, "b": 0, "c": 0, "d": 0}, {}, Route("b", reason="load")),
+    ("a", {"a": 3, "b": 0, "c": 0, "d": 0}, {}, Route("a", reason="sticky")),  # 4 <= 2 x 4 / 4 + 2
+    (None, {"a": 4, "b": 0, "c": 0, "d": 0}, {"a": 1.0}, Route("b", reason="load")),
+    (None, {"a": 4, "b": 0, "c": 1, "d": 0, "e": 0}, {"a": 1.0, "c": 0.5}, Route("c", reason="prefix")),  # within 4.4
 ])
 def test_cache_aware_routing_with_a_load_guard(current: str | None, loads: dict[str, int], hits: dict[str, float],
                                                expected: Route) -> None:
     assert choose_route(current, [ready(w, load) for w, load in loads.items()], hits, RULES) == expected
+
+
+def test_the_load_bound_is_off_at_factor_zero_and_counts_the_request() -> None:
+    unbounded = PolicyConfig(route_load_factor=0.0)
+    fleet = [ready("a", 4), ready("b", 0), ready("c", 0), ready("d", 0)]
+    assert choose_route("a", fleet, {}, unbounded) == Route("a", reason="sticky")
+    assert load_bound([4, 0, 0, 0], unbounded) == math.inf
+    assert load_bound([4, 0, 0, 0], RULES) == 2.0 * 5 / 4 + 2.0
+    # The tightest bound still keeps an idle fleet's sessions where they are.
+    tight = PolicyConfig(route_load_factor=1.0, route_load_slack=1.0)
+    assert load_bound([0] * 4, tight) == 1 / 4 + 1
+    assert choose_route("b", [ready(w, 0) for w in "abcd"], {}, tight) == Route("b", reason="sticky")
+    assert choose_route("b", [ready("a", 0), ready("b", 2)], {}, tight) == Route("a", reason="load")  # 3 > 2.5
 
 
 def test_the_load_guard_needs_both_thresholds() -> None:

@@ -30,7 +30,7 @@ def test_defaults() -> None:
         "tree_shapes": ("2+3", "2x2+2", "3+4", "2x2+4"), "tree_rank_prior": 0.7, "tree_explore_every": 4,
         "tree_switch_gain": 0.05, "methods": ("draft",), "method_explore_every": 2,
         "route_prefix_weight": 3.0, "route_load_weight": 2.0, "route_min_prefix_hit": 0.1, "route_balance_abs": 4,
-        "route_balance_rel": 1.5, "route_index_blocks": 65536,
+        "route_balance_rel": 1.5, "route_load_factor": 2.0, "route_load_slack": 2.0, "route_index_blocks": 65536,
     }
 
 
@@ -79,6 +79,8 @@ def test_missing_keys_take_defaults_and_as_dict_round_trips() -> None:
     {"probe_every": 1},
     {"num_speculative_tokens": 1},
     {"num_speculative_tokens": 16},
+    {"route_load_factor": 0.0},  # no bound
+    {"route_load_factor": 1.0, "route_load_slack": 1.0},
 ])
 def test_boundary_values_are_valid(raw: dict[str, Any]) -> None:
     policy = PolicyConfig.from_mapping(raw)
@@ -112,6 +114,10 @@ INVALID: list[tuple[dict[str, Any], str, Any]] = [
     ({"probe_every": -1}, "probe_every", -1),
     ({"num_speculative_tokens": 0}, "num_speculative_tokens", 0),
     ({"num_speculative_tokens": 17}, "num_speculative_tokens", 17),
+    ({"route_load_factor": 0.5}, "route_load_factor", 0.5),  # below the mean: the least loaded could be refused
+    ({"route_load_factor": math.nan}, "route_load_factor", math.nan),
+    ({"route_load_slack": 0.5}, "route_load_slack", 0.5),
+    ({"route_load_slack": math.inf}, "route_load_slack", math.inf),
     # wrong types
     ({"acceptance_floor": "abc"}, "acceptance_floor", "abc"),
     ({"max_temperature": "0.8"}, "max_temperature", "0.8"),
