@@ -15,10 +15,12 @@ Each workload first finds least-loaded's capacity (sessions per simulated second
 with every worker's slots full and as many queued), then sends sessions open-loop at
 ``LOAD_FRACTION`` of it, the same arrivals for every configuration:
 
-- ``cache_aware``: the gateway's defaults (prefix weight 3, load weight 2, guard 4 / 1.5);
-- ``least_loaded``: ``route_index_blocks: 0`` (no prefix index: a new session goes to the least
-  loaded worker). Sessions stay sticky either way, so this is also "session-sticky only": the
-  gateway has no mode that routes each turn by load alone.
+- ``cache_aware``: the gateway's defaults (prefix weight 3, load weight 2, guard 4 / 1.5, load
+  bound 2 × mean + 2);
+- ``least_loaded``: ``route_index_blocks: 0`` and ``route_load_factor: 0`` (no prefix index, no
+  load bound: a new session goes to the least loaded worker and stays there). Sessions stay
+  sticky, so this is also "session-sticky only": the gateway has no mode that routes each turn by
+  load alone.
 
 Reported per configuration, in simulated seconds: TTFT p50/p90 (time to the first streamed
 content chunk), output tokens/s, the share of prompt tokens served from the workers' caches
@@ -56,7 +58,9 @@ MAX_SLOTS = 4  # per worker; small, so that a saturated fleet's streams stay wit
 LOAD_FRACTION = 0.8
 HOT_SHARE = 0.8
 SAMPLE_SIM_S = 0.1
-CONFIGS: dict[str, dict[str, Any]] = {"cache_aware": {}, "least_loaded": {"route_index_blocks": 0}}
+# least_loaded: no prefix index and no load bound, as the gateway routed before cache-aware routing.
+CONFIGS: dict[str, dict[str, Any]] = {"cache_aware": {},
+                                      "least_loaded": {"route_index_blocks": 0, "route_load_factor": 0.0}}
 BASELINE = "least_loaded"
 
 
