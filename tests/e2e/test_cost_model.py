@@ -528,6 +528,30 @@ def test_start_up_verification_ratios_do_not_fall_with_depth() -> None:
     assert fixed[2][1] == pytest.approx(0.050 * 1.6) and fixed[2][2] == pytest.approx(0.120)
 
 
+def test_a_depth_timed_plain_only_takes_its_verification_from_the_plain_steps_growth() -> None:
+    """Depth 1 timed at n = 1..3, depth 8 only plain: depth 8's n-token forwards grow as the plain
+    steps grow in rows (P(8 n) - P(8)), at the share of a sequence that depth 1's extra tokens
+    cost, not at depth 1's ratio (the real pair's concurrency-16 miss)."""
+    plain = {1: 0.034, 2: 0.0387, 4: 0.0481, 8: 0.0669, 16: 0.1044}
+    near_row = [0.034, 0.0363, 0.0383]  # 1.067x, 1.126x of depth 1's plain step
+    row = costs_measure.shape_by_rows(plain, 1, near_row, 8)
+    assert row[0] == 0.0669
+    slope = (0.1044 - 0.0669) / 8  # beyond depth 16: the last segment's slope
+
+    def p(rows: float) -> float:
+        return 0.1044 + slope * (rows - 16) if rows > 16 else 0.0669 + slope * (rows - 8)
+    share_2 = (0.0363 - 0.034) / (0.0387 - 0.034)
+    share_3 = (0.0383 - 0.034) / (0.0481 - 0.034 - (0.0481 - 0.0387) / 2)  # P(3) between depths 2 and 4
+    assert row[1] == pytest.approx(0.0669 + share_2 * (p(16) - 0.0669))
+    assert row[2] == pytest.approx(0.0669 + share_3 * (p(24) - 0.0669))
+    assert row[2] / row[0] > 1.5 > near_row[2] / near_row[0]
+    # A flat plain curve (the weights dominate): the borrowed ratio is the floor.
+    flat = costs_measure.shape_by_rows({1: 0.03, 8: 0.03}, 1, near_row, 8)
+    assert flat == pytest.approx([0.03 * t / 0.034 for t in near_row])
+    # The rows grow no more than a whole sequence each (share at most 1).
+    assert costs_measure.shape_by_rows(plain, 1, [0.034, 0.050], 8)[1] == pytest.approx(p(16))
+
+
 def test_a_first_draft_forward_is_never_priced_below_a_later_one() -> None:
     """Serving timed only K = 3 steps at depth 4, whose later forwards came out dearer than the
     first one's start-up price: the report prices the first at least as a later one."""

@@ -27,12 +27,13 @@ log = logging.getLogger(__name__)
 # What a cached report means: bumped whenever the measurement or the schema changes, so a
 # worker never serves figures measured under another definition (2: the step's work outside
 # its forwards, step_overhead_ms and draft_overhead_ms; entries without it are measured again).
-SCHEMA_VERSION = 11  # 3: plain steps timed back to back; 4: verifying ones after a draft forward; 5: prefills;
+SCHEMA_VERSION = 12  # 3: plain steps timed back to back; 4: verifying ones after a draft forward; 5: prefills;
 # 6: every depth's plain step and K=1 step before the deeper shapes in n; 7: a step's first draft forward apart;
 # 8: the draft multiplies as the chosen target does (bfloat16 products), each candidate priced with its own draft;
 # 9: a depth whose deeper-K draft phase is no longer than K = 1's is no measurement (it priced later forwards free);
 # 10: token trees' verification and draft-level costs (tree_verify_cost, tree_draft_cost);
-# 11: dtype auto measures no bfloat16 weights for a checkpoint stored in float32 (measurement/precision.py)
+# 11: dtype auto measures no bfloat16 weights for a checkpoint stored in float32 (measurement/precision.py);
+# 12: a depth timed plain only takes its verification from the plain steps' growth in rows (measure.shape_by_rows)
 # The CPU features that decide which matmul kernels run (and so what a step costs).
 KERNEL_FLAGS = ("avx2", "avx512f", "avx512_bf16", "avx512_vnni", "amx_bf16", "amx_tile", "amx_int8")
 
