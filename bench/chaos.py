@@ -1,7 +1,7 @@
 """Chaos benchmark: honest sessions while workers die, the policy file churns and a hostile client
 pushes degenerate parameters and malformed bodies. Every request must end in exactly one outcome.
 
-    python -m bench.chaos [--json] [--quick] [--sessions N] [--duration T] [--kill-every S] [--policy-every R]
+    python -m bench.chaos [--json] [--quick | --smoke] [--sessions N] [--duration T] [--kill-every S] [--policy-every R]
 
 A real gateway (``python -m gateway``) with two embedded workers serves N honest sessions for T
 seconds, each sending greedy requests (completions and chats, streamed and not) whose undisturbed
@@ -453,11 +453,15 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--dtype", choices=["auto", "float32", "bfloat16"], default="auto",
                         help="the workers' workers.dtype (auto: what their start-up measurement picks)")
-    parser.add_argument("--quick", action="store_true", help="a short smoke run")
+    parser.add_argument("--quick", action="store_true", help="a short run (30 s)")
+    parser.add_argument("--smoke", action="store_true",
+                        help="shorter still (16 s, kills every 6 s): for the smoke test; its figures mean nothing")
     parser.add_argument("--json", action="store_true", help="print one JSON object as the last line")
     args = parser.parse_args()
     if args.quick:
         args.sessions, args.duration, args.kill_every, args.policy_every, args.max_tokens = 4, 30.0, 10.0, 2.0, 24
+    if args.smoke:
+        args.sessions, args.duration, args.kill_every, args.policy_every, args.max_tokens = 4, 16.0, 6.0, 2.0, 16
     result = asyncio.run(run(args))
     for key, value in result.items():
         if key != "failure_reasons":

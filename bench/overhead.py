@@ -197,7 +197,7 @@ LOADS = [  # (name, concurrency, max_tokens, stream)
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    seconds = 1.5 if args.quick else 10.0
+    seconds = 0.3 if args.smoke else 1.5 if args.quick else 10.0
     log_dir = Path(tempfile.mkdtemp(prefix="bench-overhead-"))
     router_bin = find_vllm_router(args.vllm_router)
     results: dict[str, dict[str, dict[str, LoadResult]]] = {}
@@ -229,10 +229,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             loads = LOADS if upstream_kind == "instant" else [LOADS[-1]]
             for name, concurrency, max_tokens, stream in loads:
                 if upstream_kind == "instant":
-                    rounds = 2 if args.quick else ROUNDS
+                    rounds = 1 if args.smoke else 2 if args.quick else ROUNDS
+                    sequential = 100 if args.smoke else 200 if args.quick else 1000
                     by_path = _in_rounds(paths, rounds, concurrency, max_tokens, stream, seconds / rounds,
-                                         (200 if args.quick else 1000) // rounds if name == "sequential" else 0)
+                                         sequential // rounds if name == "sequential" else 0)
                 else:  # paced: the upstream's step times bound every path alike, not this machine's speed
+                    # (a smoke run's streams shorter: a paced 256-token answer takes 8 s, each path waits for its own)
+                    max_tokens = 32 if args.smoke else max_tokens
                     by_path = {path: asyncio.run(_load(url, concurrency, max_tokens, stream, 2 * seconds, pid))
                                for path, (url, pid) in paths.items()}
                 for path, result in by_path.items():
@@ -354,6 +357,8 @@ def main(argv: list[str] | None = None) -> None:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--json", action="store_true", help="last line: one JSON object")
     parser.add_argument("--quick", action="store_true", help="1.5 s per load instead of 10")
+    parser.add_argument("--smoke", action="store_true",
+                        help="0.3 s per load, one round: for the smoke test, every path run; its figures mean nothing")
     parser.add_argument("--vllm-router", default=None, help="path to the vllm-router executable")
     parser.add_argument("--ref-repo", default=None, help="another checkout whose gateway runs beside this one's")
     args = parser.parse_args(argv)

@@ -273,13 +273,17 @@ def targets(shared: dict[str, Any], hotspot: dict[str, Any]) -> dict[str, Any]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--json", action="store_true", help="print one JSON object as the last line")
-    parser.add_argument("--quick", action="store_true", help="a smoke run: 2 workers, a few sessions")
+    parser.add_argument("--quick", action="store_true", help="a short run: 2 workers, a few sessions")
+    parser.add_argument("--smoke", action="store_true",
+                        help="--quick at time scale 0.25, for the smoke test: its figures mean nothing")
     parser.add_argument("--workers", type=int, default=None, help="sim workers (default 16; 2 with --quick)")
     parser.add_argument("--sessions", type=int, default=None, help="sessions per run (default 96; 4 with --quick)")
     parser.add_argument("--time-scale", type=float, default=None,
                         help="real seconds per simulated second (default 3, 1 with --quick: slower than real "
                              "keeps the live fleet on the model's schedule on one CPU core)")
     args = parser.parse_args()
+    if args.smoke:
+        args.quick, args.time_scale = True, args.time_scale or 0.25
     workers = args.workers or (2 if args.quick else 16)
     sessions = args.sessions or (4 if args.quick else 96)
     args.time_scale = args.time_scale or (1.0 if args.quick else 3.0)

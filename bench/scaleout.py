@@ -1,6 +1,6 @@
 """What scaling out costs: specgate as Envoy's endpoint picker against the relay, in one run.
 
-    python -m bench.scaleout [--quick] [--json] [--seed N]
+    python -m bench.scaleout [--quick | --smoke] [--json] [--seed N]
 
 Every path runs on loopback over sim workers (``python -m workers --engine sim``), started by
 this bench, and every figure is measured in the same run, the paths taking turns, so that
@@ -80,7 +80,10 @@ class Settings:
     seed: int
 
 
-def settings(quick: bool, seed: int, time_scale: float) -> Settings:
+def settings(quick: bool, seed: int, time_scale: float, smoke: bool = False) -> Settings:
+    if smoke:  # the smoke test's: every path and figure once, none of them meaningful
+        return Settings(latency_rounds=2, latency_batch=10, picks=100, throughput_rounds=1, throughput_turn_s=0.5,
+                        goodput_phase_s=1.0, goodput_turns=("relay", "epp"), time_scale=time_scale, seed=seed)
     if quick:
         return Settings(latency_rounds=4, latency_batch=25, picks=300, throughput_rounds=2, throughput_turn_s=1.0,
                         goodput_phase_s=2.5, goodput_turns=("relay", "epp"), time_scale=time_scale, seed=seed)
@@ -371,13 +374,14 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m bench.scaleout", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--json", action="store_true", help="last line: one JSON object")
-    parser.add_argument("--quick", action="store_true", help="a short smoke run (under a minute)")
+    parser.add_argument("--quick", action="store_true", help="a short run (under a minute)")
+    parser.add_argument("--smoke", action="store_true", help="shorter still, for the smoke test: figures mean nothing")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--time-scale", type=float, default=2.0,
                         help="the goodput workers' wall seconds per simulated second (as bench.policy --real)")
     args = parser.parse_args(argv)
     started = time.monotonic()
-    out = run(settings(args.quick, args.seed, args.time_scale))
+    out = run(settings(args.quick, args.seed, args.time_scale, args.smoke))
     out["wall_s"] = round(time.monotonic() - started, 1)
     print(f"wall time: {out['wall_s']} s")
     procs.print_result(out, args.json)

@@ -24,8 +24,8 @@ def positive(value: Any) -> bool:
 
 
 @pytest.mark.slow
-def test_bench_scaleout_quick_json() -> None:
-    run = subprocess.run([sys.executable, "-m", "bench.scaleout", "--quick", "--json"], cwd=REPO, capture_output=True,
+def test_bench_scaleout_smoke_json() -> None:
+    run = subprocess.run([sys.executable, "-m", "bench.scaleout", "--smoke", "--json"], cwd=REPO, capture_output=True,
                          text=True, timeout=300, check=False)
     assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-4000:]
     result = json.loads(run.stdout.strip().splitlines()[-1])

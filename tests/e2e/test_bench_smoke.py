@@ -139,8 +139,8 @@ def test_bench_tasks_quick_json() -> None:
     assert "auto÷better" in stdout and f"CPU: {result['cpu']}" in stdout
 
 @pytest.mark.slow
-def test_bench_overhead_quick_json() -> None:
-    result, stdout = _json_run("-m", "bench.overhead", "--quick", "--json")
+def test_bench_overhead_smoke_json() -> None:
+    result, stdout = _json_run("-m", "bench.overhead", "--smoke", "--json")
     for key in ("added_p50_ms", "added_p99_ms", "rps_ratio_c32", "stream256_ratio_vs_vllm_router"):
         assert key in result
     assert result["rps_ratio_c32"] > 0
@@ -292,9 +292,9 @@ def test_bench_methods_quick_json() -> None:
 
 
 @pytest.mark.slow
-def test_bench_prefix_quick_json() -> None:
+def test_bench_prefix_smoke_json() -> None:
     """Every gateway configuration served every turn of both workloads; no speed asserted."""
-    result, stdout = _json_run("-m", "bench.prefix", "--quick", "--json")
+    result, stdout = _json_run("-m", "bench.prefix", "--smoke", "--json")
     assert result["bench"] == "prefix" and result["cpu"]
     turns = result["turns"]
     for workload in ("shared", "hotspot"):
