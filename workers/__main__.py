@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING
 # Only the standard library before the log format is set (main): a warning raised while the
 # server's modules (aiohttp, prometheus_client) or an engine's (torch, vLLM) are imported
 # then comes out in that format.
+from workers.api.limits import prefix_cache_problem
 from workers.api.logs import LOG_FORMATS, WORKER_ATTR, configure
 
 if TYPE_CHECKING:
@@ -65,6 +66,9 @@ def parse_args(argv: list[str] | None = None, prog: str = "python -m workers") -
     parser.add_argument("--suffix-cache-bytes", type=int, default=LookupSettings.suffix_cache_bytes,
                         help="embedded, method suffix: the memory bound of the worker's store of earlier prompts "
                              "and outputs (0: none kept)")
+    parser.add_argument("--prefix-cache-mb", type=float, default=0.0,
+                        help="embedded: MiB of prompt K/V kept for reuse by later requests with the same start "
+                             "(0: none; config.yaml's workers.prefix_cache_mb)")
     parser.add_argument("--vllm-args", type=json.loads, default={},
                         help="vllm: further AsyncEngineArgs as a JSON object, e.g. '{\"enforce_eager\": true}'")
     parser.add_argument("--sim-config", type=json.loads, default={},
@@ -80,6 +84,9 @@ def parse_args(argv: list[str] | None = None, prog: str = "python -m workers") -
                              f"(the {TOKEN_ENV} environment variable)")
     args = parser.parse_args(argv)
     if args.engine == "embedded":  # checked before any model loads
+        problem = prefix_cache_problem(args.prefix_cache_mb)
+        if problem is not None:
+            parser.error(f"--prefix-cache-mb (workers.prefix_cache_mb) {args.prefix_cache_mb!r} {problem}")
         try:
             LookupSettings(args.prompt_lookup_min, args.prompt_lookup_max, args.suffix_cache_bytes)
         except LookupSettingsError as error:
@@ -112,7 +119,8 @@ def build_engine(args: argparse.Namespace) -> Engine:
                                            cost_budget_s=args.cost_budget_s, max_model_len=args.max_model_len,
                                            prompt_lookup_min=args.prompt_lookup_min,
                                            prompt_lookup_max=args.prompt_lookup_max,
-                                           suffix_cache_bytes=args.suffix_cache_bytes))
+                                           suffix_cache_bytes=args.suffix_cache_bytes,
+                                           prefix_cache_bytes=int(args.prefix_cache_mb * (1 << 20))))
 
 
 def die_with_parent() -> None:

@@ -17,6 +17,7 @@ from gateway.config.auth import AuthConfig, parse_auth
 from gateway.config.errors import ConfigError, Problems
 from gateway.config.safe_yaml import YamlRefused, load_yaml
 from policies.config import PolicyConfig, PolicyConfigError, raise_problems
+from workers.api.limits import prefix_cache_problem
 
 __all__ = ["ConfigError", "GatewayConfig", "load_config", "parse_config"]
 
@@ -90,6 +91,10 @@ class WorkersConfig:
     # Longest sequence (prompt + generation) a worker's KV slot holds; None: the model's own window.
     # K/V memory is allocated for it per slot: SmolLM2's 8,192 positions would take 377 MB a slot.
     max_model_len: int | None = None
+    # Prompt K/V each embedded worker keeps for reuse by later requests with the same start
+    # (workers/engines/embedded/prefix_cache.py), MiB; 0: none. 256 holds about 5,600 tokens of
+    # SmolLM2's float32 target K/V (46 KB a token) with its draft's: a few long conversations.
+    prefix_cache_mb: float = 256.0
     threads: int = 1  # compute threads per worker process: torch's and the float32 kernels'
     dtype: Literal["auto", "float32", "bfloat16"] = "auto"  # the target's (auto: see workers/server/app.py)
     draft_dtype: Literal["float32", "bfloat16"] = "float32"
@@ -301,6 +306,7 @@ def _parse_workers(w: _Section, base: Path) -> WorkersConfig:
         max_queue=w.get("max_queue", int, wd.max_queue, minimum=1),
         max_k=w.get("max_k", int, wd.max_k, minimum=0),
         max_model_len=w.get("max_model_len", int, wd.max_model_len, minimum=16, nullable=True),
+        prefix_cache_mb=_prefix_cache_mb(w, wd.prefix_cache_mb),
         threads=w.get("threads", int, wd.threads, minimum=1),
         dtype=w.get("dtype", str, wd.dtype, choices=("auto", "float32", "bfloat16")),
         draft_dtype=w.get("draft_dtype", str, wd.draft_dtype, choices=("float32", "bfloat16")),
@@ -317,6 +323,15 @@ def _parse_workers(w: _Section, base: Path) -> WorkersConfig:
     if workers.count == 0 and not workers.remote and not problems.failed("workers.count"):
         problems.add(ConfigError("workers.count", 0, "no local workers and no workers.remote: nothing would serve"))
     return workers
+
+
+def _prefix_cache_mb(w: _Section, default: float) -> float:
+    value: float = w.get("prefix_cache_mb", float, default)
+    problem = prefix_cache_problem(value) if value == value else "must be a number >= 0 (0: no prefix reuse)"
+    if problem is not None:
+        w.problems.add(ConfigError("workers.prefix_cache_mb", value, problem))
+        return default
+    return value
 
 
 def _parse_tracing(t: _Section) -> TracingConfig:

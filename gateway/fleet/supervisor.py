@@ -61,6 +61,8 @@ class Supervisor:
             command += ["--cost-cache-dir", str(wc.cost_cache_dir)]
         if wc.max_model_len is not None:
             command += ["--max-model-len", str(wc.max_model_len)]
+        if wc.engine == "embedded":
+            command += ["--prefix-cache-mb", str(wc.prefix_cache_mb)]
         if wc.engine == "vllm" and wc.vllm_args:
             command += ["--vllm-args", json.dumps(dict(wc.vllm_args))]
         if wc.engine == "sim" and wc.sim:

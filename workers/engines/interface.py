@@ -85,6 +85,7 @@ class StepStats:
     queue_length: int  # waiting sequences
     step_s: float  # wall time of the step (0 when the engine does not time its steps)
     verify_s: float  # of which the target's verification forward
+    prefix_cache_bytes: int | None = None  # what the engine's prefix cache holds; None: it keeps none
 
 
 @dataclass

@@ -89,6 +89,8 @@ def create_worker_app(settings: WorkerSettings, engine: Engine,
                 verification().set(1000 * totals.verification_s_total / max(1, totals.steps))
             depth.set(stats.batch_depth)
             queue.set(stats.queue_length)
+            if stats.prefix_cache_bytes is not None:
+                metrics.prefix_cache_bytes.labels(**labels).set(stats.prefix_cache_bytes)
             if stats.step_s:
                 step_seconds.observe(stats.step_s)
 
@@ -395,6 +397,9 @@ async def _generate(ctx: WorkerContext, req: CompletionRequest,
                                              max(0, ran.steps - ran.speculative_steps), ran.tested)}
         if cached is not None:  # OpenAI's field, only from engines that report it
             usage["prompt_tokens_details"] = {"cached_tokens": cached}
+            labels = {"model": ctx.settings.served_model_name, "worker": ctx.settings.worker_id}
+            ctx.metrics.prefix_cache_requests.labels(**labels, result="hit" if cached else "miss").inc()
+            ctx.metrics.prefix_cached_tokens.labels(**labels).inc(cached)
         yield {"id": rid, "object": "chat.completion.chunk" if req.kind == "chat" else "text_completion",
                "created": created, "model": model, "choices": [], "usage": usage}, None
     finally:

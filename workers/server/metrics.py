@@ -25,6 +25,9 @@ class WorkerMetrics:
     batch_depth: Gauge
     queue_length: Gauge
     step_seconds: Histogram
+    prefix_cache_requests: Counter
+    prefix_cached_tokens: Counter
+    prefix_cache_bytes: Gauge
 
     @classmethod
     def create(cls, registry: CollectorRegistry | None) -> WorkerMetrics:
@@ -48,4 +51,12 @@ class WorkerMetrics:
             step_seconds=Histogram("specgate_worker_step_seconds", "Wall time of one engine step", labels,
                                    buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5),
                                    registry=reg),
+            prefix_cache_requests=Counter("specgate_worker_prefix_cache_requests",
+                                          "Requests that looked up the prefix cache, by result (hit: some of the "
+                                          "prompt's K/V was reused)", [*labels, "result"], registry=reg),
+            prefix_cached_tokens=Counter("specgate_worker_prefix_cached_tokens",
+                                         "Prompt tokens served from the prefix cache, not prefilled", labels,
+                                         registry=reg),
+            prefix_cache_bytes=Gauge("specgate_worker_prefix_cache_bytes", "Bytes of K/V the prefix cache holds",
+                                     labels, multiprocess_mode="livemax", registry=reg),
         )

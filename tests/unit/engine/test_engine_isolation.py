@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 import torch
 
+import workers.engines.embedded.engine as engine_module
 from workers.engines.embedded.engine import GenerationRequest, SpeculativeEngine, StepEvent
 from workers.engines.embedded.llama import LlamaForCausalLM
 from workers.engines.embedded.runner import EngineRunner
@@ -97,14 +98,14 @@ def test_failed_draft_sampling_fails_only_its_sequence(target_model: LlamaForCau
                                                        greedy_reference: GreedyReference,
                                                        monkeypatch: pytest.MonkeyPatch) -> None:
     engine = make_engine(target_model, draft_model)
-    original = engine._draft_token
+    original = engine_module.draft_token
 
     def draft_token(seq: Any, logits: torch.Tensor, position: int) -> None:
         if seq.request.request_id == POISON and seq.emitted >= 3:  # fails mid-sequence, not at once
             raise RuntimeError("probability tensor contains either `inf`, `nan` or element < 0")
         original(seq, logits, position)
 
-    monkeypatch.setattr(engine, "_draft_token", draft_token)
+    monkeypatch.setattr(engine_module, "draft_token", draft_token)
     add_batch(engine, GenerationRequest(POISON, [1, 2, 3], 24, SamplingParams(temperature=0.7), k=4))
     events = run(engine)
     assert_honest_unharmed(events, greedy_reference)

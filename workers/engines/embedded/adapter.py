@@ -63,6 +63,7 @@ class EmbeddedSettings:
     prompt_lookup_min: int = DEFAULT_PROMPT_LOOKUP_MIN  # ngram: the shortest n-gram matched (vLLM's name)
     prompt_lookup_max: int = DEFAULT_PROMPT_LOOKUP_MAX  # ngram: the longest, tried first
     suffix_cache_bytes: int = DEFAULT_MAX_BYTES  # suffix: the worker's store's memory bound
+    prefix_cache_bytes: int = 0  # prompt K/V kept for reuse (prefix_cache.py); 0: none
 
     def __post_init__(self) -> None:
         _ = self.lookup  # checked when the worker starts, not at the first request
@@ -88,7 +89,8 @@ def load_speculative_engine(settings: EmbeddedSettings, target: LlamaForCausalLM
         log.warning("bfloat16 target without oneDNN prepacking on this CPU (no AVX512-BF16/AMX?): expect slow "
                     "steps and no bit-identical verification; workers.dtype: auto picks float32 here")
     return SpeculativeEngine(target, draft, max_slots=settings.max_slots, max_k=settings.max_k,
-                             max_positions=settings.max_model_len, lookup=settings.lookup)
+                             max_positions=settings.max_model_len, lookup=settings.lookup,
+                             prefix_cache_bytes=settings.prefix_cache_bytes)
 
 
 class EmbeddedEngine:

@@ -1,10 +1,13 @@
-"""Greedy drafting in one kernel call: the fast path of the engine's draft proposals
-(``SpeculativeEngine._propose``), kept apart so the engine stays one screenful of rules."""
+"""The engine's draft proposals (``SpeculativeEngine._propose``) outside its rules: greedy drafting
+in one kernel call (the fast path), and one position's draft token by the request's sampling."""
 
 from __future__ import annotations
 
+import torch
+
 from workers.engines.embedded.kv_cache import KVCache
 from workers.engines.embedded.llama import LlamaForCausalLM
+from workers.engines.embedded.sampling import gumbel_max, probabilities, sample
 from workers.engines.embedded.sequence import Sequence
 
 
@@ -33,3 +36,17 @@ def propose_greedy(draft: LlamaForCausalLM, cache: KVCache, in_one_call: bool, s
         seq.draft_len += len(row) + k - 1
         seq.drafts = row_drafts
     return True
+
+
+def draft_token(seq: Sequence, logits: torch.Tensor, position: int) -> None:
+    """logits (V,): the draft's proposal at draft position ``position`` of this step."""
+    if seq.request.params.temperature <= 0.0:
+        seq.drafts.append(int(logits.argmax()))
+        return
+    if seq.coupled:
+        noise = seq.noise_at(position, logits.shape[-1])[None]
+        seq.drafts.append(gumbel_max(logits[None], seq.request.params, noise)[0])
+        return
+    q = probabilities(logits, seq.request.params)
+    seq.drafts.append(int(sample(q, seq.generator).item()))
+    seq.draft_probs.append(q)

@@ -28,11 +28,12 @@ import torch
 from policies.methods import LOOKUP_METHODS
 from policies.tree import MAX_TREE_NODES
 from workers.api.limits import check_sampling
-from workers.engines.embedded.drafting import propose_greedy
+from workers.engines.embedded.drafting import draft_token, propose_greedy
 from workers.engines.embedded.forwards import native_rows, single_row
 from workers.engines.embedded.kv_cache import CacheBatch, KVCache
 from workers.engines.embedded.llama import LlamaForCausalLM
 from workers.engines.embedded.lookup.proposer import LookupProposer, LookupSettings
+from workers.engines.embedded.prefix_cache import PREFILL_CHUNK, PrefixCache, prefill_chunks, reuse
 from workers.engines.embedded.sampling import (
     Verdict,
     gumbel_max,
@@ -55,7 +56,8 @@ class SpeculativeEngine:
                  max_k: int = 8, step_depth_rule: StepDepthRule | None = None,
                  rng: random.Random | None = None, drafting_in_one_call: bool = True,
                  max_tree_nodes: int = MAX_TREE_NODES, max_positions: int | None = None,
-                 lookup: LookupSettings | None = None) -> None:
+                 lookup: LookupSettings | None = None, prefix_cache_bytes: int = 0,
+                 prefill_chunk: int = PREFILL_CHUNK) -> None:
         if draft is not None and draft.cfg.vocab_size != target.cfg.vocab_size:
             raise ValueError("draft and target must share a vocabulary")
         self.target = target
@@ -80,6 +82,10 @@ class SpeculativeEngine:
         # Prompt lookup and suffix matching, where the engine speculates at all (their K is the draft's).
         self.lookup = LookupProposer(lookup or LookupSettings()) if self.max_k > 0 else None
         self.step_depth_rule = step_depth_rule
+        # Prompts' K/V kept for reuse (prefix_cache.py); None: off. Prompts are prefilled in the
+        # same chunks either way, so turning it off or on changes no output.
+        self.prefill_chunk = prefill_chunk
+        self.prefix = PrefixCache(prefix_cache_bytes, prefill_chunk) if prefix_cache_bytes > 0 else None
         # Greedy drafting in one kernel call (drafting.propose_greedy); False drafts per position, as
         # every other sequence does (bench.kernels measures what the one call buys).
         self.drafting_in_one_call = drafting_in_one_call
@@ -184,6 +190,8 @@ class SpeculativeEngine:
                 request=request, slot=self._free_slots.pop(0), tokens=list(request.prompt_ids),
                 generator=torch.Generator().manual_seed(seed), k=max(0, min(request.k, self.max_k)),
                 tree=None if request.tree is None else layout(request.tree))
+            if self.prefix is not None and (fused := self._fused_prefix(self._running[request.request_id])):
+                reuse(self.prefix, self._running[request.request_id], self.target_cache, self.draft_cache, fused)
 
     # -- one step --------------------------------------------------------------------------
     @torch.inference_mode()
@@ -240,6 +248,10 @@ class SpeculativeEngine:
         prefill = any(self._prefilling(s) for s in seqs)
         rows = [self._target_row(s) for s in seqs]
         target_logits = self._forward_isolated(self.target, self.target_cache, seqs, rows, failed)
+        if self.prefix is not None:  # the chunks a prefill just computed, for later requests
+            for seq, row, logits in zip(seqs, rows, target_logits, strict=True):
+                if row.fused and logits is not None:
+                    self.prefix.store_target(seq.tokens, row.start + row.fused, self.target_cache, seq.slot)
         self.last_draft_s, self.last_target_s = proposed - started, time.perf_counter() - proposed
         drafting = [s.step_k for s in drafted if s.request.request_id not in failed]  # a tree: its depth
         self.last_shape = StepShape(len(rows), max((len(r.new_tokens) for r in rows), default=0),
@@ -299,8 +311,10 @@ class SpeculativeEngine:
         return max(0, min(k, self.max_k, remaining - 1, self.max_positions - len(seq.tokens) - 1))
 
     def _prefilling(self, seq: _Sequence) -> bool:
-        """More pending prompt tokens than ride along in a batched decode forward."""
-        return len(seq.tokens) - seq.target_len > self._batched_row_limit
+        """More pending prompt tokens than ride along in a batched decode forward, or the rest of
+        a prompt whose first chunks were cached: computed as a cold prefill computes them."""
+        return (len(seq.tokens) - seq.target_len > self._batched_row_limit
+                or (seq.cached > 0 and seq.target_len == seq.cached))
 
     def _fused_prefix(self, seq: _Sequence) -> int:
         """Pending tokens the target may compute with fused attention: in a sequence's first
@@ -313,10 +327,10 @@ class SpeculativeEngine:
         later near-tie). Split the same way, cache and logits are the undisturbed run's, bit for
         bit, wherever verification is (tests/unit/engine/test_engine_resume.py).
         """
-        if seq.target_len > 0:
+        if seq.target_len > seq.cached:
             return 0
         prompt = len(seq.request.prompt_ids) - seq.request.resumed_tokens
-        return prompt if prompt > self._batched_row_limit else 0
+        return prompt - seq.target_len if prompt > self._batched_row_limit else 0
 
     def _propose(self, seqs: list[_Sequence], failed: dict[str, Exception]) -> None:
         """Draft K_i tokens for each sequence, batched across sequences per draft position.
@@ -339,22 +353,9 @@ class SpeculativeEngine:
                     continue
                 seq.draft_len += len(row.new_tokens)
                 try:
-                    self._draft_token(seq, row_logits[0], j)
+                    draft_token(seq, row_logits[0], j)
                 except Exception as exc:
                     failed[seq.request.request_id] = exc
-
-    def _draft_token(self, seq: _Sequence, logits: torch.Tensor, position: int) -> None:
-        """logits (V,): the draft's proposal at draft position ``position`` of this step."""
-        if seq.request.params.temperature <= 0.0:
-            seq.drafts.append(int(logits.argmax()))
-            return
-        if seq.coupled:
-            noise = seq.noise_at(position, logits.shape[-1])[None]
-            seq.drafts.append(gumbel_max(logits[None], seq.request.params, noise)[0])
-            return
-        q = probabilities(logits, seq.request.params)
-        seq.drafts.append(int(sample(q, seq.generator).item()))
-        seq.draft_probs.append(q)
 
     def _looks_up(self, seq: _Sequence) -> bool:
         """Proposes by lookup (ngram, suffix) rather than with the draft model."""
@@ -411,22 +412,27 @@ class SpeculativeEngine:
         if seq.noise:  # positions now emitted are never read again
             done = seq.request.params.position_offset + seq.emitted
             seq.noise = {pos: g for pos, g in seq.noise.items() if pos >= done}
+        cached = None if self.prefix is None or seq.cache_reported else seq.cached
+        seq.cache_reported = True
         if finish is not None:
+            if self.prefix is not None and self.draft_cache is not None and seq.draft_len > 0:
+                fused = len(seq.request.prompt_ids) - seq.request.resumed_tokens
+                self.prefix.store_draft(seq.tokens, min(seq.draft_len, fused), self.draft_cache, seq.slot)
             if self.lookup is not None:  # the suffix store keeps the finished prompt and output
                 request = seq.request
                 self.lookup.finished(request.request_id, request.prompt_ids, seq.tokens[len(request.prompt_ids):],
                                      request.session)
             self.abort(seq.request.request_id)
         return StepEvent(seq.request.request_id, emitted, seq.step_k, accepted, depth, finish, eos=finish == "stop",
-                         path=path)
+                         path=path, cached_tokens=cached)
 
     def _forward(self, model: LlamaForCausalLM, cache: KVCache, rows: list[_Row]) -> list[torch.Tensor]:
         """Runs rows through a model; returns each row's (n_logits, V) logits in order."""
         out: list[torch.Tensor | None] = [None] * len(rows)
         # A tree row rides with the short rows where the one-call kernel serves them; the torch
         # path verifies a tree in a forward of its own (one row's gathered keys).
-        alone = [len(r.new_tokens) > self._batched_row_limit or (r.tree is not None and model.fused is None)
-                 for r in rows]
+        alone = [len(r.new_tokens) > self._batched_row_limit or r.fused > 0
+                 or (r.tree is not None and model.fused is None) for r in rows]
         short = [i for i, r in enumerate(rows) if not alone[i]]
         groups = [short] if short else []
         groups += [[i] for i in range(len(rows)) if alone[i]]
@@ -439,11 +445,12 @@ class SpeculativeEngine:
             row_invariant = model is self.target and not any(rows[i].fused for i in group)
             if len(group) == 1:
                 row = rows[group[0]]
-                if model is self.target and 0 < row.fused < len(row.new_tokens):
-                    # A resumed prefill: the prompt fused (no logits wanted), then the output
-                    # row-invariant in one forward, which computes each token as its decode step did.
-                    single_row(model, cache, replace(row, new_tokens=row.new_tokens[:row.fused], n_logits=0),
-                               row_invariant=False, max_positions=self.max_positions)
+                if model is self.target and row.fused > 0:
+                    # A prefill: the prompt fused, in the prefix cache's aligned chunks; a resumed
+                    # one's output then row-invariant in one forward, as its decode steps computed it.
+                    out[group[0]] = prefill_chunks(model, cache, row, self.prefill_chunk, self.max_positions)
+                    if out[group[0]] is not None:
+                        continue
                     row = _Row(row.slot, row.start + row.fused, row.new_tokens[row.fused:], row.n_logits)
                     row_invariant = True
                 out[group[0]] = single_row(model, cache, row, row_invariant, self.max_positions)

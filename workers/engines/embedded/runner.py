@@ -256,7 +256,8 @@ class EngineRunner:
             proposed=sum(e.proposed for e in events), accepted=sum(e.accepted for e in events),
             emitted=sum(len(e.tokens) for e in events), batch_depth=engine.batch_depth,
             queue_length=engine.queue_length, step_s=engine.last_draft_s + engine.last_target_s,
-            verify_s=engine.last_target_s)
+            verify_s=engine.last_target_s,
+            prefix_cache_bytes=None if engine.prefix is None else engine.prefix.bytes_held)
         self.stats.add(stats)
         if self.on_step is not None:
             self.on_step(stats)

@@ -48,6 +48,8 @@ class Sequence:
     noise: dict[int, torch.Tensor] = field(default_factory=dict)
     tree: TreeLayout | None = None  # the token tree asked for (GenerationRequest.tree)
     step_tree: TreeDraft | None = None  # this step's tree; None: a chain of step_k
+    cached: int = 0  # prompt tokens whose K/V came from the prefix cache (prefix_cache.py)
+    cache_reported: bool = False  # the first event carried ``cached`` (StepEvent.cached_tokens)
 
     @property
     def coupled(self) -> bool:
