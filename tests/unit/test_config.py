@@ -407,3 +407,26 @@ def test_max_model_len_refused(value: Any) -> None:
     with pytest.raises(ConfigError) as raised:
         parse_config({"workers": {"max_model_len": value}}, BASE)
     assert "workers.max_model_len" in str(raised.value)
+
+
+@pytest.mark.parametrize(("value", "expected"), [(0, 0.0), (256, 256.0), (0.5, 0.5)])
+def test_prefix_cache_mb(value: float, expected: float) -> None:
+    assert parse_config({"workers": {"prefix_cache_mb": value}}, BASE).workers.prefix_cache_mb == expected
+
+
+@pytest.mark.parametrize("value", [-1, -0.5, float("nan"), float("inf"), 1e12, "big", True])
+def test_prefix_cache_mb_refused_naming_the_field(value: Any) -> None:
+    """Negative, not a number, or more than this machine's physical memory (1e12 MiB)."""
+    with pytest.raises(ConfigError) as raised:
+        parse_config({"workers": {"prefix_cache_mb": value}}, BASE)
+    assert "workers.prefix_cache_mb" in str(raised.value)
+
+
+@pytest.mark.parametrize("value", ["-1", "1e12", "nan"])
+def test_a_worker_refuses_a_bad_prefix_cache_at_start(value: str, capsys: pytest.CaptureFixture[str]) -> None:
+    from workers.__main__ import parse_args
+
+    with pytest.raises(SystemExit) as exited:
+        parse_args(["--target", "models/demo-target", "--port", "1", "--prefix-cache-mb", value])
+    assert exited.value.code == 2
+    assert "--prefix-cache-mb (workers.prefix_cache_mb)" in capsys.readouterr().err

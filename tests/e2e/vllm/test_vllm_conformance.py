@@ -28,7 +28,7 @@ from tests.e2e.vllm.vllm_harness import MAX_MODEL_LEN, STARTUP_TIMEOUT_S, VllmSe
 pytestmark = pytest.mark.vllm
 
 # specgate's additions (README: "Deliberate differences from vLLM").
-DELIBERATE_SPECGATE_ONLY = {"usage.speculative", "specgate"}
+DELIBERATE_SPECGATE_ONLY = {"usage.speculative", "specgate", "prompt_tokens_details.cached_tokens"}
 # vLLM's extension fields, which specgate does not send.
 DELIBERATE_VLLM_ONLY = {"system_fingerprint", "service_tier", "kv_transfer_params", "prompt_logprobs",
                         "prompt_token_ids", "token_ids", "stop_reason", "reasoning_content", "reasoning",

@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 import torch
 
+import workers.engines.embedded.drafting as drafting
 import workers.engines.embedded.engine as engine_module
 from workers.engines.embedded.engine import GenerationRequest, SpeculativeEngine, StepEvent
 from workers.engines.embedded.llama import LlamaForCausalLM
@@ -98,7 +99,7 @@ def test_failed_draft_sampling_fails_only_its_sequence(target_model: LlamaForCau
                                                        greedy_reference: GreedyReference,
                                                        monkeypatch: pytest.MonkeyPatch) -> None:
     engine = make_engine(target_model, draft_model)
-    original = engine_module.draft_token
+    original = drafting.draft_token
 
     def draft_token(seq: Any, logits: torch.Tensor, position: int) -> None:
         if seq.request.request_id == POISON and seq.emitted >= 3:  # fails mid-sequence, not at once

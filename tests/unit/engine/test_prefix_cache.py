@@ -7,6 +7,7 @@ chunk to compute."""
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import pytest
 import torch
@@ -57,7 +58,7 @@ def models(target_model: LlamaForCausalLM, draft_model: LlamaForCausalLM) -> tup
     return target_model, draft_model
 
 
-MODES = {
+MODES: dict[str, dict[str, Any]] = {
     "plain": {"k": 0},
     "k1": {"k": 1},
     "k4": {"k": MAX_K},
@@ -73,7 +74,7 @@ def test_a_cached_prefix_changes_no_token(mode: str, params: SamplingParams,
     """Each prompt after a first one that shares its system prompt: the same tokens as a cold
     engine's and as an engine without a cache, and the hit reported."""
     def requests(tag: str) -> list[GenerationRequest]:
-        return [GenerationRequest(f"{tag}{i}", prompt, OUTPUT, params, **MODES[mode])  # type: ignore[arg-type]
+        return [GenerationRequest(f"{tag}{i}", prompt, OUTPUT, params, **MODES[mode])
                 for i, prompt in enumerate(PROMPTS)]
     off = engine(models, 0)
     cold = {rid[1:]: out for rid, out in outputs(off, requests("c")).items()}
@@ -96,7 +97,7 @@ def test_a_mixed_batch_with_hits_is_the_cold_batch(models: tuple[LlamaForCausalL
     """Plain, drafted, tree and lookup sequences in one batch, some prompts cached: unchanged."""
     kinds = list(MODES.values())
     requests = [GenerationRequest(f"m{i}", PROMPTS[i % len(PROMPTS)], OUTPUT, GREEDY, **kinds[i % len(kinds)])
-                for i in range(5)]  # type: ignore[arg-type]
+                for i in range(5)]
     cold = outputs(engine(models, 0, slots=5), requests)
     on = engine(models, 8 * MB, slots=5)
     outputs(on, [GenerationRequest("seed", PROMPTS[0], 4, GREEDY)])  # the system prompt cached
