@@ -1,6 +1,7 @@
-"""Cache-aware routing against least-loaded on the sim fleet: shared system prompts and the hotspot.
+"""Cache-aware routing against least-loaded on the sim fleet: shared system prompts and the hotspot;
+with ``--engine embedded``, the embedded engine's prefix reuse on the real pair (bench/prefix_embedded.py).
 
-``python -m bench.prefix [--json] [--quick]``: 16 sim workers (``--workers``), each with a
+``python -m bench.prefix [--json] [--quick | --smoke]``: 16 sim workers (``--workers``), each with a
 prefix cache (``workers.sim.prefix_cache_tokens``, docs/sim.md "Prefix cache"), behind one real
 gateway, started afresh per gateway configuration (the workers stay; each run's system prompts
 carry their own salt, so no run finds another's prompts cached). Two workloads, as issue 44
@@ -44,9 +45,9 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
-import orjson
 
-from bench.procs import get_json, print_result, sse_data, start_gateway, start_sim_worker, stop
+from bench import prefix_embedded
+from bench.procs import get_json, print_result, start_gateway, start_sim_worker, stop, stream_chat
 from workers.costs.cache import cpu_label
 
 PROMPTS = 8  # distinct system prompts
@@ -108,37 +109,22 @@ async def run_session(http: aiohttp.ClientSession, url: str, session: SessionPla
     messages: list[dict[str, str]] = [{"role": "system", "content": session.system}]
     for user in session.users:
         messages.append({"role": "user", "content": user})
-        body = {"model": "specgate-demo", "messages": messages, "max_tokens": MAX_TOKENS, "temperature": 0.7,
-                "stream": True, "stream_options": {"include_usage": True}}
+        body = {"model": "specgate-demo", "messages": messages, "max_tokens": MAX_TOKENS, "temperature": 0.7}
         sent = time.monotonic()
-        first: float | None = None
-        text: list[str] = []
-        async with http.post(url + "/v1/chat/completions", json=body,
-                             headers={"X-Session-ID": session.session_id}) as response:
-            if response.status != 200:
-                tally.failed += 1
-                await response.read()
-                return
-            tally.routes[response.headers.get("X-Specgate-Route", "?")] += 1
-            async for data in sse_data(response):
-                if data == "[DONE]":
-                    break
-                chunk = orjson.loads(data)
-                for choice in chunk.get("choices") or ():
-                    content = choice.get("delta", {}).get("content")
-                    if content:
-                        first = first or time.monotonic()
-                        text.append(content)
-                usage = chunk.get("usage")
-                if usage:
-                    tally.tokens += usage["completion_tokens"]
-                    tally.prompt_tokens += usage["prompt_tokens"]
-                    tally.cached_tokens += (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
+        answer, response = await stream_chat(http, url, body, {"X-Session-ID": session.session_id})
+        if answer.status != 200:
+            tally.failed += 1
+            return
+        tally.routes[response.headers.get("X-Specgate-Route", "?")] += 1
+        if answer.usage:
+            tally.tokens += answer.usage["completion_tokens"]
+            tally.prompt_tokens += answer.usage["prompt_tokens"]
+            tally.cached_tokens += (answer.usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
         tally.turns += 1
         tally.finished_at.append(time.monotonic())
-        if first is not None:
-            tally.ttft_s.append((first - sent) / scale)
-        messages.append({"role": "assistant", "content": "".join(text)})
+        if answer.first_content_at is not None:
+            tally.ttft_s.append((answer.first_content_at - sent) / scale)
+        messages.append({"role": "assistant", "content": answer.text})
 
 
 async def sample_queues(http: aiohttp.ClientSession, worker_ports: list[int], scale: float,
@@ -281,7 +267,13 @@ def main() -> None:
     parser.add_argument("--time-scale", type=float, default=None,
                         help="real seconds per simulated second (default 3, 1 with --quick: slower than real "
                              "keeps the live fleet on the model's schedule on one CPU core)")
+    parser.add_argument("--engine", choices=("sim", "embedded"), default="sim",
+                        help="sim: the fleet of 16 sim workers (routing); embedded: the real pair's prefix reuse, "
+                             "2 workers (bench/prefix_embedded.py)")
     args = parser.parse_args()
+    if args.engine == "embedded":
+        embedded_main(args)
+        return
     if args.smoke:
         args.quick, args.time_scale = True, args.time_scale or 0.25
     workers = args.workers or (2 if args.quick else 16)
@@ -322,6 +314,16 @@ def main() -> None:
     out["targets"] = targets(out["shared"], out["hotspot"])
     for name, check in out["targets"].items():
         print(f"target {name}: {check['value']} (target {check['target']}): {'met' if check['met'] else 'not met'}")
+    print_result(out, args.json)
+
+
+def embedded_main(args: argparse.Namespace) -> None:
+    sessions = args.sessions or (2 if args.quick or args.smoke else 8)
+    with tempfile.TemporaryDirectory(prefix="bench-prefix-embedded-") as tmp:
+        out = {"bench": "prefix", "cpu": cpu_label()} | prefix_embedded.run(Path(tmp), sessions)
+    for name, check in out["targets"].items():
+        print(f"target {name}: {check['value']} (target {check['target']}): {'met' if check['met'] else 'not met'}")
+    print(f"CPU: {out['cpu']}")
     print_result(out, args.json)
 
 

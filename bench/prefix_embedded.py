@@ -25,10 +25,9 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
-import orjson
 import yaml
 
-from bench.procs import sse_data, start_serve_gateway, stop
+from bench.procs import start_serve_gateway, stop, stream_chat
 
 REPO = Path(__file__).resolve().parent.parent
 TURNS = 5
@@ -66,33 +65,20 @@ async def run_session(http: aiohttp.ClientSession, url: str, model: str, session
     messages: list[dict[str, str]] = [{"role": "system", "content": system_prompt(session)}]
     for turn in range(TURNS):
         messages.append({"role": "user", "content": QUESTIONS[(session + turn) % len(QUESTIONS)]})
-        body = {"model": model, "messages": messages, "max_tokens": MAX_TOKENS, "temperature": 0, "stream": True,
-                "stream_options": {"include_usage": True}}
-        sent, first, text = time.monotonic(), None, []
-        async with http.post(url + "/v1/chat/completions", json=body,
-                             headers={"X-Session-ID": f"{salt}-{session}"}) as response:
-            if response.status != 200:
-                tally.failed += 1
-                await response.read()
-                return
-            async for data in sse_data(response):
-                if data == "[DONE]":
-                    break
-                chunk = orjson.loads(data)
-                for choice in chunk.get("choices") or ():
-                    content = choice.get("delta", {}).get("content")
-                    if content:
-                        first = first or time.monotonic()
-                        text.append(content)
-                usage = chunk.get("usage")
-                if usage:
-                    tally.tokens += usage["completion_tokens"]
-                    tally.prompt_tokens += usage["prompt_tokens"]
-                    tally.cached_tokens += (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
-        if first is not None:
-            tally.ttft_by_turn.setdefault(turn + 1, []).append(first - sent)
-        tally.answers[(session, turn)] = "".join(text)
-        messages.append({"role": "assistant", "content": "".join(text)})
+        body = {"model": model, "messages": messages, "max_tokens": MAX_TOKENS, "temperature": 0}
+        sent = time.monotonic()
+        answer, _ = await stream_chat(http, url, body, {"X-Session-ID": f"{salt}-{session}"})
+        if answer.status != 200:
+            tally.failed += 1
+            return
+        if answer.usage:
+            tally.tokens += answer.usage["completion_tokens"]
+            tally.prompt_tokens += answer.usage["prompt_tokens"]
+            tally.cached_tokens += (answer.usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
+        if answer.first_content_at is not None:
+            tally.ttft_by_turn.setdefault(turn + 1, []).append(answer.first_content_at - sent)
+        tally.answers[(session, turn)] = answer.text
+        messages.append({"role": "assistant", "content": answer.text})
 
 
 async def drive(url: str, model: str, sessions: int, salt: str) -> tuple[Tally, float]:

@@ -14,6 +14,7 @@ import time
 import urllib.error
 import urllib.request
 from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -57,6 +58,41 @@ async def sse_data(response: aiohttp.ClientResponse) -> AsyncIterator[str]:
         line = raw.decode().strip()
         if line.startswith("data:"):
             yield line[5:].strip()
+
+
+@dataclass
+class StreamedChat:
+    """One streamed chat completion as a client saw it."""
+
+    status: int
+    first_content_at: float | None = None  # time.monotonic() of the first content chunk
+    text: str = ""
+    usage: dict[str, Any] | None = None
+
+
+async def stream_chat(http: aiohttp.ClientSession, url: str, body: dict[str, Any],
+                      headers: dict[str, str]) -> tuple[StreamedChat, aiohttp.ClientResponse]:
+    """POSTs a streamed chat completion (``stream_options.include_usage`` added) and reads it to
+    its end; returns what came and the response (its headers)."""
+    body = body | {"stream": True, "stream_options": {"include_usage": True}}
+    async with http.post(url + "/v1/chat/completions", json=body, headers=headers) as response:
+        out = StreamedChat(response.status)
+        if response.status != 200:
+            await response.read()
+            return out, response
+        parts: list[str] = []
+        async for data in sse_data(response):
+            if data == "[DONE]":
+                break
+            chunk = json.loads(data)
+            for choice in chunk.get("choices") or ():
+                content = choice.get("delta", {}).get("content")
+                if content:
+                    out.first_content_at = out.first_content_at or time.monotonic()
+                    parts.append(content)
+            out.usage = chunk.get("usage") or out.usage
+        out.text = "".join(parts)
+        return out, response
 
 
 def get_json(url: str) -> Any:

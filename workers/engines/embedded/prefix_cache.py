@@ -27,12 +27,14 @@ from workers.engines.embedded.kv_cache import KVCache
 from workers.engines.embedded.llama import LlamaForCausalLM
 from workers.engines.embedded.sequence import Row, Sequence
 
-# Tokens per prefill chunk and per cached block: the smallest chunk whose cold prefill costs about
-# what one fused forward does (`python -m bench.prefill_chunks`, SmolLM2-135M float32 on the AMX
-# Xeon, one thread: 128 / 256 / 512 took 1.11 / 1.06 / 1.00x the one-shot time at 300 tokens and
-# 1.15 / 0.97 / 0.98x at 1,000). Smaller chunks reuse more of a conversation (a hit ends at a chunk
-# boundary) and cost more to prefill cold.
-PREFILL_CHUNK = 256
+# Tokens per prefill chunk and per cached block. Each chunk is a forward of its own that reads
+# every weight again, so smaller chunks cost more cold (`python -m bench.prefill_chunks`,
+# SmolLM2-135M float32 on the AMX Xeon, one thread: 128 / 256 / 512 took 1.11 / 1.06 / 1.00x the
+# one-shot time at 300 tokens and 1.15 / 0.97 / 0.98x at 1,000), and larger ones reuse less (a hit
+# ends at a chunk boundary, so a turn re-prefills up to a chunk of the conversation it already
+# had): in bench.prefix's 5-turn chat (~530-token prompts at turn 5) 256 left about half of turn
+# 5's prompt to prefill, 128 about a quarter.
+PREFILL_CHUNK = 128
 
 BlockKey = int
 
