@@ -6,7 +6,7 @@ leaves the field out."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Generator
 
 import pytest
 
@@ -28,7 +28,7 @@ def keeping_nothing(gateway_factory: GatewayFactory) -> Gateway:
     return gateway_factory("gw-prefix-none", workers={"count": 1, "prefix_cache_mb": 0}, workers_ready=1)
 
 
-def conversation(gateway: Gateway, session: str) -> Iterator[tuple[str, int, int | None]]:
+def conversation(gateway: Gateway, session: str) -> Generator[tuple[str, int, int | None], None, None]:
     """Three turns, each appending the answer and the next question: (text, prompt tokens, cached)."""
     messages = [{"role": "system", "content": SYSTEM}]
     with sdk_client(gateway) as client:
