@@ -323,6 +323,12 @@ async def _next_step(events: AsyncGenerator[StepEvent, None], rid: str) -> StepE
         raise WorkerFailed(f"engine failed: {exc}") from None
 
 
+def _count_prefix_lookup(ctx: WorkerContext, cached: int) -> None:
+    labels = {"model": ctx.settings.served_model_name, "worker": ctx.settings.worker_id}
+    ctx.metrics.prefix_cache_requests.labels(**labels, result="hit" if cached else "miss").inc()
+    ctx.metrics.prefix_cached_tokens.labels(**labels).inc(cached)
+
+
 async def _generate(ctx: WorkerContext, req: CompletionRequest,
                     generation: GenerationRequest) -> AsyncGenerator[Chunk, None]:
     """Chunks for one request: a chunk per engine step, then one usage chunk."""
@@ -397,9 +403,7 @@ async def _generate(ctx: WorkerContext, req: CompletionRequest,
                                              max(0, ran.steps - ran.speculative_steps), ran.tested)}
         if cached is not None:  # OpenAI's field, only from engines that report it
             usage["prompt_tokens_details"] = {"cached_tokens": cached}
-            labels = {"model": ctx.settings.served_model_name, "worker": ctx.settings.worker_id}
-            ctx.metrics.prefix_cache_requests.labels(**labels, result="hit" if cached else "miss").inc()
-            ctx.metrics.prefix_cached_tokens.labels(**labels).inc(cached)
+            _count_prefix_lookup(ctx, cached)
         yield {"id": rid, "object": "chat.completion.chunk" if req.kind == "chat" else "text_completion",
                "created": created, "model": model, "choices": [], "usage": usage}, None
     finally:
