@@ -211,3 +211,10 @@ def test_a_hit_leaves_the_cache_bit_for_bit_as_cold(precision: str, models: tupl
         warm = _prompt_kv(on, prompt)
         assert on.prefix is not None and on.prefix.stats.hits >= 1
         assert all(torch.equal(a, b) for a, b in zip(warm, cold, strict=True)), len(prompt)
+
+
+def test_a_bound_below_one_block_keeps_nothing(target_model: LlamaForCausalLM) -> None:
+    kv = KVCache.allocate(target_model.cfg, 1, torch.float32, 192)
+    cache = PrefixCache(1000, CHUNK)  # bytes: less than one block's K/V
+    _store(cache, kv, list(range(3 * CHUNK)))
+    assert not cache.blocks and cache.bytes_held == 0 and cache.lookup(list(range(3 * CHUNK)), 3 * CHUNK) == []

@@ -27,14 +27,13 @@ from workers.engines.embedded.kv_cache import KVCache
 from workers.engines.embedded.llama import LlamaForCausalLM
 from workers.engines.embedded.sequence import Row, Sequence
 
-# Tokens per prefill chunk and per cached block. Each chunk is a forward of its own that reads
-# every weight again, so smaller chunks cost more cold (`python -m bench.prefill_chunks`,
-# SmolLM2-135M float32 on the AMX Xeon, one thread: 128 / 256 / 512 took 1.11 / 1.06 / 1.00x the
-# one-shot time at 300 tokens and 1.15 / 0.97 / 0.98x at 1,000), and larger ones reuse less (a hit
-# ends at a chunk boundary, so a turn re-prefills up to a chunk of the conversation it already
-# had): in bench.prefix's 5-turn chat (~530-token prompts at turn 5) 256 left about half of turn
-# 5's prompt to prefill, 128 about a quarter.
-PREFILL_CHUNK = 128
+# Tokens per prefill chunk and per cached block: the smallest chunk whose cold prefill costs no
+# more than one fused forward over the prompt. Each chunk is a forward of its own that reads every
+# weight again (`python -m bench.prefill_chunks`, SmolLM2-135M float32 on the AMX Xeon, one
+# thread: 128 / 256 / 512 took 1.11 / 1.06 / 1.00x the one-shot time at 300 tokens and
+# 1.15 / 0.97 / 0.98x at 1,000). Larger chunks reuse less: a hit ends at a chunk boundary, so a
+# conversation's next turn prefills again, on average, half a chunk of what it already had.
+PREFILL_CHUNK = 256
 
 BlockKey = int
 
@@ -106,18 +105,21 @@ class PrefixCache:
         just computed them in ``slot``) that are not held yet."""
         if self.bound_bytes <= 0:
             return
-        chain, added = self.chain(tokens, computed // self.chunk), []
+        chain, added = self.chain(tokens, computed // self.chunk), False
         for b, (key, parent, piece) in enumerate(chain):
             if key in self.blocks:
                 continue
+            if parent is not None and parent not in self.blocks:
+                break  # its head went to make room: a tail without it could never be found
             block = Block(key, parent, piece, _copy_out(cache, slot, b * self.chunk, self.chunk))
+            if not self._make_room(block.nbytes):
+                break
             self.blocks[key] = block
             self.bytes_held += block.nbytes
             self.stats.stored_blocks += 1
-            added.append(block)
+            added = True
         if added:
             self._refresh([self.blocks[key] for key, _, _ in chain if key in self.blocks])
-            self._evict()
 
     def store_draft(self, tokens: list[int], computed: int, cache: KVCache, slot: int) -> None:
         """Adds the draft's K/V to the held blocks among ``tokens[:computed]`` that lack it."""
@@ -128,19 +130,28 @@ class PrefixCache:
             if block is None or block.parent != parent or block.tokens != piece:
                 break
             if block.draft is None:
-                block.draft = _copy_out(cache, slot, b * self.chunk, self.chunk)
-                self.bytes_held += block.draft[0].nbytes + block.draft[1].nbytes
-        self._evict()
+                draft = _copy_out(cache, slot, b * self.chunk, self.chunk)
+                grow = draft[0].nbytes + draft[1].nbytes
+                self.blocks.move_to_end(key)  # not the one that makes room for itself
+                if not self._make_room(grow) or key not in self.blocks:
+                    break
+                block.draft = draft
+                self.bytes_held += grow
 
     def _refresh(self, chain: list[Block]) -> None:
         for block in reversed(chain):  # the tail first: the head ends most recent, evicted last
             self.blocks.move_to_end(block.key)
 
-    def _evict(self) -> None:
-        while self.bytes_held > self.bound_bytes and self.blocks:
+    def _make_room(self, nbytes: int) -> bool:
+        """Evicts least recently used blocks until ``nbytes`` more fit the bound (never held
+        over it, even for a moment); False when they never could."""
+        if nbytes > self.bound_bytes:
+            return False
+        while self.bytes_held + nbytes > self.bound_bytes and self.blocks:
             _, block = self.blocks.popitem(last=False)
             self.bytes_held -= block.nbytes
             self.stats.evicted_blocks += 1
+        return True
 
 
 def _copy_out(cache: KVCache, slot: int, start: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
