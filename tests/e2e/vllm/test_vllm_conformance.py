@@ -28,7 +28,10 @@ from tests.e2e.vllm.vllm_harness import MAX_MODEL_LEN, STARTUP_TIMEOUT_S, VllmSe
 pytestmark = pytest.mark.vllm
 
 # specgate's additions (README: "Deliberate differences from vLLM").
-DELIBERATE_SPECGATE_ONLY = {"usage.speculative", "specgate", "prompt_tokens_details.cached_tokens"}
+# usage.prompt_tokens_details: vLLM sends it as null (non-streamed) or not at all (streamed) unless
+# started with --enable-prompt-tokens-details; specgate's embedded workers report cached_tokens.
+DELIBERATE_SPECGATE_ONLY = {"usage.speculative", "specgate", "usage.prompt_tokens_details",
+                            "prompt_tokens_details.cached_tokens"}
 # vLLM's extension fields, which specgate does not send.
 DELIBERATE_VLLM_ONLY = {"system_fingerprint", "service_tier", "kv_transfer_params", "prompt_logprobs",
                         "prompt_token_ids", "token_ids", "stop_reason", "reasoning_content", "reasoning",
