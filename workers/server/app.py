@@ -174,7 +174,7 @@ def describe(ctx: WorkerContext) -> dict[str, Any]:
         "worker_id": ctx.settings.worker_id, "engine": info.kind, "model": ctx.settings.served_model_name,
         "modes": ["speculative", "plain"] if info.max_k > 0 else ["plain"], "max_k": info.max_k,
         "max_slots": info.max_slots, "context_window": info.context_window, "tree_max_nodes": info.tree_max_nodes,
-        "methods": list(info.methods),
+        "methods": list(info.methods), "shadow_lookup": info.shadow_lookup,
         **info.details,
         "batch_depth": engine.batch_depth, "queue_length": engine.queue_length, "batch_full": engine.batch_full,
         "stats": {"steps": stats.steps, "draft_tokens": stats.draft_tokens, "accepted_tokens": stats.accepted_tokens,
@@ -380,7 +380,9 @@ async def _generate(ctx: WorkerContext, req: CompletionRequest,
                                 token_ids=tuple(item.tokens[:text.last_kept]),
                                 prompt_ids=tuple(prompt_ids) if first_chunk else None,
                                 tree=None if item.path is None else str(item.path.shape),
-                                path=None if item.path is None else item.path.ranks)
+                                path=None if item.path is None else item.path.ranks, shadow=item.shadow)
+            for shadow in item.shadow:
+                ctx.metrics.record_shadow(ctx.settings.served_model_name, ctx.settings.worker_id, shadow)
             # A resumed stream continues the client's: its role was sent by the first worker.
             yield chunk(delta, finish, report, first=first_chunk and resume is None), report
             first_chunk = False
