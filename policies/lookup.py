@@ -38,6 +38,9 @@ class LookupState:
     steps_weight: float = 0.0  # decayed steps run with this method
     proposing_weight: float = 0.0  # ...of which proposed at least one token
     steps_seen: int = 0  # steps over the life
+    # ...of which shadow steps: replayed by the worker on the output of a request that ran another
+    # method (docs/methods.md "Shadow evidence"), folded as the method's own steps are.
+    shadow_steps: int = 0
 
     @property
     def coverage(self) -> float | None:
@@ -58,17 +61,19 @@ def with_lookup_state(states: tuple[LookupState, ...], state: LookupState) -> tu
     return tuple(by_method[m] for m in METHODS if m in by_method)
 
 
-def fold_lookup_steps(state: LookupState, steps: Iterable[tuple[int, int]], policy: PolicyConfig) -> LookupState:
+def fold_lookup_steps(state: LookupState, steps: Iterable[tuple[int, int]], policy: PolicyConfig,
+                      shadow: bool = False) -> LookupState:
     """Lookup steps, as (proposed, accepted), into ``state``: every step into the coverage, the
     proposing ones into α and the latch (a step that accepted n of its K proposals tested n + 1
-    of them, or K; ``policies.speculation.tested_drafts``)."""
+    of them, or K; ``policies.speculation.tested_drafts``). ``shadow``: replayed steps, which
+    count as the method's own (at T=0 they are exactly what running it would have reported)."""
     out = state
     for proposed, accepted in steps:
         decay = 0.5 ** (1.0 / policy.acceptance_half_life)
         hit = proposed > 0
         out = replace(out, steps_weight=out.steps_weight * decay + 1.0,
                       proposing_weight=out.proposing_weight * decay + (1.0 if hit else 0.0),
-                      steps_seen=out.steps_seen + 1)
+                      steps_seen=out.steps_seen + 1, shadow_steps=out.shadow_steps + int(shadow))
         if not hit:
             continue
         accepted = max(0, min(accepted, proposed))

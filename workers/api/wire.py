@@ -270,7 +270,10 @@ def _shadow(raw: Any) -> tuple[ShadowSteps, ...]:
     for method in METHODS:
         runs = raw.get(method) if is_lookup(method) else None
         if isinstance(runs, list) and len(runs) <= MAX_SHADOW_RUNS:
-            out.append(ShadowSteps(method, tuple(SpecSteps(int(p), int(a), int(c)) for p, a, c in runs)))
+            try:
+                out.append(ShadowSteps(method, tuple(SpecSteps(int(p), int(a), max(0, int(c))) for p, a, c in runs)))
+            except (TypeError, ValueError):  # a malformed run: that method's shadow alone is left out
+                continue
     return tuple(out)
 
 

@@ -67,9 +67,10 @@ class WorkerMetrics:
                                   registry=reg),
         )
 
-    def record_shadow(self, model: str, worker: str, shadow: ShadowSteps) -> None:
-        """One request's replay of a lookup method it did not run (``StepEvent.shadow``)."""
-        counts = shadow.counts()
-        for name, value in (("steps", counts.steps), ("proposed", counts.proposed), ("tested", counts.tested),
-                            ("accepted", counts.accepted)):
-            self.shadow_drafts.labels(model=model, worker=worker, method=shadow.method, count=name).inc(value)
+    def record_shadow(self, model: str, worker: str, shadows: tuple[ShadowSteps, ...]) -> None:
+        """A request's replays of the lookup methods it did not run (``StepEvent.shadow``)."""
+        for shadow in shadows:
+            counts = shadow.counts()
+            for name, value in (("steps", counts.steps), ("proposed", counts.proposed), ("tested", counts.tested),
+                                ("accepted", counts.accepted)):
+                self.shadow_drafts.labels(model=model, worker=worker, method=shadow.method, count=name).inc(value)
