@@ -69,3 +69,16 @@ def test_unseeded_sampling_brings_no_shadow(gateway: Gateway) -> None:
     assert _replayed(gateway, "ngram")["steps"] == before
     methods = gateway.get_json("/admin/sessions/shadow-hot")["methods"]
     assert all(evidence["shadow_steps"] == 0 for evidence in methods.values()), methods
+
+
+def test_a_streamed_answer_shows_the_shadow_in_its_last_step_report(gateway: Gateway) -> None:
+    """The relay forwards a streamed chunk's ``specgate`` step report as the worker sent it: the
+    last one carries the shadow (docs/api.md, a specgate extension), never the usage."""
+    stream = sdk_client(gateway).completions.create(
+        model="specgate-demo", prompt=CODE, max_tokens=24, temperature=0, stream=True,
+        stream_options={"include_usage": True}, extra_headers={"X-Session-ID": "shadow-stream"})
+    reports = [chunk.model_extra.get("specgate") for chunk in stream if chunk.choices]
+    assert all(r is None or "shadow" not in r for r in reports[:-1])
+    shadow = reports[-1]["shadow"]
+    assert shadow and set(shadow) <= {"ngram", "suffix"}, reports[-1]
+    assert all(len(run) == 3 for runs in shadow.values() for run in runs)
