@@ -77,7 +77,7 @@ def test_a_streamed_answer_shows_the_shadow_in_its_last_step_report(gateway: Gat
     stream = sdk_client(gateway).completions.create(
         model="specgate-demo", prompt=CODE, max_tokens=24, temperature=0, stream=True,
         stream_options={"include_usage": True}, extra_headers={"X-Session-ID": "shadow-stream"})
-    reports = [chunk.model_extra.get("specgate") for chunk in stream if chunk.choices]
+    reports: list[Any] = [(chunk.model_extra or {}).get("specgate") for chunk in stream if chunk.choices]
     assert all(r is None or "shadow" not in r for r in reports[:-1])
     shadow = reports[-1]["shadow"]
     assert shadow and set(shadow) <= {"ngram", "suffix"}, reports[-1]
