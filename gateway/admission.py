@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import itertools
 import time
 from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, replace
@@ -44,6 +45,7 @@ from policies.methods import Method, is_lookup
 from policies.tree import parse_shape
 from workers.api.answers import chunk_text, speculative_usage
 from workers.api.errors import BadRequest, ClientDisconnected, NotFound
+from workers.api.generation import ShadowSteps
 from workers.api.request_parser import parse_request
 from workers.api.wire import (
     DIRECTIVE_FIELD,
@@ -129,7 +131,8 @@ def worker_state(handle: WorkerHandle, policy: PolicyConfig) -> WorkerState:
     return WorkerState(handle.load, handle.batch_full, handle.max_k, "speculative" in handle.modes,
                        "plain" in handle.modes, handle.cost, worker_acceptance(handle.acceptance, policy),
                        handle.draft_mix.step_mix(), handle.tree_max_nodes if handle.speaks_specgate else 0,
-                       handle.methods if handle.speaks_specgate else ("draft",), handle.acceptance.lookups)
+                       handle.methods if handle.speaks_specgate else ("draft",), handle.acceptance.lookups,
+                       handle.shadow_lookup and handle.speaks_specgate)
 
 
 def route(state: GatewayState, session: Session, candidates: list[Candidate], req: CompletionRequest,
@@ -367,6 +370,8 @@ def _clamped(metrics: GatewayMetrics, proposed: int, accepted: int) -> tuple[int
 
 def account_step(metrics: GatewayMetrics, admission: Admission, tally: StreamTally, report: StepReport) -> None:
     """One engine step's drafts into the session's and the worker's acceptance, the tally and metrics."""
+    if report.shadow:
+        _account_shadow(metrics, admission, report.shadow)
     method = admission.decision.method
     if method is not None and is_lookup(method) and admission.decision.mode == "speculative":
         _account_lookup_step(metrics, admission, tally, method, report)
@@ -423,6 +428,21 @@ def _account_lookup_step(metrics: GatewayMetrics, admission: Admission, tally: S
 
 
 MAX_LATE_STEPS = 4096  # late step groups folded one by one up to this count (a worker's bug must stay cheap)
+
+
+def _account_shadow(metrics: GatewayMetrics, admission: Admission, shadow: tuple[ShadowSteps, ...]) -> None:
+    """What the lookup methods the request did not run would have done (the worker replayed them
+    on its output, docs/methods.md "Shadow evidence"), into their evidence as their own steps
+    are, session and worker. Only the methods the policy allows; a run's counts are clamped as
+    a step report's, and at most MAX_LATE_STEPS steps of each are folded."""
+    session, handle, policy = admission.session, admission.handle, admission.policy
+    for replay in shadow:
+        if replay.method not in policy.methods:
+            continue
+        steps = [(max(0, p), max(0, min(a, p))) for p, a in itertools.islice(replay.steps(), MAX_LATE_STEPS)]
+        session.policy_state = observe_lookup(session.policy_state, replay.method, steps, policy, shadow=True)
+        handle.acceptance = observe_lookup(handle.acceptance, replay.method, steps, policy, shadow=True)
+        metrics.record_shadow(replay.method, steps)
 
 
 def step_path(report: StepReport) -> StepPath | None:

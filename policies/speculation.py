@@ -126,6 +126,7 @@ class WorkerState:
     tree_max_nodes: int = 0  # the most tree nodes its engine verifies in one step; 0: chains only
     methods: tuple[Method, ...] = ("draft",)  # the speculation methods its engine offers
     lookups: tuple[LookupState, ...] = ()  # its evidence per lookup method, over all its sessions
+    shadow_lookup: bool = False  # its requests report shadow evidence at T=0 (docs/methods.md)
 
 
 @dataclass(frozen=True)
@@ -168,7 +169,7 @@ def _rules(session: SessionState, worker: WorkerState, request: RequestFacts, po
         return Decision("plain", 0, "batch_full")
     lookups = [m for m in policy.methods if is_lookup(m) and m in worker.methods]  # type: ignore[arg-type]
     if lookups:
-        return _method_rules(session, worker, policy, lookups, k)
+        return _method_rules(session, worker, policy, lookups, k, worker.shadow_lookup and request.temperature <= 0.0)
     if session.low_acceptance and (waived_k := _free_batch_k(session, worker, policy, k)):
         return Decision("speculative", waived_k, "free_batch")
     probe_due = session.plain_since_probe + 1 >= policy.probe_every
@@ -190,7 +191,7 @@ def _rules(session: SessionState, worker: WorkerState, request: RequestFacts, po
 
 
 def _method_rules(session: SessionState, worker: WorkerState, policy: PolicyConfig, lookups: list[Method],
-                  k: int) -> Decision:
+                  k: int, shadowed: bool) -> Decision:
     """Rules 4-6 where a session may choose its method (``policy.methods`` and the worker's).
 
     Each method not latched by its own acceptance floor is priced: the draft model as without
@@ -200,7 +201,11 @@ def _method_rules(session: SessionState, worker: WorkerState, policy: PolicyConf
     for it where the worker has some; every ``method_explore_every``-th request (or at once, where
     no other method is on offer), one it never tried runs (``explore``). Plain only when no
     method is expected to pay: every one latched (``low_acceptance``, probed every
-    ``probe_every``-th request with the best-estimated one) or none pays ``min_gain`` (``no_gain``)."""
+    ``probe_every``-th request with the best-estimated one) or none pays ``min_gain`` (``no_gain``).
+
+    ``shadowed``: the request brings shadow evidence for each lookup method it does not run (its
+    worker replays them on the output; T=0), so none is explored or probed while another runs. The
+    draft model has no free shadow (it needs its forwards): it is explored and probed as before."""
     depth, auto = worker.batch_depth + 1, policy.num_speculative_tokens == "auto"
     options: dict[Method, tuple[float, int, TreeShape | None]] = {}
     latched: list[Method] = []
@@ -226,20 +231,21 @@ def _method_rules(session: SessionState, worker: WorkerState, policy: PolicyConf
                              policy.acceptance_resume)
         options[method] = (price.value, price.k if auto else k, None)
     # Where nothing else is on offer, trying costs nothing: the method runs at once.
-    if untried and (not options or session.since_method + 1 >= policy.method_explore_every):
+    if untried and (not options or (not shadowed and session.since_method + 1 >= policy.method_explore_every)):
         return Decision("speculative", k, "explore", method=untried[0])
     probe_due = session.plain_since_probe + 1 >= policy.probe_every
     # A latched method gets new evidence even while another one runs: probed every probe_every-th
-    # request, as a latched session is; else it could never come back above acceptance_resume.
-    if latched and options and session.since_method + 1 >= policy.probe_every:
-        method = max(latched, key=lambda m: _estimate(session, m))
+    # request, as a latched session is (a shadowed lookup method gets it from every request).
+    probed = [m for m in latched if not (shadowed and is_lookup(m))]
+    if probed and options and session.since_method + 1 >= policy.probe_every:
+        method = max(probed, key=lambda m: _estimate(session, m))
         return Decision("speculative", _probe_k(session, worker, policy, k) if method == "draft" else k, "probe",
                         method=method)
     if not options:
         if not latched:
             return Decision("plain", 0, "no_gain", method="draft")
-        if probe_due:
-            method = max(latched, key=lambda m: _estimate(session, m))
+        if probe_due and probed:
+            method = max(probed, key=lambda m: _estimate(session, m))
             return Decision("speculative", _probe_k(session, worker, policy, k) if method == "draft" else k, "probe",
                             method=method)
         return Decision("plain", 0, "low_acceptance", method=latched[0])
@@ -283,10 +289,11 @@ def _estimate(session: SessionState, method: Method) -> float:
 
 
 def observe_lookup(session: SessionState, method: Method, steps: Iterable[tuple[int, int]],
-                   policy: PolicyConfig) -> SessionState:
+                   policy: PolicyConfig, shadow: bool = False) -> SessionState:
     """A lookup method's steps, as (proposed, accepted), into the session's (or a worker's)
-    evidence for it; a step that proposed nothing counts toward the method's coverage alone."""
-    state = fold_lookup_steps(lookup_state(session.lookups, method), steps, policy)
+    evidence for it; a step that proposed nothing counts toward the method's coverage alone.
+    ``shadow``: steps the worker replayed on another method's output (counted apart too)."""
+    state = fold_lookup_steps(lookup_state(session.lookups, method), steps, policy, shadow)
     return replace(session, lookups=with_lookup_state(session.lookups, state))
 
 

@@ -54,6 +54,7 @@ def lookup_views(state: SessionState, policy: PolicyConfig, worker: tuple[Lookup
                                             else prior_alpha, policy.acceptance_prior_drafts), 4),
             "coverage": None if lookup.coverage is None else round(lookup.coverage, 4),
             "steps": lookup.steps_seen,
+            "shadow_steps": lookup.shadow_steps,  # of which replayed on another method's output
             "drafts_tested": lookup.proposals_seen,
             "drafts_proposed": lookup.drafts_proposed,
             "drafts_accepted": lookup.drafts_accepted,

@@ -52,6 +52,7 @@ class WorkerHandle:
     # The speculation methods its engine offers (policies/methods.py): a specgate worker's own
     # list; a worker that publishes none runs the draft model alone.
     methods: tuple[Method, ...] = ("draft",)
+    shadow_lookup: bool = False  # its requests' last reports carry shadow evidence (docs/methods.md)
     # Acceptance over all the worker's sessions, folded as a session's is: the α a session new
     # to it is costed at (policies.speculation.acceptance_for_k).
     acceptance: SessionState = field(default_factory=SessionState)
@@ -91,7 +92,7 @@ class WorkerHandle:
             "batch_depth": self.info.get("batch_depth", self.in_flight), "queue_length": self.info.get("queue_length"),
             "batch_full": self.batch_full, "precision": self.info.get("precision"), "stats": self.info.get("stats"),
             "cost_model": self.info.get("cost_model"), "acceptance": self.acceptance.acceptance_estimate,
-            "tree_max_nodes": self.tree_max_nodes, "methods": list(self.methods),
+            "tree_max_nodes": self.tree_max_nodes, "methods": list(self.methods), "shadow_lookup": self.shadow_lookup,
             "acceptance_by_method": {s.method: s.acceptance_estimate for s in self.acceptance.lookups},
             "draft_mix": self.draft_mix.view(),
             "last_error": self.last_error or None,

@@ -74,6 +74,7 @@ class GatewayMetrics:
     method_decisions: Counter
     method_steps: Counter
     method_drafts: Counter
+    method_shadow_drafts: Counter
     fallbacks: Counter
     mode_switches: Counter
     policy_reloads: Counter
@@ -129,6 +130,10 @@ class GatewayMetrics:
                                  registry=reg),
             method_drafts=Counter("specgate_method_drafts", "Drafts by method: proposed, tested (accepted plus the "
                                   "first rejected) and accepted", labels("method", "count"), registry=reg),
+            method_shadow_drafts=Counter("specgate_method_shadow_drafts",
+                                         "Shadow evidence by lookup method: what the requests that ran another method "
+                                         "would have got from it (replayed by the worker); count: steps, proposed, "
+                                         "tested, accepted", labels("method", "count"), registry=reg),
             fallbacks=Counter("specgate_fallbacks", "Decisions to decode plain, by reason", labels("reason"),
                               registry=reg),
             mode_switches=Counter("specgate_mode_switches", "Session mode changes", labels("to", "reason"),
@@ -176,6 +181,13 @@ class GatewayMetrics:
             self.series(self.method_drafts, method, "proposed").inc(proposed)
             self.series(self.method_drafts, method, "tested").inc(tested_drafts(proposed, accepted))
             self.series(self.method_drafts, method, "accepted").inc(accepted)
+
+    def record_shadow(self, method: str, steps: list[tuple[int, int]]) -> None:
+        """One request's shadow steps of ``method`` (``gateway.admission._account_shadow``)."""
+        self.series(self.method_shadow_drafts, method, "steps").inc(len(steps))
+        for count, value in (("proposed", sum(p for p, _ in steps)), ("accepted", sum(a for _, a in steps)),
+                             ("tested", sum(tested_drafts(p, a) for p, a in steps if p > 0))):
+            self.series(self.method_shadow_drafts, method, count).inc(value)
 
     def clamped_report(self, reason: str) -> None:
         """One step report (or late-step group) clamped for ``reason`` (``gateway.admission.checked_step``)."""

@@ -1,6 +1,7 @@
 """The per-session method choice with a real embedded worker (the demo pair): the decisions name
 their method, lookup requests propose from the context, and what the gateway believes of each
-method (``/admin/sessions``) is what the worker's answers counted."""
+method (``/admin/sessions``) is what the worker's answers counted. Sampled (T 0.3, unseeded), so
+no shadow evidence comes (tests/e2e/test_shadow_embedded.py has T=0) and an untried method is explored."""
 
 from __future__ import annotations
 
@@ -31,7 +32,7 @@ def test_each_method_runs_and_the_gateway_counts_what_the_worker_counted(gateway
     seen = []
     for turn in range(6):
         raw = client.completions.with_raw_response.create(
-            model="specgate-demo", prompt=CODE + f"def field_{12 + turn}(self):\n", max_tokens=48, temperature=0,
+            model="specgate-demo", prompt=CODE + f"def field_{12 + turn}(self):\n", max_tokens=48, temperature=0.3,
             extra_headers={"X-Session-ID": "methods-code"})
         mode = raw.headers["X-Specgate-Mode"]
         answer: Any = raw.parse()
@@ -49,7 +50,7 @@ def test_each_method_runs_and_the_gateway_counts_what_the_worker_counted(gateway
         evidence = admin["methods"][method]
         assert (evidence["drafts_proposed"], evidence["drafts_accepted"]) == (
             counted[method]["proposed"], counted[method]["accepted"]), (method, evidence, counted)
-        assert evidence["steps"] > 0 and evidence["coverage"] is not None
+        assert evidence["steps"] > 0 and evidence["coverage"] is not None and evidence["shadow_steps"] == 0
     assert counted["ngram"]["proposed"] > 0 and counted["ngram"]["accepted"] > 0  # the prompt repeats: it found it
     draft = admin["acceptance"]
     assert (draft["drafts_proposed"], draft["drafts_accepted"]) == (counted["draft"]["proposed"],

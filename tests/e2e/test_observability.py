@@ -138,19 +138,21 @@ def _workload(gateway: Gateway, client: openai.OpenAI) -> list[str]:
         client.completions.create(model="no-such-model", prompt="x", max_tokens=1)
     policy = gateway.get_json("/admin/policy")["policy"]
     assert _put_policy(gateway, {**policy, "acceptance_floor": 1.5}) == 400
-    # Sessions choosing their method (policy.methods): the draft first, then prompt lookup
-    # explored; a second session's draft request two scrapes later, so the method series
+    # Sessions choosing their method (policy.methods): the draft first, then whatever the
+    # worker's shadow evidence of ngram and suffix (replayed on the first answer) says pays, never
+    # an exploration at T=0; a second session's request two scrapes later, so the method series
     # increase while Prometheus already has them (a ratio of rates needs that).
     assert _put_policy(gateway, {**policy, "methods": ["draft", "ngram", "suffix"]}) == 200
 
     def choose(session: str) -> str:
         return str(client.completions.with_raw_response.create(
             model=MODEL, prompt=CODE_PROMPT, max_tokens=24, temperature=0,
-            extra_headers={"X-Session-ID": session}).headers["X-Specgate-Mode"]).split(";")[1].strip()
+            extra_headers={"X-Session-ID": session}).headers["X-Specgate-Mode"])
     chosen = [choose("methods-0"), choose("methods-0")]
     time.sleep(2.5)
     chosen.append(choose("methods-1"))
-    assert chosen == ["method=draft", "method=ngram", "method=draft"], chosen
+    assert chosen[0].startswith("speculative; method=draft;"), chosen
+    assert all(m.startswith("speculative; method=") and "reason=explore" not in m for m in chosen), chosen
     sessions += ["methods-0", "methods-1"]
     assert _put_policy(gateway, {**policy, "acceptance_floor": 0.65}) == 200
     return sessions

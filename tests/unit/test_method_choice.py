@@ -170,3 +170,69 @@ def test_free_batch_auto_keeps_a_latched_draft_on_offer() -> None:
     assert decide(latched, ALL, COOL, AUTO).mode == "plain"  # the floor: every method latched
     waived = decide(latched, ALL, COOL, replace(AUTO, free_batch="auto"))  # α 0.45 pays on these costs
     assert (waived.mode, waived.method, waived.reason) == ("speculative", "draft", "free_batch") and waived.k > 0
+
+
+# -- shadow evidence (docs/methods.md "Shadow evidence") ------------------------------------------
+SHADOW = replace(ALL, shadow_lookup=True)
+
+
+def _shadow_serve(session: SessionState, shadows: dict[str, list[tuple[int, int]]],
+                  worker: WorkerState = SHADOW, request: RequestFacts = COOL) -> tuple[Decision, SessionState]:
+    """One request: the decision, then what it ran is left out (it is not under test) and the
+    worker's shadow of each lookup method it did not run is folded as the gateway folds it."""
+    decision = decide(session, worker, request, AUTO)
+    session = record_decision(session, decision, auto_k=True)
+    for method, steps in shadows.items():
+        if decision.method != method or decision.mode != "speculative":
+            session = observe_lookup(session, method, steps, AUTO, shadow=True)  # type: ignore[arg-type]
+    return decision, session
+
+
+def test_shadow_evidence_chooses_suffix_without_exploring() -> None:
+    # The draft pays a little; suffix, never run, would pay more: its shadow says so.
+    rich = {"ngram": [(8, 1), (0, 0), (0, 0)] * 10, "suffix": [(8, 8), (8, 7)] * 15}
+    decisions = []
+    session = state(0.6, 100)
+    for _ in range(6):
+        decision, session = _shadow_serve(session, rich)
+        decisions.append((decision.method, decision.reason))
+    assert decisions[0] == ("draft", "default")
+    assert all(reason != "explore" for _, reason in decisions), decisions
+    assert decisions[1:] == [("suffix", "default")] * 5
+    suffix = next(s for s in session.lookups if s.method == "suffix")
+    assert suffix.tried and suffix.shadow_steps == 30 and suffix.coverage == pytest.approx(1.0)
+
+
+def test_a_session_whose_shadow_says_lookup_is_poor_never_runs_it() -> None:
+    poor = {"ngram": [(0, 0)] * 20 + [(8, 0)] * 2, "suffix": [(0, 0)] * 25 + [(4, 1)]}
+    session = state(0.8, 100)
+    for _ in range(3 * max(AUTO.method_explore_every, AUTO.probe_every)):
+        decision, session = _shadow_serve(session, poor)
+        assert (decision.method, decision.reason) == ("draft", "default")
+    ngram = next(s for s in session.lookups if s.method == "ngram")
+    assert ngram.steps_seen == ngram.shadow_steps > 0  # all its evidence is shadow
+
+
+def test_a_latched_lookup_method_is_not_probed_where_shadow_comes() -> None:
+    session = with_lookups(state(0.8, 100), lookup("ngram", 0.2, 0.5, low=True), lookup("suffix", 0.3, 0.2),
+                           since=AUTO.probe_every - 1)
+    assert decide(session, ALL, COOL, AUTO).reason == "probe"  # without shadow evidence: probed
+    assert decide(session, SHADOW, COOL, AUTO).reason == "default"
+    # Its shadow brings it back above acceptance_resume, probes or not.
+    back = observe_lookup(session, "ngram", [(8, 8)] * 40, AUTO, shadow=True)
+    assert not next(s for s in back.lookups if s.method == "ngram").low_acceptance
+
+
+def test_shadow_is_counted_on_only_at_t0() -> None:
+    # Sampled hot, the worker sends no shadow (an unseeded T > 0 replay would be an estimate):
+    # the untried lookup methods are explored as before.
+    session = replace(state(0.8, 100), since_method=AUTO.method_explore_every - 1)
+    assert decide(session, SHADOW, COOL, AUTO).reason == "default"
+    hot = decide(session, SHADOW, RequestFacts(temperature=0.5), AUTO)
+    assert (hot.method, hot.reason) == ("ngram", "explore")
+
+
+def test_with_nothing_else_on_offer_a_lookup_method_runs_at_once_even_shadowed() -> None:
+    policy = replace(AUTO, methods=("ngram", "suffix"))
+    decision = decide(SessionState(), SHADOW, COOL, policy)
+    assert (decision.mode, decision.method, decision.reason) == ("speculative", "ngram", "explore")

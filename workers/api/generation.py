@@ -2,15 +2,16 @@
 
 ``SamplingParams`` is what the protocol hands an engine; ``SpecSteps`` and ``StepCounts`` are the
 step counts a worker's step reports carry and the gateway folds (a migrated stream's dead part
-included). Pure: no torch, no engine (the engine interface, ``workers/engines/interface.py``,
-builds on these).
+included); ``ShadowSteps`` what a lookup method the request did not run would have done. Pure: no
+torch, no engine (the engine interface, ``workers/engines/interface.py``, builds on these).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
+from policies.methods import Method
 from policies.speculation import tested_drafts
 
 
@@ -75,3 +76,43 @@ class StepCounts:
                                                                 for g in late)
         self.steps += 1
         self.speculative_steps += int(proposed > 0) + sum(g.count for g in late)
+
+
+@dataclass(frozen=True)
+class ShadowSteps:
+    """What a lookup method the request did not run would have done on its output: its steps
+    replayed, in step order, as runs of equal steps (``count`` steps of ``proposed`` drafts with
+    ``accepted`` accepted; a step with ``proposed`` 0 found no match, a plain step). An engine
+    reports it where the replay is exact (greedy, or seeded and coupled across modes;
+    docs/methods.md "Shadow evidence"); the gateway folds it into the method's evidence."""
+
+    method: Method
+    runs: tuple[SpecSteps, ...]
+
+    def steps(self) -> Iterator[tuple[int, int]]:
+        """Each replayed step as (proposed, accepted), in order."""
+        for run in self.runs:
+            for _ in range(run.count):
+                yield run.proposed, run.accepted
+
+    def counts(self) -> StepCounts:
+        """The replay's totals, as ``StepCounts`` folds a request's own steps."""
+        counts = StepCounts()
+        for run in self.runs:
+            counts.proposed += run.proposed * run.count
+            counts.accepted += run.accepted * run.count
+            counts.tested += tested_drafts(run.proposed, run.accepted) * run.count
+            counts.steps += run.count
+            counts.speculative_steps += run.count if run.proposed > 0 else 0
+        return counts
+
+
+def step_runs(steps: Iterable[tuple[int, int]]) -> tuple[SpecSteps, ...]:
+    """(proposed, accepted) steps, in order, as runs of equal neighbours (``ShadowSteps.runs``)."""
+    runs: list[SpecSteps] = []
+    for proposed, accepted in steps:
+        if runs and runs[-1].proposed == proposed and runs[-1].accepted == accepted:
+            runs[-1] = SpecSteps(proposed, accepted, runs[-1].count + 1)
+        else:
+            runs.append(SpecSteps(proposed, accepted, 1))
+    return tuple(runs)

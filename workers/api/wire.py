@@ -17,8 +17,8 @@ from typing import Any, Literal
 
 import orjson
 
-from policies.methods import Method
-from workers.api.generation import SpecSteps, group_steps
+from policies.methods import METHODS, Method, is_lookup
+from workers.api.generation import ShadowSteps, SpecSteps, group_steps, step_runs
 
 RequestKind = Literal["chat", "completion"]
 DIRECTIVE_FIELD = "specgate"
@@ -173,6 +173,9 @@ class StepReport:
     # ``accepted`` the levels passed. None for chains and plain steps.
     tree: str | None = None
     path: tuple[int, ...] | None = None
+    # A request's last step: what each lookup method it did not run would have done on its output
+    # (``ShadowSteps``; worker to gateway only, never in the client's answer).
+    shadow: tuple[ShadowSteps, ...] = ()
 
     def steps(self) -> tuple[StepReport, ...]:
         """Every step behind the chunk, in order."""
@@ -189,6 +192,8 @@ class StepReport:
             out[HELD_FIELD] = self.held_s
         if self.tree is not None and self.path is not None:
             out["tree"], out["path"] = self.tree, list(self.path)
+        if self.shadow:
+            out[SHADOW_FIELD] = {s.method: [[r.proposed, r.accepted, r.count] for r in s.runs] for s in self.shadow}
         return out
 
     def ids_comment(self) -> bytes:
@@ -219,7 +224,7 @@ class StepReport:
         """A coalesced chunk's later step. Its reports repeat (a plain stream's are all alike),
         and a report is immutable, so equal ones are one object: building a frozen dataclass
         was most of the cost of reading a coalesced chunk's steps."""
-        if not isinstance(raw, dict) or "late_steps" in raw:
+        if not isinstance(raw, dict) or "late_steps" in raw or SHADOW_FIELD in raw:
             return cls._step(raw)
         try:
             path = raw.get("path")
@@ -245,10 +250,36 @@ class StepReport:
             late_raw = raw.get("late_steps")
             late = tuple(SpecSteps(int(p), int(a), int(c)) for p, a, c in late_raw) if late_raw else ()
             tree, path = _tree_path(raw.get("tree"), raw.get("path"))
+            shadow = _shadow(raw[SHADOW_FIELD]) if SHADOW_FIELD in raw else ()
             return cls(int(raw["proposed"]), int(raw["accepted"]), int(raw["batch_depth"]), int(raw["k"]),
-                       int(raw["tokens"]), late, then=then, held_s=held_s, tree=tree, path=path)
+                       int(raw["tokens"]), late, then=then, held_s=held_s, tree=tree, path=path, shadow=shadow)
         except (KeyError, TypeError, ValueError):
             return None
+
+
+SHADOW_FIELD = "shadow"
+MAX_SHADOW_RUNS = 1 << 16  # runs per method in one report (a step emits a token: the context bounds them)
+
+
+def _shadow(raw: Any) -> tuple[ShadowSteps, ...]:
+    """A report's ``shadow`` field: runs per lookup method (``ShadowSteps``). An unknown method or
+    an oversized list is left out; counts are checked by the gateway as a step's are."""
+    if not isinstance(raw, dict):
+        return ()
+    out = []
+    for method in METHODS:
+        runs = raw.get(method) if is_lookup(method) else None
+        if isinstance(runs, list) and len(runs) <= MAX_SHADOW_RUNS:
+            try:
+                out.append(ShadowSteps(method, tuple(SpecSteps(int(p), int(a), max(0, int(c))) for p, a, c in runs)))
+            except (TypeError, ValueError):  # a malformed run: that method's shadow alone is left out
+                continue
+    return tuple(out)
+
+
+def shadow_of(method: Method, steps: Iterable[tuple[int, int]]) -> ShadowSteps:
+    """A replay's steps, in order, as the report carries them."""
+    return ShadowSteps(method, step_runs(steps))
 
 
 MAX_PATH = 64  # levels in a reported path (a tree is at most policies.tree.MAX_TREE_DEPTH deep)

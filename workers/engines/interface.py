@@ -16,7 +16,7 @@ from typing import Any, Literal, Protocol
 
 from policies.methods import Method
 from policies.tree import StepPath, TreeShape
-from workers.api.generation import SamplingParams, SpecSteps
+from workers.api.generation import SamplingParams, ShadowSteps, SpecSteps
 from workers.costs.cost_report import CostReport
 
 FinishReason = Literal["stop", "length", "abort"]
@@ -67,6 +67,9 @@ class StepEvent:
     # The prompt tokens the engine found in its prefix cache and did not prefill, on a request's
     # first event; None from engines that do not report it (the usage then leaves it out).
     cached_tokens: int | None = None
+    # A request's last event: what each lookup method it did not run would have done on its
+    # output, where the engine can replay that exactly (docs/methods.md "Shadow evidence").
+    shadow: tuple[ShadowSteps, ...] = ()
 
 
 class EngineRequestError(ValueError):
@@ -123,6 +126,9 @@ class EngineInfo:
     tree_max_nodes: int = 0
     # The speculation methods it runs (policies/methods.py); () for a plain-only engine.
     methods: tuple[Method, ...] = ()
+    # Its requests' last events carry shadow evidence (``StepEvent.shadow``) for the lookup methods
+    # they did not run, at T=0 at least: the gateway need not explore those methods to learn them.
+    shadow_lookup: bool = False
     # Engine-specific (precision, vLLM version, the sim's model and its live step lateness, ...).
     details: Mapping[str, Any] = field(default_factory=dict)
 

@@ -174,7 +174,7 @@ def describe(ctx: WorkerContext) -> dict[str, Any]:
         "worker_id": ctx.settings.worker_id, "engine": info.kind, "model": ctx.settings.served_model_name,
         "modes": ["speculative", "plain"] if info.max_k > 0 else ["plain"], "max_k": info.max_k,
         "max_slots": info.max_slots, "context_window": info.context_window, "tree_max_nodes": info.tree_max_nodes,
-        "methods": list(info.methods),
+        "methods": list(info.methods), "shadow_lookup": info.shadow_lookup,
         **info.details,
         "batch_depth": engine.batch_depth, "queue_length": engine.queue_length, "batch_full": engine.batch_full,
         "stats": {"steps": stats.steps, "draft_tokens": stats.draft_tokens, "accepted_tokens": stats.accepted_tokens,
@@ -343,8 +343,7 @@ async def _generate(ctx: WorkerContext, req: CompletionRequest,
         text.prime(list(resume.output_ids), resume.text_sent)
     emitted = 0
     ran = StepCounts()  # what ran, step by step (the worker's batch latch may run steps plain)
-    finished = False
-    first_chunk = True
+    finished, first_chunk = False, True
     cached: int | None = None  # the engine's prefix-cache hit, where it reports one
 
     def chunk(delta: str, finish: str | None, report: StepReport | None, first: bool = False) -> dict[str, Any]:
@@ -364,10 +363,9 @@ async def _generate(ctx: WorkerContext, req: CompletionRequest,
     try:
         while not finished:
             item = await _next_step(events, rid)
-            late = item.late_steps
             # Engines that learn acceptance late (vLLM) report their speculative steps in
             # late_steps, and the rest of their steps are plain.
-            ran.add(item.proposed, item.accepted, late)
+            ran.add(item.proposed, item.accepted, item.late_steps)
             if item.cached_tokens is not None:
                 cached = item.cached_tokens
             delta = text.push(item.tokens)
@@ -382,11 +380,12 @@ async def _generate(ctx: WorkerContext, req: CompletionRequest,
             elif finish is not None:
                 delta += text.flush()
             finished = finish is not None
-            report = StepReport(item.proposed, item.accepted, item.batch_depth, item.proposed, kept, late,
+            report = StepReport(item.proposed, item.accepted, item.batch_depth, item.proposed, kept, item.late_steps,
                                 token_ids=tuple(item.tokens[:text.last_kept]),
                                 prompt_ids=tuple(prompt_ids) if first_chunk else None,
                                 tree=None if item.path is None else str(item.path.shape),
-                                path=None if item.path is None else item.path.ranks)
+                                path=None if item.path is None else item.path.ranks, shadow=item.shadow)
+            ctx.metrics.record_shadow(ctx.settings.served_model_name, ctx.settings.worker_id, item.shadow)
             # A resumed stream continues the client's: its role was sent by the first worker.
             yield chunk(delta, finish, report, first=first_chunk and resume is None), report
             first_chunk = False

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram
 
+from workers.api.generation import ShadowSteps
 from workers.api.prometheus import use_cached_pid
 
 use_cached_pid()  # before any metric exists (see there)
@@ -28,6 +29,7 @@ class WorkerMetrics:
     prefix_cache_requests: Counter
     prefix_cached_tokens: Counter
     prefix_cache_bytes: Gauge
+    shadow_drafts: Counter
 
     @classmethod
     def create(cls, registry: CollectorRegistry | None) -> WorkerMetrics:
@@ -59,4 +61,16 @@ class WorkerMetrics:
                                          registry=reg),
             prefix_cache_bytes=Gauge("specgate_worker_prefix_cache_bytes", "Bytes of K/V the prefix cache holds",
                                      labels, multiprocess_mode="livemax", registry=reg),
+            shadow_drafts=Counter("specgate_worker_shadow_drafts",
+                                  "What lookup methods the requests did not run would have done on their output "
+                                  "(replayed; count: steps, proposed, tested, accepted)", [*labels, "method", "count"],
+                                  registry=reg),
         )
+
+    def record_shadow(self, model: str, worker: str, shadows: tuple[ShadowSteps, ...]) -> None:
+        """A request's replays of the lookup methods it did not run (``StepEvent.shadow``)."""
+        for shadow in shadows:
+            counts = shadow.counts()
+            for name, value in (("steps", counts.steps), ("proposed", counts.proposed), ("tested", counts.tested),
+                                ("accepted", counts.accepted)):
+                self.shadow_drafts.labels(model=model, worker=worker, method=shadow.method, count=name).inc(value)

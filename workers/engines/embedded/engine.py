@@ -33,6 +33,7 @@ from workers.engines.embedded.forwards import native_rows, single_row
 from workers.engines.embedded.kv_cache import CacheBatch, KVCache
 from workers.engines.embedded.llama import LlamaForCausalLM
 from workers.engines.embedded.lookup.proposer import LookupProposer, LookupSettings
+from workers.engines.embedded.lookup.replay import shadow_at_finish
 from workers.engines.embedded.prefix_cache import PREFILL_CHUNK, PrefixCache, prefill_chunks, reuse
 from workers.engines.embedded.sampling import (
     Verdict,
@@ -414,6 +415,10 @@ class SpeculativeEngine:
             seq.noise = {pos: g for pos, g in seq.noise.items() if pos >= done}
         cached = None if self.prefix is None or seq.cache_reported else seq.cached
         seq.cache_reported = True
+        # Replayed before the suffix store takes this request's own documents, as a run saw it.
+        shadow = () if finish is None or self.lookup is None else shadow_at_finish(
+            self.lookup, seq, new_tokens[len(emitted)] if finish == "stop" else None, self.max_k, self.max_positions,
+            seq.cached > 0 or len(seq.request.prompt_ids) > self._batched_row_limit)  # its first step: _prefilling
         if finish is not None:
             if self.prefix is not None and self.draft_cache is not None and seq.draft_len > 0:
                 fused = len(seq.request.prompt_ids) - seq.request.resumed_tokens
@@ -424,7 +429,7 @@ class SpeculativeEngine:
                                      request.session)
             self.abort(seq.request.request_id)
         return StepEvent(seq.request.request_id, emitted, seq.step_k, accepted, depth, finish, eos=finish == "stop",
-                         path=path, cached_tokens=cached)
+                         path=path, cached_tokens=cached, shadow=shadow)
 
     def _forward(self, model: LlamaForCausalLM, cache: KVCache, rows: list[_Row]) -> list[torch.Tensor]:
         """Runs rows through a model; returns each row's (n_logits, V) logits in order."""

@@ -31,7 +31,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from policies.methods import METHODS, is_lookup, is_method
+from policies.methods import METHODS, Method, is_lookup, is_method
+from workers.api.generation import ShadowSteps
 from workers.api.sim_config import SimConfig
 from workers.costs.cost_report import CostReport, depth_grid, report_from_forward_times
 from workers.costs.online import StepCostRule
@@ -46,6 +47,7 @@ from workers.engines.interface import (
 )
 from workers.engines.sim.prefix_cache import PrefixCache
 from workers.engines.sim.roofline import SimBatch, SimSeq, StepCost, config_summary
+from workers.engines.sim.shadow import SHADOW_SEED, sim_shadow
 from workers.text import TextCodec
 
 COST_CONTEXT = 1024  # cached tokens per sequence the derived cost model assumes
@@ -99,6 +101,8 @@ class SimEngine:
         # finishes), and its cached prompt tokens until its first event reports them.
         self._tokens: dict[str, list[int]] = {}
         self._cached: dict[str, int] = {}
+        # Per request whose shadow evidence is exact (T=0 or seeded; shadow.py): what its replay draws from.
+        self._shadows: dict[str, tuple[str, float, Method | None, int, int, random.Random]] = {}
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
         self._observer: StepObserver | None = None
@@ -148,7 +152,8 @@ class SimEngine:
                                 context_window=self.config.context_window,
                                 vocab_size=int(config.get("vocab_size", self._codec.tokenizer.get_vocab_size())),
                                 eos_token_ids=eos_ids, details=details, tree_max_nodes=self.batch_tree_nodes,
-                                methods=METHODS if self.batch.max_k > 0 else ())
+                                methods=METHODS if self.batch.max_k > 0 else (),
+                                shadow_lookup=self.batch.max_k > 0)
         self._task = asyncio.create_task(self._loop(), name="sim-step-loop")
 
     async def stop(self) -> None:
@@ -199,6 +204,10 @@ class SimEngine:
             self._details["sim"]["prefix_cache"] = self._prefix_view()
         # The cached tokens are KV the step reads, never prefilled: prefill is charged for the rest.
         prefill = len(request.prompt_ids) - cached
+        if self.batch.max_k > 0 and (temperature <= 0.0 or request.params.seed is not None):
+            self._shadows[request.request_id] = (category, temperature, method if request.k > 0 else None,
+                                                 request.k or self.batch.max_k, request.max_tokens,
+                                                 random.Random(seed ^ SHADOW_SEED))
         if is_lookup(method):
             alpha, coverage = table.lookup_alpha(method, category, temperature)
             return SimSeq(request.request_id, request.k, alpha, request.max_tokens, prefill,
@@ -224,6 +233,7 @@ class SimEngine:
             self._ids.pop(request.request_id, None)
             self._tokens.pop(request.request_id, None)
             self._cached.pop(request.request_id, None)
+            self._shadows.pop(request.request_id, None)
             if not finished:
                 self.batch.abort(request.request_id)
 
@@ -259,13 +269,24 @@ class SimEngine:
                 cached = self._cached.pop(rid, None)
                 if self.prefix_cache.enabled:
                     self._remember(rid, tokens, first=cached is not None, finished=r.finished)
+                shadow = self._shadow(rid) if r.finished else ()
                 sink.put_nowait(StepEvent(rid, tokens, r.k, r.accepted, step.depth,
-                                          "length" if r.finished else None, path=r.path, cached_tokens=cached))
+                                          "length" if r.finished else None, path=r.path, cached_tokens=cached,
+                                          shadow=shadow))
             stats = StepStats(proposed, accepted, emitted, step.depth, len(self.batch.waiting),
                               step.duration_s * scale, step.verify_s * scale)
             self._totals.add(stats)
             if self._observer is not None:
                 self._observer(stats)
+
+    def _shadow(self, rid: str) -> tuple[ShadowSteps, ...]:
+        """A finished request's shadow evidence (shadow.py); () where it would not be exact."""
+        facts = self._shadows.pop(rid, None)
+        if facts is None:
+            return ()
+        category, temperature, ran, k, output_tokens, rng = facts
+        ran = ran if ran is not None and is_lookup(ran) else None
+        return sim_shadow(self.config.acceptance, category, temperature, ran, k, output_tokens, rng)
 
     def _remember(self, rid: str, tokens: list[int], first: bool, finished: bool) -> None:
         """The prefix cache learns a prompt once its prefill step ran (a concurrent request with

@@ -126,9 +126,10 @@ class SuffixStore:
 
     # -- proposing ------------------------------------------------------------------------------
     def propose(self, tokens: Sequence[int], session: str | None, k: int,
-                own: SequenceKeys | None = None) -> list[int]:
+                own: SequenceKeys | None = None, touch: bool = True) -> list[int]:
         """Up to ``k`` tokens continuing ``tokens`` (the sequence so far, whose own earlier
-        occurrences ``own`` indexes); [] where nothing matches."""
+        occurrences ``own`` indexes); [] where nothing matches. ``touch`` False leaves the LRU
+        order alone (a replay, lookup/replay.py, proposes nothing anyone runs)."""
         if k <= 0 or len(tokens) <= KEY_LEN:
             return []
         key = _key(tokens, len(tokens))
@@ -164,7 +165,7 @@ class SuffixStore:
             best = [(s, p) for s, p in best if p + depth < len(s) and s[p + depth] == token]
         # Least recently used, not least recently added: a document that keeps supplying
         # proposals (a session's growing context, a template every session repeats) stays.
-        if proposal:
+        if proposal and touch:
             for source, _ in best:
                 if (used := sources.get(id(source))) is not None:
                     self._documents.move_to_end(used)
