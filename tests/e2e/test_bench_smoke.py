@@ -25,13 +25,13 @@ REQUIRED = {"alpha_t0", "best_k", "speedup_b1", "bound_b1", "c", "tok_s_plain_b1
 
 
 @pytest.mark.slow
-def test_bench_engine_quick_json() -> None:
-    run = subprocess.run([sys.executable, "-m", "bench.engine", "--quick", "--json"], cwd=REPO, capture_output=True,
+def test_bench_engine_smoke_json() -> None:
+    run = subprocess.run([sys.executable, "-m", "bench.engine", "--smoke", "--json"], cwd=REPO, capture_output=True,
                          text=True, timeout=300, check=True)
     result = json.loads(run.stdout.strip().splitlines()[-1])
     assert set(result) >= REQUIRED
     assert {"tok_s_b8_plain", "tok_s_b8_spec", "tok_s_b8_auto", "predicted_speedup_b1", "cpu"} <= set(result)
-    assert len(result["auto_ratio_by_round_b8"]) == 1 and result["auto_ratio_by_round_b8"][0] > 0  # --quick: 1 round
+    assert len(result["auto_ratio_by_round_b8"]) == 1 and result["auto_ratio_by_round_b8"][0] > 0  # --smoke: 1 round
     assert result["tok_s_b8_plain_again"] > 0 and len(result["plain_again_ratio_by_round_b8"]) == 1
     # The cost model a worker would build, and the precision it chose (served by --dtype auto).
     assert result["dtype"] == result["precision_choice"]["target"] == result["cost_model"]["precision"]["target"]
@@ -71,8 +71,8 @@ def _json_run(*args: str, timeout: int = 240) -> tuple[dict[str, Any], str]:
 
 
 @pytest.mark.slow
-def test_bench_policy_quick_json(tmp_path: Path) -> None:
-    result, stdout = _json_run("-m", "bench.policy", "--quick", "--json", "--out", str(tmp_path))
+def test_bench_policy_smoke_json(tmp_path: Path) -> None:
+    result, stdout = _json_run("-m", "bench.policy", "--smoke", "--json", "--out", str(tmp_path))
     policies = {"always", "never", "vllm_rule", "bare_thresholds", "specgate", "specgate_auto", "specgate_cost"}
     assert policies <= set(result["goodput"])
     for rows in result["goodput"].values():
