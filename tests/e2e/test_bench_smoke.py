@@ -108,12 +108,12 @@ def test_bench_policy_methods_quick_json() -> None:
 
 
 @pytest.mark.slow
-def test_bench_tasks_quick_json() -> None:
+def test_bench_tasks_smoke_json() -> None:
     """The real pair through real gateways: every class at T=0 and T=1, figures in range, and at
     T=1 auto follows the temperature rule or its free_batch waiver."""
     assert (REPO / "models/smollm2-135m-instruct-q4_1/model.safetensors").is_file(), "run make install"
-    result, stdout = _json_run("-m", "bench.tasks", "--quick", "--json", timeout=300)
-    assert result["cpu"] and result["command"] == "python -m bench.tasks --quick --json"
+    result, stdout = _json_run("-m", "bench.tasks", "--smoke", "--json", timeout=300)
+    assert result["cpu"] and result["command"] == "python -m bench.tasks --smoke --json"
     assert result["configurations"] == ["plain", "K=5", "auto"] and set(result["temperatures"]) == {"0", "1"}
     for rows in result["temperatures"].values():
         assert list(rows) == list(TASK_CLASSES)
