@@ -1,6 +1,6 @@
 """Benchmark of the embedded speculative engine on held-out code prompts.
 
-    python -m bench.engine [--json] [--quick]
+    python -m bench.engine [--json] [--quick | --smoke]
 
 Measures, in one run: tokens/s plain vs speculative at batch 1 for K = 1..Kmax; per-token
 acceptance α per temperature; the cost ratio c = draft forward time / target forward time;
@@ -78,12 +78,19 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--alpha-prompts", type=int, default=32, help="held-out prompts for alpha per temperature")
     parser.add_argument("--inexact", action="store_true", help="as workers.exact: false (auto may pick float32)")
     parser.add_argument("--cost-budget-s", type=float, default=8.0, help="the cost measurement's time budget")
-    parser.add_argument("--quick", action="store_true", help="fewer prompts and tokens (smoke run)")
+    parser.add_argument("--quick", action="store_true", help="fewer prompts and tokens (a short run)")
+    parser.add_argument("--smoke", action="store_true",
+                        help="--quick with fewer tokens, prompts and repetitions still: for the smoke test; its "
+                             "figures mean nothing")
     parser.add_argument("--json", action="store_true", help="print one JSON object as the last line")
     args = parser.parse_args()
     if args.quick:
         args.prompts, args.max_tokens, args.kmax, args.batches, args.batch_max_tokens = 3, 32, 4, "8", 16
         args.alpha_prompts, args.cost_budget_s, args.batch_rounds = 8, 2.0, 1
+    if args.smoke:  # --quick's prompts, Ks and batch (every figure and path), with shorter runs
+        args.quick = True
+        args.prompts, args.max_tokens, args.kmax, args.batches, args.batch_max_tokens = 3, 12, 4, "8", 8
+        args.alpha_prompts, args.cost_budget_s, args.batch_rounds = 3, 1.0, 1
     return args
 
 
@@ -221,7 +228,7 @@ class Forwards:
 
 
 def measure_forwards(args: argparse.Namespace, served: Served, batch1: Batch1) -> Forwards:
-    reps = 50 if args.quick else 200
+    reps = 10 if args.smoke else 50 if args.quick else 200
     target, draft = served.target, served.draft
     # The same two models in the other dtype each: what the dtype defaults rest on (docs/engine.md).
     other = {"float32": "bfloat16", "bfloat16": "float32"}
@@ -245,7 +252,8 @@ def measure_forwards(args: argparse.Namespace, served: Served, batch1: Batch1) -
     alt_verify_cost = timed[f"verify{last}_alt"] / timed["target_alt"]
     log(f"other dtypes: target in {other[args.dtype]} {1000 * timed['target_alt']:.2f} ms, n={last} / 1 token "
         f"{alt_verify_cost:.2f}; draft in {other[args.draft_dtype]} {1000 * timed['draft_alt']:.2f} ms")
-    prefill = prefill_times(target, [32, 512] if args.quick else [32, 64, 128, 256, 512], 3 if args.quick else 10)
+    prefill = prefill_times(target, [32, 512] if args.quick else [32, 64, 128, 256, 512],
+                            1 if args.smoke else 3 if args.quick else 10)
     log("prefill at batch 1, as served / per-op with SDPA attention (ms): " + ", ".join(
         f"{n} tokens {1000 * p['served']:.1f} / {1000 * p['sdpa']:.1f}" for n, p in prefill.items()))
     return Forwards(timed, other, last, verify_cost, alt_verify_cost, prefill)

@@ -1,6 +1,6 @@
 """What the policy is worth: a simulated GPU fleet under mixed traffic, policy by policy.
 
-    python -m bench.policy [--quick] [--json] [--out DIR] [--seed N]   # virtual time (bench/fleet_sim.py)
+    python -m bench.policy [--quick | --smoke] [--json] [--out DIR] [--seed N]   # virtual time (bench/fleet_sim.py)
     python -m bench.policy --real [--quick] [--json]                   # a real gateway over sim workers
     python -m bench.policy --trees-only [--quick] [--json]             # where token trees pay (bench/policy_trees.py)
 
@@ -176,15 +176,21 @@ def main(argv: list[str] | None = None) -> None:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--json", action="store_true", help="last line: one JSON object")
     parser.add_argument("--quick", action="store_true", help="a tenth of the traffic (virtual), or a short real run")
+    parser.add_argument("--smoke", action="store_true",
+                        help="--quick with 3%% of the traffic (virtual): for the smoke test; its figures mean nothing")
     parser.add_argument("--real", action="store_true", help="through a real gateway and sim workers")
     parser.add_argument("--out", default="bench-out", help="where the PNG goes")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--scale", type=float, default=None, help="phase durations × this (default 1, quick 0.1)")
+    parser.add_argument("--scale", type=float, default=None,
+                        help="phase durations × this (default 1, quick 0.1, smoke 0.03)")
     parser.add_argument("--trees", action="store_true", help="also: trees vs chains only (bench/policy_trees.py)")
     parser.add_argument("--trees-only", action="store_true", help="only the trees vs chains comparison")
     parser.add_argument("--time-scale", type=float, default=2.0,
                         help="--real: wall seconds per simulated second (slower than the GPUs: fewer chunks/s)")
     args = parser.parse_args(argv)
+    if args.smoke:
+        args.quick = True
+        args.scale = 0.03 if args.scale is None else args.scale
     if args.scale is None:
         args.scale = 0.1 if args.quick else 1.0
     if args.trees_only:

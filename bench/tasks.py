@@ -1,7 +1,7 @@
 """Acceptance by task on real text: the real pair, through real gateway and worker processes,
 on each class of bench/data/task_prompts.jsonl (code, json, math, chat).
 
-    python -m bench.tasks [--quick] [--json] [--max-tokens 64] [--prompts-per-class 25]
+    python -m bench.tasks [--quick | --smoke] [--json] [--max-tokens 64] [--prompts-per-class 25]
                           [--fixed-k 2,3,5] [--temperatures 0,1] [--target DIR] [--draft DIR]
 
 Two gateways (``specgate serve``), each with one embedded worker (``threads: 1``, one slot,
@@ -315,7 +315,9 @@ def table(figures: dict[str, dict[str, Any]], temperature: str) -> list[str]:
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--quick", action="store_true", help="a smoke run: 1 prompt per class, 8 tokens, K=5 only")
+    parser.add_argument("--quick", action="store_true", help="a short run: 1 prompt per class, 8 tokens, K=5 only")
+    parser.add_argument("--smoke", action="store_true",
+                        help="--quick with 4 tokens: for the smoke test; its figures mean nothing")
     parser.add_argument("--json", action="store_true", help="one JSON object as the last line")
     parser.add_argument("--max-tokens", type=int, help="per request (default 64; --quick: 8)")
     parser.add_argument("--prompts-per-class", type=int, help="(default: all, 25; --quick: 1)")
@@ -329,7 +331,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--cost-cache", type=Path, help="the workers' cost cache (default: theirs, "
                                                        "~/.cache/specgate/costs)")
     args = parser.parse_args(argv)
-    args.max_tokens = args.max_tokens or (8 if args.quick else 64)
+    args.quick = args.quick or args.smoke
+    args.max_tokens = args.max_tokens or (4 if args.smoke else 8 if args.quick else 64)
     args.prompts_per_class = args.prompts_per_class or (1 if args.quick else None)
     fixed = {int(k) for k in (args.fixed_k or ("5" if args.quick else "2,3,5")).split(",") if k.strip()}
     args.fixed_k = sorted(fixed | {ALPHA_K})

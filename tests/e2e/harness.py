@@ -196,3 +196,12 @@ def worker_sse_events(raw: str) -> list[tuple[dict[str, Any], list[int]]]:
             events.append((json.loads(data), ids))
             ids = []
     return events
+
+
+def bench_json(*args: str, timeout: int = 240) -> tuple[dict[str, Any], str]:
+    """``python args...`` in the repository (a bench, with ``--json``): its last line's JSON
+    object and its whole stdout; raises where it exits other than 0."""
+    run = subprocess.run([sys.executable, *args], cwd=REPO, capture_output=True, text=True, timeout=timeout,
+                         check=True)
+    result: dict[str, Any] = json.loads(run.stdout.strip().splitlines()[-1])
+    return result, run.stdout

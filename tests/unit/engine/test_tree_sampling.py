@@ -310,3 +310,21 @@ def test_point_masses_accept_a_sure_child() -> None:
 def test_probabilities_of_log_p_is_p() -> None:
     # The harness feeds log P as logits at temperature 1; the rule then sees P itself.
     assert torch.allclose(probabilities(torch.log(P[0]), SAMPLED), P[0], atol=1e-6)
+
+
+def test_ranked_children_are_a_stable_descending_sorts_first_k() -> None:
+    """The k children of every row, batched or not, ties (at the k-th score, and -inf) included:
+    a full stable descending sort's first k, its finite ones counted."""
+    gen = torch.Generator().manual_seed(5)
+    for trial in range(300):
+        rows, vocab = int(torch.randint(1, 30, (1,), generator=gen)), int(torch.randint(2, 10, (1,), generator=gen))
+        k = int(torch.randint(1, vocab + 1, (1,), generator=gen))
+        scores = torch.randint(-3, 3, (rows, vocab), generator=gen).float() if trial % 2 else torch.randn(rows, vocab)
+        scores[torch.rand(rows, vocab, generator=gen) < 0.3] = float("-inf")
+        children = tree_sampling._ranked(scores, k)
+        ranked = torch.sort(scores, dim=-1, descending=True, stable=True)
+        count = torch.isfinite(ranked.values[:, :k]).sum(dim=-1)
+        assert torch.equal(children.count, count)
+        for row in range(rows):
+            n = int(count[row])
+            assert children.tokens[row, :n].tolist() == ranked.indices[row, :n].tolist(), (scores[row], k)

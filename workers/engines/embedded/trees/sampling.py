@@ -83,9 +83,18 @@ def _ranked(scores: torch.Tensor, k: int) -> Children:
     kth = torch.topk(scores, k, dim=-1).values[:, -1:]
     order = torch.empty(scores.shape[0], k, dtype=torch.long)
     values = torch.empty(scores.shape[0], k, dtype=scores.dtype)
-    for row, (row_scores, at_least) in enumerate(zip(scores, scores >= kth, strict=True)):
-        candidates = at_least.nonzero().squeeze(1)  # in index order; usually exactly k
-        ranked = torch.sort(row_scores[candidates], descending=True, stable=True)
+    at_least = scores >= kth
+    exact = at_least.sum(dim=-1) == k
+    # Rows with exactly k candidates (the usual case) all at once: each row's in index order, then
+    # the same stable sort; rows with ties at the k-th score one at a time.
+    rows = exact.nonzero().squeeze(1)
+    if len(rows):
+        candidates = at_least[rows].nonzero()[:, 1].reshape(-1, k)  # row-major: each row's in index order
+        ranked = torch.sort(scores[rows].gather(1, candidates), dim=-1, descending=True, stable=True)
+        order[rows], values[rows] = candidates.gather(1, ranked.indices), ranked.values
+    for row in (~exact).nonzero().squeeze(1).tolist():
+        candidates = at_least[row].nonzero().squeeze(1)  # in index order
+        ranked = torch.sort(scores[row][candidates], descending=True, stable=True)
         order[row], values[row] = candidates[ranked.indices[:k]], ranked.values[:k]
     count = torch.isfinite(values).sum(dim=-1)
     return Children(_fill(order, count), count)
