@@ -3,13 +3,9 @@ the figures their issues ask for (no timing asserted)."""
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
-
 import pytest
 
-from tests.e2e.harness import REPO, bench_json
+from tests.e2e.harness import bench_json
 from workers.engines.embedded.kernels import rowgemm
 from workers.engines.embedded.projections import bf16_prepacking_available
 
@@ -19,9 +15,7 @@ REQUIRED = {"alpha_t0", "best_k", "speedup_b1", "bound_b1", "c", "tok_s_plain_b1
 
 @pytest.mark.slow
 def test_bench_engine_smoke_json() -> None:
-    run = subprocess.run([sys.executable, "-m", "bench.engine", "--smoke", "--json"], cwd=REPO, capture_output=True,
-                         text=True, timeout=300, check=True)
-    result = json.loads(run.stdout.strip().splitlines()[-1])
+    result, stdout = bench_json("-m", "bench.engine", "--smoke", "--json", timeout=300)
     assert set(result) >= REQUIRED
     assert {"tok_s_b8_plain", "tok_s_b8_spec", "tok_s_b8_auto", "predicted_speedup_b1", "cpu"} <= set(result)
     assert len(result["auto_ratio_by_round_b8"]) == 1 and result["auto_ratio_by_round_b8"][0] > 0  # --smoke: 1 round
@@ -42,7 +36,7 @@ def test_bench_engine_smoke_json() -> None:
     assert 0.0 <= result["alpha_t0"] <= 1.0 and result["c"] > 0
     assert set(result["alpha_by_temperature"]) == {"0.0", "0.5", "0.8", "1.0"}
     assert set(result["alpha_seeded_coupled_by_temperature"]) == {"0.5", "0.8", "1.0"}
-    assert "best K=" in run.stdout
+    assert "best K=" in stdout
     assert result["greedy_compared_runs"] == 3 * 4
     # Prepacked: bfloat16 on oneDNN, or float32 on workers/engines/embedded/kernels/rowgemm.py's kernel, as the
     # measurement chose.

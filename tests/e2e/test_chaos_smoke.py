@@ -3,13 +3,11 @@
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-from tests.e2e.harness import REPO
+from tests.e2e.harness import bench_json
 
 CHAOS_FIGURES = {"requests_sent", "completed", "retried_transparently", "migrated_mid_stream", "failed_clear_error",
                  "lost", "multiple_outcomes", "duplicated_outputs", "max_kill_to_ready_s", "honest_harmed_by_hostile",
@@ -19,9 +17,7 @@ CHAOS_FIGURES = {"requests_sent", "completed", "retried_transparently", "migrate
 
 @pytest.mark.slow
 def test_bench_chaos_smoke_json() -> None:
-    run = subprocess.run([sys.executable, "-m", "bench.chaos", "--smoke", "--json"], cwd=REPO, capture_output=True,
-                         text=True, timeout=900, check=True)
-    result = json.loads(run.stdout.strip().splitlines()[-1])
+    result, _ = bench_json("-m", "bench.chaos", "--smoke", "--json", timeout=900)
     # The whole result as the failure's message (pytest cuts a dict's repr at 240 characters):
     # the mismatch samples and precisions are what a failed run leaves to go on.
     log_tail = Path(result["gateway_log"]).read_text(errors="replace").splitlines()[-40:]
@@ -43,9 +39,7 @@ def test_bench_chaos_smoke_json() -> None:
 
 
 def test_bench_resume_quick_json() -> None:
-    run = subprocess.run([sys.executable, "-m", "bench.resume", "--quick", "--json"], cwd=REPO, capture_output=True,
-                         text=True, timeout=600, check=True)
-    result = json.loads(run.stdout.strip().splitlines()[-1])
+    result, _ = bench_json("-m", "bench.resume", "--quick", "--json", timeout=600)
     assert [p["dtype"] for p in result["precisions"]] == ["bfloat16", "float32"]
     for precision in result["precisions"]:
         assert precision["resumes_compared"] > 0, precision

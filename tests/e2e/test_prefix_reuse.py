@@ -15,7 +15,7 @@ from tests.e2e.harness import Gateway, GatewayFactory, sdk_client
 SYSTEM = ("You are the build assistant of the Hollins project. Answer with Python code only, in the "
           "project's style: four-space indents, type hints, docstrings on public functions. ") * 8
 QUESTIONS = ("def add(a, b):", "def sub(a, b):", "def mul(a, b):")
-CHUNK = 256  # workers/engines/embedded/prefix_cache.py PREFILL_CHUNK
+CHUNK = 128  # workers/engines/embedded/prefix_cache.py PREFILL_CHUNK
 
 
 @pytest.fixture(scope="module")

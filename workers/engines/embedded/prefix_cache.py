@@ -27,13 +27,15 @@ from workers.engines.embedded.kv_cache import KVCache
 from workers.engines.embedded.llama import LlamaForCausalLM
 from workers.engines.embedded.sequence import Row, Sequence
 
-# Tokens per prefill chunk and per cached block: the smallest chunk whose cold prefill costs no
-# more than one fused forward over the prompt. Each chunk is a forward of its own that reads every
-# weight again (`python -m bench.prefill_chunks`, SmolLM2-135M float32 on the AMX Xeon, one
-# thread: 128 / 256 / 512 took 1.11 / 1.06 / 1.00x the one-shot time at 300 tokens and
-# 1.15 / 0.97 / 0.98x at 1,000). Larger chunks reuse less: a hit ends at a chunk boundary, so a
-# conversation's next turn prefills again, on average, half a chunk of what it already had.
-PREFILL_CHUNK = 256
+# Tokens per prefill chunk and per cached block. Each chunk is a forward of its own that reads every
+# weight again, so smaller chunks cost more cold (`python -m bench.prefill_chunks`, SmolLM2-135M
+# float32 on the AMX Xeon, one thread: 128 / 256 / 512 took 1.11 / 1.06 / 1.00x the one-shot time at
+# 300 tokens and 1.15 / 0.97 / 0.98x at 1,000); larger ones reuse less, because a hit ends at a
+# chunk boundary and a conversation's next turn prefills again, on average, half a chunk of what
+# it already had. Sessions are what this gateway serves, so reuse wins: in `python -m bench.prefix
+# --engine embedded` (5-turn chat, ~530-token prompts at turn 5) 256-token chunks left turn 5's
+# TTFT at 0.59x no reuse, over issue 44's 0.5.
+PREFILL_CHUNK = 128
 
 BlockKey = int
 
