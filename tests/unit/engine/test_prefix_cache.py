@@ -186,6 +186,8 @@ def test_ten_thousand_sessions_stay_within_the_bound(target_model: LlamaForCausa
         assert session == 0 or len(found) >= 1
         _store(cache, kv, prompt)
         peak = max(peak, cache.bytes_held)
+        if session % 1000 == 0:  # no block held without its head
+            assert all(b.parent is None or b.parent in cache.blocks for b in cache.blocks.values())
     assert peak <= bound
     print(f"10,000 sessions: peak {peak} bytes against a bound of {bound} ({len(cache.blocks)} blocks held)")
 

@@ -187,12 +187,12 @@ class SpeculativeEngine:
         while self._waiting and self._free_slots:
             request = self._waiting.popleft()
             seed = request.params.seed if request.params.seed is not None else self._rng.getrandbits(63)
-            self._running[request.request_id] = _Sequence(
+            seq = self._running[request.request_id] = _Sequence(
                 request=request, slot=self._free_slots.pop(0), tokens=list(request.prompt_ids),
                 generator=torch.Generator().manual_seed(seed), k=max(0, min(request.k, self.max_k)),
                 tree=None if request.tree is None else layout(request.tree))
-            if self.prefix is not None and (fused := self._fused_prefix(self._running[request.request_id])):
-                reuse(self.prefix, self._running[request.request_id], self.target_cache, self.draft_cache, fused)
+            if self.prefix is not None and (fused := self._fused_prefix(seq)):
+                reuse(self.prefix, seq, self.target_cache, self.draft_cache, fused)
 
     # -- one step --------------------------------------------------------------------------
     @torch.inference_mode()

@@ -107,38 +107,44 @@ class PrefixCache:
         just computed them in ``slot``) that are not held yet."""
         if self.bound_bytes <= 0:
             return
-        chain, added = self.chain(tokens, computed // self.chunk), False
-        for b, (key, parent, piece) in enumerate(chain):
-            if key in self.blocks:
-                continue
-            if parent is not None and parent not in self.blocks:
-                break  # its head went to make room: a tail without it could never be found
-            block = Block(key, parent, piece, _copy_out(cache, slot, b * self.chunk, self.chunk))
-            if not self._make_room(block.nbytes):
+        held: list[Block] = []
+        for b, (key, parent, piece) in enumerate(self.chain(tokens, computed // self.chunk)):
+            block = self.blocks.get(key)
+            if block is None:
+                block = Block(key, parent, piece, _copy_out(cache, slot, b * self.chunk, self.chunk))
+                # The chain so far most recent, its head last: room comes from other blocks, and
+                # from this chain only tail first, so no block is ever kept without its head.
+                self._refresh(held)
+                if not self._make_room(block.nbytes) or (held and held[-1].key not in self.blocks):
+                    break
+                self.blocks[key] = block
+                self.bytes_held += block.nbytes
+                self.stats.stored_blocks += 1
+            elif block.parent != parent or block.tokens != piece:
                 break
-            self.blocks[key] = block
-            self.bytes_held += block.nbytes
-            self.stats.stored_blocks += 1
-            added = True
-        if added:
-            self._refresh([self.blocks[key] for key, _, _ in chain if key in self.blocks])
+            held.append(block)
+        self._refresh([h for h in held if h.key in self.blocks])
 
     def store_draft(self, tokens: list[int], computed: int, cache: KVCache, slot: int) -> None:
         """Adds the draft's K/V to the held blocks among ``tokens[:computed]`` that lack it."""
         if self.bound_bytes <= 0:
             return
-        for b, (key, parent, piece) in enumerate(self.chain(tokens, computed // self.chunk)):
+        held: list[Block] = []
+        for key, parent, piece in self.chain(tokens, computed // self.chunk):
             block = self.blocks.get(key)
             if block is None or block.parent != parent or block.tokens != piece:
                 break
-            if block.draft is None:
-                draft = _copy_out(cache, slot, b * self.chunk, self.chunk)
-                grow = draft[0].nbytes + draft[1].nbytes
-                self.blocks.move_to_end(key)  # not the one that makes room for itself
-                if not self._make_room(grow) or key not in self.blocks:
-                    break
-                block.draft = draft
-                self.bytes_held += grow
+            held.append(block)
+        self._refresh(held)  # as in store_target: room from this chain comes tail first
+        for b, block in enumerate(held):
+            if block.draft is not None:
+                continue
+            draft = _copy_out(cache, slot, b * self.chunk, self.chunk)
+            grow = draft[0].nbytes + draft[1].nbytes
+            if not self._make_room(grow) or block.key not in self.blocks:
+                break
+            block.draft = draft
+            self.bytes_held += grow
 
     def _refresh(self, chain: list[Block]) -> None:
         for block in reversed(chain):  # the tail first: the head ends most recent, evicted last
