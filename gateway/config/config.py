@@ -327,7 +327,7 @@ def _parse_workers(w: _Section, base: Path) -> WorkersConfig:
 
 def _prefix_cache_mb(w: _Section, default: float) -> float:
     value: float = w.get("prefix_cache_mb", float, default)
-    problem = prefix_cache_problem(value) if value == value else "must be a number >= 0 (0: no prefix reuse)"
+    problem = prefix_cache_problem(value)
     if problem is not None:
         w.problems.add(ConfigError("workers.prefix_cache_mb", value, problem))
         return default

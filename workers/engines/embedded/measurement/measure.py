@@ -45,6 +45,7 @@ from workers.costs.cost_report import (
     PrecisionCandidate,
     PrecisionChoice,
     depth_grid,
+    interpolate,
     report_from_forward_times,
 )
 from workers.engines.embedded.config import stored_weight_dtype
@@ -419,13 +420,10 @@ def shape_by_rows(plain: dict[int, float], near: int, near_row: list[float], dep
     steps' growth says about 1.8x, and K auto speculated at concurrency 16 at 0.6x plain's speed
     (bench.serve_default)."""
     depths = sorted(plain)
+    times = [plain[d] for d in depths]
 
-    def at_rows(rows: float) -> float:
-        if len(depths) == 1:
-            return plain[depths[0]] * rows / depths[0]
-        hi = next((d for d in depths[1:] if d >= rows), depths[-1])
-        lo = depths[depths.index(hi) - 1]
-        return plain[lo] + (plain[hi] - plain[lo]) * (rows - lo) / (hi - lo)
+    def at_rows(rows: int) -> float:
+        return interpolate(depths, times, rows, extend=True)
 
     out = []
     for n, t in enumerate(near_row, start=1):
