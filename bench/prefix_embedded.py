@@ -25,9 +25,8 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
-import yaml
 
-from bench.procs import start_serve_gateway, stop, stream_chat
+from bench.procs import served_sections, start_serve_gateway, stop, stream_chat
 
 REPO = Path(__file__).resolve().parent.parent
 TURNS = 5
@@ -96,13 +95,11 @@ async def drive(url: str, model: str, sessions: int, salt: str) -> tuple[Tally, 
 
 def serve_config(log_dir: Path, prefix_cache_mb: float | None) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
     """config.yaml's model, workers (2, costs cached in the run's folder) and policy sections."""
-    repo_config = yaml.safe_load((REPO / "config.yaml").read_text())
-    model = {key: str(REPO / value) if key in ("target", "draft") and value else value
-             for key, value in repo_config["model"].items()}
-    workers = dict(repo_config["workers"]) | {"count": 2, "cost_cache_dir": str(log_dir / "costs")}
+    model, workers, policy = served_sections()
+    workers |= {"count": 2, "cost_cache_dir": str(log_dir / "costs")}
     if prefix_cache_mb is not None:
         workers["prefix_cache_mb"] = prefix_cache_mb
-    return model, workers, dict(repo_config["policy"])
+    return model, workers, policy
 
 
 def summary(tally: Tally, elapsed: float) -> dict[str, Any]:

@@ -95,6 +95,15 @@ async def stream_chat(http: aiohttp.ClientSession, url: str, body: dict[str, Any
         return out, response
 
 
+def served_sections() -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
+    """config.yaml's model (its directories made absolute), workers and policy sections: what
+    ``make serve`` serves, for the benches that measure it."""
+    config = yaml.safe_load((REPO / "config.yaml").read_text())
+    model = {key: str(REPO / value) if key in ("target", "draft") and value else value
+             for key, value in config["model"].items()}
+    return model, dict(config["workers"]), dict(config["policy"])
+
+
 def get_json(url: str) -> Any:
     with urllib.request.urlopen(url, timeout=10) as response:
         return json.loads(response.read())

@@ -40,7 +40,7 @@ from typing import Any
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
-from bench.procs import REPO, bench_env, free_port, get_json, stop, wait_ok
+from bench.procs import REPO, bench_env, free_port, get_json, served_sections, stop, wait_ok
 from bench.serve_modes import VLLM_PYTHON, vllm_client
 from workers.costs.cache import cpu_label
 
@@ -55,11 +55,9 @@ CONFIGS = ("default", "plain", "speculative")
 
 def gateway_config(name: str, port: int, cost_cache: Path, policy_changes: dict[str, Any]) -> dict[str, Any]:
     """config.yaml's model, workers and policy sections as ``name`` (and ``--policy``) change them."""
-    repo_config = yaml.safe_load((REPO / "config.yaml").read_text())
-    model = {key: str(REPO / value) if key in ("target", "draft") and value else value
-             for key, value in repo_config["model"].items()}
-    workers = dict(repo_config["workers"]) | {"cost_cache_dir": str(cost_cache)}
-    policy = dict(repo_config["policy"]) | policy_changes
+    model, workers, policy = served_sections()
+    workers |= {"cost_cache_dir": str(cost_cache)}
+    policy |= policy_changes
     if name == "plain":
         model["draft"] = None
     elif name == "speculative":
