@@ -43,6 +43,7 @@ ROUND_ROBIN_CLUSTER = "specgate-round-robin"
 # and retrying a 5xx would run a generation twice.
 RETRY_ON = "connect-failure,reset"
 NUM_RETRIES = 2
+RING_RESELECTIONS = 64
 
 _TYPE_PREFIX = "type.googleapis.com/"
 
@@ -269,7 +270,11 @@ def ring_hash_bootstrap(listen_port: int, admin_port: int, replicas: Sequence[tu
             "name": "envoy.retry_host_predicates.previous_hosts",
             "typed_config": _typed("envoy.extensions.retry.host.previous_hosts.v3.PreviousHostsPredicate"),
         }],
-        "host_selection_retry_max_attempts": 5,
+        # Each reselection steps one entry along the ring, and a host holds runs of neighbouring
+        # entries: with 5 steps, a session whose hash sat in a run of 6 of a dead replica's
+        # entries (about 1 in 30 with two replicas) was sent back to it on every retry until
+        # the health check removed it. 64 steps pass any run a real ring holds.
+        "host_selection_retry_max_attempts": RING_RESELECTIONS,
     }
     hash_policy = [{"header": {"header_name": SESSION_HEADER}}]
     return {
