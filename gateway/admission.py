@@ -79,6 +79,7 @@ class Admission:
     attempt: AttemptTrace
     retries: int = 0  # workers found unreachable before this one took the request
     route: RouteReason = "load"  # why this worker (X-Specgate-Route): the session's, a prefix hit, or load
+    prefix_share: float = 0.0  # Placement.prefix_share
 
 
 class Placement(NamedTuple):
@@ -87,6 +88,9 @@ class Placement(NamedTuple):
     handle: WorkerHandle
     decision: Decision
     route: RouteReason
+    # The share of the prompt the prefix index had seen sent to this worker (before its hold):
+    # what the worker's reported cached tokens are checked against (``PrefixIndex.observe``).
+    prefix_share: float = 0.0
 
 
 def session_id_of(headers: Mapping[str, str], req: CompletionRequest) -> str | None:
@@ -147,7 +151,8 @@ def route(state: GatewayState, session: Session, candidates: list[Candidate], re
     (``worker_plain_only``, ``worker_speculative_only``) name what runs instead.
     """
     index = state.fleet.prefix_index
-    hits = {c.worker_id: index.hit(c.worker_id, blocks) for c in candidates} if blocks else None
+    shares = {c.worker_id: index.share(c.worker_id, blocks) for c in candidates} if blocks else {}
+    hits = {worker_id: share * index.hold(worker_id) for worker_id, share in shares.items() if share}
     chosen = choose_route(session.worker_id, candidates, hits, policy)
     if chosen is None:
         return None
@@ -155,14 +160,13 @@ def route(state: GatewayState, session: Session, candidates: list[Candidate], re
     facts = RequestFacts(req.temperature)
     if chosen.other_id is None:
         return Placement(handle, decide(session.policy_state, worker_state(handle, policy), facts, policy),
-                         chosen.reason)
+                         chosen.reason, shares.get(handle.worker_id, 0.0))
     other = state.fleet.workers[chosen.other_id]
     speculating, plain = (handle, other) if "speculative" in handle.modes else (other, handle)
     worker = worker_state(speculating, policy)
     wanted = decide(session.policy_state, replace(worker, serves_plain=True), facts, policy)
-    if wanted.mode == "plain":
-        return Placement(plain, wanted, chosen.reason)
-    return Placement(speculating, run_on(wanted, worker), chosen.reason)
+    placed, decision = (plain, wanted) if wanted.mode == "plain" else (speculating, run_on(wanted, worker))
+    return Placement(placed, decision, chosen.reason, shares.get(placed.worker_id, 0.0))
 
 
 def directive_for(decision: Decision, policy: PolicyConfig, resume: ResumePoint | None = None, **fields: Any
@@ -296,6 +300,10 @@ def account_chunk(state: GatewayState, admission: Admission, tally: StreamTally,
         chunk.pop("metrics", None)
         if report is not None:
             chunk[DIRECTIVE_FIELD] = report.to_json()
+    if report is not None and report.cached is not None:
+        state.fleet.prefix_index.observe(admission.handle.worker_id, admission.prefix_share, *report.cached)
+    elif admission.handle.protocol == "vllm" and chunk.get("usage"):
+        _observe_vllm_cached(state, admission, chunk["usage"])
     # Tokens by the mode of the steps that made them: one step, or a coalesced chunk's steps.
     emitted: dict[str, int] = {}
     if report is not None:
@@ -338,6 +346,16 @@ def account_chunk(state: GatewayState, admission: Admission, tally: StreamTally,
                                                      tally.speculative_steps if tally.proposed else None,
                                                      tested=tally.tested)
         chunk["usage"] = usage
+
+
+def _observe_vllm_cached(state: GatewayState, admission: Admission, usage: Any) -> None:
+    """A vLLM server's usage, where it reports cached tokens (``--enable-prompt-tokens-details``),
+    into the prefix index's hold for that worker."""
+    details = usage.get("prompt_tokens_details") if isinstance(usage, dict) else None
+    prompt = usage.get("prompt_tokens") if isinstance(usage, dict) else None
+    cached = details.get("cached_tokens") if isinstance(details, dict) else None
+    if type(prompt) is int and type(cached) is int and 0 <= cached <= prompt:
+        state.fleet.prefix_index.observe(admission.handle.worker_id, admission.prefix_share, prompt, cached)
 
 
 def checked_step(metrics: GatewayMetrics, report: StepReport) -> StepReport:

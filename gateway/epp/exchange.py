@@ -243,10 +243,12 @@ class Exchange:
         session.requests += 1
         await state.store.load(session)
         policy = state.policy.active
-        handle, decision, route = await pick_ready(state, session, req, policy, allowed=allowed)
+        placed = await pick_ready(state, session, req, policy, allowed=allowed)
+        handle, decision = placed.handle, placed.decision
         self._shed_if_full(handle)
         commit(state, session, handle, decision, policy)
-        admission = Admission(session, handle, decision, policy, AttemptTrace(None), route=route)
+        admission = Admission(session, handle, decision, policy, AttemptTrace(None), route=placed.route,
+                              prefix_share=placed.prefix_share)
         self.picked = Picked(self.endpoints[handle.worker_id], handle, admission, req,
                              self._body_for(req, handle, admission))
         return self.picked

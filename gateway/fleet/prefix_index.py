@@ -12,6 +12,15 @@ may have evicted the prefix, or, behind another router, hold more).
 Bounded: each worker keeps at most ``max_blocks`` keys (the live policy's ``route_index_blocks``,
 given with each record), the least recently used evicted first
 (a hit or a record refreshes a key). A worker that leaves the fleet is forgotten.
+
+**Learned from the workers.** What the index expects is checked against what each worker reports
+it served from its cache (``usage.prompt_tokens_details.cached_tokens``: a specgate worker's
+first step report, a vLLM server's usage): ``observe`` keeps, per worker, the decayed sums of the
+prompt tokens the index expected to be cached and of those the worker reported, and ``hit``
+scales the index's share by their ratio (the worker's *hold*, 0..1). A worker whose cache is off
+or smaller than the index assumes, one that restarted empty, or one whose cache works in coarser
+blocks than the index's (the embedded engine caches 128-token chunks) scores what it really
+serves; a worker that holds what the index expected keeps a hold near 1.
 """
 
 from __future__ import annotations
@@ -23,6 +32,14 @@ from workers.api.wire import CompletionRequest
 
 BLOCK_CHARS = 128  # a block: about 32 tokens of English text
 MAX_BLOCKS_PER_REQUEST = 1024  # 128 K characters: the rest of a longer prompt is not indexed
+# The hold's prior, in tokens on both sides: a worker without reports holds what the index
+# expects, and one miss of a short prompt does not cut a worker off. It decays with the reports,
+# so a worker that never serves from a cache ends with a hold near 0.
+HOLD_PRIOR_TOKENS = 256.0
+# Each report's weight against the ones before: the last ~10 reports of a worker dominate, so a
+# worker that restarted empty is trusted again once its reports show it holds prefixes again.
+HOLD_DECAY = 0.9
+_PRIOR = (HOLD_PRIOR_TOKENS, HOLD_PRIOR_TOKENS)
 
 
 def prompt_blocks(req: CompletionRequest) -> tuple[int, ...]:
@@ -47,10 +64,13 @@ def prompt_blocks(req: CompletionRequest) -> tuple[int, ...]:
 class PrefixIndex:
     def __init__(self) -> None:
         self._by_worker: dict[str, OrderedDict[int, None]] = {}
+        # Per worker: decayed (expected cached tokens, reported cached tokens), over requests the
+        # index expected a hit for.
+        self._reports: dict[str, tuple[float, float]] = {}
 
-    def hit(self, worker_id: str, blocks: Sequence[int]) -> float:
-        """The share of ``blocks`` the worker is expected to hold: its leading blocks up to the
-        first it has not seen (0 for an empty prompt)."""
+    def share(self, worker_id: str, blocks: Sequence[int]) -> float:
+        """The share of ``blocks`` the gateway sent the worker before: its leading blocks up to
+        the first it has not seen (0 for an empty prompt)."""
         seen = self._by_worker.get(worker_id)
         if not blocks or not seen:
             return 0.0
@@ -60,6 +80,31 @@ class PrefixIndex:
                 break
             matched += 1
         return matched / len(blocks)
+
+    def hit(self, worker_id: str, blocks: Sequence[int]) -> float:
+        """The share of ``blocks`` the worker is expected to serve from its cache: ``share``
+        scaled by the worker's ``hold``."""
+        share = self.share(worker_id, blocks)
+        return share * self.hold(worker_id) if share else 0.0
+
+    def hold(self, worker_id: str) -> float:
+        """The share of the index's expected cached tokens that the worker reported cached, of
+        late (1 without reports)."""
+        expected, reported = self._reports.get(worker_id, _PRIOR)
+        return reported / expected
+
+    def observe(self, worker_id: str, share: float, prompt_tokens: int, cached_tokens: int) -> None:
+        """A worker's report for a request placed there when ``share`` (``share``'s value then)
+        of its prompt was in the index: ``cached_tokens`` of its ``prompt_tokens`` came from the
+        worker's cache. Requests the index expected nothing of say nothing of the index."""
+        if share <= 0.0 or prompt_tokens <= 0 or worker_id not in self._by_worker:
+            return
+        expected_now = share * prompt_tokens
+        expected, reported = self._reports.get(worker_id, _PRIOR)
+        # More than expected (the index's partial last block, or a prefix the index evicted):
+        # counted as expected, so the hold stays at most 1.
+        self._reports[worker_id] = (HOLD_DECAY * expected + expected_now,
+                                    HOLD_DECAY * reported + min(float(max(cached_tokens, 0)), expected_now))
 
     def record(self, worker_id: str, blocks: Sequence[int], max_blocks: int) -> None:
         """The worker now holds ``blocks`` (it was sent the request), most recent last."""
@@ -74,6 +119,11 @@ class PrefixIndex:
 
     def forget(self, worker_id: str) -> None:
         self._by_worker.pop(worker_id, None)
+        self._reports.pop(worker_id, None)
+
+    def holds(self) -> dict[str, float]:
+        """Each indexed worker's ``hold``."""
+        return {worker: self.hold(worker) for worker in self._by_worker}
 
     def sizes(self) -> dict[str, int]:
         """Keys held per worker."""

@@ -271,4 +271,9 @@ async def _get_session(request: web.Request) -> web.Response:
 
 
 async def _get_workers(request: web.Request) -> web.Response:
-    return web.json_response({"workers": [h.view() for h in request.app[STATE_KEY].fleet.workers.values()]})
+    fleet = request.app[STATE_KEY].fleet
+    index = fleet.prefix_index
+    blocks = index.sizes()
+    return web.json_response({"workers": [
+        {**h.view(), "prefix_index": {"blocks": blocks.get(h.worker_id, 0), "hold": index.hold(h.worker_id)}}
+        for h in fleet.workers.values()]})

@@ -65,10 +65,10 @@ async def _admit(state: GatewayState, session: Session, req: CompletionRequest, 
     tried: set[str] = set(exclude)
     while True:
         if gone is None:
-            handle, decision, route = pick(state, session, req, policy, tried, exclude, resume)
+            placed = pick(state, session, req, policy, tried, exclude, resume)
         else:
-            handle, decision, route = await pick_ready(state, session, req, policy, tried, exclude, resume,
-                                                       gone=gone)
+            placed = await pick_ready(state, session, req, policy, tried, exclude, resume, gone=gone)
+        handle, decision = placed.handle, placed.decision
         worker_id = handle.worker_id
         # A non-streaming client sees no chunk: its worker may send them a few at a time.
         coalesce_s = 0.0 if req.stream else state.config.server.coalesce_s
@@ -97,7 +97,8 @@ async def _admit(state: GatewayState, session: Session, req: CompletionRequest, 
             attempt.failed(exc)
             raise
         record(state, session, decision, policy)
-        return Admission(session, handle, decision, policy, attempt, len(tried - exclude), route), response
+        return Admission(session, handle, decision, policy, attempt, len(tried - exclude), placed.route,
+                         placed.prefix_share), response
 
 
 def _client_gone(request: web.Request) -> bool:

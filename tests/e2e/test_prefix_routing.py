@@ -1,7 +1,9 @@
 """Cache-aware routing with a load guard (gateway/fleet/routing.py), with two real workers on
 the demo pair: a new session whose system prompt a worker served before goes to that worker
 (``X-Specgate-Route: prefix``) unless that worker is loaded beyond the guard (``load``); a
-session's later turns stay (``sticky``); the reasons are counted."""
+session's later turns stay (``sticky``); the reasons are counted. The gateway checks its index
+against the cached tokens each worker reports (``prefix_index.hold`` in ``/admin/workers``): a
+worker whose cache serves nothing stops drawing new sessions by prefix."""
 
 from __future__ import annotations
 
@@ -24,6 +26,17 @@ def gateway(gateway_factory: GatewayFactory) -> Gateway:
                            policy={"route_balance_abs": 0, "route_balance_rel": 1.0})
 
 
+@pytest.fixture(scope="module")
+def forgetting(gateway_factory: GatewayFactory) -> Gateway:
+    # A prefix cache of 1 KiB holds no block (a 128-token chunk's K/V is larger): every request
+    # misses, and the worker says so.
+    return gateway_factory("gw-prefix-forgets", workers={"count": 2, "prefix_cache_mb": 1 / 1024}, workers_ready=2)
+
+
+def holds(gateway: Gateway) -> dict[str, float]:
+    return {w["worker_id"]: w["prefix_index"]["hold"] for w in gateway.get_json("/admin/workers")["workers"]}
+
+
 async def ask(http: aiohttp.ClientSession, gateway: Gateway, session: str, user: str,
               max_tokens: int = 8) -> tuple[str, str, dict[str, Any]]:
     body = {"model": "specgate-demo", "max_tokens": max_tokens, "temperature": 0,
@@ -43,8 +56,11 @@ def test_a_known_prefix_goes_where_it_went_unless_that_worker_is_loaded(gateway:
             again, why, _ = await ask(http, gateway, "prefix-a", "def sub(a, b):")
             assert (again, why) == (first, "sticky")
             # A new session with the same system prompt: the worker that holds it.
-            second, why, _ = await ask(http, gateway, "prefix-b", "def mul(a, b):")
+            second, why, answer = await ask(http, gateway, "prefix-b", "def mul(a, b):")
             assert (second, why) == (first, "prefix")
+            # The worker served what the index expected (its cache reuses whole 128-token chunks).
+            assert answer["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+            assert holds(gateway)[first] > 0.5, holds(gateway)
             # That worker busy with a long request: the guard sends the next new session elsewhere.
             long = asyncio.create_task(ask(http, gateway, "prefix-a", "def long_one():", max_tokens=400))
             for _ in range(200):  # until the gateway has it in flight there
@@ -59,3 +75,27 @@ def test_a_known_prefix_goes_where_it_went_unless_that_worker_is_loaded(gateway:
     assert gateway.metric("specgate_routes_total", reason="prefix") >= 1
     assert gateway.metric("specgate_routes_total", reason="sticky") >= 1
     assert gateway.metric("specgate_routes_total", reason="load") >= 2
+
+
+def test_a_worker_whose_cache_serves_nothing_stops_drawing_sessions_by_prefix(forgetting: Gateway) -> None:
+    async def run() -> None:
+        async with aiohttp.ClientSession() as http:
+            first, why, _ = await ask(http, forgetting, "forget-a", "def add(a, b):")
+            assert why == "load"
+            new, why, _ = await ask(http, forgetting, "forget-b", "def mul(a, b):")
+            assert (new, why) == (first, "prefix")  # nothing reported yet: the index is believed
+            reported: list[int] = []
+            for turn in range(12):
+                worker, why, answer = await ask(http, forgetting, "forget-a", f"def f{turn}(a, b):")
+                assert (worker, why) == (first, "sticky")
+                reported.append(answer["usage"]["prompt_tokens_details"]["cached_tokens"])
+                if holds(forgetting)[first] < 0.05:
+                    break
+            assert set(reported) == {0}, reported  # the worker's own measure: nothing came from its cache
+            assert holds(forgetting)[first] < 0.05, (reported, holds(forgetting))
+            # A new session with the same system prompt: its expected hit there is now below
+            # route_min_prefix_hit, so load places it.
+            _, why, _ = await ask(http, forgetting, "forget-c", "def div(a, b):")
+            assert why == "load"
+    asyncio.run(run())
+    assert forgetting.metric("specgate_worker_prefix_cache_requests_total", result="hit") == 0

@@ -81,7 +81,7 @@ def test_route_decides_once(monkeypatch: pytest.MonkeyPatch, workers: list[Any],
     req = parse_request("completion", {"model": state.config.model.name, "prompt": "x", "temperature": temperature})
     routed = admission.route(state, session, state.fleet.candidates(), req, state.policy.active)
     assert routed is not None
-    handle, decision, _ = routed
+    handle, decision = routed.handle, routed.decision
     assert (handle.worker_id, decision.header) == expected
     assert len(calls) == 1
 

@@ -49,3 +49,41 @@ def test_each_worker_keeps_at_most_its_bound_least_recently_used_first() -> None
     off = PrefixIndex()
     off.record("w0", new, 0)
     assert off.sizes() == {}
+
+
+def test_the_hold_learns_what_a_worker_reports_it_served_from_its_cache() -> None:
+    index = PrefixIndex()
+    turn1 = chat(SYSTEM, "When did it open? " * 8)
+    turn2 = chat(SYSTEM, "When did it open? " * 8 + "And how long is it? " * 8)
+    for worker in ("keeps", "forgets"):
+        index.record(worker, turn1, 1000)
+    share = index.share("keeps", turn2)
+    assert index.hold("keeps") == 1.0 and index.hit("keeps", turn2) == share  # no reports: as indexed
+    # A request the index expected nothing of says nothing (and an unknown worker is ignored).
+    index.observe("keeps", 0.0, 400, 0)
+    index.observe("gone", share, 400, 0)
+    assert index.holds() == {"keeps": 1.0, "forgets": 1.0}
+    for _ in range(20):
+        index.observe("keeps", share, 400, 400)  # more than expected counts as expected: hold <= 1
+        index.observe("forgets", share, 400, 0)  # a cache that is off, or restarted empty
+    assert index.hold("keeps") == 1.0 and index.hit("keeps", turn2) == share
+    assert index.hold("forgets") < 0.05 and index.hit("forgets", turn2) < 0.05 * share
+    # One miss of a short prompt does not cut a worker off; a worker that serves again recovers.
+    fresh = PrefixIndex()
+    fresh.record("w", turn1, 1000)
+    fresh.observe("w", 0.5, 40, 0)
+    assert fresh.hold("w") > 0.9
+    for _ in range(30):
+        index.observe("forgets", share, 400, int(share * 400))
+    assert index.hold("forgets") > 0.9
+    index.forget("forgets")
+    assert index.hold("forgets") == 1.0 and "forgets" not in index.holds()
+
+
+def test_a_coarser_cache_holds_its_share() -> None:
+    # A worker that caches whole 128-token chunks serves 256 of an expected 300: its hold says so.
+    index = PrefixIndex()
+    index.record("w", chat(SYSTEM), 1000)
+    for _ in range(50):
+        index.observe("w", 0.75, 400, 256)
+    assert abs(index.hold("w") - 256 / 300) < 0.01

@@ -51,3 +51,16 @@ def test_a_stored_session_keeps_its_shadow_steps_and_an_older_one_has_none() -> 
     assert parse_session(orjson.dumps(stored))[0].lookups == session.policy_state.lookups
     stored["methods"]["lookups"] = [x[:-1] for x in stored["methods"]["lookups"]]  # as stored before shadow
     assert [x.shadow_steps for x in parse_session(orjson.dumps(stored))[0].lookups] == [0, 0]
+
+
+def test_a_first_step_carries_what_the_prefix_cache_served() -> None:
+    report = StepReport(0, 0, 1, 0, 1, cached=(300, 256))
+    raw = orjson.loads(orjson.dumps(report.to_json()))
+    assert raw["cached"] == [300, 256] and StepReport.from_json(raw) == report
+    coalesced = StepReport.from_json({**raw, "then": [StepReport(0, 0, 1, 0, 1).to_json()]})
+    assert coalesced is not None and coalesced.cached == (300, 256) and coalesced.then[0].cached is None
+    assert "cached" not in StepReport(0, 0, 1, 0, 1).to_json()
+    # Counts no worker could mean read as no report, and the step itself still reads.
+    for bad in ([300, 301], [-1, 0], [300], "300", [300.0, 2], [True, 0], None):
+        parsed = StepReport.from_json({**raw, "cached": bad})
+        assert parsed is not None and parsed.cached is None, bad

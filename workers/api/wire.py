@@ -176,6 +176,10 @@ class StepReport:
     # A request's last step: what each lookup method it did not run would have done on its output
     # (``ShadowSteps``; worker to gateway only, never in the client's answer).
     shadow: tuple[ShadowSteps, ...] = ()
+    # A request's first step, where the worker has a prefix cache: (the prompt's tokens, those of
+    # them served from the cache), for the gateway's prefix index to learn what the worker holds
+    # (worker to gateway only, as ``usage.prompt_tokens_details.cached_tokens`` says to the client).
+    cached: tuple[int, int] | None = None
 
     def steps(self) -> tuple[StepReport, ...]:
         """Every step behind the chunk, in order."""
@@ -194,6 +198,8 @@ class StepReport:
             out["tree"], out["path"] = self.tree, list(self.path)
         if self.shadow:
             out[SHADOW_FIELD] = {s.method: [[r.proposed, r.accepted, r.count] for r in s.runs] for s in self.shadow}
+        if self.cached is not None:
+            out[CACHED_FIELD] = list(self.cached)
         return out
 
     def ids_comment(self) -> bytes:
@@ -224,7 +230,7 @@ class StepReport:
         """A coalesced chunk's later step. Its reports repeat (a plain stream's are all alike),
         and a report is immutable, so equal ones are one object: building a frozen dataclass
         was most of the cost of reading a coalesced chunk's steps."""
-        if not isinstance(raw, dict) or "late_steps" in raw or SHADOW_FIELD in raw:
+        if not isinstance(raw, dict) or "late_steps" in raw or SHADOW_FIELD in raw or CACHED_FIELD in raw:
             return cls._step(raw)
         try:
             path = raw.get("path")
@@ -251,13 +257,25 @@ class StepReport:
             late = tuple(SpecSteps(int(p), int(a), int(c)) for p, a, c in late_raw) if late_raw else ()
             tree, path = _tree_path(raw.get("tree"), raw.get("path"))
             shadow = _shadow(raw[SHADOW_FIELD]) if SHADOW_FIELD in raw else ()
+            cached = _cached(raw[CACHED_FIELD]) if CACHED_FIELD in raw else None
             return cls(int(raw["proposed"]), int(raw["accepted"]), int(raw["batch_depth"]), int(raw["k"]),
-                       int(raw["tokens"]), late, then=then, held_s=held_s, tree=tree, path=path, shadow=shadow)
+                       int(raw["tokens"]), late, then=then, held_s=held_s, tree=tree, path=path, shadow=shadow,
+                       cached=cached)
         except (KeyError, TypeError, ValueError):
             return None
 
 
 SHADOW_FIELD = "shadow"
+CACHED_FIELD = "cached"
+
+
+def _cached(raw: Any) -> tuple[int, int] | None:
+    """A report's ``cached`` field, [prompt tokens, cached tokens]; None unless it is one a worker
+    could mean (0 <= cached <= prompt)."""
+    if not isinstance(raw, list) or len(raw) != 2 or not all(type(n) is int for n in raw):
+        return None
+    prompt, cached = raw
+    return (prompt, cached) if 0 <= cached <= prompt else None
 MAX_SHADOW_RUNS = 1 << 16  # runs per method in one report (a step emits a token: the context bounds them)
 
 

@@ -260,9 +260,13 @@ class VllmEngine:
         self._in_flight += 1
         outputs = self._llm.generate(TokensPrompt(prompt_token_ids=list(request.prompt_ids)), sampling,
                                      request.request_id)
+        first = True
         try:
             async for output in outputs:
                 completion = output.outputs[0]
+                # vLLM's prefix cache hit, known once the request is scheduled: on the first event.
+                cached = output.num_cached_tokens if first else None
+                first = False
                 tokens = list(completion.token_ids)
                 finish: FinishReason | None = None
                 eos = False
@@ -274,7 +278,8 @@ class VllmEngine:
                         tokens.pop()  # the EOS token is not output, as with the embedded engine
                         eos = True
                 late = late_steps(completion.spec_decode_metrics) if output.finished else ()
-                yield StepEvent(request.request_id, tokens, 0, 0, self.batch_depth, finish, late, eos=eos)
+                yield StepEvent(request.request_id, tokens, 0, 0, self.batch_depth, finish, late, eos=eos,
+                                cached_tokens=cached)
                 if finish is not None:
                     return
         finally:

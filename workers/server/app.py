@@ -384,7 +384,9 @@ async def _generate(ctx: WorkerContext, req: CompletionRequest,
                                 token_ids=tuple(item.tokens[:text.last_kept]),
                                 prompt_ids=tuple(prompt_ids) if first_chunk else None,
                                 tree=None if item.path is None else str(item.path.shape),
-                                path=None if item.path is None else item.path.ranks, shadow=item.shadow)
+                                path=None if item.path is None else item.path.ranks, shadow=item.shadow,
+                                cached=(len(prompt_ids), item.cached_tokens)
+                                if item.cached_tokens is not None and resume is None else None)
             ctx.metrics.record_shadow(ctx.settings.served_model_name, ctx.settings.worker_id, item.shadow)
             # A resumed stream continues the client's: its role was sent by the first worker.
             yield chunk(delta, finish, report, first=first_chunk and resume is None), report
