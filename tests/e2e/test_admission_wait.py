@@ -260,8 +260,8 @@ async def test_pick_ready_wakes_when_a_worker_becomes_ready_and_refuses_at_once_
         await asyncio.sleep(0)
         assert state.fleet.waiting == 1
         state.fleet.probe.became_ready(handle)
-        picked, decision, _ = await waiting
-        assert picked is handle and decision.mode in ("speculative", "plain")
+        placed = await waiting
+        assert placed.handle is handle and placed.decision.mode in ("speculative", "plain")
         assert waits(state, "served") == 1 and state.fleet.waiting == 0
         handle.http.close()
     refusing = unit_state(admission_wait_s=0)
