@@ -1,11 +1,15 @@
 """Where each speculation method wins on the simulated GPU fleet, and what per-session choice is worth.
 
     python -m bench.policy_methods [--quick] [--json] [--sessions-per-kind N] [--turns N]
-                                   [--max-tokens N] [--time-scale S] [--seed N]
+                                   [--max-tokens N] [--time-scale S] [--seed N] [--workers N]
+                                   [--method-margin N]
 
-A real gateway in front of a sim worker (``python -m workers --engine sim``: Llama-3.3-70B + 1B
-draft on TP4 H100s, docs/sim.md), one pair per configuration, started fresh for it so no
-configuration inherits another's evidence. ``policy.methods`` is ``[draft]``, ``[ngram]``,
+A real gateway in front of ``--workers`` sim workers (``python -m workers --engine sim``:
+Llama-3.3-70B + 1B draft on TP4 H100s, docs/sim.md; 2 by default), started fresh for each
+configuration so no configuration inherits another's evidence. Every configuration routes with
+``route_method_margin: --method-margin`` (2 by default; 0: off): a session whose worker's batch
+runs the other kind of step (draft model or lookup) moves to one that runs its kind
+(gateway/fleet/routing.py), which only the choice configuration can use. ``policy.methods`` is ``[draft]``, ``[ngram]``,
 ``[suffix]`` or ``[draft, ngram, suffix]`` (**choice**: each session chooses,
 ``policies/speculation.py``), all with ``num_speculative_tokens: auto``.
 
@@ -27,8 +31,11 @@ from __future__ import annotations
 import argparse
 import asyncio
 import random
+import re
+import subprocess
 import tempfile
 import time
+import urllib.request
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -110,24 +117,40 @@ async def _drive(url: str, args: argparse.Namespace) -> tuple[dict[str, Tally], 
 
 
 def run_config(name: str, methods: list[str], args: argparse.Namespace, log_dir: Path) -> dict[str, Any]:
-    worker, worker_port = start_sim_worker(log_dir, {"time_scale": args.time_scale, "seed": args.seed}, default_k=5)
+    workers: list[subprocess.Popen[bytes]] = []
     gateway = None
     try:
-        gateway, port = start_gateway(log_dir, [worker_port], {"num_speculative_tokens": "auto", "methods": methods})
-        time.sleep(0.6)  # a poll or two: the worker's methods and cost model reach the gateway
+        ports = []
+        for _ in range(args.workers):
+            worker, worker_port = start_sim_worker(log_dir, {"time_scale": args.time_scale, "seed": args.seed},
+                                                   default_k=5)
+            workers.append(worker)
+            ports.append(worker_port)
+        gateway, port = start_gateway(log_dir, ports, {"num_speculative_tokens": "auto", "methods": methods,
+                                                       "route_method_margin": args.method_margin})
+        time.sleep(0.6)  # a poll or two: the workers' methods and cost models reach the gateway
         tallies, span = asyncio.run(_drive(f"http://127.0.0.1:{port}", args))
+        routes = _routes(port)
     finally:
         if gateway is not None:
             stop(gateway)
-        stop(worker)
+        for worker in workers:
+            stop(worker)
     total = Tally()
     for tally in tallies.values():
         total.requests, total.tokens, total.seconds = (total.requests + tally.requests, total.tokens + tally.tokens,
                                                        total.seconds + tally.seconds)
         total.methods.update(tally.methods)
         total.ended_on.update(tally.ended_on)
-    overall = total.figures() | {"goodput": round(total.tokens / span, 1) if span else None}
+    overall = total.figures() | {"goodput": round(total.tokens / span, 1) if span else None, "routes": routes}
     return {"methods": methods, "overall": overall, "categories": {c: t.figures() for c, t in tallies.items()}}
+
+
+def _routes(port: int) -> dict[str, int]:
+    """The gateway's ``specgate_routes_total`` by reason: how many requests moved by method."""
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+    found = re.findall(r'^specgate_routes_total\{[^}]*reason="(\w+)"[^}]*\} (\S+)$', text, re.M)
+    return {reason: int(float(n)) for reason, n in found}
 
 
 def summary(results: dict[str, dict[str, Any]]) -> dict[str, Any]:
@@ -153,19 +176,22 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--max-tokens", type=int, default=96)
     parser.add_argument("--time-scale", type=float, default=1.0, help="real seconds per simulated second")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--workers", type=int, default=2, help="sim workers behind the gateway")
+    parser.add_argument("--method-margin", type=int, default=2, help="policy.route_method_margin (0: off)")
     args = parser.parse_args(argv)
     if args.quick:
         args.sessions_per_kind, args.turns, args.max_tokens, args.time_scale = 1, 3, 24, 0.05
     log_dir = Path(tempfile.mkdtemp(prefix="bench-policy-methods-"))
     cpu = cpu_label()
     print(f"CPU: {cpu}\n{len(CATEGORIES)} categories × {args.sessions_per_kind} sessions × {args.turns} turns of "
-          f"{args.max_tokens} tokens at T=0; sim time scale {args.time_scale}; logs in {log_dir}", flush=True)
+          f"{args.max_tokens} tokens at T=0 on {args.workers} sim workers, route_method_margin {args.method_margin}; "
+          f"sim time scale {args.time_scale}; logs in {log_dir}", flush=True)
     results: dict[str, dict[str, Any]] = {}
     for name, methods in CONFIGS.items():
         results[name] = run_config(name, methods, args, log_dir)
         row = results[name]["overall"]
         print(f"  {name:<7} {row['tok_s']:>8} tok/s per stream, goodput {row['goodput']} tok/s, "
-              f"{row['requests']} requests, methods {row['methods']}", flush=True)
+              f"{row['requests']} requests, methods {row['methods']}, routes {row['routes']}", flush=True)
     print(f"  {'category':<10}" + "".join(f"{name:>10}" for name in CONFIGS) + "   choice ended on")
     for category in CATEGORIES:
         print(f"  {category:<10}" + "".join(f"{results[n]['categories'][category]['tok_s']:>10}" for n in CONFIGS)
@@ -174,7 +200,8 @@ def main(argv: list[str] | None = None) -> None:
     print(f"  winners: {out_summary['winner_by_category']}; choice ÷ best single ({out_summary['best_single']}) = "
           f"{out_summary['choice_over_best_single']} (target > 1: "
           f"{'met' if out_summary['choice_beats_every_single'] else 'NOT met'})")
-    print_result({"bench": "policy_methods", "cpu": cpu, "time_scale": args.time_scale,
+    print_result({"bench": "policy_methods", "cpu": cpu, "time_scale": args.time_scale, "workers": args.workers,
+                  "method_margin": args.method_margin,
                   "sessions_per_kind": args.sessions_per_kind, "turns": args.turns, "max_tokens": args.max_tokens,
                   "seed": args.seed, "configs": results, "summary": out_summary}, args.json)
 

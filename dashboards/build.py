@@ -187,7 +187,8 @@ POLICY = (
         "Requests placed by why that worker",
         "sticky: the session's own worker. prefix: a new placement won by the expected prefix hit (the gateway sent "
         "that worker the same prompt start before). load: the least-loaded worker, or the load guard overruled "
-        "(policy.route_balance_abs and route_balance_rel) or the load bound (route_load_factor, route_load_slack).",
+        "(policy.route_balance_abs and route_balance_rel) or the load bound (route_load_factor, route_load_slack). "
+        "method: the session moved to a worker whose batch runs its kind of step (policy.route_method_margin).",
         "reqps",
         (Query(f"sum by (reason) (rate(specgate_routes_total{{{M}}}[{RATE}]))", "{{reason}}"),),
         stacked=True),

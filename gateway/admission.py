@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 from gateway.fleet.handle import WorkerHandle
 from gateway.fleet.prefix_index import prompt_blocks
-from gateway.fleet.routing import Candidate, RouteReason, choose_route
+from gateway.fleet.routing import Candidate, RouteReason, StepKind, choose_route
 from gateway.observe.metrics import GatewayMetrics
 from gateway.proxy import NoWorkerLeft, NoWorkerReady, RawChunk, StreamTally
 from gateway.sessions.table import ModeChange, Session
@@ -153,7 +153,7 @@ def route(state: GatewayState, session: Session, candidates: list[Candidate], re
     index = state.fleet.prefix_index
     shares = {c.worker_id: index.share(c.worker_id, blocks) for c in candidates} if blocks else {}
     hits = {worker_id: share * index.hold(worker_id) for worker_id, share in shares.items() if share}
-    chosen = choose_route(session.worker_id, candidates, hits, policy)
+    chosen = choose_route(session.worker_id, candidates, hits, policy, step_kind(session))
     if chosen is None:
         return None
     handle = state.fleet.workers[chosen.worker_id]
@@ -167,6 +167,15 @@ def route(state: GatewayState, session: Session, candidates: list[Candidate], re
     wanted = decide(session.policy_state, replace(worker, serves_plain=True), facts, policy)
     placed, decision = (plain, wanted) if wanted.mode == "plain" else (speculating, run_on(wanted, worker))
     return Placement(placed, decision, chosen.reason, shares.get(placed.worker_id, 0.0))
+
+
+def step_kind(session: Session) -> StepKind | None:
+    """What the session's requests run, by its last decision: the draft model's steps, a lookup
+    method's, or None (plain, or no request yet)."""
+    last = session.last_decision
+    if last is None or last.mode != "speculative":
+        return None
+    return "lookup" if last.method is not None and is_lookup(last.method) else "draft"
 
 
 def directive_for(decision: Decision, policy: PolicyConfig, resume: ResumePoint | None = None, **fields: Any

@@ -163,6 +163,12 @@ class PolicyConfig:
     route_load_factor: float = 2.0
     route_load_slack: float = 2.0
     route_index_blocks: int = 65536  # prompt blocks the gateway remembers per worker (LRU; 0: no prefix routing)
+    # Method-aware placement: a session whose method (the draft model, or a lookup method) its
+    # worker's in-flight requests disagree with moves to a worker within the load bound whose
+    # in-flight requests agree with it by at least this many more (agreeing minus disagreeing).
+    # One batch then runs one kind of step: a lookup step stops paying for the draft forwards of
+    # the sequences beside it. 0: off (a session stays with its worker and its prefix cache).
+    route_method_margin: int = 0
 
     def __post_init__(self) -> None:
         raise_problems(rule_problems(self.as_dict()))
@@ -317,6 +323,7 @@ def rule_problems(values: Mapping[str, Any], bad: Collection[str] = ()) -> list[
     # sessions stay sticky and the least-loaded worker is within every bound.
     require(1.0 <= values["route_load_slack"] <= 1000.0, "route_load_slack", "must be in 1..1000")
     require(0 <= values["route_index_blocks"] <= 1 << 24, "route_index_blocks", "must be in 0..16777216")
+    require(0 <= values["route_method_margin"] <= 1000, "route_method_margin", "must be in 0..1000")
     problem = _methods_problem(values["methods"])
     require(problem is None, "methods", problem or "")
     return list(found.values())

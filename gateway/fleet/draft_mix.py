@@ -25,6 +25,7 @@ class DraftMix:
     # Of the plain ones, those the rules would let draft: sent plain because no K paid
     # (``no_gain``) or by the batch latch (``batch_full``).
     would_draft: int = 0
+    lookups: int = 0  # requests in flight with a lookup method (method-aware placement)
 
     @property
     def count(self) -> int:
@@ -38,11 +39,14 @@ class DraftMix:
         k = _draft_k(decision)
         self.by_k[k] = self.by_k.get(k, 0) + 1
         self.would_draft += decision.reason in WOULD_DRAFT
+        self.lookups += _is_lookup(decision)
 
     def remove(self, decision: Decision) -> None:
         k = _draft_k(decision)
         if decision.reason in WOULD_DRAFT:
             self.would_draft = max(0, self.would_draft - 1)
+        if _is_lookup(decision):
+            self.lookups = max(0, self.lookups - 1)
         left = self.by_k.get(k, 0) - 1
         if left > 0:
             self.by_k[k] = left
@@ -55,7 +59,12 @@ class DraftMix:
     def view(self) -> dict[str, Any]:
         """For ``/admin/workers``: in-flight requests by K, how many draft and how much per step."""
         return {"by_k": {str(k): n for k, n in sorted(self.by_k.items())}, "drafting": self.drafting,
-                "drafts_per_step": sum(k * n for k, n in self.by_k.items()), "would_draft": self.would_draft}
+                "drafts_per_step": sum(k * n for k, n in self.by_k.items()), "would_draft": self.would_draft,
+                "lookups": self.lookups}
+
+
+def _is_lookup(decision: Decision) -> bool:
+    return decision.mode == "speculative" and decision.method is not None and is_lookup(decision.method)
 
 
 def _draft_k(decision: Decision) -> int:

@@ -81,7 +81,8 @@ class WorkerHandle:
         return self.in_flight + max(0, self.reported_depth - self.in_flight_at_report)
 
     def candidate(self) -> Candidate:
-        return Candidate(self.worker_id, self.status == "ready", self.load, self.modes)
+        return Candidate(self.worker_id, self.status == "ready", self.load, self.modes, self.draft_mix.drafting,
+                         self.draft_mix.lookups)
 
     def view(self) -> dict[str, Any]:
         return {

@@ -14,6 +14,13 @@ session, or one whose worker is gone or overloaded) is placed by a score, or by 
   expected hit + ``route_load_weight`` × (1 − its load ÷ the fleet's highest), and the best wins
   (``prefix``; llm-d's picker weighs prefix, queue and KV use 3 / 2 / 2). Else the least loaded
   (``load``).
+- **The method** (``route_method_margin`` > 0): a session whose worker's in-flight requests run
+  the other kind of step than its own method (the draft model against a lookup method) moves to
+  a worker within the load bound whose in-flight requests agree with its method by at least
+  that margin more (agreeing minus disagreeing; ``method``). A batch whose sequences all look
+  up pays no draft forward: on a GPU a draft forward costs the whole batch its time whoever
+  drafts, so a mixed batch makes lookup sessions slower than alone (bench.policy_methods). Each
+  moving session leaves its prefix cache behind, so it is off by default.
 - **The load bound** (consistent hashing with bounded loads): neither stickiness nor the score
   sends a request to a worker whose load would then exceed ``route_load_factor`` × the fleet's
   mean (this request counted) + ``route_load_slack``. The guard needs a wide gap (SGLang's 64,
@@ -44,10 +51,15 @@ class Candidate:
     ready: bool
     load: int  # running + queued sequences (the worker's report, or the gateway's in-flight count)
     modes: frozenset[Mode]
+    drafting: int = 0  # the gateway's requests in flight there that run the draft model
+    looking: int = 0  # ...and that run a lookup method
 
 
-RouteReason = Literal["sticky", "prefix", "load"]
-ROUTE_REASONS: tuple[RouteReason, ...] = ("sticky", "prefix", "load")
+RouteReason = Literal["sticky", "prefix", "load", "method"]
+ROUTE_REASONS: tuple[RouteReason, ...] = ("sticky", "prefix", "load", "method")
+# What a session's requests run, for method-aware placement: the draft model's steps or a
+# lookup method's (None: plain, or not known yet).
+StepKind = Literal["draft", "lookup"]
 
 
 @dataclass(frozen=True)
@@ -68,12 +80,13 @@ def choose_worker(current: str | None, candidates: Sequence[Candidate]) -> str |
 
 
 def choose_route(current: str | None, candidates: Sequence[Candidate], hits: Mapping[str, float] | None = None,
-                 rules: PolicyConfig = DEFAULT_RULES) -> Route | None:
+                 rules: PolicyConfig = DEFAULT_RULES, kind: StepKind | None = None) -> Route | None:
     """The session's worker and, where it serves one fixed mode, a worker serving the other.
 
-    ``hits``: each worker's expected prefix hit for this request (0..1; absent: 0)."""
+    ``hits``: each worker's expected prefix hit for this request (0..1; absent: 0); ``kind``: what
+    the session's requests run (method-aware placement)."""
     ready = [c for c in candidates if c.ready]
-    chosen, reason = _session_worker(current, ready, hits or {}, rules)
+    chosen, reason = _session_worker(current, ready, hits or {}, rules, kind)
     if chosen is None:
         return None
     if len(chosen.modes) != 1:  # both modes (or none: it runs what it can, worker_plain_only)
@@ -102,8 +115,28 @@ def load_bound(loads: Sequence[int], rules: PolicyConfig) -> float:
     return rules.route_load_factor * (sum(loads) + 1) / len(loads) + rules.route_load_slack
 
 
+def agreement(candidate: Candidate, kind: StepKind) -> int:
+    """How many more of the worker's in-flight requests run ``kind``'s steps than the other's."""
+    difference = candidate.drafting - candidate.looking
+    return difference if kind == "draft" else -difference
+
+
+def _method_move(current: Candidate, ready: Sequence[Candidate], kind: StepKind | None, bound: float,
+                 rules: PolicyConfig) -> Candidate | None:
+    """Where a session whose worker's batch disagrees with its method should go instead, if any."""
+    if rules.route_method_margin <= 0 or kind is None:
+        return None
+    if (current.looking if kind == "draft" else current.drafting) == 0:
+        return None  # nothing there runs the other kind of step
+    others = [c for c in ready if c is not current and c.load + 1 <= bound]
+    best = max(others, key=lambda c: agreement(c, kind), default=None)  # max keeps the first of equals
+    if best is None or agreement(best, kind) < agreement(current, kind) + rules.route_method_margin:
+        return None
+    return best
+
+
 def _session_worker(current: str | None, ready: Sequence[Candidate], hits: Mapping[str, float],
-                    rules: PolicyConfig) -> tuple[Candidate | None, RouteReason]:
+                    rules: PolicyConfig, kind: StepKind | None = None) -> tuple[Candidate | None, RouteReason]:
     if not ready:
         return None, "load"
     loads = [c.load for c in ready]
@@ -112,7 +145,8 @@ def _session_worker(current: str | None, ready: Sequence[Candidate], hits: Mappi
     bound = load_bound(loads, rules)
     for candidate in ready:
         if candidate.worker_id == current and not (guard and candidate.load == most) and candidate.load + 1 <= bound:
-            return candidate, "sticky"
+            moved = _method_move(candidate, ready, kind, bound, rules)
+            return (candidate, "sticky") if moved is None else (moved, "method")
     # Ties go to the first listed, so routing is deterministic.
     least = min(ready, key=lambda c: c.load)
     # The least loaded is within the bound (its load is at most the mean; the slack is at least 1).

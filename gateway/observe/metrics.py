@@ -121,8 +121,9 @@ class GatewayMetrics:
                                    "chain, or a token tree's shape (policy.tree_shapes: at most 8)", labels("shape"),
                                    registry=reg),
             routes=Counter("specgate_routes", "Requests placed on a worker, by why that worker: sticky (the "
-                           "session's own), prefix (an expected prefix hit won the score) or load (least loaded, "
-                           "or the load guard)", labels("reason"), registry=reg),
+                           "session's own), prefix (an expected prefix hit won the score), load (least loaded, "
+                           "or the load guard) or method (to a batch that runs the session's kind of step)",
+                           labels("reason"), registry=reg),
             method_decisions=Counter("specgate_method_decisions", "Decisions to speculate by method, where sessions "
                                      "choose one (policy.methods)", labels("method", "reason"), registry=reg),
             method_steps=Counter("specgate_method_steps", "Engine steps of requests speculating with a method "

@@ -44,6 +44,10 @@ def test_bench_policy_methods_quick_json() -> None:
             assert row["tok_s"] > 0
         ran = set(config["overall"]["methods"]) - {"plain"}
         assert ran <= set(config["methods"]), name  # a single-method gateway ran that method (or plain) only
+        routes = config["overall"]["routes"]
+        assert sum(routes.values()) == len(categories) * expected, (name, routes)  # every request placed once
+        if len(config["methods"]) == 1:  # one kind of step everywhere: nothing to move for
+            assert routes.get("method", 0) == 0, (name, routes)
     summary = result["summary"]
     assert set(summary["winner_by_category"]) == categories
     assert set(summary["winner_by_category"].values()) <= {"draft", "ngram", "suffix"}

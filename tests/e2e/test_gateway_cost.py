@@ -119,7 +119,8 @@ def test_the_gateway_tracks_each_workers_draft_mix(injected: tuple[Gateway, Cost
         (worker,) = gateway.get_json("/admin/workers")["workers"]
         assert mode.startswith("speculative; k=")
         k = int(mode.split("k=")[1].split(";")[0])
-        assert worker["draft_mix"] == {"by_k": {str(k): 1}, "drafting": 1, "drafts_per_step": k, "would_draft": 0}
+        assert worker["draft_mix"] == {"by_k": {str(k): 1}, "drafting": 1, "drafts_per_step": k, "would_draft": 0,
+                                       "lookups": 0}
         assert worker["in_flight"] == 1
         for _ in chunks:  # (it runs for seconds after the first chunk on this CPU)
             pass
@@ -127,4 +128,4 @@ def test_the_gateway_tracks_each_workers_draft_mix(injected: tuple[Gateway, Cost
     while gateway.get_json("/admin/workers")["workers"][0]["in_flight"] and time.monotonic() < deadline:
         time.sleep(0.05)
     (worker,) = gateway.get_json("/admin/workers")["workers"]
-    assert worker["draft_mix"] == {"by_k": {}, "drafting": 0, "drafts_per_step": 0, "would_draft": 0}
+    assert worker["draft_mix"] == {"by_k": {}, "drafting": 0, "drafts_per_step": 0, "would_draft": 0, "lookups": 0}

@@ -9,7 +9,7 @@ from prometheus_client import CollectorRegistry, Histogram
 
 from gateway.config.config import SessionsConfig
 from gateway.fleet.probe import precision_signature
-from gateway.fleet.routing import Candidate, Route, choose_route, choose_worker, load_bound, unbalanced
+from gateway.fleet.routing import Candidate, Route, StepKind, choose_route, choose_worker, load_bound, unbalanced
 from gateway.fleet.supervisor import HEALTHY_RUN_S, restart_delay
 from gateway.observe.metrics import TOKEN_GAP_BUCKETS, GatewayMetrics
 from gateway.sessions.table import SessionTable
@@ -139,6 +139,35 @@ def test_the_load_bound_is_off_at_factor_zero_and_counts_the_request() -> None:
     assert load_bound([0] * 4, tight) == 1 / 4 + 1
     assert choose_route("b", [ready(w, 0) for w in "abcd"], {}, tight) == Route("b", reason="sticky")
     assert choose_route("b", [ready("a", 0), ready("b", 2)], {}, tight) == Route("a", reason="load")  # 3 > 2.5
+
+
+def mixed(worker_id: str, drafting: int, looking: int) -> Candidate:
+    return Candidate(worker_id, True, drafting + looking, PLAIN | SPECULATIVE, drafting, looking)
+
+
+METHOD_RULES = PolicyConfig(route_method_margin=2)
+
+
+@pytest.mark.parametrize(("current", "kind", "fleet", "expected"), [
+    # a lookup session whose worker drafts moves where lookups run...
+    ("a", "lookup", [mixed("a", 2, 1), mixed("b", 0, 2)], Route("b", reason="method")),  # -1 -> 2: by 3
+    ("a", "lookup", [mixed("a", 1, 0), mixed("b", 0, 1)], Route("b", reason="method")),  # -1 -> 1: by 2
+    # ...but not for less than the margin, nor when nothing beside it drafts
+    ("a", "lookup", [mixed("a", 1, 1), mixed("b", 0, 1)], Route("a", reason="sticky")),  # 0 -> 1
+    ("a", "lookup", [mixed("a", 0, 2), mixed("b", 0, 4)], Route("a", reason="sticky")),
+    # a drafting session, the other way; the first of equals
+    ("a", "draft", [mixed("a", 0, 2), mixed("b", 1, 0), mixed("c", 1, 0)], Route("b", reason="method")),
+    # plain, or no request yet: sticky
+    ("a", None, [mixed("a", 3, 0), mixed("b", 0, 3)], Route("a", reason="sticky")),
+    # never past the load bound (2 x (9 + 1) / 2 + 2 = 12: b's 12 + 1 would pass it)
+    ("a", "lookup", [mixed("a", 0, 0), mixed("b", 0, 12)], Route("a", reason="sticky")),
+    ("a", "lookup", [mixed("a", 1, 0), mixed("b", 0, 8)], Route("b", reason="method")),
+])
+def test_a_session_moves_to_a_batch_that_runs_its_kind_of_step(current: str, kind: StepKind | None,
+                                                                 fleet: list[Candidate], expected: Route) -> None:
+    assert choose_route(current, fleet, {}, METHOD_RULES, kind) == expected
+    # Off by default: the session stays with its worker (and its prefix cache).
+    assert choose_route(current, fleet, {}, RULES, kind) == Route(current, reason="sticky")
 
 
 def test_the_load_guard_needs_both_thresholds() -> None:

@@ -31,6 +31,7 @@ def test_defaults() -> None:
         "tree_switch_gain": 0.05, "methods": ("draft",), "method_explore_every": 2,
         "route_prefix_weight": 3.0, "route_load_weight": 2.0, "route_min_prefix_hit": 0.1, "route_balance_abs": 4,
         "route_balance_rel": 1.5, "route_load_factor": 2.0, "route_load_slack": 2.0, "route_index_blocks": 65536,
+        "route_method_margin": 0,
     }
 
 
@@ -81,6 +82,7 @@ def test_missing_keys_take_defaults_and_as_dict_round_trips() -> None:
     {"num_speculative_tokens": 16},
     {"route_load_factor": 0.0},  # no bound
     {"route_load_factor": 1.0, "route_load_slack": 1.0},
+    {"route_method_margin": 2},
 ])
 def test_boundary_values_are_valid(raw: dict[str, Any]) -> None:
     policy = PolicyConfig.from_mapping(raw)
@@ -118,6 +120,8 @@ INVALID: list[tuple[dict[str, Any], str, Any]] = [
     ({"route_load_factor": math.nan}, "route_load_factor", math.nan),
     ({"route_load_slack": 0.5}, "route_load_slack", 0.5),
     ({"route_load_slack": math.inf}, "route_load_slack", math.inf),
+    ({"route_method_margin": -1}, "route_method_margin", -1),
+    ({"route_method_margin": 1001}, "route_method_margin", 1001),
     # wrong types
     ({"acceptance_floor": "abc"}, "acceptance_floor", "abc"),
     ({"max_temperature": "0.8"}, "max_temperature", "0.8"),
