@@ -221,7 +221,8 @@ def test_draft_mix_counts_in_flight_requests_by_decision() -> None:
     for decision in sent:
         mix.add(decision)
     assert mix.count == 5 and mix.step_mix() == StepMix(5, 2, 2)
-    assert mix.view() == {"by_k": {"0": 3, "3": 1, "5": 1}, "drafting": 2, "drafts_per_step": 8, "would_draft": 2}
+    assert mix.view() == {"by_k": {"0": 3, "3": 1, "5": 1}, "drafting": 2, "drafts_per_step": 8, "would_draft": 2,
+                          "lookups": 0}
     mix.remove(sent[0])
     mix.remove(sent[2])
     mix.remove(Decision("speculative", 7, "default"))  # never added: nothing to take back
@@ -238,8 +239,11 @@ def test_a_lookup_request_counts_as_drafting_nothing() -> None:
     mix.add(lookup)
     mix.add(draft)
     assert mix.step_mix() == StepMix(2, 1, 0) and mix.view()["drafts_per_step"] == 4
+    assert (mix.drafting, mix.lookups) == (1, 1)  # method-aware placement reads both
     mix.remove(lookup)
-    assert mix.step_mix() == StepMix(1, 1, 0)
+    assert mix.step_mix() == StepMix(1, 1, 0) and mix.lookups == 0
+    mix.remove(lookup)  # never added twice: nothing more to take back
+    assert mix.lookups == 0
 
 
 def test_the_virtual_fleet_gives_the_policy_the_mix_the_gateway_tracks(monkeypatch: pytest.MonkeyPatch) -> None:
