@@ -141,7 +141,8 @@ def worker_state(handle: WorkerHandle, policy: PolicyConfig) -> WorkerState:
 
 def route(state: GatewayState, session: Session, candidates: list[Candidate], req: CompletionRequest,
           policy: PolicyConfig, blocks: tuple[int, ...] = ()) -> Placement | None:
-    """The session's worker and the decision there, from one call of the policy's ``decide``.
+    """The session's worker and the decision there, from one call of the policy's ``decide`` (two
+    where method-aware placement moves the session: decided on its own worker, then where it goes).
 
     Mode-aware where workers serve one fixed mode: when the session's (or the least-loaded)
     worker serves one mode and another ready worker serves the other, the rules are asked on the
@@ -153,14 +154,18 @@ def route(state: GatewayState, session: Session, candidates: list[Candidate], re
     index = state.fleet.prefix_index
     shares = {c.worker_id: index.share(c.worker_id, blocks) for c in candidates} if blocks else {}
     hits = {worker_id: share * index.hold(worker_id) for worker_id, share in shares.items() if share}
-    chosen = choose_route(session.worker_id, candidates, hits, policy, step_kind(session))
+    facts = RequestFacts(req.temperature)
+    # Method-aware placement needs the session's method for this request: decided on its own
+    # worker first, and kept unless the session moves (then decided again where it goes).
+    here = _method_decision(state, session, candidates, facts, policy)
+    chosen = choose_route(session.worker_id, candidates, hits, policy, None if here is None else step_kind(here))
     if chosen is None:
         return None
     handle = state.fleet.workers[chosen.worker_id]
-    facts = RequestFacts(req.temperature)
     if chosen.other_id is None:
-        return Placement(handle, decide(session.policy_state, worker_state(handle, policy), facts, policy),
-                         chosen.reason, shares.get(handle.worker_id, 0.0))
+        decision = here if here is not None and chosen.worker_id == session.worker_id else decide(
+            session.policy_state, worker_state(handle, policy), facts, policy)
+        return Placement(handle, decision, chosen.reason, shares.get(handle.worker_id, 0.0))
     other = state.fleet.workers[chosen.other_id]
     speculating, plain = (handle, other) if "speculative" in handle.modes else (other, handle)
     worker = worker_state(speculating, policy)
@@ -169,13 +174,23 @@ def route(state: GatewayState, session: Session, candidates: list[Candidate], re
     return Placement(placed, decision, chosen.reason, shares.get(placed.worker_id, 0.0))
 
 
-def step_kind(session: Session) -> StepKind | None:
-    """What the session's requests run, by its last decision: the draft model's steps, a lookup
-    method's, or None (plain, or no request yet)."""
-    last = session.last_decision
-    if last is None or last.mode != "speculative":
+def _method_decision(state: GatewayState, session: Session, candidates: list[Candidate], facts: RequestFacts,
+                     policy: PolicyConfig) -> Decision | None:
+    """With method-aware placement on, the decision on the session's own worker (ready, serving
+    both modes), whose method places the request; else None."""
+    if policy.route_method_margin <= 0 or session.last_decision is None:
+        return None  # off, or a new session: its first request drafts, with no evidence yet
+    own = next((c for c in candidates if c.worker_id == session.worker_id and c.ready and len(c.modes) == 2), None)
+    if own is None:
         return None
-    return "lookup" if last.method is not None and is_lookup(last.method) else "draft"
+    return decide(session.policy_state, worker_state(state.fleet.workers[own.worker_id], policy), facts, policy)
+
+
+def step_kind(decision: Decision) -> StepKind | None:
+    """What a decision runs: the draft model's steps, a lookup method's, or None (plain)."""
+    if decision.mode != "speculative":
+        return None
+    return "lookup" if decision.method is not None and is_lookup(decision.method) else "draft"
 
 
 def directive_for(decision: Decision, policy: PolicyConfig, resume: ResumePoint | None = None, **fields: Any
