@@ -93,3 +93,38 @@ def test_route_finds_no_worker_when_none_is_ready() -> None:
     session = state.sessions.touch("s", 0.0)
     req = parse_request("completion", {"model": state.config.model.name, "prompt": "x"})
     assert admission.route(state, session, state.fleet.candidates(), req, state.policy.active) is None
+
+
+@pytest.mark.parametrize(("margin", "b_drafts", "b_lookups", "expected_worker", "expected_route", "decides"), [
+    (2, 0, 2, "b", "method", 2),  # a's batch drafts, b's looks up: moves, decided again on b
+    (2, 0, 0, "b", "method", 2),  # an idle worker agrees more than a drafting one
+    (2, 1, 0, "a", "sticky", 1),  # -1 is not 2 better than -2: stays, with the decision made on a
+    (0, 0, 2, "a", "sticky", 1),  # off: as before
+])
+def test_a_session_whose_method_is_lookup_moves_to_a_batch_that_looks_up(
+        monkeypatch: pytest.MonkeyPatch, margin: int, b_drafts: int, b_lookups: int, expected_worker: str,
+        expected_route: str, decides: int) -> None:
+    calls: list[str] = []
+    ngram = Decision("speculative", 4, "default", method="ngram")
+
+    def deciding(session: SessionState, worker: Any, facts: Any, policy: Any) -> Decision:
+        calls.append("decide")
+        return ngram
+
+    monkeypatch.setattr(admission, "decide", deciding)
+    a, b = worker("a", {"speculative", "plain"}, 4), worker("b", {"speculative", "plain"}, 4)
+    for _ in range(2):
+        a.draft_mix.add(Decision("speculative", 4, "default", method="draft"))  # in flight there
+    for _ in range(b_lookups):
+        b.draft_mix.add(ngram)
+    for _ in range(b_drafts):
+        b.draft_mix.add(Decision("speculative", 4, "default", method="draft"))
+    state = gateway_state(a, b)
+    session = state.sessions.touch("s", 0.0)
+    session.worker_id, session.last_decision = "a", Decision("speculative", 4, "default", method="draft")
+    policy = policies.PolicyConfig(methods=("draft", "ngram"), route_method_margin=margin)
+    req = parse_request("completion", {"model": state.config.model.name, "prompt": "x", "temperature": 0.0})
+    routed = admission.route(state, session, state.fleet.candidates(), req, policy)
+    assert routed is not None
+    assert (routed.handle.worker_id, routed.route, routed.decision) == (expected_worker, expected_route, ngram)
+    assert len(calls) == decides
