@@ -23,7 +23,7 @@ Reported per configuration and category, in simulated time (wall seconds ÷ ``--
 tokens/s per stream (completion tokens ÷ the requests' seconds) and the methods its requests ran
 (from ``X-Specgate-Mode``); per configuration, goodput (tokens ÷ the run's span). Then which
 single method won each category, and choice ÷ the best single method over the mixed workload
-(the target: > 1). ``--json``: the last line is one JSON object, labelled with the CPU.
+(the targets: > 1, and ≥ 1.1). ``--json``: the last line is one JSON object, labelled with the CPU.
 """
 
 from __future__ import annotations
@@ -163,7 +163,10 @@ def summary(results: dict[str, dict[str, Any]]) -> dict[str, Any]:
     return {"winner_by_category": winners, "best_single": best,
             "choice_over_best_single": round(ratio, 4) if ratio is not None else None,
             "choice_over_each": {m: round(tok_s("choice") / tok_s(m), 4) if tok_s(m) else None for m in SINGLE},
-            "choice_beats_every_single": all(tok_s("choice") > tok_s(m) for m in SINGLE)}
+            "choice_beats_every_single": all(tok_s("choice") > tok_s(m) for m in SINGLE),
+            # Issue 43's 1.1x target for choice over the best single method, held on the sim where
+            # the real pair's draft does not pay (docs/methods.md).
+            "choice_1.1x_best_single": ratio is not None and ratio >= 1.1}
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -199,7 +202,8 @@ def main(argv: list[str] | None = None) -> None:
     out_summary = summary(results)
     print(f"  winners: {out_summary['winner_by_category']}; choice ÷ best single ({out_summary['best_single']}) = "
           f"{out_summary['choice_over_best_single']} (target > 1: "
-          f"{'met' if out_summary['choice_beats_every_single'] else 'NOT met'})")
+          f"{'met' if out_summary['choice_beats_every_single'] else 'NOT met'}; >= 1.1: "
+          f"{'met' if out_summary['choice_1.1x_best_single'] else 'NOT met'})")
     print_result({"bench": "policy_methods", "cpu": cpu, "time_scale": args.time_scale, "workers": args.workers,
                   "method_margin": args.method_margin,
                   "sessions_per_kind": args.sessions_per_kind, "turns": args.turns, "max_tokens": args.max_tokens,
