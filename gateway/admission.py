@@ -15,31 +15,26 @@ import itertools
 import time
 from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import TYPE_CHECKING, Any
 
 from gateway.fleet.handle import WorkerHandle
 from gateway.fleet.prefix_index import prompt_blocks
-from gateway.fleet.routing import Candidate, RouteReason, StepKind, choose_route
+from gateway.fleet.routing import RouteReason
 from gateway.observe.metrics import GatewayMetrics
+from gateway.placement import Placement, route
 from gateway.proxy import NoWorkerLeft, NoWorkerReady, RawChunk, StreamTally
 from gateway.sessions.table import ModeChange, Session
 from gateway.state import GatewayState
 from policies import (
     Decision,
     PolicyConfig,
-    RequestFacts,
     StepPath,
-    WorkerState,
-    batch_latch,
-    decide,
     observe,
     observe_lookup,
     observe_path,
     observe_steps,
     record_decision,
-    run_on,
     tested_drafts,
-    worker_acceptance,
 )
 from policies.methods import Method, is_lookup
 from policies.tree import parse_shape
@@ -82,17 +77,6 @@ class Admission:
     prefix_share: float = 0.0  # Placement.prefix_share
 
 
-class Placement(NamedTuple):
-    """Where a request goes: the worker, the decision there, and why that worker."""
-
-    handle: WorkerHandle
-    decision: Decision
-    route: RouteReason
-    # The share of the prompt the prefix index had seen sent to this worker (before its hold):
-    # what the worker's reported cached tokens are checked against (``PrefixIndex.observe``).
-    prefix_share: float = 0.0
-
-
 def session_id_of(headers: Mapping[str, str], req: CompletionRequest) -> str | None:
     """The session key: the ``X-Session-ID`` header, else a digest of ``user``, else None (new).
 
@@ -127,70 +111,6 @@ def accept_request(state: GatewayState, kind: RequestKind, body: Any) -> Complet
 def user_session_id(user: str) -> str:
     # surrogatepass: a JSON body may carry a lone surrogate (\ud800), which plain UTF-8 refuses.
     return "user-" + hashlib.sha256(user.encode("utf-8", "surrogatepass")).hexdigest()[:32]
-
-
-def worker_state(handle: WorkerHandle, policy: PolicyConfig) -> WorkerState:
-    """What the policy knows of ``handle``, its batch latch brought up to date first."""
-    handle.batch_full = batch_latch(handle.batch_full, handle.load, policy)
-    return WorkerState(handle.load, handle.batch_full, handle.max_k, "speculative" in handle.modes,
-                       "plain" in handle.modes, handle.cost, worker_acceptance(handle.acceptance, policy),
-                       handle.draft_mix.step_mix(), handle.tree_max_nodes if handle.speaks_specgate else 0,
-                       handle.methods if handle.speaks_specgate else ("draft",), handle.acceptance.lookups,
-                       handle.shadow_lookup and handle.speaks_specgate)
-
-
-def route(state: GatewayState, session: Session, candidates: list[Candidate], req: CompletionRequest,
-          policy: PolicyConfig, blocks: tuple[int, ...] = ()) -> Placement | None:
-    """The session's worker and the decision there, from one call of the policy's ``decide`` (two
-    where method-aware placement moves the session: decided on its own worker, then where it goes).
-
-    Mode-aware where workers serve one fixed mode: when the session's (or the least-loaded)
-    worker serves one mode and another ready worker serves the other, the rules are asked on the
-    one of the two that speculates, as if it served plain too, and the request goes to the one
-    that serves the mode they want, for their reason, so ``X-Specgate-Mode`` tells what runs.
-    Only where no ready worker serves the wanted mode does a fixed-mode reason
-    (``worker_plain_only``, ``worker_speculative_only``) name what runs instead.
-    """
-    index = state.fleet.prefix_index
-    shares = {c.worker_id: index.share(c.worker_id, blocks) for c in candidates} if blocks else {}
-    hits = {worker_id: share * index.hold(worker_id) for worker_id, share in shares.items() if share}
-    facts = RequestFacts(req.temperature)
-    # Method-aware placement needs the session's method for this request: decided on its own
-    # worker first, and kept unless the session moves (then decided again where it goes).
-    here = _method_decision(state, session, candidates, facts, policy)
-    chosen = choose_route(session.worker_id, candidates, hits, policy, None if here is None else step_kind(here))
-    if chosen is None:
-        return None
-    handle = state.fleet.workers[chosen.worker_id]
-    if chosen.other_id is None:
-        decision = here if here is not None and chosen.worker_id == session.worker_id else decide(
-            session.policy_state, worker_state(handle, policy), facts, policy)
-        return Placement(handle, decision, chosen.reason, shares.get(handle.worker_id, 0.0))
-    other = state.fleet.workers[chosen.other_id]
-    speculating, plain = (handle, other) if "speculative" in handle.modes else (other, handle)
-    worker = worker_state(speculating, policy)
-    wanted = decide(session.policy_state, replace(worker, serves_plain=True), facts, policy)
-    placed, decision = (plain, wanted) if wanted.mode == "plain" else (speculating, run_on(wanted, worker))
-    return Placement(placed, decision, chosen.reason, shares.get(placed.worker_id, 0.0))
-
-
-def _method_decision(state: GatewayState, session: Session, candidates: list[Candidate], facts: RequestFacts,
-                     policy: PolicyConfig) -> Decision | None:
-    """With method-aware placement on, the decision on the session's own worker (ready, serving
-    both modes), whose method places the request; else None."""
-    if policy.route_method_margin <= 0 or session.last_decision is None:
-        return None  # off, or a new session: its first request drafts, with no evidence yet
-    own = next((c for c in candidates if c.worker_id == session.worker_id and c.ready and len(c.modes) == 2), None)
-    if own is None:
-        return None
-    return decide(session.policy_state, worker_state(state.fleet.workers[own.worker_id], policy), facts, policy)
-
-
-def step_kind(decision: Decision) -> StepKind | None:
-    """What a decision runs: the draft model's steps, a lookup method's, or None (plain)."""
-    if decision.mode != "speculative":
-        return None
-    return "lookup" if decision.method is not None and is_lookup(decision.method) else "draft"
 
 
 def directive_for(decision: Decision, policy: PolicyConfig, resume: ResumePoint | None = None, **fields: Any

@@ -24,6 +24,8 @@ __all__ = ["ConfigError", "GatewayConfig", "load_config", "parse_config"]
 EngineName = Literal["embedded", "vllm", "sim"]
 RemoteMode = Literal["speculative", "plain"]
 RemoteProtocol = Literal["openai", "specgate", "vllm"]
+RemoteMethod = Literal["draft_model", "ngram", "none"]
+REMOTE_METHODS: tuple[RemoteMethod, ...] = ("draft_model", "ngram", "none")
 MAX_CONFIG_BYTES = 1 << 20  # config.yaml is a few KiB; anything near this is not a config file
 
 
@@ -74,6 +76,10 @@ class RemoteWorker:
     # "specgate": a specgate worker (python -m workers --port N) that takes per-request decisions;
     # "vllm": a vLLM OpenAI server with specgate's scheduler plugin, driven per request (vllm_xargs).
     protocol: RemoteProtocol = "openai"
+    # What a vLLM (or other OpenAI) server proposes with, fixed for its life (its
+    # --speculative-config method): the draft model ("draft_model", vLLM's name), prompt lookup
+    # ("ngram"), or nothing ("none": it serves plain only). A specgate worker lists its own.
+    method: RemoteMethod = "draft_model"
 
 
 @dataclass(frozen=True)
@@ -385,7 +391,7 @@ def _parse_remote(raw: Any, problems: Problems) -> tuple[RemoteWorker, ...]:
         if not isinstance(item, Mapping):
             problems.add(ConfigError(prefix, item, "must be a mapping with url and mode"))
             continue
-        r = _Section(item, prefix, {"url", "protocol", "mode", "name", "max_k"}, problems)
+        r = _Section(item, prefix, {"url", "protocol", "mode", "name", "max_k", "method"}, problems)
         url = r.get("url", str, None)
         if isinstance(url, str) and not url.startswith(("http://", "https://")):
             problems.add(ConfigError(f"{prefix}.url", url, "must start with http:// or https://"))
@@ -395,7 +401,10 @@ def _parse_remote(raw: Any, problems: Problems) -> tuple[RemoteWorker, ...]:
         max_k = r.get("max_k", int, 0, minimum=0)
         if protocol == "openai" and mode == "speculative" and max_k < 1 and not problems.failed(f"{prefix}.max_k"):
             problems.add(ConfigError(f"{prefix}.max_k", max_k, "a speculative remote worker needs max_k >= 1"))
-        out.append(RemoteWorker(url, mode, r.get("name", str, url), max_k, protocol))
+        method = r.get("method", str, "draft_model", choices=REMOTE_METHODS)
+        if protocol == "specgate" and "method" in item and not problems.failed(f"{prefix}.method"):
+            problems.add(ConfigError(f"{prefix}.method", method, "a specgate worker lists its own methods"))
+        out.append(RemoteWorker(url, mode, r.get("name", str, url), max_k, protocol, method))
     return tuple(out)
 
 

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import aiohttp
 
-from gateway.config.config import GatewayConfig, RemoteWorker
+from gateway.config.config import GatewayConfig, RemoteMethod, RemoteWorker
 from gateway.fleet.handle import WorkerHandle
 from gateway.fleet.prefix_index import PrefixIndex
 from gateway.fleet.probe import Probe
@@ -28,7 +28,10 @@ from gateway.fleet.worker_http import Endpoint, WorkerHttp
 from gateway.observe.metrics import GatewayMetrics
 from gateway.observe.ops_metrics import AdmissionWaitMetrics
 from policies import Mode
+from policies.methods import Method
 
+# A server's --speculative-config method, as specgate's policy names it (policies/methods.py).
+SERVER_METHODS: dict[RemoteMethod, tuple[Method, ...]] = {"draft_model": ("draft",), "ngram": ("ngram",), "none": ()}
 
 class Fleet:
     def __init__(self, config: GatewayConfig, metrics: GatewayMetrics,
@@ -88,8 +91,9 @@ class Fleet:
         if remote.protocol == "specgate":  # describes its own modes and max K on its first poll
             modes, max_k = frozenset(), 0
         elif remote.protocol == "vllm":  # one engine serves both modes, up to its num_speculative_tokens
-            modes = frozenset({"speculative", "plain"} if remote.max_k > 0 else {"plain"})
-            max_k = remote.max_k
+            speculates = remote.max_k > 0 and remote.method != "none"
+            modes = frozenset({"speculative", "plain"} if speculates else {"plain"})
+            max_k = remote.max_k if speculates else 0
         else:
             modes, max_k = frozenset({remote.mode}), remote.max_k if remote.mode == "speculative" else 0
         # Not routable until its first health check passes.
@@ -98,8 +102,11 @@ class Fleet:
         auth = {"Authorization": f"Bearer {token}"} if token else None
         client = aiohttp.ClientSession(headers=auth)
         http = WorkerHttp(Endpoint.from_url(remote.url), auth)
-        return WorkerHandle(remote.name, remote.url, client, http, modes, max_k, remote=True,
-                            protocol=remote.protocol, status="unhealthy", last_error="not checked yet")
+        handle = WorkerHandle(remote.name, remote.url, client, http, modes, max_k, remote=True,
+                              protocol=remote.protocol, status="unhealthy", last_error="not checked yet")
+        if remote.protocol != "specgate":  # a server's one method, for its life (a specgate worker's: polled)
+            handle.methods = SERVER_METHODS[remote.method]
+        return handle
 
     async def stop(self) -> None:
         self.supervisor.stopping = True

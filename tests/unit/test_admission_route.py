@@ -1,5 +1,6 @@
-"""gateway/admission.py ``route``: the worker and the decision there, from one call of the
-policy's ``decide``, over workers of both modes and of one fixed mode each."""
+"""gateway/placement.py ``route``: the worker and the decision there, from one call of the
+policy's ``decide``, over workers of both modes, of one fixed mode each, and of one fixed method
+each; method-aware placement's second call where a session moves."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from typing import Any, cast
 import pytest
 
 import policies
-from gateway import admission
+from gateway import placement
 from gateway.config.config import parse_config
 from gateway.fleet.fleet import Fleet
 from gateway.fleet.handle import WorkerHandle
@@ -74,12 +75,12 @@ def test_route_decides_once(monkeypatch: pytest.MonkeyPatch, workers: list[Any],
         calls.append(policies.decide(*args))
         return calls[-1]
 
-    monkeypatch.setattr(admission, "decide", counted)
+    monkeypatch.setattr(placement, "decide", counted)
     state = gateway_state(*(make() for make in workers))
     session = state.sessions.touch("s", 0.0)
     session.worker_id, session.policy_state = sticky, session_state
     req = parse_request("completion", {"model": state.config.model.name, "prompt": "x", "temperature": temperature})
-    routed = admission.route(state, session, state.fleet.candidates(), req, state.policy.active)
+    routed = placement.route(state, session, state.fleet.candidates(), req, state.policy.active)
     assert routed is not None
     handle, decision = routed.handle, routed.decision
     assert (handle.worker_id, decision.header) == expected
@@ -92,7 +93,7 @@ def test_route_finds_no_worker_when_none_is_ready() -> None:
     state = gateway_state(down)
     session = state.sessions.touch("s", 0.0)
     req = parse_request("completion", {"model": state.config.model.name, "prompt": "x"})
-    assert admission.route(state, session, state.fleet.candidates(), req, state.policy.active) is None
+    assert placement.route(state, session, state.fleet.candidates(), req, state.policy.active) is None
 
 
 @pytest.mark.parametrize(("margin", "b_drafts", "b_lookups", "expected_worker", "expected_route", "decides"), [
@@ -111,7 +112,7 @@ def test_a_session_whose_method_is_lookup_moves_to_a_batch_that_looks_up(
         calls.append("decide")
         return ngram
 
-    monkeypatch.setattr(admission, "decide", deciding)
+    monkeypatch.setattr(placement, "decide", deciding)
     a, b = worker("a", {"speculative", "plain"}, 4), worker("b", {"speculative", "plain"}, 4)
     for _ in range(2):
         a.draft_mix.add(Decision("speculative", 4, "default", method="draft"))  # in flight there
@@ -124,7 +125,36 @@ def test_a_session_whose_method_is_lookup_moves_to_a_batch_that_looks_up(
     session.worker_id, session.last_decision = "a", Decision("speculative", 4, "default", method="draft")
     policy = policies.PolicyConfig(methods=("draft", "ngram"), route_method_margin=margin)
     req = parse_request("completion", {"model": state.config.model.name, "prompt": "x", "temperature": 0.0})
-    routed = admission.route(state, session, state.fleet.candidates(), req, policy)
+    routed = placement.route(state, session, state.fleet.candidates(), req, policy)
     assert routed is not None
     assert (routed.handle.worker_id, routed.route, routed.decision) == (expected_worker, expected_route, ngram)
     assert len(calls) == decides
+
+
+@pytest.mark.parametrize(("wanted", "expected_worker", "expected_route", "expected_k"), [
+    (Decision("speculative", 6, "default", method="ngram"), "ngram-server", "method", 3),  # K cut to its 3
+    (Decision("speculative", 4, "default", method="draft"), "draft-server", "sticky", 4),
+    (Decision("plain", 0, "high_temperature"), "draft-server", "sticky", 0),
+])
+def test_servers_of_one_method_each_take_the_sessions_that_want_it(
+        monkeypatch: pytest.MonkeyPatch, wanted: Decision, expected_worker: str, expected_route: str,
+        expected_k: int) -> None:
+    asked: list[tuple[str, ...]] = []
+
+    def deciding(session: SessionState, worker: Any, facts: Any, policy: Any) -> Decision:
+        asked.append(worker.methods)
+        return wanted
+
+    monkeypatch.setattr(placement, "decide", deciding)
+    draft_server, ngram_server = worker("draft-server", {"speculative", "plain"}, 4), worker(
+        "ngram-server", {"speculative", "plain"}, 3)
+    draft_server.methods, ngram_server.methods = ("draft",), ("ngram",)
+    state = gateway_state(draft_server, ngram_server)
+    session = state.sessions.touch("s", 0.0)
+    session.worker_id = "draft-server"
+    req = parse_request("completion", {"model": state.config.model.name, "prompt": "x"})
+    routed = placement.route(state, session, state.fleet.candidates(), req, policies.PolicyConfig(
+        methods=("draft", "ngram")))
+    assert routed is not None
+    assert (routed.handle.worker_id, routed.route, routed.decision.k) == (expected_worker, expected_route, expected_k)
+    assert asked == [("draft", "ngram")]  # asked once, as if the draft server offered both

@@ -155,12 +155,14 @@ def test_remote_workers() -> None:
         {"url": "http://10.0.0.5:8001/", "mode": "plain", "name": "vllm-a"},
         {"url": "https://10.0.0.6:8001", "mode": "speculative", "max_k": 4},
         {"url": "http://10.0.0.7:8001/"},
+        {"url": "http://10.0.0.8:8001", "protocol": "vllm", "max_k": 3, "method": "ngram", "name": "ngram-a"},
     ]}}, BASE)
     assert config.workers.count == 0
     assert config.workers.remote == (
         RemoteWorker("http://10.0.0.5:8001", "plain", "vllm-a", 0),
         RemoteWorker("https://10.0.0.6:8001", "speculative", "https://10.0.0.6:8001", 4),
         RemoteWorker("http://10.0.0.7:8001", "plain", "http://10.0.0.7:8001", 0),  # defaults; slash stripped
+        RemoteWorker("http://10.0.0.8:8001", "plain", "ngram-a", 3, "vllm", "ngram"),
     )
 
 
@@ -225,6 +227,10 @@ ERRORS: list[tuple[Any, str, Any]] = [
     ({"workers": {"remote": [{"url": REMOTE, "max_k": -1}]}}, "workers.remote[0].max_k", -1),
     ({"workers": {"remote": [{"url": REMOTE}, {"url": REMOTE, "mode": "fast"}]}}, "workers.remote[1].mode", "fast"),
     ({"workers": {"remote": [{"url": REMOTE, "port": 1}]}}, "workers.remote[0].port", 1),
+    ({"workers": {"remote": [{"url": REMOTE, "protocol": "vllm", "method": "eagle3"}]}}, "workers.remote[0].method",
+     "eagle3"),
+    ({"workers": {"remote": [{"url": REMOTE, "protocol": "specgate", "method": "ngram"}]}},
+     "workers.remote[0].method", "ngram"),
     ({"workers": {"remote": [{"url": REMOTE, "name": 7}]}}, "workers.remote[0].name", 7),
     ({"sessions": {"max_sessions": 0}}, "sessions.max_sessions", 0),
     ({"sessions": {"idle_ttl_s": "long"}}, "sessions.idle_ttl_s", "long"),

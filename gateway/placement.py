@@ -1,0 +1,136 @@
+"""Where a request goes and the decision there: the one place that asks the policy's ``decide``
+for a request (the relay's and the endpoint picker's, through ``admission.pick``).
+
+``route`` reads the prefix index (the expected hit on each worker, scaled by what the worker
+reports it holds), asks ``fleet.routing`` for the worker (sticky, prefix, load, or, with
+``route_method_margin``, a batch that runs the session's kind of step), and decides there: once
+a request, twice where method-aware placement moves the session. Over workers of one fixed mode
+each, the rules are asked on the one that speculates; over servers of one fixed method each
+(``workers.remote[].method``), as if the asked worker offered every method the fleet does, and
+the request goes where the wanted method runs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import NamedTuple
+
+from gateway.fleet.handle import WorkerHandle
+from gateway.fleet.routing import Candidate, RouteReason, StepKind, choose_route
+from gateway.sessions.table import Session
+from gateway.state import GatewayState
+from policies import (
+    Decision,
+    PolicyConfig,
+    RequestFacts,
+    WorkerState,
+    batch_latch,
+    decide,
+    run_on,
+    worker_acceptance,
+)
+from policies.methods import METHODS, is_lookup
+from workers.api.wire import CompletionRequest
+
+
+class Placement(NamedTuple):
+    """Where a request goes: the worker, the decision there, and why that worker."""
+
+    handle: WorkerHandle
+    decision: Decision
+    route: RouteReason
+    # The share of the prompt the prefix index had seen sent to this worker (before its hold):
+    # what the worker's reported cached tokens are checked against (``PrefixIndex.observe``).
+    prefix_share: float = 0.0
+
+
+def worker_state(handle: WorkerHandle, policy: PolicyConfig) -> WorkerState:
+    """What the policy knows of ``handle``, its batch latch brought up to date first."""
+    handle.batch_full = batch_latch(handle.batch_full, handle.load, policy)
+    return WorkerState(handle.load, handle.batch_full, handle.max_k, "speculative" in handle.modes,
+                       "plain" in handle.modes, handle.cost, worker_acceptance(handle.acceptance, policy),
+                       handle.draft_mix.step_mix(), handle.tree_max_nodes if handle.speaks_specgate else 0,
+                       handle.methods, handle.acceptance.lookups,
+                       handle.shadow_lookup and handle.speaks_specgate)
+
+
+def route(state: GatewayState, session: Session, candidates: list[Candidate], req: CompletionRequest,
+          policy: PolicyConfig, blocks: tuple[int, ...] = ()) -> Placement | None:
+    """The session's worker and the decision there, from one call of the policy's ``decide`` (two
+    where method-aware placement moves the session: decided on its own worker, then where it goes).
+
+    Mode-aware where workers serve one fixed mode: when the session's (or the least-loaded)
+    worker serves one mode and another ready worker serves the other, the rules are asked on the
+    one of the two that speculates, as if it served plain too, and the request goes to the one
+    that serves the mode they want, for their reason, so ``X-Specgate-Mode`` tells what runs.
+    Only where no ready worker serves the wanted mode does a fixed-mode reason
+    (``worker_plain_only``, ``worker_speculative_only``) name what runs instead.
+    """
+    index = state.fleet.prefix_index
+    shares = {c.worker_id: index.share(c.worker_id, blocks) for c in candidates} if blocks else {}
+    hits = {worker_id: share * index.hold(worker_id) for worker_id, share in shares.items() if share}
+    facts = RequestFacts(req.temperature)
+    # Method-aware placement needs the session's method for this request: decided on its own
+    # worker first, and kept unless the session moves (then decided again where it goes).
+    here = _method_decision(state, session, candidates, facts, policy)
+    chosen = choose_route(session.worker_id, candidates, hits, policy, None if here is None else step_kind(here))
+    if chosen is None:
+        return None
+    handle = state.fleet.workers[chosen.worker_id]
+    if chosen.other_id is None:
+        by_method = _by_server_method(state, session, candidates, handle, facts, policy)
+        if by_method is not None:
+            return by_method._replace(route="method" if by_method.handle is not handle else chosen.reason,
+                                      prefix_share=shares.get(by_method.handle.worker_id, 0.0))
+        decision = here if here is not None and chosen.worker_id == session.worker_id else decide(
+            session.policy_state, worker_state(handle, policy), facts, policy)
+        return Placement(handle, decision, chosen.reason, shares.get(handle.worker_id, 0.0))
+    other = state.fleet.workers[chosen.other_id]
+    speculating, plain = (handle, other) if "speculative" in handle.modes else (other, handle)
+    worker = worker_state(speculating, policy)
+    wanted = decide(session.policy_state, replace(worker, serves_plain=True), facts, policy)
+    placed, decision = (plain, wanted) if wanted.mode == "plain" else (speculating, run_on(wanted, worker))
+    return Placement(placed, decision, chosen.reason, shares.get(placed.worker_id, 0.0))
+
+
+def _by_server_method(state: GatewayState, session: Session, candidates: list[Candidate], handle: WorkerHandle,
+                      facts: RequestFacts, policy: PolicyConfig) -> Placement | None:
+    """Method-aware routing over servers of one fixed method each (vLLM servers: ``method`` in
+    ``workers.remote``): where other ready workers offer methods ``handle`` lacks, the rules are
+    asked on it as if it offered them all, and a request whose method it lacks goes to the
+    least-loaded ready worker that runs it (K cut to that worker's). None where the fleet offers
+    nothing ``handle`` lacks, or no ready worker runs the method the rules want."""
+    offered = [state.fleet.workers[c.worker_id].methods for c in candidates if c.ready and "speculative" in c.modes]
+    methods = tuple(m for m in METHODS if any(m in o for o in offered))
+    if set(methods) <= set(handle.methods):
+        return None
+    worker = worker_state(handle, policy)
+    wanted = decide(session.policy_state, replace(worker, methods=methods), facts, policy)
+    method = wanted.method or "draft"
+    if wanted.mode != "speculative" or method in handle.methods:
+        return Placement(handle, wanted, "sticky")
+    serving = [h for c in candidates if c.ready and "speculative" in c.modes
+               and method in (h := state.fleet.workers[c.worker_id]).methods]
+    if not serving:
+        return None
+    target = min(serving, key=lambda h: h.load)
+    return Placement(target, replace(wanted, k=min(wanted.k, target.max_k), tree=None), "method")
+
+
+def _method_decision(state: GatewayState, session: Session, candidates: list[Candidate], facts: RequestFacts,
+                     policy: PolicyConfig) -> Decision | None:
+    """With method-aware placement on, the decision on the session's own worker (ready, serving
+    both modes), whose method places the request; else None."""
+    if policy.route_method_margin <= 0 or session.last_decision is None:
+        return None  # off, or a new session: its first request drafts, with no evidence yet
+    own = next((c for c in candidates if c.worker_id == session.worker_id and c.ready and len(c.modes) == 2), None)
+    if own is None:
+        return None
+    return decide(session.policy_state, worker_state(state.fleet.workers[own.worker_id], policy), facts, policy)
+
+
+def step_kind(decision: Decision) -> StepKind | None:
+    """What a decision runs: the draft model's steps, a lookup method's, or None (plain)."""
+    if decision.mode != "speculative":
+        return None
+    return "lookup" if decision.method is not None and is_lookup(decision.method) else "draft"
