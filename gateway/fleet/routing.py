@@ -30,7 +30,7 @@ session, or one whose worker is gone or overloaded) is placed by a score, or by 
 
 With workers that serve one fixed mode (OpenAI servers without specgate's plugin), the route
 also names the least-loaded ready worker that serves the other mode, so admission can send the
-request where the mode the rules want runs (gateway/admission.py ``route``).
+request where the mode the rules want runs (gateway/placement.py ``route``).
 """
 
 from __future__ import annotations

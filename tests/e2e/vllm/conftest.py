@@ -21,6 +21,16 @@ def vllm_plugin_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Vll
 
 
 @pytest.fixture(scope="session")
+def vllm_ngram_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[VllmServer]:
+    """vLLM with the demo target and prompt lookup (ngram, K = 3) for its life, through
+    specgate's scheduler plugin, per-step metrics."""
+    server = start_vllm_server(tmp_path_factory.mktemp("vllm-ngram"), speculative=True, plugin=True,
+                               metrics_level="detailed", method="ngram")
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="session")
 def vllm_plain_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[VllmServer]:
     """vLLM with the target alone: the no-speculation reference."""
     server = start_vllm_server(tmp_path_factory.mktemp("vllm-plain"), speculative=False, plugin=False)

@@ -76,9 +76,10 @@ class VllmServer:
 
 
 def start_vllm_server(log_dir: Path, *, speculative: bool, plugin: bool, metrics_level: str = "summary",
-                      pair: ModelPair = DEMO_PAIR) -> VllmServer:
+                      pair: ModelPair = DEMO_PAIR, method: str = "draft_model") -> VllmServer:
     """vLLM's OpenAI server on ``pair``, float32 (the reference the embedded engine matches); the
-    draft (``speculative``) runs in the target's dtype, K = ENGINE_K."""
+    draft (``speculative``) runs in the target's dtype, K = ENGINE_K; ``method``: vLLM's
+    speculative method, ``draft_model`` (``pair``'s draft) or ``ngram`` (prompt lookup)."""
     pair.check()
     port = free_port()
     log_path = log_dir / f"vllm-{port}.log"
@@ -86,9 +87,11 @@ def start_vllm_server(log_dir: Path, *, speculative: bool, plugin: bool, metrics
                "--model", str(pair.target), "--served-model-name", pair.served_name, "--dtype", "float32",
                "--max-model-len", str(MAX_MODEL_LEN), "--enforce-eager", "--max-num-seqs", "16"]
     if speculative:
-        command += ["--speculative-config", json.dumps({"method": "draft_model", "model": str(pair.draft),
-                                                        "num_speculative_tokens": ENGINE_K}),
-                    "--per-request-spec-decode-metrics", metrics_level]
+        spec: dict[str, Any] = {"method": "draft_model", "model": str(pair.draft), "num_speculative_tokens": ENGINE_K}
+        if method == "ngram":  # vLLM's names: the longest and shortest n-gram matched
+            spec = {"method": "ngram", "num_speculative_tokens": ENGINE_K, "prompt_lookup_max": 4,
+                    "prompt_lookup_min": 2}
+        command += ["--speculative-config", json.dumps(spec), "--per-request-spec-decode-metrics", metrics_level]
     if plugin:
         command += ["--scheduler-cls", SYNC_SCHEDULER]
     with log_path.open("wb") as log:
