@@ -68,7 +68,9 @@ def route(state: GatewayState, session: Session, candidates: list[Candidate], re
     """
     index = state.fleet.prefix_index
     shares = {c.worker_id: index.share(c.worker_id, blocks) for c in candidates} if blocks else {}
-    hits = {worker_id: share * index.hold(worker_id) for worker_id, share in shares.items() if share}
+    # A worker that says it keeps no prompt K/V gains nothing from a prefix it was sent before.
+    hits = {worker_id: share * index.hold(worker_id) for worker_id, share in shares.items()
+            if share and state.fleet.workers[worker_id].prefix_cache is not False}
     facts = RequestFacts(req.temperature)
     # Method-aware placement needs the session's method for this request: decided on its own
     # worker first, and kept unless the session moves (then decided again where it goes).

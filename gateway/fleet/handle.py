@@ -53,6 +53,9 @@ class WorkerHandle:
     # list; a worker that publishes none runs the draft model alone.
     methods: tuple[Method, ...] = ("draft",)
     shadow_lookup: bool = False  # its requests' last reports carry shadow evidence (docs/methods.md)
+    # Whether it keeps prompt K/V for reuse (its info's ``prefix_cache``; None: unknown, as a
+    # server that does not say): one that says it keeps none gets no session by prefix.
+    prefix_cache: bool | None = None
     # Acceptance over all the worker's sessions, folded as a session's is: the α a session new
     # to it is costed at (policies.speculation.acceptance_for_k).
     acceptance: SessionState = field(default_factory=SessionState)
@@ -94,6 +97,7 @@ class WorkerHandle:
             "batch_full": self.batch_full, "precision": self.info.get("precision"), "stats": self.info.get("stats"),
             "cost_model": self.info.get("cost_model"), "acceptance": self.acceptance.acceptance_estimate,
             "tree_max_nodes": self.tree_max_nodes, "methods": list(self.methods), "shadow_lookup": self.shadow_lookup,
+            "prefix_cache": self.prefix_cache,
             "acceptance_by_method": {s.method: s.acceptance_estimate for s in self.acceptance.lookups},
             "draft_mix": self.draft_mix.view(),
             "last_error": self.last_error or None,

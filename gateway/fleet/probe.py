@@ -140,6 +140,8 @@ class Probe:
         handle.tree_max_nodes = _tree_max_nodes(info.get("tree_max_nodes"))
         handle.methods = _methods(info.get("methods"), handle.max_k)
         handle.shadow_lookup = info.get("shadow_lookup") is True
+        cache = info.get("prefix_cache")
+        handle.prefix_cache = cache if isinstance(cache, bool) else None
         if handle.remote:
             handle.modes = frozenset(m for m in info.get("modes", []) if m in ("speculative", "plain"))
             handle.max_k = int(info.get("max_k", 0))

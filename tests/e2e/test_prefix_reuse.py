@@ -56,6 +56,10 @@ def test_later_turns_reuse_the_first_and_change_nothing(reusing: Gateway, keepin
     cold = list(conversation(keeping_nothing, "cold-a"))
     assert [t[0] for t in cold] == [t[0] for t in turns]  # the same text, turn by turn
     assert all(cached is None for _, _, cached in cold)  # no cache: no field
+    # Each worker says whether it keeps prompt K/V: the gateway places no session by prefix on
+    # one that keeps none (gateway/placement.py).
+    assert [w["prefix_cache"] for w in reusing.get_json("/admin/workers")["workers"]] == [True]
+    assert [w["prefix_cache"] for w in keeping_nothing.get_json("/admin/workers")["workers"]] == [False]
     hits = reusing.metric("specgate_worker_prefix_cache_requests_total", result="hit")
     misses = reusing.metric("specgate_worker_prefix_cache_requests_total", result="miss")
     assert hits == 2 and misses == 1

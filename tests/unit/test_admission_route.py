@@ -158,3 +158,23 @@ def test_servers_of_one_method_each_take_the_sessions_that_want_it(
     assert routed is not None
     assert (routed.handle.worker_id, routed.route, routed.decision.k) == (expected_worker, expected_route, expected_k)
     assert asked == [("draft", "ngram")]  # asked once, as if the draft server offered both
+
+
+def test_a_worker_that_keeps_no_prompt_kv_gets_no_session_by_prefix() -> None:
+    from gateway.fleet.prefix_index import prompt_blocks
+
+    kept, none = worker("kept", {"speculative", "plain"}, 4), worker("none", {"speculative", "plain"}, 4)
+    state = gateway_state(none, kept)
+    req = parse_request("completion", {"model": state.config.model.name, "prompt": "You are terse. " * 40})
+    blocks = prompt_blocks(req)
+    policy = policies.PolicyConfig()
+    for handle in (none, kept):
+        state.fleet.prefix_index.record(handle.worker_id, blocks, policy.route_index_blocks)
+    # Both hold the prompt in the index: the first listed wins the tie...
+    routed = placement.route(state, state.sessions.touch("a", 0.0), state.fleet.candidates(), req, policy, blocks)
+    assert routed is not None and (routed.handle.worker_id, routed.route) == ("none", "prefix")
+    # ...until it says it keeps nothing: then only the other one's hit counts.
+    none.prefix_cache, kept.prefix_cache = False, True
+    routed = placement.route(state, state.sessions.touch("b", 0.0), state.fleet.candidates(), req, policy, blocks)
+    assert routed is not None and (routed.handle.worker_id, routed.route) == ("kept", "prefix")
+    assert routed.prefix_share == 1.0

@@ -129,6 +129,9 @@ class EngineInfo:
     # Its requests' last events carry shadow evidence (``StepEvent.shadow``) for the lookup methods
     # they did not run, at T=0 at least: the gateway need not explore those methods to learn them.
     shadow_lookup: bool = False
+    # Whether it keeps prompt K/V for later requests (and reports ``StepEvent.cached_tokens``):
+    # the gateway places no session by prefix on a worker that keeps none. None: unknown.
+    prefix_cache: bool | None = None
     # Engine-specific (precision, vLLM version, the sim's model and its live step lateness, ...).
     details: Mapping[str, Any] = field(default_factory=dict)
 

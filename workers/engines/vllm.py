@@ -219,6 +219,7 @@ class VllmEngine:
             kind="vllm", max_k=s.max_k if speculative else 0, max_slots=s.max_slots, tree_max_nodes=0,
             context_window=model_config.max_model_len, vocab_size=model_config.get_vocab_size(),
             eos_token_ids=_eos_ids(s.target), methods=("draft",) if speculative else (),
+            prefix_cache=bool(vllm_config.cache_config.enable_prefix_caching),
             details={"precision": {"target": str(model_config.dtype).removeprefix("torch."),
                                    "draft": str(model_config.dtype).removeprefix("torch.") if speculative else None},
                      "vllm": {"version": vllm.__version__, "scheduler_cls": scheduler.scheduler_cls,

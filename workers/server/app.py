@@ -174,7 +174,7 @@ def describe(ctx: WorkerContext) -> dict[str, Any]:
         "worker_id": ctx.settings.worker_id, "engine": info.kind, "model": ctx.settings.served_model_name,
         "modes": ["speculative", "plain"] if info.max_k > 0 else ["plain"], "max_k": info.max_k,
         "max_slots": info.max_slots, "context_window": info.context_window, "tree_max_nodes": info.tree_max_nodes,
-        "methods": list(info.methods), "shadow_lookup": info.shadow_lookup,
+        "methods": list(info.methods), "shadow_lookup": info.shadow_lookup, "prefix_cache": info.prefix_cache,
         **info.details,
         "batch_depth": engine.batch_depth, "queue_length": engine.queue_length, "batch_full": engine.batch_full,
         "stats": {"steps": stats.steps, "draft_tokens": stats.draft_tokens, "accepted_tokens": stats.accepted_tokens,

@@ -153,7 +153,7 @@ class EmbeddedEngine:
             context_window=engine.max_positions - engine.max_k, vocab_size=engine.target.cfg.vocab_size,
             eos_token_ids=engine.eos_ids, tree_max_nodes=engine.max_tree_nodes,
             methods=("draft", "ngram", "suffix") if engine.lookup is not None else (),
-            shadow_lookup=engine.lookup is not None,
+            shadow_lookup=engine.lookup is not None, prefix_cache=engine.prefix is not None,
             details={"precision": {"target": dtype, "draft": s.draft_dtype if engine.draft else None,
                                    "target_prepacked": engine.target.prepacked,
                                    "products": engine.target.products,

@@ -153,7 +153,7 @@ class SimEngine:
                                 vocab_size=int(config.get("vocab_size", self._codec.tokenizer.get_vocab_size())),
                                 eos_token_ids=eos_ids, details=details, tree_max_nodes=self.batch_tree_nodes,
                                 methods=METHODS if self.batch.max_k > 0 else (),
-                                shadow_lookup=self.batch.max_k > 0)
+                                shadow_lookup=self.batch.max_k > 0, prefix_cache=self.prefix_cache.enabled)
         self._task = asyncio.create_task(self._loop(), name="sim-step-loop")
 
     async def stop(self) -> None:
