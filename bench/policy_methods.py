@@ -20,10 +20,11 @@ closed loop of ``--turns`` requests at T=0 under its own ``X-Session-ID``. Every
 sends the same requests with the same seeds.
 
 Reported per configuration and category, in simulated time (wall seconds ÷ ``--time-scale``):
-tokens/s per stream (completion tokens ÷ the requests' seconds) and the methods its requests ran
-(from ``X-Specgate-Mode``); per configuration, goodput (tokens ÷ the run's span). Then which
-single method won each category, and choice ÷ the best single method over the mixed workload
-(the targets: > 1, and ≥ 1.1). ``--json``: the last line is one JSON object, labelled with the CPU.
+tokens/s per stream (completion tokens ÷ the requests' seconds), the methods its requests ran
+(from ``X-Specgate-Mode``) and why each went to its worker (``X-Specgate-Route``); per
+configuration, goodput (tokens ÷ the run's span). Then which single method won each category,
+and choice ÷ the best single method over the mixed workload (the targets: > 1, and ≥ 1.1).
+``--json``: the last line is one JSON object, labelled with the CPU.
 """
 
 from __future__ import annotations
@@ -31,11 +32,9 @@ from __future__ import annotations
 import argparse
 import asyncio
 import random
-import re
 import subprocess
 import tempfile
 import time
-import urllib.request
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -60,17 +59,19 @@ class Tally:
     seconds: float = 0.0  # simulated
     methods: Counter[str] = field(default_factory=Counter)
     ended_on: Counter[str] = field(default_factory=Counter)  # each session's last request's method
+    routes: Counter[str] = field(default_factory=Counter)  # X-Specgate-Route: why each request went where
 
-    def add(self, tokens: int, seconds: float, method: str) -> None:
+    def add(self, tokens: int, seconds: float, method: str, route: str) -> None:
         self.requests += 1
         self.tokens += tokens
         self.seconds += seconds
         self.methods[method] += 1
+        self.routes[route] += 1
 
     def figures(self) -> dict[str, Any]:
         return {"requests": self.requests, "completion_tokens": self.tokens,
                 "tok_s": round(self.tokens / self.seconds, 2) if self.seconds else None,
-                "methods": dict(self.methods), "ended_on": dict(self.ended_on)}
+                "methods": dict(self.methods), "ended_on": dict(self.ended_on), "routes": dict(self.routes)}
 
 
 def method_of(header: str) -> str:
@@ -98,7 +99,8 @@ async def _session(http: aiohttp.ClientSession, url: str, sid: str, category: st
             response.raise_for_status()
             answer = await response.json()
             method = method_of(response.headers.get("X-Specgate-Mode", "plain"))
-        tally.add(int(answer["usage"]["completion_tokens"]), (time.monotonic() - sent) / scale, method)
+            route = response.headers.get("X-Specgate-Route", "?")
+        tally.add(int(answer["usage"]["completion_tokens"]), (time.monotonic() - sent) / scale, method, route)
     tally.ended_on[method] += 1
 
 
@@ -130,7 +132,6 @@ def run_config(name: str, methods: list[str], args: argparse.Namespace, log_dir:
                                                        "route_method_margin": args.method_margin})
         time.sleep(0.6)  # a poll or two: the workers' methods and cost models reach the gateway
         tallies, span = asyncio.run(_drive(f"http://127.0.0.1:{port}", args))
-        routes = _routes(port)
     finally:
         if gateway is not None:
             stop(gateway)
@@ -142,15 +143,9 @@ def run_config(name: str, methods: list[str], args: argparse.Namespace, log_dir:
                                                        total.seconds + tally.seconds)
         total.methods.update(tally.methods)
         total.ended_on.update(tally.ended_on)
-    overall = total.figures() | {"goodput": round(total.tokens / span, 1) if span else None, "routes": routes}
+        total.routes.update(tally.routes)
+    overall = total.figures() | {"goodput": round(total.tokens / span, 1) if span else None}
     return {"methods": methods, "overall": overall, "categories": {c: t.figures() for c, t in tallies.items()}}
-
-
-def _routes(port: int) -> dict[str, int]:
-    """The gateway's ``specgate_routes_total`` by reason: how many requests moved by method."""
-    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
-    found = re.findall(r'^specgate_routes_total\{[^}]*reason="(\w+)"[^}]*\} (\S+)$', text, re.M)
-    return {reason: int(float(n)) for reason, n in found}
 
 
 def summary(results: dict[str, dict[str, Any]]) -> dict[str, Any]:
