@@ -11,13 +11,14 @@ may have evicted the prefix, or, behind another router, hold more).
 
 Bounded: each worker keeps at most ``max_blocks`` keys (the live policy's ``route_index_blocks``,
 given with each record), the least recently used evicted first
-(a hit or a record refreshes a key). A worker that leaves the fleet is forgotten.
+(a record refreshes a key). A worker that leaves the fleet is forgotten.
 
 **Learned from the workers.** What the index expects is checked against what each worker reports
 it served from its cache (``usage.prompt_tokens_details.cached_tokens``: a specgate worker's
 first step report, a vLLM server's usage): ``observe`` keeps, per worker, the decayed sums of the
-prompt tokens the index expected to be cached and of those the worker reported, and ``hit``
-scales the index's share by their ratio (the worker's *hold*, 0..1). A worker whose cache is off
+prompt tokens the index expected to be cached and of those the worker reported; their ratio is
+the worker's *hold* (0..1), and a request's expected hit there is its ``share`` × the ``hold``
+(gateway/placement.py). A worker whose cache is off
 or smaller than the index assumes, one that restarted empty, or one whose cache works in coarser
 blocks than the index's (the embedded engine caches 128-token chunks) scores what it really
 serves; a worker that holds what the index expected keeps a hold near 1.
@@ -81,12 +82,6 @@ class PrefixIndex:
             matched += 1
         return matched / len(blocks)
 
-    def hit(self, worker_id: str, blocks: Sequence[int]) -> float:
-        """The share of ``blocks`` the worker is expected to serve from its cache: ``share``
-        scaled by the worker's ``hold``."""
-        share = self.share(worker_id, blocks)
-        return share * self.hold(worker_id) if share else 0.0
-
     def hold(self, worker_id: str) -> float:
         """The share of the index's expected cached tokens that the worker reported cached, of
         late (1 without reports)."""
@@ -120,10 +115,6 @@ class PrefixIndex:
     def forget(self, worker_id: str) -> None:
         self._by_worker.pop(worker_id, None)
         self._reports.pop(worker_id, None)
-
-    def holds(self) -> dict[str, float]:
-        """Each indexed worker's ``hold``."""
-        return {worker: self.hold(worker) for worker in self._by_worker}
 
     def sizes(self) -> dict[str, int]:
         """Keys held per worker."""

@@ -29,10 +29,10 @@ def test_the_hit_is_the_leading_share_seen() -> None:
     turn1 = chat(SYSTEM, "When did it open? " * 8)
     turn2 = chat(SYSTEM, "When did it open? " * 8 + "And how long is it? " * 8)
     index.record("w0", turn1, 1000)
-    assert index.hit("w0", turn1) == 1.0
-    assert 0.0 < index.hit("w0", turn2) < 1.0 and index.hit("w0", turn2) == sum(
+    assert index.share("w0", turn1) == 1.0
+    assert 0.0 < index.share("w0", turn2) < 1.0 and index.share("w0", turn2) == sum(
         1 for key in turn2 if key in set(turn1)) / len(turn2)
-    assert index.hit("w1", turn1) == 0.0 and index.hit("w0", ()) == 0.0
+    assert index.share("w1", turn1) == 0.0 and index.share("w0", ()) == 0.0
 
 
 def test_each_worker_keeps_at_most_its_bound_least_recently_used_first() -> None:
@@ -41,11 +41,11 @@ def test_each_worker_keeps_at_most_its_bound_least_recently_used_first() -> None
     index.record("w0", old, 8)
     index.record("w0", new, 8)
     assert index.sizes() == {"w0": 8}
-    assert index.hit("w0", new) == 1.0 and index.hit("w0", old) == 0.0  # old's first blocks went first
+    assert index.share("w0", new) == 1.0 and index.share("w0", old) == 0.0  # old's first blocks went first
     index.record("w0", chat("c" * BLOCK_CHARS * 100), 8)  # longer than the bound: its last 8 kept
     assert index.sizes() == {"w0": 8}
     index.forget("w0")
-    assert index.sizes() == {} and index.hit("w0", new) == 0.0
+    assert index.sizes() == {} and index.share("w0", new) == 0.0
     off = PrefixIndex()
     off.record("w0", new, 0)
     assert off.sizes() == {}
@@ -58,16 +58,16 @@ def test_the_hold_learns_what_a_worker_reports_it_served_from_its_cache() -> Non
     for worker in ("keeps", "forgets"):
         index.record(worker, turn1, 1000)
     share = index.share("keeps", turn2)
-    assert index.hold("keeps") == 1.0 and index.hit("keeps", turn2) == share  # no reports: as indexed
+    assert index.hold("keeps") == 1.0  # no reports: as indexed
     # A request the index expected nothing of says nothing (and an unknown worker is ignored).
     index.observe("keeps", 0.0, 400, 0)
     index.observe("gone", share, 400, 0)
-    assert index.holds() == {"keeps": 1.0, "forgets": 1.0}
+    assert (index.hold("keeps"), index.hold("forgets")) == (1.0, 1.0)
     for _ in range(20):
         index.observe("keeps", share, 400, 400)  # more than expected counts as expected: hold <= 1
         index.observe("forgets", share, 400, 0)  # a cache that is off, or restarted empty
-    assert index.hold("keeps") == 1.0 and index.hit("keeps", turn2) == share
-    assert index.hold("forgets") < 0.05 and index.hit("forgets", turn2) < 0.05 * share
+    assert index.hold("keeps") == 1.0
+    assert index.hold("forgets") < 0.05
     # One miss of a short prompt does not cut a worker off; a worker that serves again recovers.
     fresh = PrefixIndex()
     fresh.record("w", turn1, 1000)
@@ -77,7 +77,7 @@ def test_the_hold_learns_what_a_worker_reports_it_served_from_its_cache() -> Non
         index.observe("forgets", share, 400, int(share * 400))
     assert index.hold("forgets") > 0.9
     index.forget("forgets")
-    assert index.hold("forgets") == 1.0 and "forgets" not in index.holds()
+    assert index.hold("forgets") == 1.0 and "forgets" not in index.sizes()
 
 
 def test_a_coarser_cache_holds_its_share() -> None:
