@@ -295,8 +295,9 @@ def account_chunk(state: GatewayState, admission: Admission, tally: StreamTally,
 def _observe_vllm_cached(state: GatewayState, admission: Admission, usage: Any) -> None:
     """A vLLM server's usage, where it reports cached tokens (``--enable-prompt-tokens-details``),
     into the prefix index's hold for that worker."""
-    details = usage.get("prompt_tokens_details") if isinstance(usage, dict) else None
-    prompt = usage.get("prompt_tokens") if isinstance(usage, dict) else None
+    if not isinstance(usage, dict):
+        return
+    details, prompt = usage.get("prompt_tokens_details"), usage.get("prompt_tokens")
     cached = details.get("cached_tokens") if isinstance(details, dict) else None
     if type(prompt) is int and type(cached) is int and 0 <= cached <= prompt:
         state.fleet.prefix_index.observe(admission.handle.worker_id, admission.prefix_share, prompt, cached)

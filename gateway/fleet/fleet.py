@@ -33,6 +33,7 @@ from policies.methods import Method
 # A server's --speculative-config method, as specgate's policy names it (policies/methods.py).
 SERVER_METHODS: dict[RemoteMethod, tuple[Method, ...]] = {"draft_model": ("draft",), "ngram": ("ngram",), "none": ()}
 
+
 class Fleet:
     def __init__(self, config: GatewayConfig, metrics: GatewayMetrics,
                  on_worker_down: Callable[[str], None]) -> None:

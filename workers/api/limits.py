@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import re
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
@@ -19,11 +20,10 @@ import orjson
 if TYPE_CHECKING:  # the engine's type; importing it here would pull torch into the gateway
     from workers.api.generation import SamplingParams
 
+
 def physical_memory_mb() -> float:
     """This machine's physical memory, in MiB: the most a local worker's prefix cache may hold
     (``workers.prefix_cache_mb``, checked by the gateway's config and by the worker at start)."""
-    import os
-
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / (1 << 20)
 
 
@@ -31,8 +31,9 @@ def prefix_cache_problem(megabytes: float) -> str | None:
     """Why a prefix cache bound is refused, or None."""
     if not math.isfinite(megabytes) or megabytes < 0:
         return "must be a number >= 0 (0: no prefix reuse)"
-    if megabytes > physical_memory_mb():
-        return f"is more than this machine's physical memory ({physical_memory_mb():.0f} MiB)"
+    physical = physical_memory_mb()
+    if megabytes > physical:
+        return f"is more than this machine's physical memory ({physical:.0f} MiB)"
     return None
 
 

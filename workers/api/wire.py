@@ -268,14 +268,6 @@ class StepReport:
 SHADOW_FIELD = "shadow"
 CACHED_FIELD = "cached"
 
-
-def _cached(raw: Any) -> tuple[int, int] | None:
-    """A report's ``cached`` field, [prompt tokens, cached tokens]; None unless it is one a worker
-    could mean (0 <= cached <= prompt)."""
-    if not isinstance(raw, list) or len(raw) != 2 or not all(type(n) is int for n in raw):
-        return None
-    prompt, cached = raw
-    return (prompt, cached) if 0 <= cached <= prompt else None
 MAX_SHADOW_RUNS = 1 << 16  # runs per method in one report (a step emits a token: the context bounds them)
 
 
@@ -293,6 +285,15 @@ def _shadow(raw: Any) -> tuple[ShadowSteps, ...]:
             except (TypeError, ValueError):  # a malformed run: that method's shadow alone is left out
                 continue
     return tuple(out)
+
+
+def _cached(raw: Any) -> tuple[int, int] | None:
+    """A report's ``cached`` field, [prompt tokens, cached tokens]; None unless it is one a worker
+    could mean (0 <= cached <= prompt)."""
+    if not isinstance(raw, list) or len(raw) != 2 or not all(type(n) is int for n in raw):
+        return None
+    prompt, cached = raw
+    return (prompt, cached) if 0 <= cached <= prompt else None
 
 
 def shadow_of(method: Method, steps: Iterable[tuple[int, int]]) -> ShadowSteps:
