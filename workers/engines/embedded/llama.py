@@ -36,6 +36,23 @@ from workers.engines.embedded.reduced_vocab import check_same_tokenizer, project
 from workers.engines.embedded.trees.attention import attend_gathered, gather_keys
 
 
+class Linear(nn.Linear):
+    """``nn.Linear`` without torch's random init. A ``LlamaForCausalLM``'s weights always come
+    from ``init_weights`` or a checkpoint, so that init was overwritten every time, and it cost
+    SmolLM2's worker ~0.8 s at each start (building on the meta device instead imports torch's
+    Python reference ops, which costs more)."""
+
+    def reset_parameters(self) -> None:
+        pass
+
+
+class Embedding(nn.Embedding):
+    """``nn.Embedding`` without torch's random init, as ``Linear``."""
+
+    def reset_parameters(self) -> None:
+        pass
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
@@ -66,10 +83,10 @@ class Attention(nn.Module):
         super().__init__()
         self.cfg = cfg
         hd = cfg.head_dim
-        self.q_proj = nn.Linear(cfg.hidden_size, cfg.num_attention_heads * hd, bias=False)
-        self.k_proj = nn.Linear(cfg.hidden_size, cfg.num_key_value_heads * hd, bias=False)
-        self.v_proj = nn.Linear(cfg.hidden_size, cfg.num_key_value_heads * hd, bias=False)
-        self.o_proj = nn.Linear(cfg.num_attention_heads * hd, cfg.hidden_size, bias=False)
+        self.q_proj = Linear(cfg.hidden_size, cfg.num_attention_heads * hd, bias=False)
+        self.k_proj = Linear(cfg.hidden_size, cfg.num_key_value_heads * hd, bias=False)
+        self.v_proj = Linear(cfg.hidden_size, cfg.num_key_value_heads * hd, bias=False)
+        self.o_proj = Linear(cfg.num_attention_heads * hd, cfg.hidden_size, bias=False)
         self.qkv_fused: FrozenLinear | None = None
         self.o_frozen: FrozenLinear | None = None
 
@@ -180,9 +197,9 @@ def _attend_per_query(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
 class MLP(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
-        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.gate_proj = Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.up_proj = Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
         self.gate_up_fused: FrozenLinear | None = None
         self.down_frozen: FrozenLinear | None = None
 
@@ -223,7 +240,7 @@ class Backbone(nn.Module):
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
@@ -245,13 +262,15 @@ class LlamaForCausalLM(nn.Module):
     native_attention_max_tokens: int = NATIVE_ATTENTION_MAX_TOKENS
 
     def __init__(self, cfg: ModelConfig) -> None:
+        """The network with its weights unset (but the norms'): give them with ``init_weights``,
+        ``load_state_dict`` or ``from_pretrained``."""
         super().__init__()
         self.cfg = cfg
         self.model = Backbone(cfg)
         head_rows = cfg.draft_vocab_size or cfg.vocab_size
         if head_rows != cfg.vocab_size and cfg.tie_word_embeddings:
             raise ValueError(f"a head of {head_rows} rows cannot share the {cfg.vocab_size}-row embedding")
-        self.lm_head = nn.Linear(cfg.hidden_size, head_rows, bias=False)
+        self.lm_head = Linear(cfg.hidden_size, head_rows, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         # A reduced-vocabulary draft: the token id each head row scores (full_vocab_logits).
