@@ -28,29 +28,9 @@ from torch import nn
 from workers.engines.embedded.config import ModelConfig
 from workers.engines.embedded.kernels import fused_forward, rowgemm
 from workers.engines.embedded.kv_cache import CacheBatch, KVCache
-from workers.engines.embedded.projections import (
-    FrozenLinear,
-    Products,
-)
+from workers.engines.embedded.projections import Embedding, FrozenLinear, Linear, Products
 from workers.engines.embedded.reduced_vocab import check_same_tokenizer, projected_embedding, vocab_ids
 from workers.engines.embedded.trees.attention import attend_gathered, gather_keys
-
-
-class Linear(nn.Linear):
-    """``nn.Linear`` without torch's random init. A ``LlamaForCausalLM``'s weights always come
-    from ``init_weights`` or a checkpoint, so that init was overwritten every time, and it cost
-    SmolLM2's worker ~0.8 s at each start (building on the meta device instead imports torch's
-    Python reference ops, which costs more)."""
-
-    def reset_parameters(self) -> None:
-        pass
-
-
-class Embedding(nn.Embedding):
-    """``nn.Embedding`` without torch's random init, as ``Linear``."""
-
-    def reset_parameters(self) -> None:
-        pass
 
 
 class RMSNorm(nn.Module):
@@ -262,8 +242,7 @@ class LlamaForCausalLM(nn.Module):
     native_attention_max_tokens: int = NATIVE_ATTENTION_MAX_TOKENS
 
     def __init__(self, cfg: ModelConfig) -> None:
-        """The network with its weights unset (but the norms'): give them with ``init_weights``,
-        ``load_state_dict`` or ``from_pretrained``."""
+        """Weights unset (the norms' are 1): ``init_weights``, ``load_state_dict``, ``from_pretrained``."""
         super().__init__()
         self.cfg = cfg
         self.model = Backbone(cfg)

@@ -1,4 +1,5 @@
-"""The embedded models' projections and precisions: ``FrozenLinear`` (a weight laid out once, at
+"""The embedded models' projections and precisions: ``Linear`` and ``Embedding`` (torch's, not
+initialised), ``FrozenLinear`` (a weight laid out once, at
 load: oneDNN's prepacked bfloat16, or float32 panels on kernels/rowgemm.py), the dtypes a config
 names, and how the kernels multiply (``Products``)."""
 
@@ -8,8 +9,23 @@ from typing import Literal
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 from workers.engines.embedded.kernels import rowgemm
+
+
+class Linear(nn.Linear):
+    """``nn.Linear`` without torch's random init (~0.8 s of SmolLM2's start): a
+    ``LlamaForCausalLM``'s weights always come from ``init_weights`` or a checkpoint (building on
+    the meta device instead imports torch's Python reference ops, which costs more)."""
+
+    def reset_parameters(self) -> None:
+        pass
+
+
+class Embedding(nn.Embedding):
+    def reset_parameters(self) -> None:  # as Linear's
+        pass
 
 
 def bf16_prepacking_available() -> bool:
