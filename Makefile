@@ -115,12 +115,14 @@ system-deps:
 		status=$$?; [ $$added = 1 ] && rm -f $$policy_rc; exit $$status; \
 	fi
 
-# Everything but the vLLM lane: both tiers, on two processes (a module's tests stay on one,
+# Everything but the vLLM lane: both tiers, on three processes (a module's tests stay on one,
 # sharing its fixtures; ports are free_port's and directories per test, so modules run in parallel).
+# Three on two cores: the end-to-end tests wait on processes and sleeps about a fifth of the time.
+# The longest modules go first (tests/conftest.py), not xdist's most-tests-first.
 test: install system-deps
 	$(BIN)/ruff check .
 	$(BIN)/mypy
-	$(BIN)/python -m pytest -q -m "not vllm" -n 2 --dist loadfile
+	$(BIN)/python -m pytest -q -m "not vllm" -n 3 --dist loadfile --no-loadscope-reorder
 
 # The inner loop: lint and the unit tier (no process started, no mypy).
 test-unit: install
