@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -13,6 +14,7 @@ import torch
 from workers.demo.train import SEQ_LEN, Stage, run_stage
 from workers.engines.embedded import projections
 from workers.engines.embedded.config import ModelConfig
+from workers.engines.embedded.kv_cache import lazy_zeros
 from workers.engines.embedded.llama import LlamaForCausalLM
 from workers.engines.embedded.projections import FrozenLinear, resolve_dtype
 
@@ -83,3 +85,24 @@ def test_without_prepacking_auto_serves_float32_and_bfloat16_falls_back(monkeypa
     tokens = torch.tensor([[3, 1, 4, 1, 5]])
     with torch.inference_mode():  # the same weights compute the same function in either layout
         assert torch.allclose(unpacked.forward_train(tokens), packed.forward_train(tokens))
+
+
+def resident_bytes() -> int:
+    return int(Path("/proc/self/statm").read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_kv_cache_is_zero_and_takes_memory_only_as_it_fills(dtype: torch.dtype) -> None:
+    shape = (16, 4, 8192, 64)  # 128 MiB in float32
+    before = resident_bytes()
+    cache = lazy_zeros(shape, dtype)
+    size = cache.numel() * cache.element_size()
+    assert cache.shape == shape and cache.dtype == dtype and cache.is_contiguous()
+    assert resident_bytes() - before < size // 8  # nothing written yet: nothing committed
+    cache[3, 1, 100:164] = 1.5  # one slot's 64 positions
+    assert resident_bytes() - before < size // 8
+    # (Reading every element would map pages too: read what was written and its neighbours.)
+    assert bool((cache[3, 1, 100:164] == 1.5).all()) and not cache[3, 1, :100].any() and not cache[3, 1, 164:].any()
+    assert not cache[0, 0].any() and not cache[15, 3].any()
+    assert lazy_zeros((0, 4), dtype).shape == (0, 4)
+
