@@ -42,11 +42,13 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
+from tokenizers import Tokenizer
 
 from bench.procs import REPO, cpu_seconds, get_json, print_result, start_serve_gateway, stop
 from bench.tasks import Answer
 from bench.tasks import Tally as TaskTally
 from workers.costs.cache import cpu_label
+from workers.engines.embedded.lookup.ngram import DEFAULT_PROMPT_LOOKUP_MIN
 
 SESSIONS = REPO / "bench" / "data" / "method_sessions.jsonl"
 DEFAULT_TARGET = REPO / "models" / "smollm2-135m-instruct-q4_1"
@@ -88,6 +90,8 @@ class Tally(TaskTally):
 
     methods: Counter[str] = field(default_factory=Counter)  # the method each request ran ("plain" for none)
     ended_on: Counter[str] = field(default_factory=Counter)  # each session's last request's method
+    answer_tokens: int = 0  # the answers' tokens, and those a lookup could have copied (``copyable``)
+    copyable_tokens: int = 0
 
     def add(self, answer: Answer) -> None:
         super().add(answer)
@@ -100,7 +104,22 @@ class Tally(TaskTally):
                 "tok_cpu_s": round(self.tokens_per_cpu_s, 2) if self.cpu_seconds else None,
                 "alpha": None if self.alpha is None else round(self.alpha, 3),
                 "proposing_steps": round(self.speculative_steps / steps, 3) if steps else None,
+                "copyable": round(self.copyable_tokens / self.answer_tokens, 3) if self.answer_tokens else None,
                 "methods": dict(self.methods), "ended_on": dict(self.ended_on)}
+
+
+def copyable(context: list[int], answer: list[int], n: int = DEFAULT_PROMPT_LOOKUP_MIN) -> int:
+    """The answer's tokens that the most recent earlier occurrence of the n tokens before each
+    (in the context or the answer so far) is followed by: what prompt lookup at its shortest
+    match would propose first. Text that is not there to copy bounds every lookup method."""
+    tokens, hits = context + answer, 0
+    last: dict[tuple[int, ...], int] = {}  # each n-gram's latest position: the token after it
+    for i in range(n, len(tokens)):
+        key = tuple(tokens[i - n:i])
+        if i >= len(context) and key in last and tokens[last[key]] == tokens[i]:
+            hits += 1
+        last[key] = i
+    return hits
 
 
 def method_of(header: str) -> str:
@@ -113,7 +132,7 @@ def method_of(header: str) -> str:
 
 
 async def run_config(url: str, model: str, sessions: list[Session], max_tokens: int, pids: list[int],
-                     prefix: str) -> dict[str, Tally]:
+                     prefix: str, tokenizer: Tokenizer) -> dict[str, Tally]:
     def cpu_now() -> float:
         return sum(cpu_seconds(pid) for pid in pids) + time.process_time()
 
@@ -132,9 +151,13 @@ async def run_config(url: str, model: str, sessions: list[Session], max_tokens: 
                     if response.status != 200:
                         raise RuntimeError(f"{session.id}: HTTP {response.status}: {answer}")
                     header = response.headers.get("X-Specgate-Mode", "")
-                tallies[session.kind].add(Answer(answer, header, time.perf_counter() - started,
-                                                 cpu_now() - cpu_started))
-                messages.append({"role": "assistant", "content": answer["choices"][0]["message"]["content"]})
+                tally, text = tallies[session.kind], answer["choices"][0]["message"]["content"]
+                tally.add(Answer(answer, header, time.perf_counter() - started, cpu_now() - cpu_started))
+                said = tokenizer.encode(text, add_special_tokens=False).ids
+                context = tokenizer.encode("\n".join(m["content"] for m in messages), add_special_tokens=False).ids
+                tally.answer_tokens += len(said)
+                tally.copyable_tokens += copyable(context, said)
+                messages.append({"role": "assistant", "content": text})
             tallies[session.kind].ended_on[method_of(header)] += 1
     return tallies
 
@@ -212,6 +235,7 @@ def main(argv: list[str] | None = None) -> None:
     sessions = interleaved(load_sessions(), args.sessions_per_kind, args.turns)
     print(f"CPU: {cpu_label()}\n{command}\ntarget {args.target}, draft {args.draft}; {len(sessions)} sessions, "
           f"{sum(len(s.turns) for s in sessions)} requests per configuration, {args.max_tokens} tokens", flush=True)
+    tokenizer = Tokenizer.from_file(str(args.target / "tokenizer.json"))
     log_dir = Path(tempfile.mkdtemp(prefix="bench-methods-"))
     started = time.monotonic()
     runs: dict[str, dict[str, Tally]] = {}
@@ -219,7 +243,8 @@ def main(argv: list[str] | None = None) -> None:
         for name in args.configs:
             process, url, pids = start(args, log_dir, CONFIGS[name])
             try:
-                runs[name] = asyncio.run(run_config(url, args.target.name, sessions, args.max_tokens, pids, name))
+                runs[name] = asyncio.run(run_config(url, args.target.name, sessions, args.max_tokens, pids, name,
+                                                    tokenizer))
             finally:
                 stop(process)
             tokens, seconds, _ = total(runs[name])

@@ -52,6 +52,7 @@ def test_bench_methods_quick_json() -> None:
         for row in rows.values():
             assert row["requests"] == 1 and row["completion_tokens"] == result["max_tokens"] and row["tok_s"] > 0
             assert sum(row["methods"].values()) == 1 and sum(row["ended_on"].values()) == 1
+            assert 0.0 <= row["copyable"] <= 1.0
         if name == "plain":
             assert all(row["methods"] == {"plain": 1} for row in rows.values())
     for clock in ("wall", "cpu"):

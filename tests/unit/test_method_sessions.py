@@ -6,7 +6,7 @@ from collections import Counter
 
 import pytest
 
-from bench.methods import KINDS, interleaved, load_sessions, method_of
+from bench.methods import KINDS, copyable, interleaved, load_sessions, method_of
 
 
 def test_the_sessions_cover_every_kind_with_several_turns() -> None:
@@ -40,3 +40,15 @@ def test_the_kinds_take_turns() -> None:
 ])
 def test_method_of_reads_the_mode_header(header: str, method: str) -> None:
     assert method_of(header) == method
+
+
+@pytest.mark.parametrize(("context", "answer", "hits"), [
+    ([1, 2, 3, 4, 5], [2, 3, 4, 5], 2),  # a quote: every token after its first two
+    ([1, 2, 3, 4, 5], [9, 8, 7, 6], 0),  # nothing to copy
+    ([1, 2, 3, 1, 2, 7], [1, 2, 7], 1),  # the most recent occurrence decides: (1, 2) -> 7, not 3
+    ([1, 2, 3, 4, 5], [2, 3, 4, 9, 2, 3, 9], 1),  # the answer's own 2-grams count once said: (2, 3) -> 4 again
+    ([], [5, 5, 5, 5], 1),  # the answer repeating itself: the 4th token follows (5, 5) as the 3rd did
+])
+def test_copyable_counts_what_a_prompt_lookup_would_propose_right(context: list[int], answer: list[int],
+                                                                  hits: int) -> None:
+    assert copyable(context, answer) == hits
