@@ -13,8 +13,8 @@ configuration a session of its own per class and temperature (``X-Session-ID``):
 - ``K=k`` for each ``--fixed-k`` (5 always among them): the pair's gateway with
   ``num_speculative_tokens: k`` and the rules that would stop it off (``acceptance_floor: 0``,
   ``max_temperature: 2``): every request drafts k a step, as a static K does;
-- ``auto``: ``num_speculative_tokens: auto`` with every other rule at its default (the floor
-  0.60, ``max_temperature`` 0.8), as specgate serves.
+- ``auto``: config.yaml's policy, as ``make serve`` runs it, with ``num_speculative_tokens: auto``
+  and the draft model as its only method (``AUTO_METHODS``; ``--auto-policy`` changes fields).
 
 The pair's gateway moves between them with ``PUT /admin/policy`` before each request whose
 configuration is not the last one's. Prompt by prompt, the classes take turns, and each class
@@ -75,22 +75,33 @@ class Setup:
     policy: dict[str, Any] | None
 
 
+# auto proposes with the draft model only, unless --auto-policy says otherwise: every configuration
+# answers the same prompt on the same worker, and a lookup method (config.yaml's methods) would copy
+# the earlier configurations' answers from the worker's suffix store. (It did: auto ran 1.6-2.3x the
+# best fixed K at T=0 on suffix proposals.) bench.methods measures the methods, each on a fresh worker.
+AUTO_METHODS: dict[str, Any] = {"methods": ["draft"]}
+
+
 def setups(fixed_ks: list[int], auto: dict[str, Any] | None = None) -> list[Setup]:
     """plain, each fixed K, and auto: config.yaml's own policy (what ``make serve`` runs) with
-    ``num_speculative_tokens: auto``, updated with ``auto``."""
+    ``num_speculative_tokens: auto`` and the draft model alone (``AUTO_METHODS``), updated with ``auto``."""
     fixed = [Setup(f"K={k}", {"num_speculative_tokens": k, **FIXED_RULES_OFF}) for k in fixed_ks]
     served = yaml.safe_load((REPO / "config.yaml").read_text()).get("policy") or {}
-    return [Setup("plain", None), *fixed, Setup("auto", {**served, "num_speculative_tokens": "auto", **(auto or {})})]
+    return [Setup("plain", None), *fixed,
+            Setup("auto", {**served, "num_speculative_tokens": "auto", **AUTO_METHODS, **(auto or {})})]
 
 
 def decision_label(header: str) -> str:
-    """``X-Specgate-Mode`` shortened: "K=5", "tree 2+3", "plain (no_gain)"; a speculative
-    decision's reason is added where it is not the default ("K=1 (probe)")."""
+    """``X-Specgate-Mode`` shortened: "K=5", "tree 2+3", "plain (no_gain)", "suffix K=8"; a
+    speculative decision's reason is added where it is not the default ("K=1 (probe)"), its
+    method where it is not the draft model."""
     parts = dict(p.strip().partition("=")[::2] for p in header.split(";")[1:])
     reason = parts.get("reason", "")
     if header.startswith("plain"):
         return f"plain ({reason})"
     label = f"tree {parts['tree']}" if "tree" in parts else f"K={parts.get('k', '?')}"
+    if parts.get("method", "draft") != "draft":
+        label = f"{parts['method']} {label}"
     return label if reason in ("default", "") else f"{label} ({reason})"
 
 

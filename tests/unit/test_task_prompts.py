@@ -1,5 +1,6 @@
 """bench/data/task_prompts.jsonl: bench.tasks' prompts, 25 per class, none a copy of the draft's
-distillation prompts (a draft measured on its own training prompts would read too well)."""
+distillation prompts (a draft measured on its own training prompts would read too well); and
+bench.tasks' configurations and decision labels."""
 
 from __future__ import annotations
 
@@ -7,7 +8,10 @@ import json
 import re
 from pathlib import Path
 
+import pytest
+
 from bench.prompts import TASK_CLASSES, TASK_PER_CLASS, TASK_PROMPTS, load_task_prompts
+from bench.tasks import decision_label, setups
 
 REPO = Path(__file__).resolve().parents[2]
 DISTILL_PROMPTS = REPO / "models" / "distill_prompts.jsonl"
@@ -53,3 +57,22 @@ def test_no_prompt_repeats_the_drafts_training_prompts() -> None:
 def test_the_copy_check_finds_a_copy() -> None:
     text = _distill_texts()[0]
     assert _word_runs("Please: " + text) & _word_runs(text)
+
+
+@pytest.mark.parametrize(("header", "label"), [
+    ("speculative; method=draft; k=3; reason=default", "K=3"),
+    ("speculative; k=5; reason=default", "K=5"),
+    ("speculative; method=suffix; k=8; reason=default", "suffix K=8"),
+    ("speculative; method=draft; k=2; reason=free_batch", "K=2 (free_batch)"),
+    ("plain; reason=high_temperature", "plain (high_temperature)"),
+])
+def test_auto_s_decisions_name_a_lookup_method(header: str, label: str) -> None:
+    assert decision_label(header) == label
+
+
+def test_auto_drafts_with_the_model_alone_unless_told() -> None:
+    """Every configuration answers the same prompts on one worker: a lookup method would copy them."""
+    auto = {s.name: s.policy for s in setups([2, 5])}["auto"]
+    assert auto is not None and auto["methods"] == ["draft"] and auto["num_speculative_tokens"] == "auto"
+    told = {s.name: s.policy for s in setups([5], {"methods": ["draft", "suffix"]})}["auto"]
+    assert told is not None and told["methods"] == ["draft", "suffix"]
