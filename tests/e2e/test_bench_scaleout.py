@@ -1,6 +1,7 @@
 """bench.scaleout runs end to end (sim workers, `specgate serve`, `specgate epp`, the real Envoy,
 a redis-server) and prints every figure the issue asks for. Timing targets are the bench's to
-report, not asserted here: only that each figure was measured (positive, finite)."""
+report, not asserted here: only that each figure was measured (finite; positive where it is not
+a difference)."""
 
 from __future__ import annotations
 
@@ -19,8 +20,12 @@ TARGETS = {"epp_added_p50_le_1.5x_do_nothing_picker_added_p50", "goodput_epp_ove
            "redis_over_memory_throughput_relay_ge_0.90", "redis_over_memory_throughput_epp_ge_0.90"}
 
 
+def finite(value: Any) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+
+
 def positive(value: Any) -> bool:
-    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value) and value > 0
+    return finite(value) and value > 0
 
 
 @pytest.mark.slow
@@ -33,12 +38,13 @@ def test_bench_scaleout_smoke_json() -> None:
     assert set(result["latency_ms"]) == PATHS
     for path, row in result["latency_ms"].items():
         assert positive(row["p50"]) and positive(row["p90"]) and row["n"] > 0, path
+    # Differences of two paths' percentiles: measured, of either sign. A smoke run's few samples
+    # on a busy machine put Envoy's round robin 0.06 ms under the direct path at p50 once.
     for name in ("relay_added_p50_over_direct_ms", "envoy_rr_added_p50_over_direct_ms",
-                 "epp_added_p50_over_envoy_rr_ms", "floor_picker_added_p50_over_envoy_rr_ms"):
-        assert positive(result[name]), (name, result[name])
-    for name in ("relay_added_p90_over_direct_ms", "envoy_rr_added_p90_over_direct_ms",
-                 "epp_added_p90_over_envoy_rr_ms"):  # a tail difference: measured, of either sign
-        assert math.isfinite(result[name]), name
+                 "epp_added_p50_over_envoy_rr_ms", "floor_picker_added_p50_over_envoy_rr_ms",
+                 "relay_added_p90_over_direct_ms", "envoy_rr_added_p90_over_direct_ms",
+                 "epp_added_p90_over_envoy_rr_ms"):
+        assert finite(result[name]), (name, result[name])
     assert set(result["epp_picks_per_s"]) == {"c1", "c16"} and all(map(positive, result["epp_picks_per_s"].values()))
     assert set(result["goodput_tok_s"]) == {"relay", "epp"} and all(map(positive, result["goodput_tok_s"].values()))
     for path, counts in result["goodput_decisions"].items():
@@ -51,7 +57,7 @@ def test_bench_scaleout_smoke_json() -> None:
     redis_use = result["redis_use"]
     assert redis_use["keys"] > 0 and redis_use["get_per_request"] > 0 and redis_use["set_per_request"] > 0
     assert set(result["targets"]) == TARGETS
-    for name, target in result["targets"].items():
-        assert positive(target["ratio"]) and isinstance(target["met"], bool), name
+    for name, target in result["targets"].items():  # the picker's ratio divides two such differences
+        assert finite(target["ratio"]) and isinstance(target["met"], bool), name
     assert result["settings"]["concurrency"] == 32 and "targets" not in result["settings"]
     assert "target " in run.stdout and "picks/s" in run.stdout
