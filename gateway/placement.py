@@ -82,8 +82,9 @@ def route(state: GatewayState, session: Session, candidates: list[Candidate], re
     if chosen.other_id is None:
         by_method = _by_server_method(state, session, candidates, handle, facts, policy)
         if by_method is not None:
-            return by_method._replace(route="method" if by_method.handle is not handle else chosen.reason,
-                                      prefix_share=shares.get(by_method.handle.worker_id, 0.0))
+            placed, decision = by_method
+            return Placement(placed, decision, "method" if placed is not handle else chosen.reason,
+                             shares.get(placed.worker_id, 0.0))
         decision = here if here is not None and chosen.worker_id == session.worker_id else decide(
             session.policy_state, worker_state(handle, policy), facts, policy)
         return Placement(handle, decision, chosen.reason, shares.get(handle.worker_id, 0.0))
@@ -96,12 +97,13 @@ def route(state: GatewayState, session: Session, candidates: list[Candidate], re
 
 
 def _by_server_method(state: GatewayState, session: Session, candidates: list[Candidate], handle: WorkerHandle,
-                      facts: RequestFacts, policy: PolicyConfig) -> Placement | None:
+                      facts: RequestFacts, policy: PolicyConfig) -> tuple[WorkerHandle, Decision] | None:
     """Method-aware routing over servers of one fixed method each (vLLM servers: ``method`` in
     ``workers.remote``): where other ready workers offer methods ``handle`` lacks, the rules are
     asked on it as if it offered them all, and a request whose method it lacks goes to the
-    least-loaded ready worker that runs it (K cut to that worker's). None where the fleet offers
-    nothing ``handle`` lacks, or no ready worker runs the method the rules want."""
+    least-loaded ready worker that runs it (K cut to that worker's): that worker and the decision.
+    None where the fleet offers nothing ``handle`` lacks, or no ready worker runs the method the
+    rules want."""
     offered = [state.fleet.workers[c.worker_id].methods for c in candidates if c.ready and "speculative" in c.modes]
     methods = tuple(m for m in METHODS if any(m in o for o in offered))
     if set(methods) <= set(handle.methods):
@@ -110,13 +112,13 @@ def _by_server_method(state: GatewayState, session: Session, candidates: list[Ca
     wanted = decide(session.policy_state, replace(worker, methods=methods), facts, policy)
     method = wanted.method or "draft"
     if wanted.mode != "speculative" or method in handle.methods:
-        return Placement(handle, wanted, "sticky")
+        return handle, wanted
     serving = [h for c in candidates if c.ready and "speculative" in c.modes
                and method in (h := state.fleet.workers[c.worker_id]).methods]
     if not serving:
         return None
     target = min(serving, key=lambda h: h.load)
-    return Placement(target, replace(wanted, k=min(wanted.k, target.max_k), tree=None), "method")
+    return target, replace(wanted, k=min(wanted.k, target.max_k), tree=None)
 
 
 def _method_decision(state: GatewayState, session: Session, candidates: list[Candidate], facts: RequestFacts,
