@@ -12,7 +12,7 @@ def module_rank(item: pytest.Item) -> int:
     """0: a module with a test marked slow; 1: the rest of the end-to-end tier; 2: the unit tier."""
     if item.get_closest_marker("slow") is not None:
         return 0
-    return 1 if "/e2e/" in item.nodeid or item.nodeid.startswith("tests/e2e") else 2
+    return 1 if item.nodeid.startswith("tests/e2e/") else 2
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:

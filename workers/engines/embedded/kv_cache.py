@@ -37,7 +37,7 @@ def lazy_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     written, so memory is committed as the cache fills. ``torch.zeros`` writes every byte at
     once: SmolLM2's cache (30 layers, 16 slots, 8,192 positions) is 6 GB in float32, which took
     about 6 s to zero at each worker start and stayed resident however little was cached."""
-    nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    nbytes = math.prod(shape) * dtype.itemsize
     if nbytes == 0:
         return torch.zeros(shape, dtype=dtype)
     # The tensor's storage holds a reference to the mapping, which is unmapped with it.
