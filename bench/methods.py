@@ -6,7 +6,8 @@ worker processes, each configuration of ``policy.methods`` on a fresh worker.
 
 The sessions are ``bench/data/method_sessions.jsonl``: code editing (rename, add type hints, fix
 a bug in a given function: the answer repeats most of it), RAG (answer with quotes from a given
-passage), an agent loop (tool outputs fed back and partly repeated) and open chat. Each turn is
+passage; each session opens with one worked exchange quoting another passage), an agent loop
+(tool outputs fed back and partly repeated) and open chat. Each turn is
 a chat completion at T=0 carrying the conversation so far (its answers included) and the
 session's ``X-Session-ID``, one request at a time (batch 1). The kinds take turns session by
 session, so every configuration sees the same interleaved, mixed workload.
@@ -37,7 +38,7 @@ import sys
 import tempfile
 import time
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -67,11 +68,15 @@ class Session:
     kind: str
     system: str
     turns: tuple[str, ...]
+    # Messages between the system prompt and the first turn: a worked exchange that shows the
+    # model the answer's form (the RAG sessions' quoting; the 135M model paraphrases when only told).
+    examples: tuple[tuple[str, str], ...] = ()
 
 
 def load_sessions(path: Path = SESSIONS) -> list[Session]:
     rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-    return [Session(r["id"], r["kind"], r["system"], tuple(r["turns"])) for r in rows]
+    return [Session(r["id"], r["kind"], r["system"], tuple(r["turns"]),
+                    tuple((m["role"], m["content"]) for m in r.get("examples", ()))) for r in rows]
 
 
 def interleaved(sessions: list[Session], per_kind: int | None, turns: int | None) -> list[Session]:
@@ -81,7 +86,7 @@ def interleaved(sessions: list[Session], per_kind: int | None, turns: int | None
     out: list[Session] = []
     for i in range(max(map(len, by_kind.values()))):
         out += [by_kind[k][i] for k in KINDS if i < len(by_kind[k])]
-    return [Session(s.id, s.kind, s.system, s.turns[:turns]) for s in out]
+    return [replace(s, turns=s.turns[:turns]) for s in out]
 
 
 @dataclass
@@ -139,7 +144,8 @@ async def run_config(url: str, model: str, sessions: list[Session], max_tokens: 
     tallies = {k: Tally() for k in KINDS}
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=900)) as http:
         for session in sessions:
-            messages: list[dict[str, str]] = [{"role": "system", "content": session.system}]
+            messages: list[dict[str, str]] = [{"role": "system", "content": session.system},
+                                              *({"role": r, "content": c} for r, c in session.examples)]
             header = ""
             for turn in session.turns:
                 messages.append({"role": "user", "content": turn})

@@ -19,8 +19,14 @@ def test_the_sessions_cover_every_kind_with_several_turns() -> None:
         first = session.turns[0]
         if session.kind == "code_edit":  # the answer repeats the function it is given
             assert "```python\n" in first and first.count("\n") >= 8
-        if session.kind == "rag":
+        if session.kind == "rag":  # one worked exchange quoting another passage, then the session's
             assert first.startswith("Passage:\n") and len(first) > 400
+            roles = [role for role, _ in session.examples]
+            assert roles == ["user", "assistant"] * (len(roles) // 2) and roles
+            assert all(content.startswith('The passage says: "') for role, content in session.examples
+                       if role == "assistant")
+        else:
+            assert session.examples == ()
         if session.kind == "agent":
             assert all("Tool output:\n{" in turn for turn in session.turns)
 
@@ -28,7 +34,9 @@ def test_the_sessions_cover_every_kind_with_several_turns() -> None:
 def test_the_kinds_take_turns() -> None:
     order = [s.kind for s in interleaved(load_sessions(), 2, 1)]
     assert order == [*KINDS, *KINDS]
-    assert all(len(s.turns) == 1 for s in interleaved(load_sessions(), None, 1))
+    cut = interleaved(load_sessions(), None, 1)
+    assert all(len(s.turns) == 1 for s in cut)
+    assert all(s.examples for s in cut if s.kind == "rag")  # cutting turns keeps the worked exchange
 
 
 @pytest.mark.parametrize(("header", "method"), [
