@@ -32,7 +32,8 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from workers.engines.embedded.config import ModelConfig
-from workers.engines.embedded.llama import DecoderLayer, RMSNorm, rotary_tables
+from workers.engines.embedded.layers import RMSNorm, rotary_tables
+from workers.engines.embedded.llama import DecoderLayer
 
 EMBEDDING_KIND = "target_projection"
 SPECGATE_FIELDS = ("draft_vocab_size", "embedding", "target_sha256")

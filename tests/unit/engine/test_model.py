@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -14,7 +15,7 @@ import torch
 from workers.demo.train import SEQ_LEN, Stage, run_stage
 from workers.engines.embedded import projections
 from workers.engines.embedded.config import ModelConfig
-from workers.engines.embedded.kv_cache import lazy_zeros
+from workers.engines.embedded.kv_cache import CacheBatch, KVCache, lazy_zeros
 from workers.engines.embedded.llama import LlamaForCausalLM
 from workers.engines.embedded.projections import FrozenLinear, resolve_dtype
 
@@ -106,3 +107,35 @@ def test_the_kv_cache_is_zero_and_takes_memory_only_as_it_fills(dtype: torch.dty
     assert not cache[0, 0].any() and not cache[15, 3].any()
     assert lazy_zeros((0, 4), dtype).shape == (0, 4)
 
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_released_sources_serve_the_same_logits_and_refuse_training(target_model: LlamaForCausalLM,
+                                                                   dtype: torch.dtype) -> None:
+    cfg = target_model.cfg
+    prompt = torch.tensor([[3, 1, 4, 1, 5, 9, 2, 6]])
+
+    def logits(model: LlamaForCausalLM) -> torch.Tensor:
+        with torch.inference_mode():
+            cache = KVCache.allocate(cfg, 1, dtype)
+            return model.forward_cached(prompt, cache, CacheBatch.build([0], [0], [8], 8, cfg.max_position_embeddings))
+
+    model = converted(target_model, dtype)
+    before = logits(model)
+    laid_out = [f for f in model.frozen_projections() if f is not None and f.weight is None]
+    sources = sum(p.numel() * p.element_size() for name, p in model.named_parameters()
+                  if name.endswith("proj.weight") or name == "lm_head.weight")
+    freed = model.release_sources()
+    print(f"{dtype}: {len(laid_out)} projections laid out, {freed} bytes released")
+    if not laid_out:  # this CPU runs F.linear on the weights themselves: nothing to release
+        assert freed == 0
+        return
+    assert freed == sources  # every projection had its laid-out copy (the tiny head is untied)
+    emptied = [p for name, p in model.named_parameters() if name.endswith("proj.weight")]
+    assert all(p.numel() == 0 and p.dtype == dtype for p in emptied)
+    assert torch.equal(logits(model), before)
+    refused: list[Callable[[], object]] = [lambda: model.forward_train(prompt), model.prepare_inference,
+                                           lambda: model.save_pretrained("/nonexistent")]
+    for call in refused:
+        with pytest.raises(RuntimeError, match="release_sources"):
+            call()

@@ -88,6 +88,9 @@ def load_speculative_engine(settings: EmbeddedSettings, target: LlamaForCausalLM
     if settings.dtype == "bfloat16" and not target.prepacked:
         log.warning("bfloat16 target without oneDNN prepacking on this CPU (no AVX512-BF16/AMX?): expect slow "
                     "steps and no bit-identical verification; workers.dtype: auto picks float32 here")
+    # Served from their laid-out copies only: the source weights would double the projections' memory.
+    freed = target.release_sources() + (draft.release_sources() if draft is not None else 0)
+    log.info("released %.0f MiB of projection weights the kernels hold laid out", freed / 2**20)
     return SpeculativeEngine(target, draft, max_slots=settings.max_slots, max_k=settings.max_k,
                              max_positions=settings.max_model_len, lookup=settings.lookup,
                              prefix_cache_bytes=settings.prefix_cache_bytes)

@@ -28,34 +28,10 @@ from torch import nn
 from workers.engines.embedded.config import ModelConfig
 from workers.engines.embedded.kernels import fused_forward, rowgemm
 from workers.engines.embedded.kv_cache import CacheBatch, KVCache
-from workers.engines.embedded.projections import Embedding, FrozenLinear, Linear, Products
+from workers.engines.embedded.layers import RMSNorm, apply_rotary, rotary_tables
+from workers.engines.embedded.projections import Embedding, FrozenLinear, Linear, Products, release_sources
 from workers.engines.embedded.reduced_vocab import check_same_tokenizer, projected_embedding, vocab_ids
 from workers.engines.embedded.trees.attention import attend_gathered, gather_keys
-
-
-class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
-        self.eps = eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
-
-
-def rotary_tables(cfg: ModelConfig, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos/sin tables (max_pos, head_dim) in the Hugging Face rotate-half layout."""
-    inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, cfg.head_dim, 2, dtype=torch.float64) / cfg.head_dim))
-    angles = torch.outer(torch.arange(cfg.max_position_embeddings, dtype=torch.float64), inv_freq)
-    angles = torch.cat([angles, angles], dim=-1)
-    return angles.cos().to(dtype), angles.sin().to(dtype)
-
-
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    # x: (B, L, H, D); cos/sin: (B, L, 1, D)
-    half = x.shape[-1] // 2
-    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
-    return x * cos + rotated * sin
 
 
 class Attention(nn.Module):
@@ -258,6 +234,7 @@ class LlamaForCausalLM(nn.Module):
         # Set by prepare_inference where the float32 forward runs workers/engines/embedded/kernels/rowgemm.py's kernels.
         self.native: rowgemm.RowGemm | None = None
         self.fused: fused_forward.FusedForward | None = None  # the same path in one kernel call
+        self.released = False  # release_sources emptied the laid-out projections' weights
         cos, sin = rotary_tables(cfg, torch.float32)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
@@ -347,6 +324,7 @@ class LlamaForCausalLM(nn.Module):
 
         The frozen projections snapshot the weights: call this after the last weight change.
         """
+        self._check_sources("prepare_inference")
         self.eval().requires_grad_(False)
         for layer in self.model.blocks():
             layer.self_attn.prepare_inference(packed, products)
@@ -371,6 +349,25 @@ class LlamaForCausalLM(nn.Module):
                 cos=self.rope_cos, sin=self.rope_sin)
         return self
 
+    def release_sources(self) -> int:
+        """For serving: empty the projections' weights that ``prepare_inference`` laid out again
+        (about 400 MB of SmolLM2's float32 target; the embedding, tied head and norms stay); the
+        bytes freed. Training, saving and preparing again need them: each then refuses."""
+        freed = 0
+        for layer in self.model.blocks():
+            attn, mlp = layer.self_attn, layer.mlp
+            freed += release_sources([attn.q_proj, attn.k_proj, attn.v_proj], attn.qkv_fused)
+            freed += release_sources([attn.o_proj], attn.o_frozen) + release_sources([mlp.down_proj], mlp.down_frozen)
+            freed += release_sources([mlp.gate_proj, mlp.up_proj], mlp.gate_up_fused)
+        if not self.cfg.tie_word_embeddings:
+            freed += release_sources([self.lm_head], self.head_frozen)
+        self.released = self.released or freed > 0
+        return freed
+
+    def _check_sources(self, what: str) -> None:
+        if self.released:
+            raise RuntimeError(f"{what} needs the projections' weights, which release_sources emptied for serving")
+
     def frozen_projections(self) -> list[FrozenLinear | None]:
         """The frozen projections in forward order: QKV, O, gate/up, down per layer, then the LM head."""
         return [*(f for layer in self.model.blocks() for f in (layer.self_attn.qkv_fused, layer.self_attn.o_frozen,
@@ -378,6 +375,7 @@ class LlamaForCausalLM(nn.Module):
                 self.head_frozen]
 
     def save_pretrained(self, directory: Path | str, dtype: torch.dtype = torch.bfloat16) -> None:
+        self._check_sources("save_pretrained")
         directory = Path(directory)
         directory.mkdir(parents=True, exist_ok=True)
         state = {k: v.detach().to(dtype).contiguous() for k, v in self.state_dict().items()}
@@ -389,6 +387,7 @@ class LlamaForCausalLM(nn.Module):
     # -- forward paths --------------------------------------------------------------------
     def forward_train(self, tokens: torch.Tensor) -> torch.Tensor:
         """tokens (B, T) -> logits (B, T, V), full causal attention, no cache."""
+        self._check_sources("forward_train")
         _, length = tokens.shape
         cos = self.rope_cos[:length].to(self.lm_head.weight.dtype)[None, :, None]
         sin = self.rope_sin[:length].to(self.lm_head.weight.dtype)[None, :, None]

@@ -23,6 +23,20 @@ class Linear(nn.Linear):
         pass
 
 
+def release_sources(sources: list[Linear], frozen: FrozenLinear | None) -> int:
+    """Empty the weights of ``sources`` where ``frozen`` (built from them) holds its own laid-out
+    copy (packed or panels), so a serving model keeps one copy of each projection, not two; the
+    bytes freed. An emptied weight keeps its dtype."""
+    if frozen is None or frozen.weight is not None:
+        return 0
+    freed = 0
+    for source in sources:
+        weight = source.weight
+        freed += weight.numel() * weight.element_size()
+        source.weight = nn.Parameter(torch.empty(0, dtype=weight.dtype), requires_grad=False)
+    return freed
+
+
 class Embedding(nn.Embedding):
     def reset_parameters(self) -> None:  # as Linear's
         pass
