@@ -1,4 +1,5 @@
-"""bench.tasks and bench.methods: the real pair through real gateways, end to end (no speed asserted)."""
+"""bench.tasks, bench.methods and bench.serve_memory: the real pair through real gateways, end to
+end (no speed asserted)."""
 
 from __future__ import annotations
 
@@ -59,3 +60,15 @@ def test_bench_methods_quick_json() -> None:
         assert set(result["targets"][clock]["met"]) == {"lookup_1.5x_plain", "choice_1.1x_best_single",
                                                         "choice_0.97x_hindsight"}
     assert f"CPU: {result['cpu']}" in stdout
+
+
+def test_bench_serve_memory_json() -> None:
+    """make serve's deployment: every worker's resident memory read, at idle and after a request."""
+    result, stdout = bench_json("-m", "bench.serve_memory", "--requests", "1", "--json", timeout=300)
+    assert result["bench"] == "serve_memory" and result["cpu"] and result["requests"] == 1
+    assert len(result["workers"]) == 2  # config.yaml's two workers
+    for rss in result["workers"].values():
+        # The real pair's target alone is ~400 MiB of laid-out weights: a worker holds at least that.
+        assert 400 < rss["idle_mib"] <= rss["after_requests_mib"] + 64
+    assert 0 < result["ready_s"] <= result["all_workers_ready_s"]
+    assert "MiB resident at idle" in stdout and f"CPU: {result['cpu']}" in stdout
