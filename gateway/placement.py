@@ -16,7 +16,7 @@ from dataclasses import replace
 from typing import NamedTuple
 
 from gateway.fleet.handle import WorkerHandle
-from gateway.fleet.routing import Candidate, RouteReason, StepKind, choose_route
+from gateway.fleet.routing import Candidate, RouteReason, StepKind, choose_route, load_bound
 from gateway.sessions.table import Session
 from gateway.state import GatewayState
 from policies import (
@@ -101,9 +101,10 @@ def _by_server_method(state: GatewayState, session: Session, candidates: list[Ca
     """Method-aware routing over servers of one fixed method each (vLLM servers: ``method`` in
     ``workers.remote``): where other ready workers offer methods ``handle`` lacks, the rules are
     asked on it as if it offered them all, and a request whose method it lacks goes to the
-    least-loaded ready worker that runs it (K cut to that worker's): that worker and the decision.
-    None where the fleet offers nothing ``handle`` lacks, or no ready worker runs the method the
-    rules want."""
+    least-loaded ready worker that runs it (K cut to that worker's) if that keeps within the load
+    bound, as a sticky or prefix-placed request must (``fleet.routing``): that worker and the
+    decision. None where the fleet offers nothing ``handle`` lacks, or no ready worker within the
+    bound runs the method the rules want (the request then runs what ``handle`` offers)."""
     offered = [state.fleet.workers[c.worker_id].methods for c in candidates if c.ready and "speculative" in c.modes]
     methods = tuple(m for m in METHODS if any(m in o for o in offered))
     if set(methods) <= set(handle.methods):
@@ -113,7 +114,8 @@ def _by_server_method(state: GatewayState, session: Session, candidates: list[Ca
     method = wanted.method or "draft"
     if wanted.mode != "speculative" or method in handle.methods:
         return handle, wanted
-    serving = [h for c in candidates if c.ready and "speculative" in c.modes
+    bound = load_bound([c.load for c in candidates if c.ready], policy)
+    serving = [h for c in candidates if c.ready and "speculative" in c.modes and c.load + 1 <= bound
                and method in (h := state.fleet.workers[c.worker_id]).methods]
     if not serving:
         return None

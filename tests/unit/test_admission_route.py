@@ -178,3 +178,31 @@ def test_a_worker_that_keeps_no_prompt_kv_gets_no_session_by_prefix() -> None:
     routed = placement.route(state, state.sessions.touch("b", 0.0), state.fleet.candidates(), req, policy, blocks)
     assert routed is not None and (routed.handle.worker_id, routed.route) == ("kept", "prefix")
     assert routed.prefix_share == 1.0
+
+
+def test_a_server_of_the_wanted_method_beyond_the_load_bound_takes_no_more(monkeypatch: pytest.MonkeyPatch) -> None:
+    asked: list[tuple[str, ...]] = []
+
+    def deciding(session: SessionState, worker: Any, facts: Any, policy: Any) -> Decision:
+        asked.append(worker.methods)  # ngram wherever it is offered, else the draft
+        return Decision("speculative", 4, "default", method="ngram" if "ngram" in worker.methods else "draft")
+
+    monkeypatch.setattr(placement, "decide", deciding)
+    servers = [worker(name, {"speculative", "plain"}, 4) for name in ("draft-a", "draft-b", "ngram-server")]
+    servers[0].methods = servers[1].methods = ("draft",)
+    servers[2].methods = ("ngram",)
+    state = gateway_state(*servers)
+    session = state.sessions.touch("s", 0.0)
+    session.worker_id = "draft-a"
+    req = parse_request("completion", {"model": state.config.model.name, "prompt": "x"})
+    policy = policies.PolicyConfig(methods=("draft", "ngram"))
+    # Loads 0, 0 and L (other clients' requests on the ngram server): the bound is
+    # 2 x (L + 1) / 3 + 2, which L + 1 keeps within up to L = 5.
+    for load, expected in ((5, ("ngram-server", "method", "ngram")), (6, ("draft-a", "sticky", "draft"))):
+        servers[2].reported_depth = load
+        asked.clear()
+        routed = placement.route(state, session, state.fleet.candidates(), req, policy)
+        assert routed is not None
+        assert (routed.handle.worker_id, routed.route, routed.decision.method) == expected, load
+        # Asked as if the draft server offered both; past the bound, asked again on what it offers.
+        assert asked == [("draft", "ngram")] + ([("draft",)] if load == 6 else [])
