@@ -1,5 +1,5 @@
-"""The simulated fleets' benches: bench.policy, bench.policy_methods and bench.prefix run end to
-end and print their figures (no speed asserted)."""
+"""The simulated fleets' benches: bench.policy, bench.policy_methods, bench.prefix, bench.sim_fit
+and bench.estimator run end to end and print their figures (no speed asserted)."""
 
 from __future__ import annotations
 
@@ -87,3 +87,25 @@ def test_bench_prefix_smoke_json() -> None:
                                       "hotspot_tok_s_ratio"}
     assert "target shared_ttft_p90_ratio" in stdout
     assert 0 < result["cache_tokens_held_max"] <= result["prefix_cache_tokens"]
+
+
+def test_bench_sim_fit_json() -> None:
+    """The sim's fit to the published GPU figures: fractions of the hardware, a K per depth."""
+    result, _ = bench_json("-m", "bench.sim_fit", "--quick", "--json")
+    fitted = result["fitted"]
+    assert 0 < fitted["bandwidth_fraction"] <= 1 and 0 < fitted["flops_fraction"] <= 1
+    assert result["reproduced"]["spec_tok_s_b1"] > result["reproduced"]["plain_tok_s_b1"] > 0
+    assert set(result["best_k"]) == set(result["gain_k5"]) and all(
+        0 <= k <= 8 for ks in result["best_k"].values() for k in ks)
+
+
+def test_bench_estimator_quick_json() -> None:
+    """The acceptance estimate on simulated streams and on real sessions through a gateway, whose
+    counts match the workers' (the ground truth the estimate is judged against)."""
+    result, _ = bench_json("-m", "bench.estimator", "--quick", "--json")
+    assert result["cpu"] and result["calibration"]["sessions"] > 0
+    assert all(0 <= row["mean_at_32"] <= 1 and 0 <= row["mean_at_128"] <= 1 for row in result["calibration"]["means"])
+    assert set(result["calibration"]["targets"]) and all("met" in t for t in result["calibration"]["targets"].values())
+    real = result["real"]
+    assert real["gateway_counts_match_workers"] is True and real["judged_sessions"] > 0
+    assert 0 <= real["false_fallback_share"] <= 1 and real["max_abs_error"] >= real["median_abs_error"] >= 0
