@@ -38,9 +38,11 @@ def _replayed(gateway: Gateway, method: str) -> dict[str, float]:
 
 def test_a_session_on_the_draft_learns_lookup_without_running_it(gateway: Gateway) -> None:
     # Its first request runs the draft model (nothing is known of lookup yet, and a lookup
-    # method is not explored where the worker's shadow will bring its evidence).
+    # method is not explored where the worker's shadow will bring its evidence), or plain where
+    # the worker's start-up measurement says the draft buys nothing (`no_gain`: on a machine
+    # busy with other tests it can). Either way no lookup method runs.
     mode = _ask(gateway, "shadow-1", 0, 0.0)
-    assert mode.startswith("speculative; method=draft;"), mode
+    assert mode.startswith(("speculative; method=draft;", "plain; reason=no_gain")), mode
     admin = gateway.get_json("/admin/sessions/shadow-1")
     for method in ("ngram", "suffix"):
         evidence = admin["methods"][method]
@@ -59,8 +61,12 @@ def test_a_session_on_the_draft_learns_lookup_without_running_it(gateway: Gatewa
 def test_no_request_at_t0_explores_a_lookup_method(gateway: Gateway) -> None:
     modes = [_ask(gateway, "shadow-2", turn, 0.0) for turn in range(4)]
     assert all("reason=explore" not in m for m in modes), modes
-    admin = gateway.get_json("/admin/sessions/shadow-2")
-    assert all(admin["methods"][m]["shadow_steps"] > 0 for m in ("ngram", "suffix")), admin["methods"]
+    methods = gateway.get_json("/admin/sessions/shadow-2")["methods"]
+    # Each lookup method learned from every request that ran something else (the worker's prior
+    # from the first test may put the session on one of them from its first request).
+    for method in ("ngram", "suffix"):
+        others = sum(f"method={method};" not in m for m in modes)
+        assert (methods[method]["shadow_steps"] > 0) == (others > 0), (method, modes, methods)
 
 
 def test_unseeded_sampling_brings_no_shadow(gateway: Gateway) -> None:
