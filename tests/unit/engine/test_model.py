@@ -3,6 +3,7 @@ demo training loop resumes from its checkpoint exactly (so a later session can f
 
 from __future__ import annotations
 
+import ctypes
 import dataclasses
 import json
 import os
@@ -14,6 +15,7 @@ import torch
 
 from workers.demo.train import SEQ_LEN, Stage, run_stage
 from workers.engines.embedded import projections
+from workers.engines.embedded.adapter import return_freed_heap
 from workers.engines.embedded.config import ModelConfig
 from workers.engines.embedded.kv_cache import CacheBatch, KVCache, lazy_zeros
 from workers.engines.embedded.llama import LlamaForCausalLM
@@ -139,3 +141,22 @@ def test_released_sources_serve_the_same_logits_and_refuse_training(target_model
     for call in refused:
         with pytest.raises(RuntimeError, match="release_sources"):
             call()
+
+
+def test_freed_heap_goes_back_to_the_system() -> None:
+    """What a first start's measurement leaves behind (heap chunks freed below one still in use)
+    is returned by ``return_freed_heap``, not kept mapped for the worker's life."""
+    libc = ctypes.CDLL(None)
+    libc.malloc.restype, libc.malloc.argtypes = ctypes.c_void_p, [ctypes.c_size_t]
+    libc.free.argtypes = [ctypes.c_void_p]
+    chunk = 64 * 1024  # below glibc's mmap threshold: from the heap
+    blocks = [libc.malloc(chunk) for _ in range(3000)]  # ~190 MiB
+    for block in blocks:
+        ctypes.memset(block, 1, chunk)
+    pin = libc.malloc(chunk)  # keeps the heap's top in use, so free() alone trims nothing
+    for block in blocks:
+        libc.free(block)
+    try:
+        assert return_freed_heap() > 150
+    finally:
+        libc.free(pin)
