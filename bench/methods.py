@@ -45,7 +45,7 @@ from typing import Any
 import aiohttp
 from tokenizers import Tokenizer
 
-from bench.procs import REPO, cpu_seconds, get_json, print_result, start_serve_gateway, stop
+from bench.procs import REPO, cpu_seconds, get_json, method_of, print_result, start_serve_gateway, stop
 from bench.tasks import Answer
 from bench.tasks import Tally as TaskTally
 from workers.costs.cache import cpu_label
@@ -125,15 +125,6 @@ def copyable(context: list[int], answer: list[int], n: int = DEFAULT_PROMPT_LOOK
             hits += 1
         last[key] = i
     return hits
-
-
-def method_of(header: str) -> str:
-    """``speculative; method=ngram; k=8; reason=default`` -> ngram; a draft-model decision made
-    without methods -> draft; plain -> plain."""
-    if not header.startswith("speculative"):
-        return "plain"
-    fields = dict(part.strip().split("=", 1) for part in header.split(";")[1:] if "=" in part)
-    return fields.get("method", "draft")
 
 
 async def run_config(url: str, model: str, sessions: list[Session], max_tokens: int, pids: list[int],

@@ -42,7 +42,7 @@ from typing import Any
 
 import aiohttp
 
-from bench.procs import print_result, start_gateway, start_sim_worker, stop
+from bench.procs import method_of, print_result, start_gateway, start_sim_worker, stop
 from workers.costs.cache import cpu_label
 
 CATEGORIES = ("chat", "code", "agent", "code_edit", "rag", "summary")
@@ -72,14 +72,6 @@ class Tally:
         return {"requests": self.requests, "completion_tokens": self.tokens,
                 "tok_s": round(self.tokens / self.seconds, 2) if self.seconds else None,
                 "methods": dict(self.methods), "ended_on": dict(self.ended_on), "routes": dict(self.routes)}
-
-
-def method_of(header: str) -> str:
-    """``speculative; method=suffix; k=8; reason=default`` -> suffix; plain -> plain."""
-    if not header.startswith("speculative"):
-        return "plain"
-    fields = dict(part.strip().split("=", 1) for part in header.split(";")[1:] if "=" in part)
-    return fields.get("method", "draft")
 
 
 def prompt(category: str, rng: random.Random, tokens: int = 48) -> str:

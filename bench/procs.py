@@ -226,6 +226,20 @@ def print_result(out: dict[str, Any], as_json: bool) -> None:
     sys.stdout.flush()
 
 
+def mode_fields(header: str) -> dict[str, str]:
+    """``X-Specgate-Mode``'s fields after the mode: ``speculative; method=ngram; k=8;
+    reason=default`` -> {"method": "ngram", "k": "8", "reason": "default"}."""
+    return dict(part.strip().split("=", 1) for part in header.split(";")[1:] if "=" in part)
+
+
+def method_of(header: str) -> str:
+    """``speculative; method=ngram; k=8; reason=default`` -> ngram; a draft-model decision made
+    without methods -> draft; plain -> plain."""
+    if not header.startswith("speculative"):
+        return "plain"
+    return mode_fields(header).get("method", "draft")
+
+
 def cpu_seconds(pid: int) -> float:
     """utime + stime of a process, from /proc (Linux)."""
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()

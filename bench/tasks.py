@@ -49,7 +49,7 @@ from typing import Any
 import aiohttp
 import yaml
 
-from bench.procs import REPO, cpu_seconds, get_json, print_result, start_serve_gateway, stop
+from bench.procs import REPO, cpu_seconds, get_json, mode_fields, print_result, start_serve_gateway, stop
 from bench.prompts import load_task_prompts
 from workers.costs.cache import cpu_label
 
@@ -95,7 +95,7 @@ def decision_label(header: str) -> str:
     """``X-Specgate-Mode`` shortened: "K=5", "tree 2+3", "plain (no_gain)", "suffix K=8"; a
     speculative decision's reason is added where it is not the default ("K=1 (probe)"), its
     method where it is not the draft model."""
-    parts = dict(p.strip().partition("=")[::2] for p in header.split(";")[1:])
+    parts = mode_fields(header)
     reason = parts.get("reason", "")
     if header.startswith("plain"):
         return f"plain ({reason})"

@@ -6,7 +6,8 @@ from collections import Counter
 
 import pytest
 
-from bench.methods import KINDS, copyable, interleaved, load_sessions, method_of
+from bench.methods import KINDS, copyable, interleaved, load_sessions
+from bench.procs import method_of
 
 
 def test_the_sessions_cover_every_kind_with_several_turns() -> None:
