@@ -25,15 +25,9 @@ from typing import Any
 
 from bench.procs import REPO, get_json, print_result, served_sections, start_serve_gateway, stop
 from workers.costs.cache import cpu_label
+from workers.engines.embedded.memory import resident_bytes
 
 QUESTIONS = ("What is the capital of France?", "And of Italy?", "Which of the two is larger?", "Name a river in each.")
-
-
-def resident_mib(pid: int) -> float:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) / 1024
-    raise RuntimeError(f"no VmRSS for pid {pid}")
 
 
 def chat(url: str, model: str, messages: list[dict[str, str]]) -> str:
@@ -63,12 +57,12 @@ def measure(requests: int, repo: Path) -> dict[str, Any]:
                 time.sleep(0.5)
             all_ready_s = time.perf_counter() - started
             pids = {w["worker_id"]: int(w["pid"]) for w in listed}
-            idle = {w: resident_mib(pid) for w, pid in pids.items()}
+            idle = {w: resident_bytes(pid) / 2**20 for w, pid in pids.items()}
             messages: list[dict[str, str]] = []
             for question in QUESTIONS[:requests]:
                 messages.append({"role": "user", "content": question})
                 messages.append({"role": "assistant", "content": chat(url, model["name"], messages)})
-            driven = {w: resident_mib(pid) for w, pid in pids.items()}
+            driven = {w: resident_bytes(pid) / 2**20 for w, pid in pids.items()}
         finally:
             stop(process)
     return {"ready_s": round(ready_s, 2), "all_workers_ready_s": round(all_ready_s, 2), "requests": requests,

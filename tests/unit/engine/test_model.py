@@ -6,7 +6,6 @@ from __future__ import annotations
 import ctypes
 import dataclasses
 import json
-import os
 from collections.abc import Callable
 from pathlib import Path
 
@@ -15,10 +14,10 @@ import torch
 
 from workers.demo.train import SEQ_LEN, Stage, run_stage
 from workers.engines.embedded import projections
-from workers.engines.embedded.adapter import return_freed_heap
 from workers.engines.embedded.config import ModelConfig
 from workers.engines.embedded.kv_cache import CacheBatch, KVCache, lazy_zeros
 from workers.engines.embedded.llama import LlamaForCausalLM
+from workers.engines.embedded.memory import resident_bytes, return_freed_heap
 from workers.engines.embedded.projections import FrozenLinear, resolve_dtype
 
 from .conftest import converted, requires_bf16_prepacking
@@ -88,10 +87,6 @@ def test_without_prepacking_auto_serves_float32_and_bfloat16_falls_back(monkeypa
     tokens = torch.tensor([[3, 1, 4, 1, 5]])
     with torch.inference_mode():  # the same weights compute the same function in either layout
         assert torch.allclose(unpacked.forward_train(tokens), packed.forward_train(tokens))
-
-
-def resident_bytes() -> int:
-    return int(Path("/proc/self/statm").read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -7,9 +7,7 @@ its per-step callbacks into the async event stream ``Engine.generate`` promises.
 from __future__ import annotations
 
 import asyncio
-import ctypes
 import dataclasses
-import gc
 import logging
 from collections.abc import AsyncGenerator
 from dataclasses import dataclass
@@ -29,6 +27,7 @@ from workers.engines.embedded.lookup.suffix import DEFAULT_MAX_BYTES
 from workers.engines.embedded.measurement.measure import measure_or_load
 from workers.engines.embedded.measurement.precision import torch_threads_serving
 from workers.engines.embedded.measurement.settings import MeasureSettings
+from workers.engines.embedded.memory import return_freed_heap
 from workers.engines.embedded.projections import TORCH_DTYPES, Products, products_named, resolve_dtype
 from workers.engines.embedded.runner import EngineRunner
 from workers.engines.interface import (
@@ -96,31 +95,6 @@ def load_speculative_engine(settings: EmbeddedSettings, target: LlamaForCausalLM
     return SpeculativeEngine(target, draft, max_slots=settings.max_slots, max_k=settings.max_k,
                              max_positions=settings.max_model_len, lookup=settings.lookup,
                              prefix_cache_bytes=settings.prefix_cache_bytes)
-
-
-def return_freed_heap() -> int:
-    """Hand the heap's free pages back to the kernel; the MiB the resident set fell by. A first
-    start measures a target per candidate precision with scratch caches and keeps one: glibc
-    keeps the rest mapped (a real-pair worker stayed at 2.9 GiB after a first start against
-    1.0 GiB after one that read its costs from the cache) until asked (``malloc_trim``). A no-op
-    off glibc."""
-    gc.collect()
-    before = _resident_mib()
-    try:
-        ctypes.CDLL(None).malloc_trim(0)
-    except (AttributeError, OSError):  # not glibc
-        return 0
-    freed = max(0, before - _resident_mib())
-    log.info("returned %d MiB of freed heap to the system", freed)
-    return freed
-
-
-def _resident_mib() -> int:
-    try:
-        with open("/proc/self/status") as status:
-            return next(int(line.split()[1]) // 1024 for line in status if line.startswith("VmRSS:"))
-    except (OSError, StopIteration):
-        return 0
 
 
 class EmbeddedEngine:
