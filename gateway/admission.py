@@ -25,6 +25,7 @@ from gateway.placement import Placement, route
 from gateway.proxy import NoWorkerLeft, NoWorkerReady, RawChunk, StreamTally
 from gateway.sessions.table import ModeChange, Session
 from gateway.state import GatewayState
+from gateway.tenancy import Caller, scoped_request
 from policies import (
     Decision,
     PolicyConfig,
@@ -52,6 +53,7 @@ from workers.api.wire import (
     RequestKind,
     ResumePoint,
     StepReport,
+    valid_session_id,
     vllm_step_report,
 )
 
@@ -86,8 +88,8 @@ def session_id_of(headers: Mapping[str, str], req: CompletionRequest) -> str | N
     """
     header = headers.get(SESSION_HEADER)
     if header:
-        if len(header) > MAX_SESSION_ID or not header.isprintable():
-            raise BadRequest(f"{SESSION_HEADER} must be printable and at most {MAX_SESSION_ID} characters",
+        if not valid_session_id(header):
+            raise BadRequest(f"{SESSION_HEADER} must be printable ASCII and at most {MAX_SESSION_ID} characters",
                              param=SESSION_HEADER)
         return header
     if req.user:
@@ -95,9 +97,11 @@ def session_id_of(headers: Mapping[str, str], req: CompletionRequest) -> str | N
     return None
 
 
-def accept_request(state: GatewayState, kind: RequestKind, body: Any) -> CompletionRequest:
+def accept_request(state: GatewayState, kind: RequestKind, body: Any, caller: Caller,
+                   scope_secret: str | None) -> CompletionRequest:
     """A client's parsed request, once it names the served model and leaves speculation to the
-    gateway (the ``specgate`` directive and ``vllm_xargs`` are the gateway's to set)."""
+    gateway (the ``specgate`` directive and ``vllm_xargs`` are the gateway's to set), in its
+    caller's cache scope (gateway/tenancy.py: its ``cache_salt`` is the scope's digest now)."""
     req = parse_request(kind, body)
     if req.model != state.config.model.name:
         raise NotFound(f"model '{req.model}' does not exist; available: '{state.config.model.name}'",
@@ -105,7 +109,7 @@ def accept_request(state: GatewayState, kind: RequestKind, body: Any) -> Complet
     for name in GATEWAY_FIELDS:
         if req.raw.get(name) is not None:
             raise BadRequest(f"'{name}' is set by the gateway, not by clients", param=name)
-    return req
+    return scoped_request(req, caller, scope_secret)
 
 
 def user_session_id(user: str) -> str:
@@ -158,7 +162,7 @@ def pick(state: GatewayState, session: Session, req: CompletionRequest, policy: 
     candidates = [c for c in state.fleet.candidates() if c.worker_id not in tried
                   and (allowed is None or c.worker_id in allowed)
                   and (resume is None or state.fleet.workers[c.worker_id].speaks_specgate)]
-    blocks = prompt_blocks(req) if policy.route_index_blocks > 0 else ()
+    blocks = prompt_blocks(req) if policy.route_index_blocks > 0 else ()  # within the request's cache scope
     routed = route(state, session, candidates, req, policy, blocks)
     if routed is None:
         failed = set(tried) - set(exclude)

@@ -9,7 +9,8 @@ constant time (workers/api/tokens.py) and never logged or shown: logs and views 
 its fingerprint.
 
 Each request's scope, the fingerprint of the key that made it, keys its session, so one key
-can neither read nor ride another key's session.
+can neither read nor ride another key's session; its tenant (the key, or the tenant its entry
+names) keys its caches (gateway/tenancy.py).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from gateway.config.auth import AuthConfig
 from gateway.config.config import ConfigError, ServerConfig, load_auth_file
 from gateway.config.watcher import ReloadSource
 from gateway.observe.ops_metrics import OpsMetrics
+from gateway.tenancy import OPEN, Caller
 from workers.api.tokens import (
     AUTHORIZATION,
     Forbidden,
@@ -38,13 +40,14 @@ from workers.api.web_common import Handler
 
 log = logging.getLogger(__name__)
 PROBES = frozenset({"/metrics", "/health", "/ready"})
-# The request's scope: "" when the API is open, else "key-" + the fingerprint of its API key.
-SCOPE_KEY = web.RequestKey("specgate_scope", str)
+# The request's caller: its session scope ("" when the API is open, else "key-" + the
+# fingerprint of its API key) and its tenant.
+CALLER_KEY = web.RequestKey("specgate_caller", Caller)
 
 
-def scope_of(request: web.Request) -> str:
-    scope: str = request.get(SCOPE_KEY, "")
-    return scope
+def caller_of(request: web.Request) -> Caller:
+    caller: Caller = request.get(CALLER_KEY, OPEN)
+    return caller
 
 
 def check_exposure(auth: AuthConfig, server: ServerConfig, host: str) -> None:
@@ -64,7 +67,8 @@ class AuthStore:
         self.last_error: str | None = None
 
     def describe(self) -> str:
-        keys = ", ".join(fingerprint(k) for k in self.current.api_keys) or "none"
+        keys = ", ".join(fingerprint(k) + (f" ({t})" if t else "")
+                         for k, t in zip(self.current.api_keys, self.current.tenants, strict=True)) or "none"
         return f"{len(self.current.api_keys)} API keys (fingerprints: {keys}), admin token " + (
             "set" if self.current.admin_token else "unset (loopback clients only)")
 
@@ -88,15 +92,16 @@ class AuthStore:
         return True
 
     # -- checks ---------------------------------------------------------------------------------------
-    def api_scope(self, request: web.Request) -> str:
-        """The caller's scope for the OpenAI routes; raises 401 without a valid key."""
-        return self.scope_for(request.headers.get(AUTHORIZATION))
+    def api_caller(self, request: web.Request) -> Caller:
+        """The caller of an OpenAI route; raises 401 without a valid key."""
+        return self.caller_for(request.headers.get(AUTHORIZATION))
 
-    def scope_for(self, authorization: str | None) -> str:
-        """``api_scope`` on an ``Authorization`` header's value (the endpoint picker's requests)."""
-        keys = self.current.api_keys
+    def caller_for(self, authorization: str | None) -> Caller:
+        """``api_caller`` on an ``Authorization`` header's value (the endpoint picker's requests)."""
+        current = self.current
+        keys = current.api_keys
         if not keys:
-            return ""
+            return OPEN
         presented = bearer_token(authorization)
         if presented is None:
             raise Unauthorized("You didn't provide an API key: send it as 'Authorization: Bearer <key>'",
@@ -104,7 +109,13 @@ class AuthStore:
         key = matching(presented, keys)
         if key is None:
             raise Unauthorized("Incorrect API key provided", code="invalid_api_key")
-        return "key-" + fingerprint(key)
+        scope = "key-" + fingerprint(key)
+        tenant = current.tenant_of(key)
+        return Caller(scope, scope if tenant is None else "tenant-" + tenant)
+
+    @property
+    def scope_secret(self) -> str | None:
+        return self.current.cache_scope_secret
 
     def check_admin(self, request: web.Request) -> None:
         token = self.current.admin_token
@@ -141,7 +152,7 @@ async def authenticate(request: web.Request, handler: Handler) -> web.StreamResp
     store = request.app[AUTH_KEY]
     path = request.path
     if path.startswith("/v1/") or path == "/v1":
-        request[SCOPE_KEY] = store.api_scope(request)
+        request[CALLER_KEY] = store.api_caller(request)
     elif path.startswith("/admin/") or path == "/admin":
         store.check_admin(request)
     elif path in PROBES:

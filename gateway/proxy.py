@@ -34,6 +34,7 @@ from workers.api.errors import (
 from workers.api.web_common import sse_event
 from workers.api.wire import (
     ANSWER_BYTES_HEADER,
+    CACHE_SALT_FIELD,
     DIRECTIVE_FIELD,
     IDS_COMMENT,
     VLLM_XARGS_FIELD,
@@ -88,8 +89,14 @@ def worker_body(request: CompletionRequest, directive: Directive, protocol: Remo
     """The request as the worker takes it: plus the decision in the worker's own terms (a
     specgate directive, vLLM plugin arguments, or nothing for a server of one fixed mode). The
     relay's are always streamed with usage; the endpoint picker's (``streamed`` False) keep the
-    client's own ``stream``, since Envoy hands the worker's answer to the client as it is."""
+    client's own ``stream``, since Envoy hands the worker's answer to the client as it is.
+
+    The cache scope (``cache_salt``, the scope's digest: gateway/tenancy.py) goes to servers
+    known to honour it: specgate workers and vLLM. A plain OpenAI-compatible server may refuse
+    the field or ignore it, so it gets none, and its own cache is not scoped (docs/api.md)."""
     body = dict(request.raw)
+    if protocol == "openai":
+        body.pop(CACHE_SALT_FIELD, None)
     if streamed:
         body["stream"] = True
         body["stream_options"] = {"include_usage": True}

@@ -66,7 +66,7 @@ from policies.speculation import (
 )
 from policies.tree import MAX_TREE_NODES, StepPath, TreeShape, TreeShapeError, expected_tree_tokens, level_pass
 from policies.tree_choice import choose_plan, plan_value, tree_gain
-from policies.views import acceptance_view, lookup_views
+from policies.views import acceptance_view, lookup_views, speculative_view
 
 __all__ = [
     "FIXED_MODE_REASONS",
@@ -119,6 +119,7 @@ __all__ = [
     "raise_problems",
     "record_decision",
     "run_on",
+    "speculative_view",
     "step_cost",
     "step_depth",
     "step_k",

@@ -31,8 +31,8 @@ class LookupState:
     method: Method
     acceptance_estimate: float | None = None
     acceptance_weight: float = 0.0
-    proposals_seen: int = 0  # drafts tested over the life
-    drafts_proposed: int = 0
+    proposals_seen: int = 0  # drafts tested over the life, run and shadow
+    drafts_proposed: int = 0  # ...proposed by steps that ran (what the usage's speculative block counted)
     drafts_accepted: int = 0
     low_acceptance: bool = False  # the floor's latch, per method
     steps_weight: float = 0.0  # decayed steps run with this method
@@ -41,6 +41,10 @@ class LookupState:
     # ...of which shadow steps: replayed by the worker on the output of a request that ran another
     # method (docs/methods.md "Shadow evidence"), folded as the method's own steps are.
     shadow_steps: int = 0
+    # The shadow steps' drafts, apart: no client's usage counted them.
+    shadow_drafts_proposed: int = 0
+    shadow_drafts_accepted: int = 0
+    shadow_drafts_tested: int = 0
 
     @property
     def coverage(self) -> float | None:
@@ -85,11 +89,16 @@ def fold_lookup_steps(state: LookupState, steps: Iterable[tuple[int, int]], poli
         estimate, weight = decayed_fold(estimate or 0.0, weight, tested, accepted, policy.acceptance_half_life)
         seen, proposed_total, accepted_total = seen + tested, proposed_total + proposed, accepted_total + accepted
         low = acceptance_latch(low, estimate, weight, state.proposals_seen + seen, policy)
-    return replace(state, acceptance_estimate=estimate, acceptance_weight=weight,
-                   proposals_seen=state.proposals_seen + seen, drafts_proposed=state.drafts_proposed + proposed_total,
-                   drafts_accepted=state.drafts_accepted + accepted_total, low_acceptance=low,
-                   steps_weight=steps_w, proposing_weight=proposing_w, steps_seen=state.steps_seen + n,
-                   shadow_steps=state.shadow_steps + (n if shadow else 0))
+    folded = replace(state, acceptance_estimate=estimate, acceptance_weight=weight,
+                     proposals_seen=state.proposals_seen + seen, low_acceptance=low,
+                     steps_weight=steps_w, proposing_weight=proposing_w, steps_seen=state.steps_seen + n)
+    if shadow:  # no client's usage counted these drafts: kept apart
+        return replace(folded, shadow_steps=state.shadow_steps + n,
+                       shadow_drafts_proposed=state.shadow_drafts_proposed + proposed_total,
+                       shadow_drafts_accepted=state.shadow_drafts_accepted + accepted_total,
+                       shadow_drafts_tested=state.shadow_drafts_tested + seen)
+    return replace(folded, drafts_proposed=state.drafts_proposed + proposed_total,
+                   drafts_accepted=state.drafts_accepted + accepted_total)
 
 
 @dataclass(frozen=True)

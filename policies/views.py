@@ -55,9 +55,31 @@ def lookup_views(state: SessionState, policy: PolicyConfig, worker: tuple[Lookup
             "coverage": None if lookup.coverage is None else round(lookup.coverage, 4),
             "steps": lookup.steps_seen,
             "shadow_steps": lookup.shadow_steps,  # of which replayed on another method's output
-            "drafts_tested": lookup.proposals_seen,
+            # The steps it ran (what the usage counted), and, apart, the worker's replays.
+            "drafts_tested": lookup.proposals_seen - lookup.shadow_drafts_tested,
             "drafts_proposed": lookup.drafts_proposed,
             "drafts_accepted": lookup.drafts_accepted,
+            "shadow_drafts_tested": lookup.shadow_drafts_tested,
+            "shadow_drafts_proposed": lookup.shadow_drafts_proposed,
+            "shadow_drafts_accepted": lookup.shadow_drafts_accepted,
             "low_acceptance": lookup.low_acceptance,
         }
     return out
+
+
+def speculative_view(state: SessionState) -> dict[str, Any]:
+    """The drafts a session's requests ran, in all and per method (the draft model's and each
+    lookup method's): the sum of its answers' ``usage.speculative`` blocks. The worker's shadow
+    replays (docs/methods.md), which no usage counted, are apart under ``shadow``."""
+    by_method = {"draft": {"proposed": state.drafts_proposed, "accepted": state.drafts_accepted,
+                           "tested": state.proposals_seen}}
+    shadow = {}
+    for lookup in state.lookups:
+        by_method[lookup.method] = {"proposed": lookup.drafts_proposed, "accepted": lookup.drafts_accepted,
+                                    "tested": lookup.proposals_seen - lookup.shadow_drafts_tested}
+        if lookup.shadow_steps:
+            shadow[lookup.method] = {"proposed": lookup.shadow_drafts_proposed,
+                                     "accepted": lookup.shadow_drafts_accepted,
+                                     "tested": lookup.shadow_drafts_tested, "steps": lookup.shadow_steps}
+    totals = {count: sum(m[count] for m in by_method.values()) for count in ("proposed", "accepted", "tested")}
+    return {**totals, "by_method": by_method, "shadow": shadow}

@@ -99,14 +99,19 @@ class TextStream:
 
     codec: TextCodec
     stop: tuple[str, ...] = ()
-    # vLLM's min_tokens: no stop string ends the text before this many tokens (one that begins
-    # before them and ends after counts, as vLLM's look-back over the new text finds it).
+    # vLLM's min_tokens (its v1 detokenizer): stop strings are looked for once more than this
+    # many tokens exist, in the text after token ``min_tokens`` with a look-back of each stop
+    # string's length minus one. A stop completed by token ``min_tokens`` or earlier stays in the
+    # text and generation goes on; one completed after it (straddling the boundary too) ends it.
     min_tokens: int = 0
     ids: list[int] = field(default_factory=list)
     sent: int = 0  # characters of the decoded text already returned
     stopped: bool = False
     last_kept: int = 0  # of the last push's ids, how many count (all, unless a stop cut them)
     _text: str = ""
+    # Characters of the text of the first ``min_tokens`` tokens: no stop string ending within
+    # them is found (known once the tokens pass ``min_tokens``; 0 without min_tokens).
+    _floor: int = 0
 
     def push(self, new_ids: list[int]) -> str:
         self.last_kept = 0
@@ -120,8 +125,10 @@ class TextStream:
         if not self.stop:
             return self._emit(len(text))
         longest = max(len(s) for s in self.stop)
-        if len(self.ids) < self.min_tokens:  # too early for a stop string: hold back as usual
+        if len(self.ids) <= self.min_tokens:  # too early for a stop string: hold back as usual
             return self._emit(len(text) - longest + 1)
+        if before <= self.min_tokens:  # this push passes min_tokens: where its tokens' text ends
+            self._floor = len(self._decode(self.ids[:self.min_tokens])) if self.min_tokens else 0
         # Text before the window was already searched, when it was pushed.
         window_start = max(0, self.sent - longest)
         cut = self._find_stop(text, window_start)
@@ -129,7 +136,8 @@ class TextStream:
             return self._emit(len(text) - longest + 1)
         # Several tokens at once (a speculative step): the stop belongs to the first of them
         # whose inclusion completes one; the text is cut where that prefix's earliest stop begins.
-        for n in range(max(1, self.min_tokens - before), len(new_ids)):
+        # Only prefixes past min_tokens tokens may hold one.
+        for n in range(max(1, self.min_tokens - before + 1), len(new_ids)):
             prefix_cut = self._find_stop(self._decode(self.ids[:before + n]), window_start)
             if prefix_cut is not None:
                 cut = prefix_cut
@@ -147,6 +155,8 @@ class TextStream:
         self.ids = list(ids)
         self._text = self._decode(self.ids)
         self.sent = min(sent, len(self._text))
+        if self.min_tokens and len(self.ids) > self.min_tokens:
+            self._floor = len(self._decode(self.ids[:self.min_tokens]))
 
     def flush(self) -> str:
         """Whatever was held back, once generation has ended without a stop string."""
@@ -160,7 +170,9 @@ class TextStream:
         return text
 
     def _find_stop(self, text: str, start: int) -> int | None:
-        hits = [i for i in (text.find(s, start) for s in self.stop) if i >= 0]
+        """Where the earliest stop string found from ``start`` begins; each must end past the
+        ``min_tokens`` floor (begin at or after the floor less its length minus one)."""
+        hits = [i for i in (text.find(s, max(start, self._floor - len(s) + 1)) for s in self.stop) if i >= 0]
         return min(hits) if hits else None
 
     def _emit(self, upto: int) -> str:

@@ -45,9 +45,10 @@ from gateway.fleet.handle import WorkerHandle
 from gateway.observe.tracing import AttemptTrace
 from gateway.proxy import StreamTally, worker_body
 from gateway.state import GatewayState
+from gateway.tenancy import OPEN, worker_session_id
 from workers.api.errors import ApiError, BadRequest, Overloaded, PayloadTooLarge, Unavailable
 from workers.api.limits import InputRefused, loads_json
-from workers.api.wire import SESSION_HEADER, CompletionRequest, RequestKind
+from workers.api.wire import CACHE_SALT_FIELD, SESSION_HEADER, CompletionRequest, RequestKind
 
 log = logging.getLogger(__name__)
 DESTINATION_HEADER = "x-gateway-destination-endpoint"
@@ -213,6 +214,14 @@ class Exchange:
         if token and picked.handle is not None and picked.handle.speaks_specgate:
             headers.append(_header("authorization", f"Bearer {token}"))
             remove = []
+        if picked.handle is not None and picked.handle.speaks_specgate and picked.admission is not None:
+            # As behind the relay: the worker matches a session's earlier prompts by the digest
+            # of (key, id), never by the client's id (gateway/tenancy.py).
+            session = picked.admission.session
+            headers.append(_header(SESSION_HEADER.lower(), worker_session_id(
+                session.scope, session.session_id, self.state.config.auth.cache_scope_secret)))
+        elif picked.handle is not None and picked.handle.speaks_specgate:
+            remove.append(SESSION_HEADER.lower())  # no session the picker admitted: none for the worker
         return ext_proc.HeaderMutation(set_headers=headers, remove_headers=remove)
 
     def _refuse(self, error: ApiError) -> ext_proc.ProcessingResponse:
@@ -224,7 +233,7 @@ class Exchange:
         state = self.state
         path = self.headers.get(":path", "").split("?", 1)[0]
         # The OpenAI routes want an API key, as behind the relay (gateway/auth.py), before anything else.
-        scope = self.auth.scope_for(self.headers.get("authorization")) if path.startswith("/v1") else ""
+        caller = self.auth.caller_for(self.headers.get("authorization")) if path.startswith("/v1") else OPEN
         allowed = self._allowed()
         kind = _KINDS.get(path)
         if kind is None or self.headers.get(":method", "POST") != "POST":
@@ -238,8 +247,8 @@ class Exchange:
             raw = loads_json(body)
         except InputRefused as exc:
             raise BadRequest(str(exc), param=exc.param) from None
-        req = accept_request(state, kind, raw)
-        session = state.sessions.touch(session_id_of(self.headers, req), self.started, scope)
+        req = accept_request(state, kind, raw, caller, state.config.auth.cache_scope_secret)
+        session = state.sessions.touch(session_id_of(self.headers, req), self.started, caller.scope)
         session.requests += 1
         await state.store.load(session)
         policy = state.policy.active
@@ -250,7 +259,7 @@ class Exchange:
         admission = Admission(session, handle, decision, policy, AttemptTrace(None), route=placed.route,
                               prefix_share=placed.prefix_share)
         self.picked = Picked(self.endpoints[handle.worker_id], handle, admission, req,
-                             self._body_for(req, handle, admission))
+                             self._body_for(req, handle, admission, client_salted=CACHE_SALT_FIELD in raw))
         return self.picked
 
     def _allowed(self) -> frozenset[str]:
@@ -268,8 +277,9 @@ class Exchange:
         if handle.load >= workers.max_slots + workers.max_queue:
             raise Overloaded("every eligible endpoint's queue is full", retry_after_s=1.0)
 
-    def _body_for(self, req: CompletionRequest, handle: WorkerHandle, admission: Admission) -> bytes | None:
-        if handle.protocol == "openai":
+    def _body_for(self, req: CompletionRequest, handle: WorkerHandle, admission: Admission,
+                  client_salted: bool) -> bytes | None:
+        if handle.protocol == "openai" and not client_salted:
             return None  # a server of one fixed mode: the choice of endpoint was the decision
         policy, decision = admission.policy, admission.decision
         # A whole answer's step log, for the feedback: a plain decision's would teach nothing, and

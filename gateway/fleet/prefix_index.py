@@ -45,7 +45,9 @@ _PRIOR = (HOLD_PRIOR_TOKENS, HOLD_PRIOR_TOKENS)
 
 def prompt_blocks(req: CompletionRequest) -> tuple[int, ...]:
     """The hash chain of a request's prompt text in blocks (a trailing partial block left out:
-    it would never match a longer prompt's full block)."""
+    it would never match a longer prompt's full block), rooted in its cache scope
+    (``cache_salt``, gateway/tenancy.py): another scope's same prompt has other keys, so a
+    request is never placed by a prefix another tenant sent."""
     if req.kind == "chat":
         text = "".join(f"\x1e{m.role}\x1f{m.content}" for m in req.messages)
     elif isinstance(req.prompt, str):
@@ -55,7 +57,7 @@ def prompt_blocks(req: CompletionRequest) -> tuple[int, ...]:
     else:
         text = ""
     keys: list[int] = []
-    key = 0
+    key = 0 if req.cache_salt is None else hash(req.cache_salt)
     for start in range(0, min(len(text) // BLOCK_CHARS, MAX_BLOCKS_PER_REQUEST) * BLOCK_CHARS, BLOCK_CHARS):
         key = hash((key, text[start:start + BLOCK_CHARS]))
         keys.append(key)

@@ -32,7 +32,7 @@ from gateway.relay.tokenize import detokenize, tokenize
 from gateway.sessions.store import create_store
 from gateway.sessions.table import SessionTable
 from gateway.state import STATE_KEY, GatewayState
-from policies import PolicyConfigError, acceptance_view, lookup_views, worker_acceptance
+from policies import PolicyConfigError, acceptance_view, lookup_views, speculative_view, worker_acceptance
 from policies.tree_choice import view as rank_view
 from workers.api.errors import BadRequest, NotFound, Unavailable
 from workers.api.limits import InputRefused, loads_json
@@ -152,7 +152,10 @@ async def _completions(request: web.Request) -> web.StreamResponse:
 
 
 async def _models(request: web.Request) -> web.Response:
-    return model_list(request.app[STATE_KEY].config.model.name)
+    state = request.app[STATE_KEY]
+    # The window every worker that reported one takes (the smallest): what any request may use.
+    windows = [w for h in state.fleet.workers.values() if type(w := h.info.get("context_window")) is int]
+    return model_list(state.config.model.name, min(windows) if windows else None)
 
 
 async def _openapi(request: web.Request) -> web.Response:
@@ -261,6 +264,9 @@ async def _get_session(request: web.Request) -> web.Response:
         # α, the floor's acceptance, and its evidence; "acceptance" has it all, vLLM's rate beside.
         "acceptance_estimate": state.acceptance_estimate, "evidence_drafted_tokens": state.proposals_seen,
         "acceptance": acceptance_view(state, policy, worker_acceptance(handle.acceptance, policy) if handle else None),
+        # The counterpart of the usage's `speculative` block, summed over the session's requests:
+        # every method's drafts that ran, per method; the worker's shadow replays apart, labelled.
+        "speculative": speculative_view(state),
         "low_acceptance": state.low_acceptance, "plain_since_probe": state.plain_since_probe,
         # K auto: the choice hysteresis holds, and the rank acceptances trees are priced with.
         "auto_k": state.auto_k, "auto_tree": None if state.auto_tree is None else str(state.auto_tree),

@@ -21,7 +21,7 @@ from gateway.admission import (
     record,
     session_id_of,
 )
-from gateway.auth import scope_of
+from gateway.auth import caller_of
 from gateway.fleet.worker_http import WorkerResponse
 from gateway.observe.ops_metrics import OPS_KEY
 from gateway.observe.tracing import TRACING_KEY, RequestTrace
@@ -31,6 +31,7 @@ from gateway.relay.drain import DRAIN_KEY, InFlight
 from gateway.relay.migration import MigratingStream
 from gateway.sessions.table import Session
 from gateway.state import GatewayState
+from gateway.tenancy import worker_session_id
 from workers.api.answers import assemble, chunk_text
 from workers.api.errors import ApiError, ClientDisconnected
 from workers.api.logs import RequestLog, decision_var, request_id_var, session_var
@@ -79,8 +80,11 @@ async def _admit(state: GatewayState, session: Session, req: CompletionRequest, 
         headers = attempt.headers  # the trace context (gateway/observe/tracing.py)
         request_id = request_id_var.get()
         if handle.speaks_specgate and request_id is not None:
-            # A specgate worker tags its log lines for this request with the same id and session.
-            headers = {**headers, REQUEST_ID_HEADER: request_id, SESSION_HEADER: session.session_id}
+            # A specgate worker tags its log lines with the request id, and matches the session's
+            # earlier prompts by its session id: the digest of (key, id), never the client's id
+            # (gateway/tenancy.py), so two keys' sessions of one id never meet in a worker.
+            headers = {**headers, REQUEST_ID_HEADER: request_id, SESSION_HEADER: worker_session_id(
+                session.scope, session.session_id, state.config.auth.cache_scope_secret)}
         try:
             response = await open_stream(handle, _PATHS[req.kind], body, state.config.server.worker_timeout_s,
                                          headers)
@@ -233,9 +237,11 @@ async def _relay(request: web.Request, kind: RequestKind, state: GatewayState, t
     # Tags this request's log lines (workers/api/logs.py); each aiohttp handler runs in its own task,
     # so these values never leak into another request's context.
     request_id_var.set(state.sessions.random_id())  # 32 hex digits, as uuid4().hex without its object
-    req = accept_request(state, kind, await read_json(request))
+    caller = caller_of(request)
+    # In the caller's cache scope: the request's cache_salt is the scope's digest from here on.
+    req = accept_request(state, kind, await read_json(request), caller, state.config.auth.cache_scope_secret)
     # Sessions are scoped to the API key that made them: another key's session id is another session.
-    session = state.sessions.touch(session_id_of(request.headers, req), started, scope_of(request))
+    session = state.sessions.touch(session_id_of(request.headers, req), started, caller.scope)
     # What another replica learned about this session (state.backend: redis); bounded by state.timeout_s.
     await state.store.load(session)
     session.requests += 1

@@ -84,7 +84,8 @@ def dump_session(session: Session) -> bytes:
                           "decision": None if d is None else d.method,
                           "lookups": [[x.method, x.acceptance_estimate, x.acceptance_weight, x.proposals_seen,
                                        x.drafts_proposed, x.drafts_accepted, x.low_acceptance, x.steps_weight,
-                                       x.proposing_weight, x.steps_seen, x.shadow_steps] for x in s.lookups]}
+                                       x.proposing_weight, x.steps_seen, x.shadow_steps, x.shadow_drafts_proposed,
+                                       x.shadow_drafts_accepted, x.shadow_drafts_tested] for x in s.lookups]}
     return orjson.dumps(out)
 
 
@@ -161,13 +162,16 @@ def _method_state(state: SessionState, decision: Decision | None, raw: Any) -> t
         return state, decision
     lookups = []
     for entry in raw["lookups"]:
-        # The 11th field, shadow steps, came later: a value stored without it has none.
+        # The 11th field, shadow steps, came later, and the 12th-14th, the shadow steps' drafts
+        # (counted in proposed/accepted before): a value stored without them has none.
         method, estimate, weight, seen, proposed, accepted, low, steps_w, proposing_w, steps, *rest = entry
-        if not isinstance(low, bool) or len(rest) > 1:
-            raise CorruptState(f"a lookup entry must have 10 or 11 fields and a bool low_acceptance, got {entry!r}")
+        if not isinstance(low, bool) or len(rest) not in (0, 1, 4):
+            raise CorruptState(f"a lookup entry must have 10, 11 or 14 fields and a bool low_acceptance, "
+                               f"got {entry!r}")
+        shadow = [_int(x) for x in rest] + [0] * (4 - len(rest))
         lookups.append(LookupState(_method(method), _float(estimate, optional=True, unit=True), _weight(weight),
                                    _int(seen), _int(proposed), _int(accepted), low, _weight(steps_w),
-                                   _weight(proposing_w), _int(steps), _int(rest[0]) if rest else 0))
+                                   _weight(proposing_w), _int(steps), *shadow))
     state = replace(state, method=_method(raw["method"]), since_method=_int(raw["since"]), lookups=tuple(lookups))
     if decision is not None and raw["decision"] is not None:
         decision = replace(decision, method=_method(raw["decision"]))

@@ -28,10 +28,12 @@ from gateway.auth import AuthStore, check_exposure
 from gateway.config.auth import AuthConfig, parse_auth
 from gateway.config.config import ConfigError, ServerConfig
 from gateway.observe.ops_metrics import OpsMetrics
+from gateway.tenancy import Caller
 from tests.e2e.harness import MODELS, REPO, Gateway, GatewayFactory, start_gateway, start_tcp_worker, write_config
 from workers.api.tokens import Forbidden, Unauthorized, is_loopback
 
 KEY_A, KEY_B, ADMIN = "sk-alpha-0123456789", "sk-bravo-9876543210", "admin-token-55555555"
+KEY_C = "sk-charlie-1357924680"
 PROMPT = "def add(a, b):\n    "
 
 
@@ -64,20 +66,49 @@ def _request(path: str, token: str | None = None, peer: str = "127.0.0.1") -> An
 def test_keys_are_compared_in_constant_time_against_every_key() -> None:
     store = _store(AuthConfig(api_keys=(KEY_A, KEY_B)))
     with mock.patch.object(hmac, "compare_digest", wraps=hmac.compare_digest) as spy:
-        assert store.api_scope(_request("/v1/models", KEY_A)).startswith("key-")
+        assert store.api_caller(_request("/v1/models", KEY_A)).scope.startswith("key-")
         # No early exit at the first match: every key is compared.
         assert spy.call_count == 2
         with pytest.raises(Unauthorized):
-            store.api_scope(_request("/v1/models", KEY_A[:-1] + "x"))
+            store.api_caller(_request("/v1/models", KEY_A[:-1] + "x"))
         assert spy.call_count == 4
 
 
 def test_scopes_differ_per_key_and_name_no_key() -> None:
     store = _store(AuthConfig(api_keys=(KEY_A, KEY_B)))
-    a, b = store.api_scope(_request("/v1/models", KEY_A)), store.api_scope(_request("/v1/models", KEY_B))
-    assert a != b
-    assert KEY_A not in a and KEY_B not in b
-    assert _store(AuthConfig()).api_scope(_request("/v1/models")) == ""  # the open API: one scope
+    a, b = store.api_caller(_request("/v1/models", KEY_A)), store.api_caller(_request("/v1/models", KEY_B))
+    assert a.scope != b.scope
+    assert a.tenant == a.scope and b.tenant == b.scope  # a plain key is its own tenant
+    assert KEY_A not in repr(a) and KEY_B not in repr(b)
+    assert _store(AuthConfig()).api_caller(_request("/v1/models")) == Caller("", "")  # the open API: one scope
+
+
+def test_keys_of_a_named_tenant_share_the_tenant_not_the_session_scope() -> None:
+    auth = parse_auth({"api_keys": [{"key": KEY_A, "tenant": "team-a"}, {"key": KEY_B, "tenant": "team-a"},
+                                    KEY_C]}, env={})
+    store = _store(auth)
+    a, b, c = (store.api_caller(_request("/v1/models", key)) for key in (KEY_A, KEY_B, KEY_C))
+    assert a.tenant == b.tenant == "tenant-team-a"
+    assert a.scope != b.scope  # sessions stay per key
+    assert c.tenant == c.scope != a.tenant
+    assert "team-a" in repr(auth) and KEY_A not in repr(auth)
+
+
+@pytest.mark.parametrize(("entries", "field"), [
+    ([{"key": KEY_A, "tenant": ""}], "auth.api_keys[0].tenant"),
+    ([{"key": KEY_A, "tenant": "a b"}], "auth.api_keys[0].tenant"),
+    ([{"key": KEY_A, "tenant": 7}], "auth.api_keys[0].tenant"),
+    ([{"key": KEY_A, "tenant": "x" * 65}], "auth.api_keys[0].tenant"),
+    ([{"tenant": "team-a"}], "auth.api_keys[0].key"),
+    ([{"key": KEY_A, "team": "a"}], "auth.api_keys[0].team"),
+    ([{"key": "short", "tenant": "a"}], "auth.api_keys[0].key"),
+    ([{"key": KEY_A, "tenant": "a"}, {"key": KEY_A, "tenant": "b"}], "auth.api_keys[1].tenant"),
+])
+def test_bad_tenant_entries_are_refused_naming_the_field(entries: list[Any], field: str) -> None:
+    with pytest.raises(ConfigError) as caught:
+        parse_auth({"api_keys": entries}, env={})
+    assert [p.field for p in caught.value.problems] == [field]
+    assert KEY_A not in str(caught.value)  # a secret is never in the message
 
 
 def test_admin_without_a_token_answers_loopback_only() -> None:

@@ -55,6 +55,13 @@ def test_each_method_runs_and_the_gateway_counts_what_the_worker_counted(gateway
     draft = admin["acceptance"]
     assert (draft["drafts_proposed"], draft["drafts_accepted"]) == (counted["draft"]["proposed"],
                                                                      counted["draft"]["accepted"])
+    # The session's `speculative` block is the sum of its answers' usage, per method and in all.
+    speculative = admin["speculative"]
+    for method, counts in counted.items():
+        by_method = speculative["by_method"].get(method, {"proposed": 0, "accepted": 0})
+        assert (by_method["proposed"], by_method["accepted"]) == (counts["proposed"], counts["accepted"]), method
+    assert (speculative["proposed"], speculative["accepted"]) == (
+        sum(c["proposed"] for c in counted.values()), sum(c["accepted"] for c in counted.values()))
     assert gateway.metric("specgate_method_decisions_total", method="ngram") >= 1
     assert gateway.metric("specgate_method_drafts_total", method="ngram", count="accepted") == counted["ngram"][
         "accepted"]

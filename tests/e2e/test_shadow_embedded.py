@@ -48,8 +48,15 @@ def test_a_session_on_the_draft_learns_lookup_without_running_it(gateway: Gatewa
         evidence = admin["methods"][method]
         replayed = _replayed(gateway, method)
         assert evidence["steps"] == evidence["shadow_steps"] == replayed["steps"] > 0, (method, evidence, replayed)
-        assert (evidence["drafts_proposed"], evidence["drafts_accepted"], evidence["drafts_tested"]) == (
-            replayed["proposed"], replayed["accepted"], replayed["tested"]), (method, evidence, replayed)
+        assert (evidence["shadow_drafts_proposed"], evidence["shadow_drafts_accepted"],
+                evidence["shadow_drafts_tested"]) == (replayed["proposed"], replayed["accepted"], replayed["tested"]), (
+            method, evidence, replayed)
+        # Replays are labelled apart: no usage counted them, so they are not the method's drafts.
+        assert (evidence["drafts_proposed"], evidence["drafts_tested"]) == (0, 0)
+        assert admin["speculative"]["shadow"][method] == {**{c: replayed[c] for c in ("proposed", "accepted",
+                                                                                       "tested")},
+                                                           "steps": replayed["steps"]}
+        assert admin["speculative"]["by_method"][method] == {"proposed": 0, "accepted": 0, "tested": 0}
         assert evidence["coverage"] is not None
         # The gateway's own count of what it folded, the same.
         assert {c: gateway.metric("specgate_method_shadow_drafts_total", method=method, count=c)

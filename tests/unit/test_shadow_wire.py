@@ -47,9 +47,14 @@ def test_a_stored_session_keeps_its_shadow_steps_and_an_older_one_has_none() -> 
     state = observe_lookup(session.policy_state, "ngram", [(4, 3), (0, 0)], PolicyConfig())
     session.policy_state = observe_lookup(state, "suffix", [(4, 4)] * 3, PolicyConfig(), shadow=True)
     stored = orjson.loads(dump_session(session))
-    assert [x[-1] for x in stored["methods"]["lookups"]] == [0, 3]
+    # The 11th field: shadow steps; the 12th-14th: their drafts (proposed, accepted, tested), apart.
+    assert [x[10:] for x in stored["methods"]["lookups"]] == [[0, 0, 0, 0], [3, 12, 12, 12]]
+    assert [x[4:6] for x in stored["methods"]["lookups"]] == [[4, 3], [0, 0]]  # the drafts that ran
     assert parse_session(orjson.dumps(stored))[0].lookups == session.policy_state.lookups
-    stored["methods"]["lookups"] = [x[:-1] for x in stored["methods"]["lookups"]]  # as stored before shadow
+    older = [x[:11] for x in stored["methods"]["lookups"]]  # as stored before the shadow drafts were apart
+    stored["methods"]["lookups"] = older
+    assert [x.shadow_steps for x in parse_session(orjson.dumps(stored))[0].lookups] == [0, 3]
+    stored["methods"]["lookups"] = [x[:10] for x in older]  # as stored before shadow
     assert [x.shadow_steps for x in parse_session(orjson.dumps(stored))[0].lookups] == [0, 0]
 
 

@@ -113,3 +113,65 @@ def test_a_primed_stream_continues_as_if_never_interrupted(codec: TextCodec, cut
         rest.append(resumed.flush())
     assert sent + "".join(rest) == "".join(whole) == "def f(x):\n    return x + 1"
     assert resumed.stopped and resumed.ids == reference.ids
+
+
+def vllm_stop_text(codec: TextCodec, pushes: list[list[int]], stop: str, min_tokens: int) -> tuple[str, bool]:
+    """vLLM's v1 detokenizer on one stop string: a push's tokens decoded one by one; once more
+    than ``min_tokens`` exist, the stop is looked for in the text after token ``min_tokens`` (or
+    after what the pushes before searched) with a look-back of its length minus one; the text
+    ends before the match."""
+    ids: list[int] = []
+    text = ""
+    for push in pushes:
+        offset = len(text)
+        for token in push:
+            ids.append(token)
+            text = codec.decode(ids)
+            if min_tokens and len(ids) <= min_tokens:
+                offset = len(text)
+        if len(ids) > min_tokens:
+            found = text.find(stop, max(0, offset - len(stop) + 1))
+            if found >= 0:
+                return text[:found], True
+    return text, False
+
+
+COUNT = "1. 1\n2. 2\n3. 3\n4. 4"  # tokens: '1' '.' ' 1' '\n' '2' '.' ' 2' '\n' '3' ...
+
+
+@pytest.mark.parametrize("stop", ["2", "\n2", "1\n2", ". 3"])
+@pytest.mark.parametrize("min_tokens", range(0, 12))
+@pytest.mark.parametrize("push", [1, 3, 32])  # one token a step, a speculative step of 3, all at once
+def test_min_tokens_with_stop_matches_vllm(codec: TextCodec, stop: str, min_tokens: int, push: int) -> None:
+    """The table of issue 52: a stop completed by token ``min_tokens`` or earlier stays and
+    generation goes on; one straddling the boundary or after it ends the text before it; in
+    single-token pushes (streamed, plain) and multi-token ones (speculative steps), the same."""
+    ids = codec.encode(COUNT)[1:]
+    pushes = [ids[i:i + push] for i in range(0, len(ids), push)]
+    expected, stopped = vllm_stop_text(codec, pushes, stop, min_tokens)
+    stream = TextStream(codec, (stop,), min_tokens=min_tokens)
+    deltas = []
+    for piece in pushes:
+        deltas.append(stream.push(piece))
+        if stream.stopped:
+            break
+    if not stream.stopped:
+        deltas.append(stream.flush())
+    assert ("".join(deltas), stream.stopped) == (expected, stopped)
+    if stopped:  # the tokens that count end with the one that completed the stop, past min_tokens
+        assert len(stream.ids) > min_tokens and stop in codec.decode(stream.ids)
+
+
+@pytest.mark.parametrize(("min_tokens", "expected"), [
+    (4, "1. 1\n"),  # the '2' completing the first "2" is token 5: past min_tokens 4, found
+    (5, "1. 1\n2. "),  # token 5 completes it at the boundary: ignored; the ' 2' (token 7) ends it
+    (6, "1. 1\n2. "),
+    (7, "1. 1\n2. 2\n3. 3\n4. 4"),  # every "2" completed by token 7 or before: none ends it
+])
+def test_the_issue_cases(codec: TextCodec, min_tokens: int, expected: str) -> None:
+    ids = codec.encode(COUNT)[1:]
+    for pushes in ([[t] for t in ids], [ids]):
+        stream = TextStream(codec, ("2",), min_tokens=min_tokens)
+        text = "".join(stream.push(p) for p in pushes)
+        text += "" if stream.stopped else stream.flush()
+        assert text == expected

@@ -35,6 +35,7 @@ from workers.api.schema import (
     Message,
     StreamOptions,
 )
+from workers.api.wire import valid_cache_salt
 
 _SEED = 1 << 63
 # The models' own declarations: the roles a message may have, a directive's defaults.
@@ -72,6 +73,12 @@ def _text(value: Any, min_length: int = 0) -> str:
     if type(value) is not str or len(value) < min_length:
         raise _Refused
     return value
+
+
+def _cache_salt(value: Any) -> str:
+    if not valid_cache_salt(value):
+        raise _Refused
+    return str(value)
 
 
 def _stop(value: Any) -> str | list[str]:
@@ -154,6 +161,7 @@ _FIELDS: dict[str, Any] = {
     "stream_options": _stream_options,
     "user": _text,
     "specgate": _directive,
+    "cache_salt": _cache_salt,
 }
 # The fields each kind takes: model, its prompt or messages, and the optional ones above (the
 # chat's max_completion_tokens is its own); an optional field absent is None, as in pydantic's model.
@@ -165,7 +173,7 @@ def fast_body(kind: str, body: Any) -> SimpleNamespace | None:
     """The validated body, with the attributes parse_request reads from pydantic's model, or
     None when it is not the usual shape."""
     fields = _CHAT_FIELDS if kind == "chat" else _COMPLETION_FIELDS
-    if type(body) is not dict or not body.keys() <= fields:
+    if type(body) is not dict or not body.keys() <= fields or (body.get("stream_options") and not body.get("stream")):
         return None
     out = SimpleNamespace(**dict.fromkeys(_FIELDS))
     try:

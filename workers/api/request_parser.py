@@ -20,7 +20,17 @@ from workers.api.schema import (
     ChatCompletionBody,
     CompletionBody,
 )
-from workers.api.wire import ChatMessage, CompletionRequest, Directive, RequestKind, ResumePoint
+from workers.api.wire import (
+    CACHE_SALT_FIELD,
+    CACHE_SALT_MESSAGE,
+    ChatMessage,
+    CompletionRequest,
+    Directive,
+    RequestKind,
+    ResumePoint,
+)
+
+STREAM_OPTIONS_MESSAGE = "Stream options can only be defined when `stream=True`."  # vLLM's words, as OpenAI refuses it
 
 
 def _path(loc: tuple[int | str, ...]) -> str:
@@ -42,6 +52,8 @@ def bad_request(exc: ValidationError) -> BadRequest:
     label = next((i for i, item in enumerate(loc) if isinstance(item, str) and item not in FIELD_NAMES), len(loc))
     names = [item for item in loc[:label] if isinstance(item, str)]
     param = _path(loc[:label])
+    if names[:1] == [CACHE_SALT_FIELD]:  # vLLM's message, whatever the fault (type, length, a character)
+        return BadRequest(CACHE_SALT_MESSAGE, param=CACHE_SALT_FIELD)
     default_only = next((n for n in names if n in DEFAULT_ONLY), None)
     if default_only is not None:
         param = _path(loc[:loc.index(default_only) + 1])
@@ -72,6 +84,8 @@ def parse_request(kind: RequestKind, body: Any) -> CompletionRequest:
     """Validates a request body (see workers/api/schema.py) into a ``CompletionRequest``."""
     if not isinstance(body, Mapping):
         raise BadRequest("request body must be a JSON object")
+    if body.get("stream_options") and not body.get("stream"):  # vLLM's rule: {} and null pass
+        raise BadRequest(STREAM_OPTIONS_MESSAGE, param="stream_options")
     # The usual body without pydantic (workers/api/request_fast.py); the rest, and every error, with it.
     parsed: Any = fast_body(kind, body)
     if parsed is None:
@@ -110,4 +124,4 @@ def parse_request(kind: RequestKind, body: Any) -> CompletionRequest:
                                                        directive.max_step_drafts, resume, directive.cost_rule,
                                                        directive.coalesce_s, directive.whole_answer,
                                                        directive.step_log, directive.tree, directive.method),
-        raw=body)
+        cache_salt=parsed.cache_salt, raw=body)

@@ -26,6 +26,7 @@ from pydantic.json_schema import SkipJsonSchema
 
 from policies.methods import Method
 from policies.tree import TreeShapeError, parse_shape
+from workers.api.wire import CACHE_SALT_MESSAGE, MAX_CACHE_SALT, valid_cache_salt
 
 MAX_STOP_SEQUENCES = 4
 MAX_TOKENS_LIMIT = 1 << 20  # beyond any context window; the worker checks the real one
@@ -45,6 +46,12 @@ def _tree_shape(value: str) -> str:
         parse_shape(value)
     except TreeShapeError as exc:
         raise ValueError(str(exc)) from None
+    return value
+
+
+def _cache_salt(value: str) -> str:
+    if not valid_cache_salt(value):
+        raise ValueError(CACHE_SALT_MESSAGE)
     return value
 
 
@@ -74,6 +81,8 @@ OnlyFalse = Annotated[bool, AfterValidator(_false), Field(json_schema_extra={"co
 NoList = Annotated[list[Any], Field(max_length=0)]
 NoMap = Annotated[dict[str, Any], Field(max_length=0)]
 NoText = Annotated[str, Field(max_length=0)]
+CacheSalt = Annotated[str, AfterValidator(_cache_salt),
+                      Field(min_length=1, max_length=MAX_CACHE_SALT, pattern=r"^[^@/\\\x00]+$")]
 
 
 class _Strict(BaseModel):
@@ -166,6 +175,9 @@ class _RequestBody(_Strict):
                                                       "samples (stop strings still end it)")
     min_tokens: Annotated[int, Field(ge=0, le=MAX_TOKENS_LIMIT)] | None = Field(
         None, description="vLLM's: no EOS before this many output tokens, and no stop string matched before them")
+    cache_salt: CacheSalt | None = Field(
+        None, description="vLLM's: requests with different salts never share cached prompt blocks (nor, here, "
+                          "lookup memory); scoped within the caller's tenant")
     # Set by the gateway for its workers; refused from clients (gateway/relay/relay.py).
     specgate: SkipJsonSchema[Directive | None] = None
     vllm_xargs: SkipJsonSchema[dict[str, Any] | None] = None

@@ -147,10 +147,13 @@ async def start_sse(request: web.Request, headers: Mapping[str, str] | None = No
     return response
 
 
-def model_list(name: str) -> web.Response:
-    """``GET /v1/models`` for a server that serves one model."""
-    return web.json_response({"object": "list", "data": [
-        {"id": name, "object": "model", "created": 0, "owned_by": "specgate"}]})
+def model_list(name: str, max_model_len: int | None = None) -> web.Response:
+    """``GET /v1/models`` for a server that serves one model; ``max_model_len`` (vLLM's card
+    field: prompt + output tokens a request may use) where known."""
+    card: dict[str, Any] = {"id": name, "object": "model", "created": 0, "owned_by": "specgate"}
+    if max_model_len is not None:
+        card["max_model_len"] = max_model_len
+    return web.json_response({"object": "list", "data": [card]})
 
 
 async def health(request: web.Request) -> web.Response:

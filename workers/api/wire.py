@@ -44,7 +44,27 @@ GATEWAY_FIELDS = (DIRECTIVE_FIELD, VLLM_XARGS_FIELD)
 # The session key clients send the gateway. The gateway also sends it, and its own request id,
 # to specgate workers, which tag their log lines with both (workers/api/logs.py).
 SESSION_HEADER, REQUEST_ID_HEADER = "X-Session-ID", "X-Request-ID"
-MAX_SESSION_ID = 256  # characters; a longer X-Session-ID is refused (printable only)
+MAX_SESSION_ID = 256  # characters; a longer X-Session-ID is refused (printable ASCII only)
+# vLLM's per-request cache scope: requests with different salts never share a cached block. A
+# client's salt is checked by vLLM's rule; the gateway replaces it with its scope's digest
+# (gateway/tenancy.py), which is what a worker keys its caches by.
+CACHE_SALT_FIELD = "cache_salt"
+MAX_CACHE_SALT = 128
+CACHE_SALT_FORBIDDEN = ("@", "/", "\\", "\0")
+CACHE_SALT_MESSAGE = (f"Parameter 'cache_salt' must be a non-empty string of at most {MAX_CACHE_SALT} characters "
+                      "without '@', '/', '\\' or NUL.")
+
+
+def valid_cache_salt(value: object) -> bool:
+    """vLLM's rule (0.32, ``validate_cache_salt``)."""
+    return (type(value) is str and 0 < len(value) <= MAX_CACHE_SALT
+            and not any(c in value for c in CACHE_SALT_FORBIDDEN))
+
+
+def valid_session_id(value: str) -> bool:
+    """A session id a client may send: printable ASCII (a header's bytes are decoded as
+    Latin-1, so other text would come back to the client as other bytes), not too long."""
+    return 0 < len(value) <= MAX_SESSION_ID and value.isascii() and value.isprintable()
 
 
 @dataclass(frozen=True)
@@ -141,6 +161,9 @@ class CompletionRequest:
     include_usage: bool = False
     user: str | None = None
     directive: Directive | None = None
+    # The cache scope: the client's salt (checked by vLLM's rule); behind the gateway, the
+    # digest of the request's (tenant, salt). None: the default scope.
+    cache_salt: str | None = None
     raw: Mapping[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
 

@@ -40,7 +40,12 @@ class GenerationRequest:
     # Where the proposals come from (policies/methods.py): the draft model, or a lookup method an
     # engine that offers it runs instead (``EngineInfo.methods``; one that does not runs the draft).
     method: Method = "draft"
-    session: str | None = None  # the client's X-Session-ID: what the suffix method may match
+    # The X-Session-ID the worker got (behind the gateway, the digest of the client's key and id):
+    # whose earlier prompts the suffix method may match.
+    session: str | None = None
+    # The cache scope (the request's cache_salt; behind the gateway, the digest of its tenant and
+    # salt): prefix-cache blocks and lookup documents are shared within a scope only. "": the default.
+    cache_scope: str = ""
 
 
 @dataclass(frozen=True)

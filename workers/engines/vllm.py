@@ -259,8 +259,10 @@ class VllmEngine:
             raise EngineRequestError(str(exc)) from None
         eos_ids = self.info.eos_token_ids
         self._in_flight += 1
-        outputs = self._llm.generate(TokensPrompt(prompt_token_ids=list(request.prompt_ids)), sampling,
-                                     request.request_id)
+        prompt = TokensPrompt(prompt_token_ids=list(request.prompt_ids))
+        if request.cache_scope:  # vLLM's prefix caching keys the first block by the salt
+            prompt["cache_salt"] = request.cache_scope
+        outputs = self._llm.generate(prompt, sampling, request.request_id)
         first = True
         try:
             async for output in outputs:

@@ -188,7 +188,8 @@ async def _describe(request: web.Request) -> web.Response:
 
 
 async def _models(request: web.Request) -> web.Response:
-    return model_list(request.app[CONTEXT_KEY].settings.served_model_name)
+    ctx = request.app[CONTEXT_KEY]
+    return model_list(ctx.settings.served_model_name, ctx.engine.info.context_window)
 
 
 async def _metrics(request: web.Request) -> web.Response:
@@ -270,6 +271,7 @@ async def _serve(request: web.Request, kind: RequestKind) -> web.StreamResponse:
         request_id=("chatcmpl-" if kind == "chat" else "cmpl-") + secrets.token_hex(12), prompt_ids=prompt_ids,
         max_tokens=max_tokens, k=k, resumed_tokens=len(resume.output_ids) if resume is not None else 0,
         tree=_tree_of(ctx, req), method=_method_of(ctx, req), session=request.headers.get(SESSION_HEADER),
+        cache_scope=req.cache_salt or "",
         params=SamplingParams(temperature=req.temperature, top_p=req.top_p, top_k=req.top_k, seed=req.seed,
                               position_offset=len(resume.output_ids) if resume is not None else 0,
                               ignore_eos=req.ignore_eos, min_tokens=req.min_tokens))

@@ -16,6 +16,7 @@ from workers.engines.embedded.engine import GenerationRequest, SpeculativeEngine
 from workers.engines.embedded.llama import LlamaForCausalLM
 from workers.engines.embedded.lookup import suffix as suffix_module
 from workers.engines.embedded.lookup.ngram import NgramIndex
+from workers.engines.embedded.lookup.proposer import LookupProposer
 from workers.engines.embedded.lookup.suffix import KEY_LEN, SequenceKeys, SuffixStore
 from workers.engines.embedded.sampling import SamplingParams, verify_point_mass
 
@@ -251,3 +252,39 @@ def test_unseeded_sampling_with_lookup_matches_the_target(target_model: LlamaFor
         proposed += sum(e.proposed for e in events)
     assert proposed > 0
     assert chi_square(draws, p) > 1e-3
+
+
+# -- cache scopes (issue 52) --------------------------------------------------------------------
+def test_documents_are_matched_within_their_scope_only() -> None:
+    """An output is every session's of its scope, never another scope's; a prompt is its own
+    session's within its scope (the same session id under two scopes: two sessions)."""
+    store = SuffixStore()
+    store.add([1, 2, 3, 4, 5, 6], "s", shared=True, scope="a")
+    store.add([11, 12, 13, 14, 15, 16], "s", shared=False, scope="a")
+    assert store.propose([0, 1, 2, 3], "other", 3, scope="a") == [4, 5, 6]
+    assert store.propose([0, 1, 2, 3], "other", 3, scope="b") == []
+    assert store.propose([0, 1, 2, 3], "other", 3) == []  # the default scope is a scope too
+    assert store.propose([0, 11, 12, 13], "s", 3, scope="a") == [14, 15, 16]
+    assert store.propose([0, 11, 12, 13], "s", 3, scope="b") == []
+
+
+def test_many_scopes_share_one_bound() -> None:
+    bound = 1 << 20
+    store = SuffixStore(max_bytes=bound)
+    document = list(range(200))
+    peak = 0
+    for salt in range(5_000):  # one tenant, ever new salts, the same text
+        store.add(document, "s", shared=True, scope=f"{salt:032x}")
+        peak = max(peak, store.memory_bytes())
+    assert peak <= bound and store.documents < 5_000
+    assert store.propose(document[:20], None, 4, scope=f"{4_999:032x}") == document[20:24]
+    assert store.propose(document[:20], None, 4, scope=f"{0:032x}") == []  # evicted, not leaked
+
+
+def test_the_proposer_keeps_each_requests_documents_in_its_scope() -> None:
+    lookup = LookupProposer()
+    prompt, output = list(range(50, 80)), list(range(80, 120))
+    lookup.finished("a1", prompt, output, "sess", scope="tenant-a")
+    context = prompt + output[:10]
+    assert lookup.propose("a2", "suffix", context, "sess", 8, scope="tenant-a") == output[10:18]
+    assert lookup.propose("b1", "suffix", context, "sess", 8, scope="tenant-b") == []

@@ -220,3 +220,40 @@ def test_a_bound_below_one_block_keeps_nothing(target_model: LlamaForCausalLM) -
     cache = PrefixCache(1000, CHUNK)  # bytes: less than one block's K/V
     _store(cache, kv, list(range(3 * CHUNK)))
     assert not cache.blocks and cache.bytes_held == 0 and cache.lookup(list(range(3 * CHUNK)), 3 * CHUNK) == []
+
+
+# -- cache scopes (issue 52: one tenant's prompts never show in another's answers) -------------------
+def test_a_scope_never_reads_blocks_another_scope_wrote(target_model: LlamaForCausalLM) -> None:
+    kv = KVCache.allocate(target_model.cfg, 1, torch.float32, 192)
+    cache = PrefixCache(8 * MB, CHUNK)
+    prompt = list(range(3 * CHUNK))
+    cache.store_target(prompt, len(prompt), kv, 0, "tenant-a")
+    assert len(cache.lookup(prompt, len(prompt), "tenant-a")) == 3  # its own scope hits
+    assert cache.lookup(prompt, len(prompt), "tenant-b") == []  # another scope misses...
+    assert cache.lookup(prompt, len(prompt)) == []  # ...and so does the default one
+    cache.store_target(prompt, len(prompt), kv, 0, "tenant-b")  # each keeps its own copy
+    assert len(cache.blocks) == 6 and {b.scope for b in cache.blocks.values()} == {"tenant-a", "tenant-b"}
+
+
+def test_an_engine_shares_cached_prompts_within_a_scope_only(models: tuple[LlamaForCausalLM, LlamaForCausalLM]
+                                                             ) -> None:
+    eng = engine(models, 8 * MB)
+    assert first_cached(eng, GenerationRequest("a1", PROMPTS[0], 4, GREEDY, cache_scope="a")) == 0
+    assert first_cached(eng, GenerationRequest("b1", PROMPTS[1], 4, GREEDY, cache_scope="b")) == 0  # same system
+    assert first_cached(eng, GenerationRequest("a2", PROMPTS[1], 4, GREEDY, cache_scope="a")) == 2 * CHUNK
+    assert first_cached(eng, GenerationRequest("d1", PROMPTS[1], 4, GREEDY)) == 0
+
+
+def test_many_scopes_share_one_bound(target_model: LlamaForCausalLM) -> None:
+    """A tenant that sends the same prompt under ever new salts (scopes) cannot grow the cache
+    past its one bound: the bytes stay within it and the oldest scopes' blocks go first."""
+    kv = KVCache.allocate(target_model.cfg, 1, torch.float32, 192)
+    bound = 1 * MB
+    cache = PrefixCache(bound, CHUNK)
+    prompt = list(range(3 * CHUNK))
+    peak = 0
+    for salt in range(2_000):
+        cache.store_target(prompt, len(prompt), kv, 0, f"salt-{salt}")
+        peak = max(peak, cache.bytes_held)
+    assert peak <= bound and cache.stats.evicted_blocks > 0
+    assert cache.lookup(prompt, len(prompt), "salt-0") == [] and len(cache.lookup(prompt, len(prompt), "salt-1999")) == 3

@@ -119,7 +119,7 @@ def test_the_replay_of_a_long_output_is_cheap() -> None:
     lookup.finished("earlier", prompt, output[:1000], "s")  # the store holds a similar request
     started = time.perf_counter()
     for method in ("ngram", "suffix"):
-        steps = replay_steps(_proposer_for(lookup, method, "s"), prompt, output, None, 8, 1, 2000, 4096)
+        steps = replay_steps(_proposer_for(lookup, method, "s", ""), prompt, output, None, 8, 1, 2000, 4096)
         assert sum(min(a + 1, 2000) for _, a in steps) >= 2000 - 8
     elapsed = time.perf_counter() - started
     print(f"replay of both methods over 2,000 output tokens: {elapsed * 1000:.1f} ms")

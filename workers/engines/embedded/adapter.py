@@ -155,7 +155,7 @@ class EmbeddedEngine:
         self._runner.start()
         self._info = EngineInfo(
             kind="embedded", max_k=engine.max_k, max_slots=engine.max_slots,
-            context_window=engine.max_positions - engine.max_k, vocab_size=engine.target.cfg.vocab_size,
+            context_window=engine.max_positions, vocab_size=engine.target.cfg.vocab_size,
             eos_token_ids=engine.eos_ids, tree_max_nodes=engine.max_tree_nodes,
             methods=("draft", "ngram", "suffix") if engine.lookup is not None else (),
             shadow_lookup=engine.lookup is not None, prefix_cache=engine.prefix is not None,

@@ -127,9 +127,10 @@ class SpeculativeEngine:
             raise ValueError("prompt must contain at least one token")
         if max_tokens < 1:
             raise ValueError("max_tokens must be at least 1")
-        if prompt_len + max_tokens + self.max_k > self.max_positions:
+        # No room held back for drafts: near the end a step drafts fewer (_room; trees where they fit).
+        if prompt_len + max_tokens > self.max_positions:
             raise ValueError(f"prompt ({prompt_len} tokens) + max_tokens ({max_tokens}) exceeds the context "
-                             f"window of {self.max_positions - self.max_k} tokens")
+                             f"window of {self.max_positions} tokens")
 
     def add(self, request: GenerationRequest) -> None:
         self.validate(len(request.prompt_ids), request.max_tokens)
@@ -230,7 +231,7 @@ class SpeculativeEngine:
             if self._looks_up(seq):
                 assert self.lookup is not None
                 seq.drafts = self.lookup.propose(seq.request.request_id, seq.request.method, seq.tokens,
-                                                 seq.request.session, k)
+                                                 seq.request.session, k, seq.request.cache_scope)
                 seq.step_k, seq.step_tree = len(seq.drafts), None
                 continue
             seq.step_k = self._room(seq, common) if common is not None and k > 0 else k
@@ -252,7 +253,8 @@ class SpeculativeEngine:
         if self.prefix is not None:  # the chunks a prefill just computed, for later requests
             for seq, row, logits in zip(seqs, rows, target_logits, strict=True):
                 if row.fused and logits is not None:
-                    self.prefix.store_target(seq.tokens, row.start + row.fused, self.target_cache, seq.slot)
+                    self.prefix.store_target(seq.tokens, row.start + row.fused, self.target_cache, seq.slot,
+                                             seq.request.cache_scope)
         self.last_draft_s, self.last_target_s = proposed - started, time.perf_counter() - proposed
         drafting = [s.step_k for s in drafted if s.request.request_id not in failed]  # a tree: its depth
         self.last_shape = StepShape(len(rows), max((len(r.new_tokens) for r in rows), default=0),
@@ -422,11 +424,12 @@ class SpeculativeEngine:
         if finish is not None:
             if self.prefix is not None and self.draft_cache is not None and seq.draft_len > 0:
                 fused = len(seq.request.prompt_ids) - seq.request.resumed_tokens
-                self.prefix.store_draft(seq.tokens, min(seq.draft_len, fused), self.draft_cache, seq.slot)
+                self.prefix.store_draft(seq.tokens, min(seq.draft_len, fused), self.draft_cache, seq.slot,
+                                        seq.request.cache_scope)
             if self.lookup is not None:  # the suffix store keeps the finished prompt and output
                 request = seq.request
                 self.lookup.finished(request.request_id, request.prompt_ids, seq.tokens[len(request.prompt_ids):],
-                                     request.session)
+                                     request.session, request.cache_scope)
             self.abort(seq.request.request_id)
         return StepEvent(seq.request.request_id, emitted, seq.step_k, accepted, depth, finish, eos=finish == "stop",
                          path=path, cached_tokens=cached, shadow=shadow)

@@ -8,11 +8,13 @@ same chunks as a cold run, and its output is the cold run's, greedy and seeded, 
 
 Only full chunks of a prompt's fused prefill are kept (never tokens a decode or verification step
 computed: those are row-invariant single positions, which a cold prefill computes otherwise).
-Each block is keyed by a hash chain (its tokens and its parent's key) and holds the target's K/V,
-and the draft's once the draft has caught up on it. The store is bounded in bytes (the tensors'
-own sizes), least recently used first out; a lookup refreshes a chain from its tail to its head,
-so a shared system prompt outlives the conversations that extended it, and a head never goes
-while its tail stays.
+Each block is keyed by a hash chain (its cache scope, its tokens and its parent's key) and holds
+the target's K/V, and the draft's once the draft has caught up on it. The scope is the request's
+``cache_salt`` (behind the gateway, the digest of its tenant and salt: gateway/tenancy.py): a
+block is found only by a request of the scope that wrote it, compared in full, not by its hash.
+The store is bounded in bytes (the tensors' own sizes), one bound for every scope, least recently
+used first out; a lookup refreshes a chain from its tail to its head, so a shared system prompt
+outlives the conversations that extended it, and a head never goes while its tail stays.
 """
 
 from __future__ import annotations
@@ -44,6 +46,7 @@ BlockKey = int
 class Block:
     key: BlockKey
     parent: BlockKey | None
+    scope: str  # the cache scope of the request that wrote it ("" the default)
     tokens: tuple[int, ...]
     target: tuple[torch.Tensor, torch.Tensor]  # K, V: (layers, kv_heads, PREFILL_CHUNK, head_dim)
     draft: tuple[torch.Tensor, torch.Tensor] | None = None
@@ -73,27 +76,30 @@ class PrefixCache:
     bytes_held: int = 0
     stats: PrefixStats = field(default_factory=PrefixStats)
 
-    def chain(self, tokens: list[int], blocks: int) -> list[tuple[BlockKey, BlockKey | None, tuple[int, ...]]]:
-        """(key, parent, tokens) of the first ``blocks`` full chunks of ``tokens``."""
+    def chain(self, tokens: list[int], blocks: int, scope: str
+              ) -> list[tuple[BlockKey, BlockKey | None, tuple[int, ...]]]:
+        """(key, parent, tokens) of the first ``blocks`` full chunks of ``tokens`` in ``scope``."""
         out: list[tuple[BlockKey, BlockKey | None, tuple[int, ...]]] = []
         parent: BlockKey | None = None
         for b in range(blocks):
             piece = tuple(tokens[b * self.chunk:(b + 1) * self.chunk])
-            key = hash((parent, piece))
+            key = hash((scope, parent, piece))
             out.append((key, parent, piece))
             parent = key
         return out
 
-    def lookup(self, tokens: list[int], reusable: int) -> list[Block]:
-        """The cached blocks at the start of ``tokens``, at most ``reusable`` tokens' worth."""
+    def lookup(self, tokens: list[int], reusable: int, scope: str = "") -> list[Block]:
+        """The cached blocks at the start of ``tokens`` that ``scope`` wrote, at most ``reusable``
+        tokens' worth."""
         found: list[Block] = []
         if self.bound_bytes <= 0 or reusable < self.chunk:
             return found
         self.stats.lookups += 1
-        for key, parent, piece in self.chain(tokens, reusable // self.chunk):
+        for key, parent, piece in self.chain(tokens, reusable // self.chunk, scope):
             block = self.blocks.get(key)
-            # The tokens and the parent, not the hash alone: a collision must not serve other KV.
-            if block is None or block.parent != parent or block.tokens != piece:
+            # The scope, tokens and parent, not the hash alone: a collision must not serve other
+            # KV, least of all another tenant's.
+            if block is None or block.parent != parent or block.scope != scope or block.tokens != piece:
                 break
             found.append(block)
         self._refresh(found)
@@ -102,16 +108,16 @@ class PrefixCache:
             self.stats.cached_tokens += len(found) * self.chunk
         return found
 
-    def store_target(self, tokens: list[int], computed: int, cache: KVCache, slot: int) -> None:
+    def store_target(self, tokens: list[int], computed: int, cache: KVCache, slot: int, scope: str = "") -> None:
         """Keeps the target's K/V of the full chunks among ``tokens[:computed]`` (a fused prefill
-        just computed them in ``slot``) that are not held yet."""
+        just computed them in ``slot``, for a request of ``scope``) that are not held yet."""
         if self.bound_bytes <= 0:
             return
         held: list[Block] = []
-        for b, (key, parent, piece) in enumerate(self.chain(tokens, computed // self.chunk)):
+        for b, (key, parent, piece) in enumerate(self.chain(tokens, computed // self.chunk, scope)):
             block = self.blocks.get(key)
             if block is None:
-                block = Block(key, parent, piece, _copy_out(cache, slot, b * self.chunk, self.chunk))
+                block = Block(key, parent, scope, piece, _copy_out(cache, slot, b * self.chunk, self.chunk))
                 # The chain so far most recent, its head last: room comes from other blocks, and
                 # from this chain only tail first, so no block is ever kept without its head.
                 self._refresh(held)
@@ -120,19 +126,19 @@ class PrefixCache:
                 self.blocks[key] = block
                 self.bytes_held += block.nbytes
                 self.stats.stored_blocks += 1
-            elif block.parent != parent or block.tokens != piece:
+            elif block.parent != parent or block.scope != scope or block.tokens != piece:
                 break
             held.append(block)
         self._refresh([h for h in held if h.key in self.blocks])
 
-    def store_draft(self, tokens: list[int], computed: int, cache: KVCache, slot: int) -> None:
-        """Adds the draft's K/V to the held blocks among ``tokens[:computed]`` that lack it."""
+    def store_draft(self, tokens: list[int], computed: int, cache: KVCache, slot: int, scope: str = "") -> None:
+        """Adds the draft's K/V to the held blocks of ``scope`` among ``tokens[:computed]`` that lack it."""
         if self.bound_bytes <= 0:
             return
         held: list[Block] = []
-        for key, parent, piece in self.chain(tokens, computed // self.chunk):
+        for key, parent, piece in self.chain(tokens, computed // self.chunk, scope):
             block = self.blocks.get(key)
-            if block is None or block.parent != parent or block.tokens != piece:
+            if block is None or block.parent != parent or block.scope != scope or block.tokens != piece:
                 break
             held.append(block)
         self._refresh(held)  # as in store_target: room from this chain comes tail first
@@ -202,7 +208,7 @@ def reuse(prefix: PrefixCache, seq: Sequence, target_cache: KVCache, draft_cache
     """A new sequence starts from the cached chunks of its prompt's fused part (``fused_prompt``
     tokens; a resumed request's output is computed row-invariant, never reused), leaving at least
     one of them to prefill: the target's K/V, and the draft's as far as the blocks hold it."""
-    blocks = prefix.lookup(seq.tokens, fused_prompt - 1)
+    blocks = prefix.lookup(seq.tokens, fused_prompt - 1, seq.request.cache_scope)
     if not blocks:
         return
     copy_in(target_cache, seq.slot, [b.target for b in blocks], prefix.chunk)

@@ -100,6 +100,7 @@ class SimEngine:
         # Per request, while the cache is on: its prompt and output so far (cached when it
         # finishes), and its cached prompt tokens until its first event reports them.
         self._tokens: dict[str, list[int]] = {}
+        self._scopes: dict[str, str] = {}  # each request's cache scope (the prefix cache's blocks are per scope)
         self._cached: dict[str, int] = {}
         # Per request whose shadow evidence is exact (T=0 or seeded; shadow.py): what its replay draws from.
         self._shadows: dict[str, tuple[str, float, Method | None, int, int, random.Random]] = {}
@@ -198,8 +199,9 @@ class SimEngine:
         temperature = request.params.temperature
         cached = 0
         if self.prefix_cache.enabled:
-            cached = self.prefix_cache.lookup(request.prompt_ids)
+            cached = self.prefix_cache.lookup(request.prompt_ids, request.cache_scope)
             self._tokens[request.request_id] = list(request.prompt_ids)
+            self._scopes[request.request_id] = request.cache_scope
             self._cached[request.request_id] = cached
             self._details["sim"]["prefix_cache"] = self._prefix_view()
         # The cached tokens are KV the step reads, never prefilled: prefill is charged for the rest.
@@ -232,6 +234,7 @@ class SimEngine:
             self._sinks.pop(request.request_id, None)
             self._ids.pop(request.request_id, None)
             self._tokens.pop(request.request_id, None)
+            self._scopes.pop(request.request_id, None)
             self._cached.pop(request.request_id, None)
             self._shadows.pop(request.request_id, None)
             if not finished:
@@ -294,11 +297,12 @@ class SimEngine:
         held = self._tokens.get(rid)
         if held is None:
             return
+        scope = self._scopes.get(rid, "")
         if first:
-            self.prefix_cache.insert(held)
+            self.prefix_cache.insert(held, scope)
         held.extend(tokens)
         if finished:
-            self.prefix_cache.insert(held)
+            self.prefix_cache.insert(held, scope)
             self._details["sim"]["prefix_cache"] = self._prefix_view()
 
     def _prefix_view(self) -> dict[str, int | float]:

@@ -19,11 +19,12 @@ from dataclasses import dataclass
 BLOCK_TOKENS = 16  # vLLM's default KV block size
 
 
-def block_keys(token_ids: Sequence[int]) -> list[int]:
+def block_keys(token_ids: Sequence[int], scope: str = "") -> list[int]:
     """The hash chain of ``token_ids``'s full blocks (a trailing partial block is never cached:
-    vLLM caches full blocks only)."""
+    vLLM caches full blocks only), rooted in the request's cache scope as vLLM roots its first
+    block's hash in the request's ``cache_salt``: another scope's same tokens have other keys."""
     keys: list[int] = []
-    key = 0
+    key = hash(("scope", scope)) if scope else 0
     for start in range(0, len(token_ids) - len(token_ids) % BLOCK_TOKENS, BLOCK_TOKENS):
         key = hash((key, tuple(token_ids[start:start + BLOCK_TOKENS])))
         keys.append(key)
@@ -55,7 +56,7 @@ class PrefixCache:
     def tokens_held(self) -> int:
         return len(self._blocks) * BLOCK_TOKENS
 
-    def lookup(self, prompt_ids: Sequence[int]) -> int:
+    def lookup(self, prompt_ids: Sequence[int], scope: str = "") -> int:
         """Prompt tokens already cached: its leading blocks held here, up to the first miss. At
         least one prompt token is always left to prefill (its logits make the first output
         token), so a prompt cached whole gives back its last block. The hit blocks become the
@@ -63,7 +64,7 @@ class PrefixCache:
         if not self.enabled:
             return 0
         matched: list[int] = []
-        for key in block_keys(prompt_ids):
+        for key in block_keys(prompt_ids, scope):
             if key not in self._blocks:
                 break
             matched.append(key)
@@ -77,12 +78,12 @@ class PrefixCache:
         self.stats.prompt_tokens += len(prompt_ids)
         return cached
 
-    def insert(self, token_ids: Sequence[int]) -> None:
+    def insert(self, token_ids: Sequence[int], scope: str = "") -> None:
         """The worker now holds KV for ``token_ids``'s full blocks (a prompt once prefilled; a
-        prompt and its output once finished)."""
+        prompt and its output once finished), in the request's cache scope."""
         if not self.enabled:
             return
-        keys = block_keys(token_ids)[:self.max_blocks]  # a sequence longer than the cache keeps its head
+        keys = block_keys(token_ids, scope)[:self.max_blocks]  # a sequence longer than the cache keeps its head
         self._touch(keys)
         while len(self._blocks) > self.max_blocks:
             self._blocks.popitem(last=False)

@@ -51,8 +51,9 @@ class LookupProposer:
         self._keys: dict[str, SequenceKeys] = {}
 
     def propose(self, request_id: str, method: Method, tokens: Sequence[int], session: str | None,
-                k: int) -> list[int]:
-        """Up to ``k`` point-mass proposals for the sequence ``tokens`` (prompt and output so far)."""
+                k: int, scope: str = "") -> list[int]:
+        """Up to ``k`` point-mass proposals for the sequence ``tokens`` (prompt and output so far);
+        the suffix store's from the documents of the request's cache ``scope`` only."""
         if k <= 0:
             return []
         if method == "ngram":
@@ -64,15 +65,17 @@ class LookupProposer:
         keys = self._keys.get(request_id)
         if keys is None:
             keys = self._keys[request_id] = SequenceKeys()
-        return self.suffix.propose(tokens, session, k, keys)
+        return self.suffix.propose(tokens, session, k, keys, scope=scope)
 
-    def finished(self, request_id: str, prompt: Sequence[int], output: Sequence[int], session: str | None) -> None:
-        """A sequence ended with its output: the store keeps both (whatever its method was)."""
+    def finished(self, request_id: str, prompt: Sequence[int], output: Sequence[int], session: str | None,
+                 scope: str = "") -> None:
+        """A sequence ended with its output: the store keeps both (whatever its method was), in
+        the request's cache scope."""
         self.drop(request_id)
         if self.settings.suffix_cache_bytes > 0:
             if session is not None:  # a prompt is matched for its own session only
-                self.suffix.add(prompt, session, shared=False)
-            self.suffix.add(output, session, shared=True)
+                self.suffix.add(prompt, session, shared=False, scope=scope)
+            self.suffix.add(output, session, shared=True, scope=scope)
 
     def drop(self, request_id: str) -> None:
         self._ngrams.pop(request_id, None)

@@ -59,14 +59,14 @@ def replay_steps(propose: Propose, prompt: Sequence[int], output: Sequence[int],
     return steps
 
 
-def _proposer_for(lookup: LookupProposer, method: Method, session: str | None) -> Propose:
+def _proposer_for(lookup: LookupProposer, method: Method, session: str | None, scope: str) -> Propose:
     """A fresh per-sequence index for ``method``, as a running sequence's would be; the suffix
     store is read as it stands (before this request's own documents join it) and left untouched."""
     if method == "ngram":
         index = NgramIndex(lookup.settings.prompt_lookup_min, lookup.settings.prompt_lookup_max)
         return index.propose
     keys = SequenceKeys()
-    return lambda tokens, k: lookup.suffix.propose(tokens, session, k, keys, touch=False)
+    return lambda tokens, k: lookup.suffix.propose(tokens, session, k, keys, touch=False, scope=scope)
 
 
 def shadow_at_finish(lookup: LookupProposer, seq: EngineSequence, stop_token: int | None, max_k: int,
@@ -85,7 +85,8 @@ def shadow_at_finish(lookup: LookupProposer, seq: EngineSequence, stop_token: in
     out = []
     for method in METHODS:
         if is_lookup(method) and method != ran:
-            steps = replay_steps(_proposer_for(lookup, method, request.session), request.prompt_ids, output,
+            propose = _proposer_for(lookup, method, request.session, request.cache_scope)
+            steps = replay_steps(propose, request.prompt_ids, output,
                                  stop_token, seq.k if seq.k > 0 else max_k, plain_prefix, request.max_tokens,
                                  max_positions)
             out.append(shadow_of(method, steps))

@@ -4,22 +4,28 @@ worker's recent outputs, and the sequence itself.
 
 **The structure.** A ``SuffixStore`` per worker holds *documents* (token arrays): each finished
 request's prompt (visible to its own session only) and output (visible to its session, and to
-every session as one of the worker's recent outputs). An index maps each ``KEY_LEN``-gram (packed
-into one int) to its most recent occurrences (at most ``MAX_OCCURRENCES`` per key), each a (document, position of the
-token that followed it). A proposal takes the occurrences of the sequence's last ``KEY_LEN``
-tokens, in the store and in the sequence itself, extends each backwards to its match length (up
-to ``MAX_MATCH``), keeps those with the longest match, and walks forward: at each depth the token
-most of the remaining candidates continue with, while it holds at least ``MIN_SHARE`` of them;
-the candidates that disagree drop out. That is a walk down a suffix tree's most frequent path,
-computed lazily from the occurrences. The proposal is at most K long, and at most
-``LENGTH_PER_MATCH`` × the match length (SuffixDecoding's adaptive length: a short match is weak
-evidence, so it speculates little).
+every session as one of the worker's recent outputs), each within its cache scope: a document is
+never matched for a request of another scope (``cache_salt``, behind the gateway the digest of
+its tenant and salt, gateway/tenancy.py), so no tenant is proposed another's text. The index is
+shared by the scopes and filtered at proposal (a key's most recent occurrences may then be
+another scope's: they cost that scope's proposals quality, never leak their text).
+
+An index maps each ``KEY_LEN``-gram (packed into one int) to its most recent occurrences (at
+most ``MAX_OCCURRENCES`` per key), each a (document, position of the token that followed it). A
+proposal takes the occurrences of the sequence's last ``KEY_LEN`` tokens, in the store and in
+the sequence itself, extends each backwards to its match length (up to ``MAX_MATCH``), keeps
+those with the longest match, and walks forward: at each depth the token most of the remaining
+candidates continue with, while it holds at least ``MIN_SHARE`` of them; the candidates that
+disagree drop out. That is a walk down a suffix tree's most frequent path, computed lazily from
+the occurrences. The proposal is at most K long, and at most ``LENGTH_PER_MATCH`` × the match
+length (SuffixDecoding's adaptive length: a short match is weak evidence, so it speculates
+little).
 
 **The memory bound.** ``max_bytes`` bounds ``memory_bytes()``, an upper bound of what the
 store allocates, by a formula (O(1) to evaluate, kept as counters)::
 
     TOKEN_BYTES × tokens + DOCUMENT_BYTES × documents + session bytes (each document's session
-    id, sys.getsizeof) + KEY_BYTES × index keys + OCCURRENCE_BYTES × occurrences
+    id and scope, sys.getsizeof) + KEY_BYTES × index keys + OCCURRENCE_BYTES × occurrences
 
 A key costs its packed int, its list's header and its dict slot (with the dict's growth slack);
 an occurrence, its int and its list slot; a document, its array's header, its object and its
@@ -58,7 +64,8 @@ KEY_BASE = 1 << 20  # token ids below this (any vocabulary here) pack KEY_LEN of
 class _Document:
     tokens: array[int]
     session: str | None
-    shared: bool  # an output: every session may match it; a prompt: its own session only
+    shared: bool  # an output: every session of its scope may match it; a prompt: its own session only
+    scope: str  # the cache scope of the request it came from ("" the default)
 
 
 class SuffixStore:
@@ -77,24 +84,24 @@ class SuffixStore:
                 + len(self._index) * KEY_BYTES + self._entries * OCCURRENCE_BYTES)
 
     @staticmethod
-    def largest_cost(length: int, session: str | None) -> int:
+    def largest_cost(length: int, session: str | None, scope: str = "") -> int:
         """What a document of ``length`` tokens may add to ``memory_bytes()`` at most (every key new)."""
-        return (length * TOKEN_BYTES + DOCUMENT_BYTES + _session_size(session)
+        return (length * TOKEN_BYTES + DOCUMENT_BYTES + _owner_size(session, scope)
                 + (length - KEY_LEN) * (KEY_BYTES + OCCURRENCE_BYTES))
 
     @property
     def documents(self) -> int:
         return len(self._documents)
 
-    def add(self, tokens: Sequence[int], session: str | None, shared: bool) -> None:
-        """A finished request's prompt (``shared`` False) or output (True)."""
-        if len(tokens) <= KEY_LEN or self.largest_cost(len(tokens), session) > self.max_bytes:
+    def add(self, tokens: Sequence[int], session: str | None, shared: bool, scope: str = "") -> None:
+        """A finished request's prompt (``shared`` False) or output (True), in its cache scope."""
+        if len(tokens) <= KEY_LEN or self.largest_cost(len(tokens), session, scope) > self.max_bytes:
             return
         doc_id, self._next_id = self._next_id, self._next_id + 1
-        document = _Document(array("i", tokens), session, shared)
+        document = _Document(array("i", tokens), session, shared, scope)
         self._documents[doc_id] = document
         self._tokens += len(tokens)
-        self._session_bytes += _session_size(session)
+        self._session_bytes += _owner_size(session, scope)
         for pos, key in enumerate(_keys(tokens, KEY_LEN, len(tokens)), KEY_LEN):
             occurrences = self._index.get(key)
             if occurrences is None:
@@ -111,7 +118,7 @@ class SuffixStore:
         document = self._documents.pop(doc_id)
         tokens = document.tokens
         self._tokens -= len(tokens)
-        self._session_bytes -= _session_size(document.session)
+        self._session_bytes -= _owner_size(document.session, document.scope)
         for pos, key in enumerate(_keys(tokens, KEY_LEN, len(tokens)), KEY_LEN):
             occurrences = self._index.get(key)
             if occurrences is None:
@@ -126,10 +133,11 @@ class SuffixStore:
 
     # -- proposing ------------------------------------------------------------------------------
     def propose(self, tokens: Sequence[int], session: str | None, k: int,
-                own: SequenceKeys | None = None, touch: bool = True) -> list[int]:
+                own: SequenceKeys | None = None, touch: bool = True, scope: str = "") -> list[int]:
         """Up to ``k`` tokens continuing ``tokens`` (the sequence so far, whose own earlier
-        occurrences ``own`` indexes); [] where nothing matches. ``touch`` False leaves the LRU
-        order alone (a replay, lookup/replay.py, proposes nothing anyone runs)."""
+        occurrences ``own`` indexes) from the documents of ``scope``; [] where nothing matches.
+        ``touch`` False leaves the LRU order alone (a replay, lookup/replay.py, proposes nothing
+        anyone runs)."""
         if k <= 0 or len(tokens) <= KEY_LEN:
             return []
         key = _key(tokens, len(tokens))
@@ -138,7 +146,8 @@ class SuffixStore:
         for occurrence in self._index.get(key, ()):
             doc_id, pos = occurrence >> POSITION_BITS, occurrence & ((1 << POSITION_BITS) - 1)
             document = self._documents.get(doc_id)
-            if document is not None and (document.shared or (session is not None and document.session == session)):
+            if document is not None and document.scope == scope and (
+                    document.shared or (session is not None and document.session == session)):
                 candidates.append((document.tokens, pos))
                 sources[id(document.tokens)] = doc_id
         # The sequence itself, where its last KEY_LEN tokens occurred before.
@@ -191,8 +200,8 @@ class SequenceKeys:
         return list(self._positions.get(key, ()))
 
 
-def _session_size(session: str | None) -> int:
-    return 0 if session is None else sys.getsizeof(session)
+def _owner_size(session: str | None, scope: str) -> int:
+    return (0 if session is None else sys.getsizeof(session)) + (sys.getsizeof(scope) if scope else 0)
 
 
 def _key(tokens: Sequence[int], end: int) -> int:
