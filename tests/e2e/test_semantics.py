@@ -11,6 +11,7 @@
 from __future__ import annotations
 
 import asyncio
+import http.client
 import json
 import urllib.request
 from collections.abc import Iterator
@@ -281,3 +282,81 @@ def test_min_tokens_above_max_tokens_is_refused_naming_it(client: openai.OpenAI)
     with pytest.raises(openai.BadRequestError) as info:
         client.completions.create(model="specgate-demo", prompt=SHORT, max_tokens=4, extra_body={"min_tokens": 5})
     assert info.value.body["param"] == "min_tokens"  # type: ignore[index]
+
+
+# -- issue 52's smaller findings ----------------------------------------------------------------------
+COUNT_PROMPT = "import os\n\n\ndef list_python_files(root):\n    "
+
+
+def _tokens_to_complete(client: openai.OpenAI, stop: str, occurrence: int, limit: int) -> int:
+    """How many output tokens the greedy answer has when ``stop``'s ``occurrence``-th match is complete."""
+    low, high = 1, limit  # the fewest tokens whose text holds it: a binary search on max_tokens
+    while low < high:
+        middle = (low + high) // 2
+        text = complete(client, False, prompt=COUNT_PROMPT, max_tokens=middle, temperature=0).text
+        if text.count(stop) >= occurrence:
+            high = middle
+        else:
+            low = middle + 1
+    return low
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_min_tokens_with_stop_as_vllm(client: openai.OpenAI, stream: bool) -> None:
+    """A stop completed by token ``min_tokens`` or earlier stays and generation goes on; one
+    completed after it ends the text before it (vLLM's detokenizer; tests/unit/test_text.py has
+    the table)."""
+    free = complete(client, False, prompt=COUNT_PROMPT, max_tokens=64, temperature=0).text
+    stop = next(c for c in ("(", ")", ":", "\n", " ") if free.count(c) >= 2)
+    first = _tokens_to_complete(client, stop, 1, 64)
+    second_at = free.index(stop, free.index(stop) + 1)
+    kept = complete(client, stream, prompt=COUNT_PROMPT, max_tokens=64, temperature=0, stop=[stop],
+                    extra_body={"min_tokens": first})
+    assert (kept.text, kept.finish) == (free[:second_at], "stop"), (stop, first, free)
+    cut = complete(client, stream, prompt=COUNT_PROMPT, max_tokens=64, temperature=0, stop=[stop],
+                   extra_body={"min_tokens": first - 1})
+    assert (cut.text, cut.finish) == (free[:free.index(stop)], "stop"), (stop, first, free)
+
+
+def test_stream_options_without_stream_is_refused(client: openai.OpenAI) -> None:
+    for stream in (None, False):
+        with pytest.raises(openai.BadRequestError) as info:
+            client.completions.create(model="specgate-demo", prompt=SHORT, max_tokens=2,
+                                      stream=stream, stream_options={"include_usage": True})
+        body: Any = info.value.body
+        assert body == {"message": "Stream options can only be defined when `stream=True`.",
+                        "type": "invalid_request_error", "param": "stream_options", "code": None}
+
+
+def test_a_non_ascii_session_id_is_refused_naming_the_header(gateway: Gateway) -> None:
+    connection = http.client.HTTPConnection("127.0.0.1", gateway.port, timeout=30)
+    body = json.dumps({"model": "specgate-demo", "prompt": SHORT, "max_tokens": 1}).encode()
+    connection.putrequest("POST", "/v1/completions")
+    connection.putheader("Content-Type", "application/json")
+    connection.putheader("Content-Length", str(len(body)))
+    connection.putheader("X-Session-ID", "café-session".encode())  # UTF-8 bytes on the wire
+    connection.endheaders(body)
+    response = connection.getresponse()
+    error = json.loads(response.read())["error"]
+    connection.close()
+    assert response.status == 400 and error["param"] == "X-Session-ID" and "ASCII" in error["message"]
+
+
+def test_the_window_a_client_sees_is_the_configured_one(gateway: Gateway, client: openai.OpenAI) -> None:
+    """The whole slot is the window (no positions held back for drafts), reported alike by
+    /v1/models, /tokenize and the 400."""
+    window = gateway.get_json("/v1/models")["data"][0]["max_model_len"]
+    assert window == 1024  # the demo target's max_position_embeddings
+    request = urllib.request.Request(gateway.url + "/tokenize", data=json.dumps(
+        {"model": "specgate-demo", "prompt": "x"}).encode(), headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=30) as response:
+        assert json.loads(response.read())["max_model_len"] == window
+    usage = client.completions.create(model="specgate-demo", prompt=SHORT, max_tokens=1).usage
+    assert usage is not None
+    prompt_tokens = usage.prompt_tokens
+    answer = client.completions.create(model="specgate-demo", prompt=SHORT, max_tokens=window - prompt_tokens,
+                                       temperature=0, extra_body={"ignore_eos": True})
+    assert answer.usage is not None and answer.usage.total_tokens == window  # the last position is usable
+    with pytest.raises(openai.BadRequestError) as info:
+        client.completions.create(model="specgate-demo", prompt=SHORT, max_tokens=window - prompt_tokens + 1)
+    assert f"context window of {window}" in info.value.body["message"]  # type: ignore[index]

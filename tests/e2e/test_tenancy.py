@@ -67,7 +67,8 @@ def ask(base_url: str, key: str, system: str, question: str, session: str | None
     with openai.OpenAI(base_url=base_url, api_key=key, max_retries=0, timeout=60) as client:
         started = time.perf_counter()
         raw = client.chat.completions.with_raw_response.create(
-            model="specgate-demo", messages=[{"role": "system", "content": system}, {"role": "user", "content": question}],
+            model="specgate-demo",
+            messages=[{"role": "system", "content": system}, {"role": "user", "content": question}],
             max_tokens=max_tokens, temperature=0, stream=True, stream_options={"include_usage": True},
             extra_headers=headers, extra_body=extra)
         first: float | None = None
@@ -126,12 +127,13 @@ CODE_PROMPT = "def parse_header(line):\n    "  # the demo target writes code; li
 def suffix_proposals_stay_in_scope(base_url: str) -> None:
     """Key A's session generates a text; key B, with the same session id, on the same prompt,
     gets the proposals a fresh key gets (its own sequence only), and key A's next request gets
-    its earlier output proposed."""
+    its earlier output proposed. Every request carries one salt no other test sends, so each key's
+    scope here starts empty (what the other tests' requests left is in other scopes)."""
     def run(key: str) -> tuple[str, dict[str, Any]]:
         with openai.OpenAI(base_url=base_url, api_key=key, max_retries=0, timeout=60) as client:
             raw = client.completions.with_raw_response.create(
                 model="specgate-demo", prompt=CODE_PROMPT, max_tokens=48, temperature=0,
-                extra_headers={"X-Session-ID": "same-id"})
+                extra_headers={"X-Session-ID": "same-id"}, extra_body={"cache_salt": "suffix-test"})
             answer: Any = raw.parse()
         assert "method=suffix" in raw.headers["X-Specgate-Mode"], raw.headers["X-Specgate-Mode"]
         return answer.choices[0].text, answer.usage.model_extra["speculative"]
@@ -143,8 +145,11 @@ def suffix_proposals_stay_in_scope(base_url: str) -> None:
     assert text_a1 == text_a2 == text_b == text_e  # greedy: one text whatever was proposed
     # A's second request replays A's first output: nearly every draft accepted.
     assert spec_a2["accepted"] > spec_b["accepted"], (spec_a2, spec_b)
-    # B proposes exactly what a never-seen key proposes: nothing came from A's prompt or answer.
-    assert (spec_b["proposed"], spec_b["accepted"]) == (spec_e["proposed"], spec_e["accepted"]), (spec_b, spec_e)
+    # B proposes exactly what a never-seen key proposes, as A did the first time: nothing came from
+    # A's prompt or answer.
+    fresh = (spec_e["proposed"], spec_e["accepted"])
+    assert (spec_b["proposed"], spec_b["accepted"]) == fresh == (spec_a1["proposed"], spec_a1["accepted"]), (
+        spec_a1, spec_b, spec_e)
 
 
 SUFFIX_POLICY = {"methods": ["suffix"], "num_speculative_tokens": 8}

@@ -256,4 +256,5 @@ def test_many_scopes_share_one_bound(target_model: LlamaForCausalLM) -> None:
         cache.store_target(prompt, len(prompt), kv, 0, f"salt-{salt}")
         peak = max(peak, cache.bytes_held)
     assert peak <= bound and cache.stats.evicted_blocks > 0
-    assert cache.lookup(prompt, len(prompt), "salt-0") == [] and len(cache.lookup(prompt, len(prompt), "salt-1999")) == 3
+    assert cache.lookup(prompt, len(prompt), "salt-0") == []
+    assert len(cache.lookup(prompt, len(prompt), "salt-1999")) == 3
