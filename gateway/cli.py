@@ -105,12 +105,31 @@ def model_problems(config: Any) -> list[str]:
             if p is not None and not (p / "config.json").is_file()]
 
 
+def tenancy_warnings(config: Any) -> list[str]:
+    """What the config leaves unscoped: with API keys, a ``protocol: openai`` server keeps its own
+    prompt cache (if any) across tenants, since the gateway cannot know it honours ``cache_salt``
+    (docs/api.md "Tenants and caches"). Warnings: the config is valid."""
+    if not config.auth.api_keys:
+        return []
+    return [f"workers.remote[{i}]: protocol openai ({remote.name}): its own prompt cache, if it keeps one, is "
+            "shared by every tenant (auth.api_keys is set; the gateway sends such a server no cache_salt). A vLLM "
+            "server: declare protocol: vllm, which gets each tenant's cache_salt (got 'openai')"
+            for i, remote in enumerate(config.workers.remote) if remote.protocol == "openai"]
+
+
 def check(path: Path, kind: str) -> int:
     problems = check_problems(path, kind)
     for problem in problems:
         print(f"{path}: {problem}", file=sys.stderr)
     if problems:
         return 1
+    if kind != "policy":
+        from gateway.config.config import _read_yaml
+        from gateway.config.env_overrides import load_config_env, section_keys
+
+        if set(_read_yaml(path)) & set(section_keys()) or kind == "config":
+            for warning in tenancy_warnings(load_config_env(path)):
+                print(f"{path}: warning: {warning}", file=sys.stderr)
     print(f"{path}: ok")
     return 0
 

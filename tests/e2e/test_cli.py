@@ -56,6 +56,23 @@ def test_check_names_every_problem_with_field_and_value(tmp_path: Path) -> None:
     assert result.stdout == ""
 
 
+def test_check_warns_that_an_openai_servers_cache_is_not_scoped_when_keys_are_set(tmp_path: Path) -> None:
+    path = tmp_path / "config.yaml"
+    remote = (f"model: {{target: {REPO / 'models/demo-target'}, draft: null}}\n"
+              "workers: {count: 0, remote: [{url: 'http://10.0.0.5:8000', protocol: openai, name: gpu-a},"
+              " {url: 'http://10.0.0.6:8000', protocol: vllm, name: gpu-b}]}\n")
+    path.write_text(remote + "auth: {api_keys: [sk-aaaaaaaaaaaa, {key: sk-bbbbbbbbbbbb, tenant: team-b}]}\n")
+    result = specgate("check", str(path))
+    assert result.returncode == 0 and result.stdout.strip() == f"{path}: ok", result.stderr
+    warnings = result.stderr.splitlines()
+    assert len(warnings) == 1 and warnings[0].startswith(f"{path}: warning: workers.remote[0]: protocol openai "
+                                                         "(gpu-a): its own prompt cache"), warnings
+    assert "sk-" not in result.stderr  # no secret
+    path.write_text(remote)  # an open API is one tenant: nothing to warn of
+    result = specgate("check", str(path))
+    assert result.returncode == 0 and result.stderr == ""
+
+
 def test_check_a_policy_file_prints_each_bad_field(tmp_path: Path) -> None:
     path = tmp_path / "policy.yaml"
     # A mistyped key does not make it a config file: it has policy fields and no config section.
