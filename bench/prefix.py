@@ -267,6 +267,9 @@ def main() -> None:
     parser.add_argument("--time-scale", type=float, default=None,
                         help="real seconds per simulated second (default 3, 1 with --quick: slower than real "
                              "keeps the live fleet on the model's schedule on one CPU core)")
+    parser.add_argument("--tenants", type=int, default=1,
+                        help="with --engine embedded: N API keys, each its own tenant, all sessions on one shared "
+                             "system prompt; reports cross-tenant cache hits (issue 52)")
     parser.add_argument("--engine", choices=("sim", "embedded"), default="sim",
                         help="sim: the fleet of 16 sim workers (routing); embedded: the real pair's prefix reuse, "
                              "2 workers (bench/prefix_embedded.py)")
@@ -318,9 +321,14 @@ def main() -> None:
 
 
 def embedded_main(args: argparse.Namespace) -> None:
-    sessions = args.sessions or (2 if args.quick or args.smoke else 8)
     with tempfile.TemporaryDirectory(prefix="bench-prefix-embedded-") as tmp:
-        out = {"bench": "prefix", "cpu": cpu_label()} | prefix_embedded.run(Path(tmp), sessions)
+        if args.tenants > 1:  # sessions per tenant
+            sessions = args.sessions or (1 if args.quick or args.smoke else 2)
+            out = {"bench": "prefix", "cpu": cpu_label()} | prefix_embedded.run_tenants(Path(tmp), args.tenants,
+                                                                                        sessions)
+        else:
+            sessions = args.sessions or (2 if args.quick or args.smoke else 8)
+            out = {"bench": "prefix", "cpu": cpu_label()} | prefix_embedded.run(Path(tmp), sessions)
     for name, check in out["targets"].items():
         print(f"target {name}: {check['value']} (target {check['target']}): {'met' if check['met'] else 'not met'}")
     print(f"CPU: {out['cpu']}")

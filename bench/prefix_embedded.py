@@ -13,6 +13,14 @@ over the whole run, the share of prompt tokens the workers served from their cac
 (``usage.prompt_tokens_details.cached_tokens``), and whether every answer was the same text in
 both configs (reuse must not change a token). Targets (issue 44): turn 5's TTFT p50 with reuse
 ≤ 0.5 × without; tokens/s ≥ 0.97 × without, in the same run.
+
+``--tenants N`` (``run_tenants``, issue 52): the gateway has N API keys, each its own tenant, and
+every session of every tenant opens with one shared system prompt (no customer number). A
+warm-up tenant sends it first; then each tenant in turn sends its first request, after every
+tenant before it sent that prompt: the cached tokens those first requests report are
+cross-tenant hits (target 0). Then each tenant's sessions
+run (tenants interleaved, ``CONCURRENCY`` at a time), with and without reuse: each tenant's own
+turn-5 TTFT p50 with reuse ≤ 0.5 × without (the worst tenant's ratio is reported).
 """
 
 from __future__ import annotations
@@ -53,20 +61,25 @@ class Tally:
     answers: dict[tuple[int, int], str] = field(default_factory=dict)  # (session, turn) -> text
 
 
-def system_prompt(session: int) -> str:
+def system_prompt(session: int | None) -> str:
     """A few hundred tokens, the same for every session but for its customer number at the end
-    (sessions share the start, as a deployment's sessions share a system prompt)."""
-    return SYSTEM + POLICIES * 4 + f"The customer's number is {1000 + session}."
+    (sessions share the start, as a deployment's sessions share a system prompt); None: no number,
+    the very same prompt for every session (the tenants' run)."""
+    return SYSTEM + POLICIES * 4 + ("" if session is None else f"The customer's number is {1000 + session}.")
 
 
 async def run_session(http: aiohttp.ClientSession, url: str, model: str, session: int, salt: str,
-                      tally: Tally) -> None:
-    messages: list[dict[str, str]] = [{"role": "system", "content": system_prompt(session)}]
-    for turn in range(TURNS):
+                      tally: Tally, api_key: str | None = None, turns: int = TURNS) -> None:
+    messages: list[dict[str, str]] = [{"role": "system",
+                                       "content": system_prompt(None if api_key is not None else session)}]
+    headers = {"X-Session-ID": f"{salt}-{session}"}
+    if api_key is not None:
+        headers["Authorization"] = f"Bearer {api_key}"
+    for turn in range(turns):
         messages.append({"role": "user", "content": QUESTIONS[(session + turn) % len(QUESTIONS)]})
         body = {"model": model, "messages": messages, "max_tokens": MAX_TOKENS, "temperature": 0}
         sent = time.monotonic()
-        answer, _ = await stream_chat(http, url, body, {"X-Session-ID": f"{salt}-{session}"})
+        answer, _ = await stream_chat(http, url, body, headers)
         if answer.status != 200:
             tally.failed += 1
             return
@@ -80,7 +93,7 @@ async def run_session(http: aiohttp.ClientSession, url: str, model: str, session
         messages.append({"role": "assistant", "content": answer.text})
 
 
-async def drive(url: str, model: str, sessions: int, salt: str) -> tuple[Tally, float]:
+async def drive(url: str, model: str, sessions: int, salt: str, api_key: str | None = None) -> tuple[Tally, float]:
     tally = Tally()
     gate = asyncio.Semaphore(CONCURRENCY)
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None)) as http:
@@ -88,7 +101,7 @@ async def drive(url: str, model: str, sessions: int, salt: str) -> tuple[Tally, 
 
         async def one(session: int) -> None:
             async with gate:
-                await run_session(http, url, model, session, salt, tally)
+                await run_session(http, url, model, session, salt, tally, api_key)
         await asyncio.gather(*(one(s) for s in range(sessions)))
         return tally, time.monotonic() - started
 
@@ -148,3 +161,68 @@ def targets(out: dict[str, Any]) -> dict[str, Any]:
                             "met": tok_ratio is not None and tok_ratio >= 0.97},
             "answers_identical": {"value": same["same"], "target": f"== {same['of']}",
                                   "met": same["same"] == same["of"]}}
+
+
+WARM_UP_KEY = "sk-bench-warm-up-0123456789"
+
+
+def tenant_keys(tenants: int) -> list[str]:
+    return [f"sk-bench-tenant-{t:02d}-0123456789" for t in range(tenants)]
+
+
+async def drive_tenants(url: str, model: str, keys: list[str], sessions: int) -> tuple[list[int], dict[str, Tally],
+                                                                                        float]:
+    """Each tenant's first request in turn (its cached tokens: what it found of the tenants before
+    it), then every tenant's sessions, interleaved, ``CONCURRENCY`` at a time."""
+    first: list[int] = []
+    tallies = {key: Tally() for key in keys}
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None)) as http:
+        for key in keys:
+            probe = Tally()
+            await run_session(http, url, model, 0, f"first-{key[-14:]}", probe, key, turns=1)
+            first.append(probe.cached_tokens)
+        gate = asyncio.Semaphore(CONCURRENCY)
+        started = time.monotonic()
+
+        async def one(key: str, session: int) -> None:
+            async with gate:
+                await run_session(http, url, model, session, "run", tallies[key], key)
+        await asyncio.gather(*(one(key, s) for s in range(sessions) for key in keys))
+        return first, tallies, time.monotonic() - started
+
+
+def run_tenants(log_dir: Path, tenants: int, sessions: int) -> dict[str, Any]:
+    """The tenants' run, with and without reuse, each on a fresh gateway and workers."""
+    keys = tenant_keys(tenants)
+    out: dict[str, Any] = {"engine": "embedded", "workers": 2, "tenants": tenants, "sessions_per_tenant": sessions,
+                           "turns": TURNS, "max_tokens": MAX_TOKENS, "concurrency": CONCURRENCY}
+    turn5: dict[str, list[float | None]] = {}
+    for config, cache_mb in (("no_reuse", 0.0), ("reuse", None)):
+        model, workers, policy = serve_config(log_dir, cache_mb)
+        process, port = start_serve_gateway(log_dir, model, workers, policy, ready_timeout_s=300.0,
+                                            auth={"api_keys": [*keys, WARM_UP_KEY]})
+        try:
+            url = f"http://127.0.0.1:{port}"
+            # Warmed (first prefills, kernels) by a tenant of its own that sends the shared prompt
+            # first: every measured tenant's first request comes after another tenant sent it.
+            asyncio.run(drive(url, model["name"], 2, f"warm-{config}", WARM_UP_KEY))
+            first, tallies, elapsed = asyncio.run(drive_tenants(url, model["name"], keys, sessions))
+        finally:
+            stop(process)
+        summaries = {f"tenant-{i}": summary(tallies[key], elapsed) for i, key in enumerate(keys)}
+        out[config] = {"first_request_cached_tokens": first, "by_tenant": summaries,
+                       "failed": sum(t.failed for t in tallies.values()), "wall_s": round(elapsed, 1),
+                       "prefix_cache_mb": workers.get("prefix_cache_mb")}
+        turn5[config] = [s["ttft_p50_ms_by_turn"].get(TURNS) for s in summaries.values()]
+        print(f"embedded {config:9} tenants={tenants} first_request_cached_tokens={first} "
+              f"turn5_ttft_p50_ms={turn5[config]} failed={out[config]['failed']}", flush=True)
+    ratios = [round(r / b, 3) if r is not None and b else None for r, b in zip(turn5["reuse"], turn5["no_reuse"],
+                                                                                   strict=True)]
+    out["own_turn5_ttft_ratios"] = ratios
+    worst = None if None in ratios else max(r for r in ratios if r is not None)
+    # The warm-up tenant sent the prompt before all of them: every first request's hits are another's.
+    cross = sum(out["reuse"]["first_request_cached_tokens"])
+    out["targets"] = {
+        "cross_tenant_cached_tokens": {"value": cross, "target": "== 0", "met": cross == 0},
+        "own_turn5_ttft_ratio": {"value": worst, "target": "<= 0.5", "met": worst is not None and worst <= 0.5}}
+    return out

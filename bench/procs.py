@@ -173,13 +173,14 @@ def start_local_gateway(log_dir: Path, policy: dict[str, Any] | None = None, *, 
 
 def start_serve_gateway(log_dir: Path, model: dict[str, Any], workers: dict[str, Any],
                         policy: dict[str, Any] | None = None, *, server: dict[str, Any] | None = None,
-                        ready_timeout_s: float = 180.0, repo: Path = REPO) -> tuple[subprocess.Popen[bytes], int]:
-    """``specgate serve`` with embedded workers: ``model``, ``workers``, ``policy`` and more of
-    ``server`` are those sections of its config; returns once it is ready (a worker is).
+                        ready_timeout_s: float = 180.0, repo: Path = REPO,
+                        auth: dict[str, Any] | None = None) -> tuple[subprocess.Popen[bytes], int]:
+    """``specgate serve`` with embedded workers: ``model``, ``workers``, ``policy``, ``auth`` and
+    more of ``server`` are those sections of its config; returns once it is ready (a worker is).
     ``repo``: whose code serves (bench.serve_memory compares checkouts)."""
     port = free_port()
     config = {"server": {**(server or {}), "host": "127.0.0.1", "port": port}, "model": model, "workers": workers,
-              "policy": policy or {}}
+              "policy": policy or {}, **({"auth": auth} if auth else {})}
     path = log_dir / f"gateway-{port}.yaml"
     path.write_text(yaml.safe_dump(config))
     log_path = log_dir / f"gateway-{port}.log"

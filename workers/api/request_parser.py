@@ -21,13 +21,14 @@ from workers.api.schema import (
     CompletionBody,
 )
 from workers.api.wire import (
+    CACHE_SALT_EMPTY,
     CACHE_SALT_FIELD,
-    CACHE_SALT_MESSAGE,
     ChatMessage,
     CompletionRequest,
     Directive,
     RequestKind,
     ResumePoint,
+    cache_salt_problem,
 )
 
 STREAM_OPTIONS_MESSAGE = "Stream options can only be defined when `stream=True`."  # vLLM's words, as OpenAI refuses it
@@ -53,7 +54,7 @@ def bad_request(exc: ValidationError) -> BadRequest:
     names = [item for item in loc[:label] if isinstance(item, str)]
     param = _path(loc[:label])
     if names[:1] == [CACHE_SALT_FIELD]:  # vLLM's message, whatever the fault (type, length, a character)
-        return BadRequest(CACHE_SALT_MESSAGE, param=CACHE_SALT_FIELD)
+        return BadRequest(cache_salt_problem(error["input"]) or CACHE_SALT_EMPTY, param=CACHE_SALT_FIELD)
     default_only = next((n for n in names if n in DEFAULT_ONLY), None)
     if default_only is not None:
         param = _path(loc[:loc.index(default_only) + 1])

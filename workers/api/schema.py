@@ -26,7 +26,7 @@ from pydantic.json_schema import SkipJsonSchema
 
 from policies.methods import Method
 from policies.tree import TreeShapeError, parse_shape
-from workers.api.wire import CACHE_SALT_MESSAGE, MAX_CACHE_SALT, valid_cache_salt
+from workers.api.wire import MAX_CACHE_SALT, cache_salt_problem
 
 MAX_STOP_SEQUENCES = 4
 MAX_TOKENS_LIMIT = 1 << 20  # beyond any context window; the worker checks the real one
@@ -50,8 +50,9 @@ def _tree_shape(value: str) -> str:
 
 
 def _cache_salt(value: str) -> str:
-    if not valid_cache_salt(value):
-        raise ValueError(CACHE_SALT_MESSAGE)
+    problem = cache_salt_problem(value)
+    if problem is not None:
+        raise ValueError(problem)
     return value
 
 

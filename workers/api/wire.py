@@ -51,14 +51,25 @@ MAX_SESSION_ID = 256  # characters; a longer X-Session-ID is refused (printable 
 CACHE_SALT_FIELD = "cache_salt"
 MAX_CACHE_SALT = 128
 CACHE_SALT_FORBIDDEN = ("@", "/", "\\", "\0")
-CACHE_SALT_MESSAGE = (f"Parameter 'cache_salt' must be a non-empty string of at most {MAX_CACHE_SALT} characters "
-                      "without '@', '/', '\\' or NUL.")
+# vLLM 0.32's messages (entrypoints/generate/base/protocol.py validate_cache_salt), word for word.
+CACHE_SALT_EMPTY = "Parameter 'cache_salt' must be a non-empty string if provided."
+CACHE_SALT_MESSAGE = (f"Parameter 'cache_salt' must be at most {MAX_CACHE_SALT} characters and must not contain "
+                      "'@', '/', '\\\\', or NUL.")
+
+
+def cache_salt_problem(value: object) -> str | None:
+    """vLLM's rule for ``cache_salt`` (None and a valid salt: no problem), in vLLM's words."""
+    if value is None:
+        return None
+    if not isinstance(value, str) or not value:
+        return CACHE_SALT_EMPTY
+    if len(value) > MAX_CACHE_SALT or any(c in value for c in CACHE_SALT_FORBIDDEN):
+        return CACHE_SALT_MESSAGE
+    return None
 
 
 def valid_cache_salt(value: object) -> bool:
-    """vLLM's rule (0.32, ``validate_cache_salt``)."""
-    return (type(value) is str and 0 < len(value) <= MAX_CACHE_SALT
-            and not any(c in value for c in CACHE_SALT_FORBIDDEN))
+    return value is not None and cache_salt_problem(value) is None
 
 
 def valid_session_id(value: str) -> bool:

@@ -76,10 +76,12 @@ class VllmServer:
 
 
 def start_vllm_server(log_dir: Path, *, speculative: bool, plugin: bool, metrics_level: str = "summary",
-                      pair: ModelPair = DEMO_PAIR, method: str = "draft_model") -> VllmServer:
+                      pair: ModelPair = DEMO_PAIR, method: str = "draft_model",
+                      extra: tuple[str, ...] = ()) -> VllmServer:
     """vLLM's OpenAI server on ``pair``, float32 (the reference the embedded engine matches); the
     draft (``speculative``) runs in the target's dtype, K = ENGINE_K; ``method``: vLLM's
-    speculative method, ``draft_model`` (``pair``'s draft) or ``ngram`` (prompt lookup)."""
+    speculative method, ``draft_model`` (``pair``'s draft) or ``ngram`` (prompt lookup);
+    ``extra``: more of vLLM's flags."""
     pair.check()
     port = free_port()
     log_path = log_dir / f"vllm-{port}.log"
@@ -94,6 +96,7 @@ def start_vllm_server(log_dir: Path, *, speculative: bool, plugin: bool, metrics
         command += ["--speculative-config", json.dumps(spec), "--per-request-spec-decode-metrics", metrics_level]
     if plugin:
         command += ["--scheduler-cls", SYNC_SCHEDULER]
+    command += extra
     with log_path.open("wb") as log:
         process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=vllm_env())
     try:
