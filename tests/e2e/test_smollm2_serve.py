@@ -53,15 +53,15 @@ def test_the_capital_of_france_is_paris(gateway: Gateway) -> None:
     assert speculative is not None and speculative["mode"] == "speculative" and speculative["proposed"] > 0, answer
 
 
-def test_the_window_is_max_model_len_less_the_drafts(gateway: Gateway) -> None:
+def test_the_window_is_max_model_len(gateway: Gateway) -> None:
     """workers.max_model_len caps the context (and the KV memory): /tokenize reports the window a
-    request may fill, the slot's positions less the K kept for speculation's drafts."""
+    request may fill, the slot's positions whole (issue 52: no room held back for drafts)."""
     request = urllib.request.Request(f"{gateway.url}/tokenize", method="POST",
                                      data=json.dumps({"model": MODEL, "prompt": "Hello"}).encode(),
                                      headers={"Content-Type": "application/json"})
     with urllib.request.urlopen(request, timeout=30) as answer:
         body = json.loads(answer.read())
-    assert body["max_model_len"] == DEFAULT["workers"]["max_model_len"] - DEFAULT["workers"]["max_k"]
+    assert body["max_model_len"] == DEFAULT["workers"]["max_model_len"]
 
 
 def test_a_streamed_chat_and_a_completion_work(gateway: Gateway) -> None:
