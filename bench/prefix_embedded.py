@@ -15,12 +15,12 @@ both configs (reuse must not change a token). Targets (issue 44): turn 5's TTFT 
 ≤ 0.5 × without; tokens/s ≥ 0.97 × without, in the same run.
 
 ``--tenants N`` (``run_tenants``, issue 52): the gateway has N API keys, each its own tenant, and
-every session of every tenant opens with one shared system prompt (no customer number). A
-warm-up tenant sends it first; then each tenant in turn sends its first request, after every
-tenant before it sent that prompt: the cached tokens those first requests report are
-cross-tenant hits (target 0). Then each tenant's sessions
-run (tenants interleaved, ``CONCURRENCY`` at a time), with and without reuse: each tenant's own
-turn-5 TTFT p50 with reuse ≤ 0.5 × without (the worst tenant's ratio is reported).
+every session of every tenant opens with one shared system prompt (no customer number). A warm-up
+tenant sends it first; then each tenant in turn sends its first request, after every tenant before
+it sent that prompt: the cached tokens those first requests report are cross-tenant hits (target
+0). Then each tenant's sessions run (tenants interleaved, ``CONCURRENCY`` at a time), with and
+without reuse: each tenant's own turn-5 TTFT p50 with reuse ≤ 0.5 × without (the worst tenant's
+ratio is reported).
 """
 
 from __future__ import annotations

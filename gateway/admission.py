@@ -97,8 +97,7 @@ def session_id_of(headers: Mapping[str, str], req: CompletionRequest) -> str | N
     return None
 
 
-def accept_request(state: GatewayState, kind: RequestKind, body: Any, caller: Caller,
-                   scope_secret: str | None) -> CompletionRequest:
+def accept_request(state: GatewayState, kind: RequestKind, body: Any, caller: Caller) -> CompletionRequest:
     """A client's parsed request, once it names the served model and leaves speculation to the
     gateway (the ``specgate`` directive and ``vllm_xargs`` are the gateway's to set), in its
     caller's cache scope (gateway/tenancy.py: its ``cache_salt`` is the scope's digest now)."""
@@ -109,7 +108,7 @@ def accept_request(state: GatewayState, kind: RequestKind, body: Any, caller: Ca
     for name in GATEWAY_FIELDS:
         if req.raw.get(name) is not None:
             raise BadRequest(f"'{name}' is set by the gateway, not by clients", param=name)
-    return scoped_request(req, caller, scope_secret)
+    return scoped_request(req, caller, state.config.auth.cache_scope_secret)
 
 
 def user_session_id(user: str) -> str:

@@ -20,7 +20,7 @@ from pathlib import Path
 
 from aiohttp import web
 
-from gateway.config.auth import AuthConfig
+from gateway.config.auth import AuthConfig, tenant_of
 from gateway.config.config import ConfigError, ServerConfig, load_auth_file
 from gateway.config.watcher import ReloadSource
 from gateway.observe.ops_metrics import OpsMetrics
@@ -67,8 +67,8 @@ class AuthStore:
         self.last_error: str | None = None
 
     def describe(self) -> str:
-        keys = ", ".join(fingerprint(k) + (f" ({t})" if t else "")
-                         for k, t in zip(self.current.api_keys, self.current.tenants, strict=True)) or "none"
+        keys = ", ".join(fingerprint(k) + (f" ({t})" if (t := tenant_of(k)) else "")
+                         for k in self.current.api_keys) or "none"
         return f"{len(self.current.api_keys)} API keys (fingerprints: {keys}), admin token " + (
             "set" if self.current.admin_token else "unset (loopback clients only)")
 
@@ -98,8 +98,7 @@ class AuthStore:
 
     def caller_for(self, authorization: str | None) -> Caller:
         """``api_caller`` on an ``Authorization`` header's value (the endpoint picker's requests)."""
-        current = self.current
-        keys = current.api_keys
+        keys = self.current.api_keys
         if not keys:
             return OPEN
         presented = bearer_token(authorization)
@@ -110,12 +109,8 @@ class AuthStore:
         if key is None:
             raise Unauthorized("Incorrect API key provided", code="invalid_api_key")
         scope = "key-" + fingerprint(key)
-        tenant = current.tenant_of(key)
+        tenant = tenant_of(key)
         return Caller(scope, scope if tenant is None else "tenant-" + tenant)
-
-    @property
-    def scope_secret(self) -> str | None:
-        return self.current.cache_scope_secret
 
     def check_admin(self, request: web.Request) -> None:
         token = self.current.admin_token

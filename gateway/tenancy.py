@@ -61,7 +61,7 @@ def scoped_request(req: CompletionRequest, caller: Caller, secret: str | None) -
     removed, in the default scope). Everything after admission (the prefix index, the worker
     body, a migration's resume) reads the scope from here."""
     scope = cache_scope(caller.tenant, req.cache_salt, secret)
-    if scope == (req.cache_salt or "") and (CACHE_SALT_FIELD in req.raw) == bool(scope):
+    if not scope and CACHE_SALT_FIELD not in req.raw:  # the default scope, as the client sent it
         return req
     raw = dict(req.raw)
     raw.pop(CACHE_SALT_FIELD, None)

@@ -40,6 +40,23 @@ MAX_SECRET_CHARS = 512
 MAX_API_KEYS = 1024
 
 
+class ApiKey(str):
+    """An API key (the string itself, compared as one) whose ``auth.api_keys`` entry names a
+    tenant: the keys of one tenant share their caches (gateway/tenancy.py)."""
+
+    tenant: str
+
+    def __new__(cls, key: str, tenant: str) -> ApiKey:
+        out = super().__new__(cls, key)
+        out.tenant = tenant
+        return out
+
+
+def tenant_of(key: str) -> str | None:
+    """The tenant a configured key's entry names; None: the key is its own tenant."""
+    return key.tenant if isinstance(key, ApiKey) else None
+
+
 class _Redacted:
     """Stands in for a secret in an error message."""
 
@@ -56,21 +73,11 @@ class AuthConfig:
     admin_token: str | None = None
     protect_probes: bool = False
     worker_token: str | None = None
-    # The tenant each of ``api_keys`` names, in the same order; None: the key is its own tenant.
-    tenants: tuple[str | None, ...] = ()
     cache_scope_secret: str | None = None
-
-    def __post_init__(self) -> None:
-        if len(self.tenants) != len(self.api_keys):  # keys built in code name no tenant
-            object.__setattr__(self, "tenants", (None,) * len(self.api_keys))
-
-    def tenant_of(self, key: str) -> str | None:
-        """The tenant ``key`` names (None: its own); ``key`` is one of ``api_keys``."""
-        return self.tenants[self.api_keys.index(key)]
 
     def __repr__(self) -> str:  # a config printed in a log or a traceback shows no secret
         admin = "<set>" if self.admin_token else None
-        named = sorted({t for t in self.tenants if t is not None})
+        named = sorted({t for key in self.api_keys if (t := tenant_of(key)) is not None})
         return (f"AuthConfig(api_keys=<{len(self.api_keys)} keys>, tenants={named}, admin_token={admin}, "
                 f"protect_probes={self.protect_probes}, worker_token={'<set>' if self.worker_token else None}, "
                 f"cache_scope_secret={'<set>' if self.cache_scope_secret else None})")
@@ -84,9 +91,6 @@ def _secret(value: Any, name: str) -> str:
     if not MIN_SECRET_CHARS <= len(value) <= MAX_SECRET_CHARS:
         raise ConfigError(name, REDACTED, f"must be {MIN_SECRET_CHARS} to {MAX_SECRET_CHARS} characters")
     return value
-
-
-Keys = tuple[tuple[str, ...], tuple[str | None, ...]]
 
 
 def _tenant(value: Any, name: str) -> str:
@@ -109,9 +113,10 @@ def _entry(item: Any, name: str) -> tuple[str, str | None]:
     return _secret(item, name), None
 
 
-def _keys(raw: Any, name: str) -> Keys:
+def _keys(raw: Any, name: str) -> tuple[str, ...]:
+    """The keys, each a str, or an ``ApiKey`` where its entry names a tenant."""
     if raw is None:
-        return (), ()
+        return ()
     if not isinstance(raw, list):
         raise ConfigError(name, REDACTED, "must be a list of keys or {key, tenant} entries")
     if len(raw) > MAX_API_KEYS:
@@ -127,7 +132,7 @@ def _keys(raw: Any, name: str) -> Keys:
             problems.add(ConfigError(f"{name}[{i}].tenant", tenant, "this key is listed before with another tenant"))
         entries.setdefault(key, tenant)  # duplicates are harmless; keep the first of each
     problems.raise_any()
-    return tuple(entries), tuple(entries.values())
+    return tuple(key if tenant is None else ApiKey(key, tenant) for key, tenant in entries.items())
 
 
 def parse_auth(raw: Any, env: Mapping[str, str] | None = None) -> AuthConfig:
@@ -142,10 +147,10 @@ def parse_auth(raw: Any, env: Mapping[str, str] | None = None) -> AuthConfig:
     for key in raw:
         if key not in allowed:
             problems.add(ConfigError(f"auth.{key}", REDACTED, f"unknown field; known: {', '.join(sorted(allowed))}"))
-    no_keys: Keys = ((), ())
-    api_keys, tenants = problems.check(lambda: _keys(raw.get("api_keys"), "auth.api_keys"), no_keys)
+    no_keys: tuple[str, ...] = ()
+    api_keys = problems.check(lambda: _keys(raw.get("api_keys"), "auth.api_keys"), no_keys)
     if env.get(API_KEYS_ENV):
-        api_keys, tenants = problems.check(
+        api_keys = problems.check(
             lambda: _keys([k.strip() for k in env[API_KEYS_ENV].split(",") if k.strip()], API_KEYS_ENV), no_keys)
     admin_token = _optional_secret(raw.get("admin_token"), "auth.admin_token", env.get(ADMIN_TOKEN_ENV),
                                    ADMIN_TOKEN_ENV, problems)
@@ -158,7 +163,7 @@ def parse_auth(raw: Any, env: Mapping[str, str] | None = None) -> AuthConfig:
         problems.add(ConfigError("auth.protect_probes", protect, "must be a bool"))
         protect = False
     problems.raise_any()
-    return AuthConfig(api_keys, admin_token, protect, worker_token, tenants, scope_secret)
+    return AuthConfig(api_keys, admin_token, protect, worker_token, scope_secret)
 
 
 def _optional_secret(value: Any, name: str, from_env: str | None, variable: str, problems: Problems) -> str | None:

@@ -214,14 +214,15 @@ class Exchange:
         if token and picked.handle is not None and picked.handle.speaks_specgate:
             headers.append(_header("authorization", f"Bearer {token}"))
             remove = []
-        if picked.handle is not None and picked.handle.speaks_specgate and picked.admission is not None:
+        if picked.handle is not None and picked.handle.speaks_specgate:
             # As behind the relay: the worker matches a session's earlier prompts by the digest
-            # of (key, id), never by the client's id (gateway/tenancy.py).
-            session = picked.admission.session
-            headers.append(_header(SESSION_HEADER.lower(), worker_session_id(
-                session.scope, session.session_id, self.state.config.auth.cache_scope_secret)))
-        elif picked.handle is not None and picked.handle.speaks_specgate:
-            remove.append(SESSION_HEADER.lower())  # no session the picker admitted: none for the worker
+            # of (key, id), never by the client's id (gateway/tenancy.py); no admitted session, none.
+            if picked.admission is None:
+                remove.append(SESSION_HEADER.lower())
+            else:
+                session = picked.admission.session
+                headers.append(_header(SESSION_HEADER.lower(), worker_session_id(
+                    session.scope, session.session_id, self.state.config.auth.cache_scope_secret)))
         return ext_proc.HeaderMutation(set_headers=headers, remove_headers=remove)
 
     def _refuse(self, error: ApiError) -> ext_proc.ProcessingResponse:
@@ -247,7 +248,7 @@ class Exchange:
             raw = loads_json(body)
         except InputRefused as exc:
             raise BadRequest(str(exc), param=exc.param) from None
-        req = accept_request(state, kind, raw, caller, state.config.auth.cache_scope_secret)
+        req = accept_request(state, kind, raw, caller)
         session = state.sessions.touch(session_id_of(self.headers, req), self.started, caller.scope)
         session.requests += 1
         await state.store.load(session)

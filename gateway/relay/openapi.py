@@ -64,17 +64,23 @@ def _completion_operation(summary: str, body: type[BaseModel], response: type[Ba
         "summary": summary,
         "parameters": [{"name": "X-Session-ID", "in": "header", "required": False,
                         "description": "the session key (if empty or absent: the `user` field, else a new one)",
-                        "schema": {"type": "string", "maxLength": 256}}],
+                        "schema": {"type": "string", "maxLength": 256, "pattern": "^[\\x20-\\x7e]*$"}}],
         "requestBody": {"required": True, "content": {"application/json": {"schema": _ref(body)}}},
         "responses": {
             "200": {"description": "the completion; a server-sent event stream of chunks ending in "
                                    "`data: [DONE]` when `stream` is true",
                     "headers": headers,
                     "content": {"application/json": {"schema": _ref(response)},
-                                "text/event-stream": {"schema": {"type": "string"}}}},
+                                # Before OpenAPI 3.2 an event stream's schema describes each event.
+                                "text/event-stream": {"schema": SSE_EVENT}}},
             **_errors("400", "404", "408", "413", "429", "502", "503", "504"),
         },
     }
+
+
+# One server-sent event: its data a chunk's JSON, or `[DONE]` at the end.
+SSE_EVENT = {"type": "object", "properties": {"data": {"type": "string"}, "event": {"type": "string"},
+                                              "id": {"type": "string"}, "retry": {"type": "integer"}}}
 
 
 def openapi_document(model_name: str) -> dict[str, Any]:

@@ -239,7 +239,7 @@ async def _relay(request: web.Request, kind: RequestKind, state: GatewayState, t
     request_id_var.set(state.sessions.random_id())  # 32 hex digits, as uuid4().hex without its object
     caller = caller_of(request)
     # In the caller's cache scope: the request's cache_salt is the scope's digest from here on.
-    req = accept_request(state, kind, await read_json(request), caller, state.config.auth.cache_scope_secret)
+    req = accept_request(state, kind, await read_json(request), caller)
     # Sessions are scoped to the API key that made them: another key's session id is another session.
     session = state.sessions.touch(session_id_of(request.headers, req), started, caller.scope)
     # What another replica learned about this session (state.backend: redis); bounded by state.timeout_s.

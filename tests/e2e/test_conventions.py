@@ -27,6 +27,7 @@ from gateway.config.env_overrides import (
     section_keys,
 )
 from gateway.fleet.worker_output import relay_line
+from gateway.tenancy import worker_session_id
 from tests.e2e.harness import Gateway, start_gateway, write_config
 
 REPO = Path(__file__).resolve().parents[2]
@@ -171,8 +172,12 @@ def test_json_logs_carry_request_context_and_no_secrets(gateway: Gateway) -> Non
     def entries() -> list[dict[str, Any]]:
         return [json.loads(line) for line in gateway.log().splitlines()]  # each line parses, or this fails
 
+    # A worker never sees the client's session id, only its digest (gateway/tenancy.py): its
+    # lines carry that (the open API: scope "").
+    worker_session = worker_session_id("", "log-session", None)
     deadline = time.monotonic() + 10
-    while sum(e.get("session") == "log-session" for e in entries()) < 2 and time.monotonic() < deadline:
+    while sum(e.get("session") in ("log-session", worker_session) for e in entries()) < 2 \
+            and time.monotonic() < deadline:
         time.sleep(0.1)
     text, found = gateway.log(), entries()
     assert SECRET not in text and PROMPT not in text
@@ -183,8 +188,9 @@ def test_json_logs_carry_request_context_and_no_secrets(gateway: Gateway) -> Non
     assert done[0]["decision"] == mode and len(done[0]["request_id"]) == 32
     assert done[0]["level"] == "INFO" and "completion request on" in done[0]["message"]
     assert "worker" not in done[0]
-    # The worker's line for the same request: its id, the gateway's request id and the session.
-    finished = [e for e in found if e.get("session") == "log-session" and e["logger"] == "workers.server.app"]
+    # The worker's line for the same request: its id, the gateway's request id and the session's digest.
+    assert not [e for e in found if e.get("session") == "log-session" and "worker" in e], text
+    finished = [e for e in found if e.get("session") == worker_session and e["logger"] == "workers.server.app"]
     assert len(finished) == 1, text
     assert finished[0]["worker"] == "worker-0" and finished[0]["request_id"] == done[0]["request_id"]
     assert completion_id in finished[0]["message"]

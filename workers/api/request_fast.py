@@ -35,7 +35,7 @@ from workers.api.schema import (
     Message,
     StreamOptions,
 )
-from workers.api.wire import valid_cache_salt
+from workers.api.wire import cache_salt_problem
 
 _SEED = 1 << 63
 # The models' own declarations: the roles a message may have, a directive's defaults.
@@ -76,7 +76,7 @@ def _text(value: Any, min_length: int = 0) -> str:
 
 
 def _cache_salt(value: Any) -> str:
-    if not valid_cache_salt(value):
+    if cache_salt_problem(value) is not None:  # None never comes here (absent fields are skipped)
         raise _Refused
     return str(value)
 

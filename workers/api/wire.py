@@ -68,10 +68,6 @@ def cache_salt_problem(value: object) -> str | None:
     return None
 
 
-def valid_cache_salt(value: object) -> bool:
-    return value is not None and cache_salt_problem(value) is None
-
-
 def valid_session_id(value: str) -> bool:
     """A session id a client may send: printable ASCII (a header's bytes are decoded as
     Latin-1, so other text would come back to the client as other bytes), not too long."""

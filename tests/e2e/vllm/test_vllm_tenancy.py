@@ -20,7 +20,7 @@ from typing import Any
 import pytest
 
 from tests.e2e.harness import MODELS, Gateway, start_gateway, write_config
-from tests.e2e.test_tenancy import API_KEYS, secret_system, two_keys_never_share
+from tests.e2e.tenancy_harness import API_KEYS, secret_system, two_keys_never_share
 from tests.e2e.vllm.vllm_harness import VllmServer, start_vllm_server
 from workers.text import TextCodec, TextStream
 
