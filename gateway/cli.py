@@ -77,7 +77,14 @@ def main(argv: list[str] | None = None) -> int:
 
 # -- check -------------------------------------------------------------------------------------------
 def check_problems(path: Path, kind: str = "auto", environ: Mapping[str, str] | None = None) -> list[str]:
-    """Every problem found, one message each naming the field (or variable) and the value.
+    """Every problem found, one message each naming the field (or variable) and the value."""
+    return check_file(path, kind, environ)[0]
+
+
+def check_file(path: Path, kind: str = "auto", environ: Mapping[str, str] | None = None
+               ) -> tuple[list[str], list[str]]:
+    """(problems, warnings): every problem found, one message each naming the field (or variable)
+    and the value; and, for a valid config file, what it leaves unscoped (``tenancy_warnings``).
 
     The same functions the gateway runs: ``load_config_env`` at start, ``policy_env`` on a
     reload (for a bare policy file, as ``PUT /admin/policy`` takes it). Each checks every field.
@@ -93,10 +100,11 @@ def check_problems(path: Path, kind: str = "auto", environ: Mapping[str, str] | 
         policy_file = not set(raw) & set(section_keys()) and set(raw) & {f.name for f in fields(PolicyConfig)}
         if kind == "policy" or (kind == "auto" and policy_file):
             policy_env(raw, environ)
-            return []
-        return model_problems(load_config_env(path, environ))
+            return [], []
+        config = load_config_env(path, environ)
+        return model_problems(config), tenancy_warnings(config)
     except FieldError as exc:
-        return [str(problem) for problem in exc.problems]
+        return [str(problem) for problem in exc.problems], []
 
 
 def model_problems(config: Any) -> list[str]:
@@ -118,18 +126,13 @@ def tenancy_warnings(config: Any) -> list[str]:
 
 
 def check(path: Path, kind: str) -> int:
-    problems = check_problems(path, kind)
+    problems, warnings = check_file(path, kind)
     for problem in problems:
         print(f"{path}: {problem}", file=sys.stderr)
     if problems:
         return 1
-    if kind != "policy":
-        from gateway.config.config import _read_yaml
-        from gateway.config.env_overrides import load_config_env, section_keys
-
-        if set(_read_yaml(path)) & set(section_keys()) or kind == "config":
-            for warning in tenancy_warnings(load_config_env(path)):
-                print(f"{path}: warning: {warning}", file=sys.stderr)
+    for warning in warnings:
+        print(f"{path}: warning: {warning}", file=sys.stderr)
     print(f"{path}: ok")
     return 0
 
