@@ -174,10 +174,12 @@ def start_local_gateway(log_dir: Path, policy: dict[str, Any] | None = None, *, 
 def start_serve_gateway(log_dir: Path, model: dict[str, Any], workers: dict[str, Any],
                         policy: dict[str, Any] | None = None, *, server: dict[str, Any] | None = None,
                         ready_timeout_s: float = 180.0, repo: Path = REPO,
-                        auth: dict[str, Any] | None = None) -> tuple[subprocess.Popen[bytes], int]:
+                        auth: dict[str, Any] | None = None, cpus: str | None = None,
+                        ) -> tuple[subprocess.Popen[bytes], int]:
     """``specgate serve`` with embedded workers: ``model``, ``workers``, ``policy``, ``auth`` and
     more of ``server`` are those sections of its config; returns once it is ready (a worker is).
-    ``repo``: whose code serves (bench.serve_memory compares checkouts)."""
+    ``repo``: whose code serves (bench.serve_memory compares checkouts); ``cpus``: the gateway
+    and its workers pinned to those cores (taskset's list)."""
     port = free_port()
     config = {"server": {**(server or {}), "host": "127.0.0.1", "port": port}, "model": model, "workers": workers,
               "policy": policy or {}, **({"auth": auth} if auth else {})}
@@ -185,8 +187,9 @@ def start_serve_gateway(log_dir: Path, model: dict[str, Any], workers: dict[str,
     path.write_text(yaml.safe_dump(config))
     log_path = log_dir / f"gateway-{port}.log"
     with log_path.open("wb") as log:
-        process = subprocess.Popen([sys.executable, "-m", "gateway", "--config", str(path)], cwd=repo, stdout=log,
-                                   stderr=subprocess.STDOUT, env=bench_env(repo))
+        pin = ["taskset", "-c", cpus] if cpus is not None else []
+        process = subprocess.Popen([*pin, sys.executable, "-m", "gateway", "--config", str(path)], cwd=repo,
+                                   stdout=log, stderr=subprocess.STDOUT, env=bench_env(repo))
     try:
         wait_ok(process, f"http://127.0.0.1:{port}/ready", ready_timeout_s, log_path)
     except RuntimeError:

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 from gateway.fleet.handle import WorkerHandle
 from gateway.fleet.prefix_index import prompt_blocks
 from gateway.fleet.routing import RouteReason
+from gateway.llamacpp import TIMINGS_FIELD, timings_report
 from gateway.observe.metrics import GatewayMetrics
 from gateway.placement import Placement, route
 from gateway.proxy import NoWorkerLeft, NoWorkerReady, RawChunk, StreamTally
@@ -247,9 +248,17 @@ def account_chunk(state: GatewayState, admission: Admission, tally: StreamTally,
         chunk.pop("metrics", None)
         if report is not None:
             chunk[DIRECTIVE_FIELD] = report.to_json()
+    elif admission.handle.protocol == "llamacpp":
+        # llama.cpp's counters, restated as the steps behind the chunk (gateway/llamacpp.py).
+        if TIMINGS_FIELD in chunk:
+            chunk = raw.changed()
+        report = timings_report(chunk, tally.timings, admission.handle.max_k,
+                                any(is_lookup(m) for m in admission.handle.methods), bool(chunk_text(kind, chunk)))
+        for reason in tally.timings.take_clamps():
+            metrics.clamped_report(reason)
     if report is not None and report.cached is not None:
         state.fleet.prefix_index.observe(admission.handle.worker_id, admission.prefix_share, *report.cached)
-    elif admission.handle.protocol == "vllm" and chunk.get("usage"):
+    elif admission.handle.protocol in ("vllm", "llamacpp") and chunk.get("usage"):
         _observe_vllm_cached(state, admission, chunk["usage"])
     # Tokens by the mode of the steps that made them: one step, or a coalesced chunk's steps.
     emitted: dict[str, int] = {}

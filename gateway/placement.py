@@ -90,10 +90,43 @@ def route(state: GatewayState, session: Session, candidates: list[Candidate], re
         return Placement(handle, decision, chosen.reason, shares.get(handle.worker_id, 0.0))
     other = state.fleet.workers[chosen.other_id]
     speculating, plain = (handle, other) if "speculative" in handle.modes else (other, handle)
+    if one_method(speculating) and one_method(plain):
+        return _between_servers(state, session, candidates, handle, speculating, plain, chosen.reason, shares,
+                                facts, policy)
     worker = worker_state(speculating, policy)
     wanted = decide(session.policy_state, replace(worker, serves_plain=True), facts, policy)
     placed, decision = (plain, wanted) if wanted.mode == "plain" else (speculating, run_on(wanted, worker))
     return Placement(placed, decision, chosen.reason, shares.get(placed.worker_id, 0.0))
+
+
+def one_method(handle: WorkerHandle) -> bool:
+    """A server whose method is fixed for its life and named in the config (vLLM's, llama.cpp's)."""
+    return handle.protocol in ("vllm", "llamacpp")
+
+
+def _between_servers(state: GatewayState, session: Session, candidates: list[Candidate], handle: WorkerHandle,
+                     speculating: WorkerHandle, plain: WorkerHandle, reason: RouteReason, shares: dict[str, float],
+                     facts: RequestFacts, policy: PolicyConfig) -> Placement:
+    """Servers of one mode and one method each (llama-servers: a plain one, an n-gram one, one
+    with a draft model): the rules are asked on the speculating one as if it served plain and
+    every method the fleet's ready speculating servers run, and the request goes to a server that
+    runs what they want: the plain one, or the least-loaded one within the load bound that runs
+    the wanted method. A request that leaves the route's worker for it moved by method
+    (``X-Specgate-Route: method``)."""
+    offered = [state.fleet.workers[c.worker_id].methods for c in candidates if c.ready and "speculative" in c.modes]
+    methods = tuple(m for m in METHODS if any(m in o for o in offered))
+    worker = worker_state(speculating, policy)
+    wanted = decide(session.policy_state, replace(worker, serves_plain=True, methods=methods), facts, policy)
+    placed = plain
+    if wanted.mode == "speculative":
+        method = wanted.method or "draft"
+        bound = load_bound([c.load for c in candidates if c.ready], policy)
+        serving = [h for c in candidates if c.ready and "speculative" in c.modes and method in
+                   (h := state.fleet.workers[c.worker_id]).methods and (h is handle or c.load + 1 <= bound)]
+        placed = speculating if speculating in serving or not serving else min(serving, key=lambda h: h.load)
+        wanted = run_on(wanted, worker_state(placed, policy))
+    route_reason: RouteReason = "method" if placed is not handle else reason
+    return Placement(placed, wanted, route_reason, shares.get(placed.worker_id, 0.0))
 
 
 def _by_server_method(state: GatewayState, session: Session, candidates: list[Candidate], handle: WorkerHandle,

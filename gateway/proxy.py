@@ -21,6 +21,7 @@ import orjson
 from gateway.config.config import RemoteProtocol
 from gateway.fleet.handle import WorkerHandle
 from gateway.fleet.worker_http import WorkerConnectError, WorkerResponse, WorkerStreamError
+from gateway.llamacpp import TimingsSeen, llamacpp_body
 from workers.api.errors import (
     ApiError,
     BadRequest,
@@ -82,10 +83,17 @@ class StreamTally:
     last_at: float = 0.0  # when the last chunk with tokens arrived
     tokens: int = 0
     collected: list[dict[str, Any]] = field(default_factory=list)
+    timings: TimingsSeen = field(default_factory=TimingsSeen)  # a llama-server's counters (gateway/llamacpp.py)
+
+
+def scope_key(request: CompletionRequest) -> str:
+    """The request's cache scope as its digest (gateway/tenancy.py): "" for the default scope."""
+    salt = request.raw.get(CACHE_SALT_FIELD)
+    return salt if isinstance(salt, str) else ""
 
 
 def worker_body(request: CompletionRequest, directive: Directive, protocol: RemoteProtocol,
-                streamed: bool = True) -> dict[str, Any]:
+                streamed: bool = True, reuse_prompt: bool = False) -> dict[str, Any]:
     """The request as the worker takes it: plus the decision in the worker's own terms (a
     specgate directive, vLLM plugin arguments, or nothing for a server of one fixed mode). The
     relay's are always streamed with usage; the endpoint picker's (``streamed`` False) keep the
@@ -93,10 +101,14 @@ def worker_body(request: CompletionRequest, directive: Directive, protocol: Remo
 
     The cache scope (``cache_salt``, the scope's digest: gateway/tenancy.py) goes to servers
     known to honour it: specgate workers and vLLM. A plain OpenAI-compatible server may refuse
-    the field or ignore it, so it gets none, and its own cache is not scoped (docs/api.md)."""
+    the field or ignore it, so it gets none, and its own cache is not scoped (docs/api.md). A
+    llama-server gets none either: ``reuse_prompt`` (``ScopeHistory.reuse``) says whether it may
+    start from its cached prompts (gateway/llamacpp.py)."""
     body = dict(request.raw)
-    if protocol == "openai":
+    if protocol in ("openai", "llamacpp"):
         body.pop(CACHE_SALT_FIELD, None)
+    if protocol == "llamacpp":
+        llamacpp_body(body, streamed, reuse_prompt)
     if streamed:
         body["stream"] = True
         body["stream_options"] = {"include_usage": True}

@@ -23,7 +23,8 @@ __all__ = ["ConfigError", "GatewayConfig", "load_config", "parse_config"]
 
 EngineName = Literal["embedded", "vllm", "sim"]
 RemoteMode = Literal["speculative", "plain"]
-RemoteProtocol = Literal["openai", "specgate", "vllm"]
+RemoteProtocol = Literal["openai", "specgate", "vllm", "llamacpp"]
+REMOTE_PROTOCOLS: tuple[RemoteProtocol, ...] = ("openai", "specgate", "vllm", "llamacpp")
 RemoteMethod = Literal["draft_model", "ngram", "none"]
 REMOTE_METHODS: tuple[RemoteMethod, ...] = ("draft_model", "ngram", "none")
 MAX_CONFIG_BYTES = 1 << 20  # config.yaml is a few KiB; anything near this is not a config file
@@ -71,14 +72,18 @@ class RemoteWorker:
     url: str  # base URL, e.g. http://10.0.0.5:8001
     mode: RemoteMode = "plain"  # the one mode an "openai" server serves
     name: str = ""  # worker id in metrics and admin views (default: the URL)
-    max_k: int = 0  # an "openai" server's fixed K when speculative; a "vllm" server's num_speculative_tokens
+    # An "openai" server's fixed K when speculative; a "vllm" server's num_speculative_tokens; a
+    # "llamacpp" server's longest draft (--spec-draft-n-max, or its n-gram type's draft length).
+    max_k: int = 0
     # "openai": any OpenAI-compatible server, serving one fixed mode;
     # "specgate": a specgate worker (python -m workers --port N) that takes per-request decisions;
-    # "vllm": a vLLM OpenAI server with specgate's scheduler plugin, driven per request (vllm_xargs).
+    # "vllm": a vLLM OpenAI server with specgate's scheduler plugin, driven per request (vllm_xargs);
+    # "llamacpp": llama.cpp's llama-server, one method for its life (gateway/llamacpp.py).
     protocol: RemoteProtocol = "openai"
-    # What a vLLM (or other OpenAI) server proposes with, fixed for its life (its
-    # --speculative-config method): the draft model ("draft_model", vLLM's name), prompt lookup
-    # ("ngram"), or nothing ("none": it serves plain only). A specgate worker lists its own.
+    # What a vLLM or llama.cpp server proposes with, fixed for its life (vLLM's
+    # --speculative-config method; llama-server's -md or --spec-type): the draft model
+    # ("draft_model", vLLM's name), prompt lookup ("ngram", any of llama.cpp's n-gram types), or
+    # nothing ("none": it serves plain only). A specgate worker lists its own.
     method: RemoteMethod = "draft_model"
 
 
@@ -396,14 +401,25 @@ def _parse_remote(raw: Any, problems: Problems) -> tuple[RemoteWorker, ...]:
         if isinstance(url, str) and not url.startswith(("http://", "https://")):
             problems.add(ConfigError(f"{prefix}.url", url, "must start with http:// or https://"))
         url = (url or "").rstrip("/")
-        protocol = r.get("protocol", str, "openai", choices=("openai", "specgate", "vllm"))
+        protocol = r.get("protocol", str, "openai", choices=REMOTE_PROTOCOLS)
         mode = r.get("mode", str, "plain", choices=("speculative", "plain"))
         max_k = r.get("max_k", int, 0, minimum=0)
         if protocol == "openai" and mode == "speculative" and max_k < 1 and not problems.failed(f"{prefix}.max_k"):
             problems.add(ConfigError(f"{prefix}.max_k", max_k, "a speculative remote worker needs max_k >= 1"))
-        method = r.get("method", str, "draft_model", choices=REMOTE_METHODS)
+        method = r.get("method", str, "none" if protocol == "llamacpp" else "draft_model", choices=REMOTE_METHODS)
         if protocol == "specgate" and "method" in item and not problems.failed(f"{prefix}.method"):
             problems.add(ConfigError(f"{prefix}.method", method, "a specgate worker lists its own methods"))
+        if protocol == "openai" and "method" in item and not problems.failed(f"{prefix}.method"):
+            problems.add(ConfigError(f"{prefix}.method", method, "an openai server's mode says what it serves; "
+                                     "method is for protocol vllm or llamacpp"))
+        if protocol == "llamacpp":
+            if "mode" in item and not problems.failed(f"{prefix}.mode"):
+                problems.add(ConfigError(f"{prefix}.mode", mode, "a llamacpp server's method says what it runs "
+                                         "(none: plain)"))
+            mode = "plain" if method == "none" else "speculative"
+            if method != "none" and max_k < 1 and not problems.failed(f"{prefix}.max_k"):
+                problems.add(ConfigError(f"{prefix}.max_k", max_k, f"a llamacpp server of method {method} needs "
+                                         "max_k >= 1: its longest draft (--spec-draft-n-max)"))
         out.append(RemoteWorker(url, mode, r.get("name", str, url), max_k, protocol, method))
     return tuple(out)
 

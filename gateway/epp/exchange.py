@@ -43,7 +43,7 @@ from gateway.auth import AuthStore
 from gateway.epp.feedback import ResponseReader
 from gateway.fleet.handle import WorkerHandle
 from gateway.observe.tracing import AttemptTrace
-from gateway.proxy import StreamTally, worker_body
+from gateway.proxy import StreamTally, scope_key, worker_body
 from gateway.state import GatewayState
 from gateway.tenancy import OPEN, worker_session_id
 from workers.api.errors import ApiError, BadRequest, Overloaded, PayloadTooLarge, Unavailable
@@ -286,7 +286,8 @@ class Exchange:
         # A whole answer's step log, for the feedback: a plain decision's would teach nothing, and
         # its response passes the picker unread (Picked.feedback), so it is not asked for.
         directive = directive_for(decision, policy, step_log=not req.stream and decision.k > 0)
-        return orjson.dumps(worker_body(req, directive, handle.protocol, streamed=False))
+        reuse = handle.protocol == "llamacpp" and handle.prompt_scopes.reuse(scope_key(req))
+        return orjson.dumps(worker_body(req, directive, handle.protocol, streamed=False, reuse_prompt=reuse))
 
     # -- the response -------------------------------------------------------------------------------
     def _response_headers(self, headers: ext_proc.HttpHeaders) -> ext_proc.ProcessingResponse:

@@ -95,6 +95,10 @@ class Fleet:
             speculates = remote.max_k > 0 and remote.method != "none"
             modes = frozenset({"speculative", "plain"} if speculates else {"plain"})
             max_k = remote.max_k if speculates else 0
+        elif remote.protocol == "llamacpp":  # one mode and one method for its life: it drafts on every step
+            speculates = remote.method != "none"
+            modes = frozenset({"speculative"} if speculates else {"plain"})
+            max_k = remote.max_k if speculates else 0
         else:
             modes, max_k = frozenset({remote.mode}), remote.max_k if remote.mode == "speculative" else 0
         # Not routable until its first health check passes.

@@ -15,6 +15,7 @@ from gateway.config.config import RemoteProtocol
 from gateway.fleet.draft_mix import DraftMix
 from gateway.fleet.routing import Candidate
 from gateway.fleet.worker_http import WorkerHttp
+from gateway.llamacpp import ScopeHistory
 from policies import CostModel, Method, Mode, SessionState
 
 WorkerStatus = Literal["starting", "ready", "unhealthy", "restarting", "stopped"]
@@ -31,7 +32,8 @@ class WorkerHandle:
     socket_path: Path | None = None  # local workers only
     remote: bool = False
     # specgate: takes the directive and reports every step; vllm: a vLLM server with specgate's
-    # plugin, driven through vllm_xargs; openai: any OpenAI server, serving one fixed mode.
+    # plugin, driven through vllm_xargs; openai: any OpenAI server, serving one fixed mode;
+    # llamacpp: a llama-server, one mode and method for its life (gateway/llamacpp.py).
     protocol: RemoteProtocol = "specgate"
     status: WorkerStatus = "starting"
     process: asyncio.subprocess.Process | None = None
@@ -61,6 +63,8 @@ class WorkerHandle:
     acceptance: SessionState = field(default_factory=SessionState)
     cost_error: str = ""  # why its last published cost model was unusable
     cost_raw: Any = None  # the published cost model ``cost`` was parsed from
+    # A llama-server's cache scopes sent so far: whether a request may reuse its cached prompts.
+    prompt_scopes: ScopeHistory = field(default_factory=ScopeHistory)
     # JSON logs only: the tasks relaying its stdout and stderr into the gateway's log.
     output: list[asyncio.Task[None]] = field(default_factory=list)
 
@@ -98,6 +102,7 @@ class WorkerHandle:
             "cost_model": self.info.get("cost_model"), "acceptance": self.acceptance.acceptance_estimate,
             "tree_max_nodes": self.tree_max_nodes, "methods": list(self.methods), "shadow_lookup": self.shadow_lookup,
             "prefix_cache": self.prefix_cache,
+            **({"prompt_scopes": self.prompt_scopes.view()} if self.protocol == "llamacpp" else {}),
             "acceptance_by_method": {s.method: s.acceptance_estimate for s in self.acceptance.lookups},
             "draft_mix": self.draft_mix.view(),
             "last_error": self.last_error or None,

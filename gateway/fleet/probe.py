@@ -23,6 +23,7 @@ import orjson
 
 from gateway.config.config import GatewayConfig
 from gateway.fleet.handle import WorkerHandle, WorkerStatus
+from gateway.llamacpp import read_depth
 from gateway.observe.metrics import GatewayMetrics
 from policies import MAX_TREE_NODES, METHODS, CostModel, Method
 
@@ -125,6 +126,8 @@ class Probe:
                     self._read_worker_info(handle, await resp.json(loads=_loads))
             if handle.protocol == "vllm":
                 await self._read_vllm_depth(handle)
+            elif handle.protocol == "llamacpp":
+                await self._read_llamacpp_depth(handle)
             return True
         except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
             handle.last_error = f"{path}: {exc.__class__.__name__}: {exc}"
@@ -189,6 +192,21 @@ class Probe:
                 waiting += float(line.rsplit(" ", 1)[1])
         handle.info = {"engine": "vllm", "batch_depth": int(running), "queue_length": int(waiting)}
         handle.reported_depth = int(running + waiting)
+        handle.in_flight_at_report = handle.in_flight
+
+
+    async def _read_llamacpp_depth(self, handle: WorkerHandle) -> None:
+        """A llama-server's depth, from its ``llamacpp:`` gauges where it exports them (``--metrics``;
+        without it, /metrics answers 501 and the gateway's own in-flight count is the load)."""
+        async with handle.client.get(handle.base_url + "/metrics",
+                                     timeout=aiohttp.ClientTimeout(total=PROBE_TIMEOUT_S)) as resp:
+            depth = read_depth(await resp.text()) if resp.status == 200 else None
+        if depth is None:
+            handle.info = {"engine": "llamacpp"}
+            return
+        processing, deferred = depth
+        handle.info = {"engine": "llamacpp", "batch_depth": processing, "queue_length": deferred}
+        handle.reported_depth = processing + deferred
         handle.in_flight_at_report = handle.in_flight
 
 

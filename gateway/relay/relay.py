@@ -25,7 +25,15 @@ from gateway.auth import caller_of
 from gateway.fleet.worker_http import WorkerResponse
 from gateway.observe.ops_metrics import OPS_KEY
 from gateway.observe.tracing import TRACING_KEY, RequestTrace
-from gateway.proxy import RawChunk, StreamTally, WholeAnswer, WorkerUnreachable, open_stream, worker_body
+from gateway.proxy import (
+    RawChunk,
+    StreamTally,
+    WholeAnswer,
+    WorkerUnreachable,
+    open_stream,
+    scope_key,
+    worker_body,
+)
 from gateway.relay.busy_poll import BUSY_POLL_KEY
 from gateway.relay.drain import DRAIN_KEY, InFlight
 from gateway.relay.migration import MigratingStream
@@ -73,8 +81,9 @@ async def _admit(state: GatewayState, session: Session, req: CompletionRequest, 
         worker_id = handle.worker_id
         # A non-streaming client sees no chunk: its worker may send them a few at a time.
         coalesce_s = 0.0 if req.stream else state.config.server.coalesce_s
+        reuse = handle.protocol == "llamacpp" and handle.prompt_scopes.reuse(scope_key(req))
         body = worker_body(req, directive_for(decision, policy, resume, coalesce_s=coalesce_s,
-                                              whole_answer=coalesce_s > 0), handle.protocol)
+                                              whole_answer=coalesce_s > 0), handle.protocol, reuse_prompt=reuse)
         handle.draft_mix.add(decision)
         attempt = trace.attempt(worker_id, decision)
         headers = attempt.headers  # the trace context (gateway/observe/tracing.py)

@@ -1,0 +1,196 @@
+"""llama.cpp's ``llama-server`` as a worker (``workers.remote[].protocol: llamacpp``).
+
+llama-server fixes its speculation per process (``--spec-type``, ``-md``,
+``--spec-draft-n-max``); the request fields that would choose it per request are compiled out
+(``tools/server/server-schema.cpp``). So each server is one method for its life, and the
+gateway steers each session to the server whose method its rules want, as between vLLM servers
+of one method each (gateway/placement.py).
+
+What a server tells the gateway, and how it is read:
+
+- **Its drafts**: each response's ``timings`` carries ``draft_n`` and ``draft_n_accepted``,
+  cumulative over the request, absent when nothing was drafted (absent is 0). They come on the
+  final chunk of a stream, or on every chunk with ``timings_per_token`` (which the relay asks
+  for: the counters then move once per verification step, and each move is one step's own
+  proposed and accepted counts). A jump that spans several steps (a whole answer's totals) is
+  read as steps of the server's ``max_k`` drafts each. llama.cpp counts proposed and accepted,
+  not tested: a step's tested drafts follow from its counts as a specgate step's do
+  (``policies.tested_drafts``), so its α is priced as vLLM's accepted ÷ proposed is.
+- **Its load**: ``llamacpp:requests_processing`` and ``llamacpp:requests_deferred`` from its
+  ``/metrics`` (the server's ``--metrics`` flag; without it, the gateway's own count alone).
+- **Its prompt cache**: a slot keeps its prompt's K/V for the next request (``cache_prompt``,
+  on by default), and ``--cache-ram`` keeps prompts of any slot in host memory, so one tenant's
+  request could start from another's tokens. The gateway sends ``cache_prompt: false`` unless
+  every request it has sent that server was of the request's own cache scope
+  (gateway/tenancy.py); ``ScopeHistory`` keeps that record.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from workers.api.generation import SpecSteps
+from workers.api.wire import StepReport
+
+TIMINGS_FIELD = "timings"
+# llama-server's own request fields that choose slots or cache reuse: set by the gateway only
+# (a client's would reach around the tenant rule above).
+GATEWAY_OWNED_FIELDS = ("cache_prompt", "id_slot", "n_cache_reuse", "timings_per_token")
+# Beyond this a count is not a count (llama.cpp's are int32): the chunk's timings are ignored.
+MAX_COUNT = 1 << 31
+
+
+@dataclass
+class TimingsSeen:
+    """One request's llama.cpp counters as last read, and the steps inferred from them so far."""
+
+    proposed: int = 0  # draft_n
+    accepted: int = 0  # draft_n_accepted
+    tokens: int = 0  # predicted_n, or the text chunks counted before any timings came
+    proposing_steps: int = 0
+    plain_steps: int = 0
+    # Timings that could not be read or whose counters went back, and steps whose accepted count
+    # passed their proposed: counted in specgate_step_reports_clamped_total, then cleared.
+    clamps: list[str] = field(default_factory=list)
+
+    def take_clamps(self) -> list[str]:
+        taken, self.clamps = self.clamps, []
+        return taken
+
+
+def llamacpp_body(body: dict[str, Any], streamed: bool, reuse_prompt: bool) -> dict[str, Any]:
+    """A request as a llama-server takes it: the gateway's own fields set, a client's removed."""
+    for name in GATEWAY_OWNED_FIELDS:
+        body.pop(name, None)
+    body["cache_prompt"] = reuse_prompt
+    if streamed:
+        body["timings_per_token"] = True
+    return body
+
+
+def _count(value: Any) -> int | None:
+    """A counter's value: absent is 0; anything but a non-negative integer is unreadable."""
+    if value is None:
+        return 0
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < MAX_COUNT:
+        return None
+    return value
+
+
+def timings_report(chunk: dict[str, Any], seen: TimingsSeen, max_k: int, lookup: bool,
+                   counted_text: bool) -> StepReport | None:
+    """The steps behind one chunk of a llama-server answer, from the move of its ``timings``
+    since ``seen`` (updated); the ``timings`` field leaves the chunk (it is llama.cpp's, not
+    OpenAI's). None where the chunk has no readable timings: ``counted_text`` says the caller
+    counts the chunk's text as one token then, so a later total does not count it again.
+
+    ``lookup``: the server's method is a lookup method (its steps without a proposal are plain
+    steps of that method: its coverage); else they are left out of the evidence."""
+    if TIMINGS_FIELD not in chunk:
+        seen.tokens += counted_text
+        return None
+    timings = chunk.pop(TIMINGS_FIELD)
+    counts = [_count(timings.get(name)) for name in ("draft_n", "draft_n_accepted", "predicted_n")] \
+        if isinstance(timings, Mapping) else [None]
+    if None in counts:
+        seen.clamps.append("unreadable_timings")
+        seen.tokens += counted_text
+        return None
+    proposed, accepted, tokens = (int(c or 0) for c in counts)
+    d_proposed, d_accepted = proposed - seen.proposed, accepted - seen.accepted
+    # Tokens counted from text before any timings came may run ahead of the server's count.
+    d_tokens = max(0, tokens - seen.tokens)
+    if d_proposed < 0 or d_accepted < 0:
+        seen.clamps.append("negative")  # counters never go back within a request: not this request's
+        seen.tokens += counted_text
+        return None
+    if d_accepted > d_proposed:
+        seen.clamps.append("accepted_over_proposed")
+        d_accepted = d_proposed
+    seen.proposed, seen.accepted, seen.tokens = proposed, seen.accepted + d_accepted, max(tokens, seen.tokens)
+    steps = _split(d_proposed, d_accepted, max(1, max_k))
+    seen.proposing_steps += len(steps)
+    # Every step emits one token of its own and its accepted drafts: what is left was plain.
+    plain = max(seen.plain_steps, tokens - seen.proposing_steps - seen.accepted)
+    new_plain, seen.plain_steps = plain - seen.plain_steps, plain
+    plain_group = (SpecSteps(0, 0, new_plain),) if lookup and new_plain else ()
+    if steps:  # the chunk's first step is the report's own; the rest follow it
+        first_p, first_a = steps[0]
+        late = tuple(SpecSteps(p, a, 1) for p, a in steps[1:]) + plain_group
+        return StepReport(first_p, first_a, 0, first_p, d_tokens, late)
+    if new_plain:  # plain steps only: the report's own is the first of them
+        rest = (SpecSteps(0, 0, new_plain - 1),) if lookup and new_plain > 1 else ()
+        return StepReport(0, 0, 0, 0, d_tokens, rest)
+    # Neither: a token of a step already counted (a step sends its tokens a chunk each), or no
+    # token at all. The caller counts the chunk's text, as for any server that reports no steps.
+    return None
+
+
+def _split(proposed: int, accepted: int, max_k: int) -> list[tuple[int, int]]:
+    """``proposed`` drafts as the fewest steps of at most ``max_k`` each, and ``accepted`` spread
+    over them as evenly as each step's proposals allow: one step's counts are its own."""
+    if proposed <= 0:
+        return []
+    n = -(-proposed // max_k)
+    sizes = [proposed // n + (1 if i < proposed % n else 0) for i in range(n)]
+    out = []
+    left = accepted
+    for i, size in enumerate(sizes):
+        share = min(size, -(-left // (n - i)))
+        out.append((size, share))
+        left -= share
+    return out
+
+
+def read_depth(metrics_text: str) -> tuple[int, int] | None:
+    """Requests a llama-server is processing and deferring, from its Prometheus text; None
+    where it exports neither (started without ``--metrics``)."""
+    processing = deferred = None
+    for line in metrics_text.splitlines():
+        if line.startswith("llamacpp:requests_processing"):
+            processing = _gauge(line)
+        elif line.startswith("llamacpp:requests_deferred"):
+            deferred = _gauge(line)
+    if processing is None and deferred is None:
+        return None
+    return processing or 0, deferred or 0
+
+
+def _gauge(line: str) -> int | None:
+    try:
+        value = float(line.rsplit(" ", 1)[1])
+    except (IndexError, ValueError):
+        return None
+    return int(value) if 0 <= value < MAX_COUNT else None
+
+
+class ScopeHistory:
+    """Which cache scopes a gateway has sent one llama-server, for ``cache_prompt``.
+
+    A request may reuse the server's cached prompts only while every request the gateway sent
+    it was of one scope, that request's. The first request after the gateway starts reuses
+    nothing: what the server cached before is unknown. Once a second scope was sent, the
+    server's cache may hold either's tokens in any slot (``--cache-ram`` moves prompts between
+    slots), and every later request computes its prompt afresh: give each tenant its own
+    server where its prompts should be cached (docs/llamacpp.md)."""
+
+    def __init__(self) -> None:
+        self._scope: str | None = None
+        self._mixed = False
+
+    def reuse(self, scope: str) -> bool:
+        """Whether a request of ``scope`` may reuse the server's cache; records it as sent."""
+        if self._mixed:
+            return False
+        if self._scope is None:
+            self._scope = scope
+            return False
+        if self._scope != scope:
+            self._mixed = True
+            return False
+        return True
+
+    def view(self) -> str:
+        return "mixed" if self._mixed else "none" if self._scope is None else "one"
