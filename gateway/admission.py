@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 from gateway.fleet.handle import WorkerHandle
 from gateway.fleet.prefix_index import prompt_blocks
 from gateway.fleet.routing import RouteReason
-from gateway.llamacpp import TIMINGS_FIELD, timings_report
+from gateway.llamacpp import TIMINGS_FIELD, SlotLease, timings_report
 from gateway.observe.metrics import GatewayMetrics
 from gateway.placement import Placement, route
 from gateway.proxy import NoWorkerLeft, NoWorkerReady, RawChunk, StreamTally
@@ -78,6 +78,7 @@ class Admission:
     retries: int = 0  # workers found unreachable before this one took the request
     route: RouteReason = "load"  # why this worker (X-Specgate-Route): the session's, a prefix hit, or load
     prefix_share: float = 0.0  # Placement.prefix_share
+    lease: SlotLease | None = None  # a llama-server's slot and prompt reuse (gateway/llamacpp.py)
 
 
 def session_id_of(headers: Mapping[str, str], req: CompletionRequest) -> str | None:

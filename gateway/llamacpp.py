@@ -20,9 +20,8 @@ What a server tells the gateway, and how it is read:
   ``/metrics`` (the server's ``--metrics`` flag; without it, the gateway's own count alone).
 - **Its prompt cache**: a slot keeps its prompt's K/V for the next request (``cache_prompt``,
   on by default), and ``--cache-ram`` keeps prompts of any slot in host memory, so one tenant's
-  request could start from another's tokens. The gateway sends ``cache_prompt: false`` unless
-  every request it has sent that server was of the request's own cache scope
-  (gateway/tenancy.py); ``ScopeHistory`` keeps that record.
+  request could start from another's tokens. ``PromptScopes`` decides, per request, the slot
+  and ``cache_prompt`` that keep each cache scope's prompts its own (gateway/tenancy.py).
 """
 
 from __future__ import annotations
@@ -60,11 +59,13 @@ class TimingsSeen:
         return taken
 
 
-def llamacpp_body(body: dict[str, Any], streamed: bool, reuse_prompt: bool) -> dict[str, Any]:
+def llamacpp_body(body: dict[str, Any], streamed: bool, lease: SlotLease) -> dict[str, Any]:
     """A request as a llama-server takes it: the gateway's own fields set, a client's removed."""
     for name in GATEWAY_OWNED_FIELDS:
         body.pop(name, None)
-    body["cache_prompt"] = reuse_prompt
+    body["cache_prompt"] = lease.reuse
+    if lease.slot is not None:
+        body["id_slot"] = lease.slot
     if streamed:
         body["timings_per_token"] = True
     return body
@@ -166,31 +167,66 @@ def _gauge(line: str) -> int | None:
     return int(value) if 0 <= value < MAX_COUNT else None
 
 
-class ScopeHistory:
-    """Which cache scopes a gateway has sent one llama-server, for ``cache_prompt``.
+@dataclass(frozen=True)
+class SlotLease:
+    """What one request sends a llama-server about its cache: the slot it must run in (None:
+    the server picks) and whether it may start from what that slot holds (``cache_prompt``)."""
 
-    A request may reuse the server's cached prompts only while every request the gateway sent
-    it was of one scope, that request's. The first request after the gateway starts reuses
-    nothing: what the server cached before is unknown. Once a second scope was sent, the
-    server's cache may hold either's tokens in any slot (``--cache-ram`` moves prompts between
-    slots), and every later request computes its prompt afresh: give each tenant its own
-    server where its prompts should be cached (docs/llamacpp.md)."""
+    slot: int | None
+    reuse: bool
 
-    def __init__(self) -> None:
-        self._scope: str | None = None
+
+class PromptScopes:
+    """The cache scopes (gateway/tenancy.py) a gateway has sent one llama-server, and what a
+    request of a scope may therefore reuse there.
+
+    While every request the gateway sent the server was of one scope, the server holds that
+    scope's prompts alone: requests reuse its cache, and the server picks their slots (by prompt
+    similarity, as it does for any client). Once a second scope was sent:
+
+    - by default, no request reuses anything (``cache_prompt: false``): llama-server's host
+      prompt cache (``--cache-ram``, on by default) moves prompts between slots, so no slot is
+      one scope's. Give each tenant its own server where its prompts should stay cached;
+    - with ``scoped_slots`` (the server's ``-np``, started with ``--cache-ram 0``), each request
+      runs in a slot of its own (``id_slot``): an idle one its scope used last reuses it, any
+      other idle one is taken over without reuse, and where every slot is taken, the request
+      reuses nothing and the server picks.
+
+    The record starts with the gateway: a server older than it, or shared with other clients,
+    may hold prompts it never sent (docs/llamacpp.md)."""
+
+    def __init__(self, scoped_slots: int = 0) -> None:
+        self._only: str | None = None  # the one scope sent so far
         self._mixed = False
+        self._owner: list[str | None] = [None] * scoped_slots  # the scope each slot last ran
+        self._busy = [0] * scoped_slots  # this gateway's requests running in each slot
+        self._last_used = [0] * scoped_slots
+        self._clock = 0
 
-    def reuse(self, scope: str) -> bool:
-        """Whether a request of ``scope`` may reuse the server's cache; records it as sent."""
-        if self._mixed:
-            return False
-        if self._scope is None:
-            self._scope = scope
-            return False
-        if self._scope != scope:
+    def lease(self, scope: str) -> SlotLease:
+        """A request of ``scope`` is about to be sent: its slot and reuse (``release`` it after)."""
+        if not self._mixed:
+            if self._only is None or self._only == scope:
+                self._only = scope
+                return SlotLease(None, True)
             self._mixed = True
-            return False
-        return True
+            # Until now only one scope ran, in whichever slots the server picked.
+            self._owner = [self._only] * len(self._owner)
+        idle = [i for i in range(len(self._owner)) if not self._busy[i]]
+        if not idle:
+            return SlotLease(None, False)
+        own = [i for i in idle if self._owner[i] == scope]
+        slot = max(own, key=lambda i: self._last_used[i]) if own else min(idle, key=lambda i: self._last_used[i])
+        self._clock += 1
+        self._busy[slot] += 1
+        self._last_used[slot] = self._clock
+        self._owner[slot] = scope
+        return SlotLease(slot, bool(own))
 
-    def view(self) -> str:
-        return "mixed" if self._mixed else "none" if self._scope is None else "one"
+    def release(self, lease: SlotLease) -> None:
+        if lease.slot is not None and self._busy[lease.slot] > 0:
+            self._busy[lease.slot] -= 1
+
+    def view(self) -> dict[str, object]:
+        return {"scopes": "mixed" if self._mixed else "none" if self._only is None else "one",
+                "scoped_slots": len(self._owner), "slots_busy": sum(1 for b in self._busy if b)}

@@ -21,7 +21,7 @@ import orjson
 from gateway.config.config import RemoteProtocol
 from gateway.fleet.handle import WorkerHandle
 from gateway.fleet.worker_http import WorkerConnectError, WorkerResponse, WorkerStreamError
-from gateway.llamacpp import TimingsSeen, llamacpp_body
+from gateway.llamacpp import SlotLease, TimingsSeen, llamacpp_body
 from workers.api.errors import (
     ApiError,
     BadRequest,
@@ -93,7 +93,7 @@ def scope_key(request: CompletionRequest) -> str:
 
 
 def worker_body(request: CompletionRequest, directive: Directive, protocol: RemoteProtocol,
-                streamed: bool = True, reuse_prompt: bool = False) -> dict[str, Any]:
+                streamed: bool = True, lease: SlotLease | None = None) -> dict[str, Any]:
     """The request as the worker takes it: plus the decision in the worker's own terms (a
     specgate directive, vLLM plugin arguments, or nothing for a server of one fixed mode). The
     relay's are always streamed with usage; the endpoint picker's (``streamed`` False) keep the
@@ -102,13 +102,13 @@ def worker_body(request: CompletionRequest, directive: Directive, protocol: Remo
     The cache scope (``cache_salt``, the scope's digest: gateway/tenancy.py) goes to servers
     known to honour it: specgate workers and vLLM. A plain OpenAI-compatible server may refuse
     the field or ignore it, so it gets none, and its own cache is not scoped (docs/api.md). A
-    llama-server gets none either: ``reuse_prompt`` (``ScopeHistory.reuse``) says whether it may
-    start from its cached prompts (gateway/llamacpp.py)."""
+    llama-server gets none either: ``lease`` (``PromptScopes.lease``) says in which slot it runs
+    and whether it may start from its cached prompts (gateway/llamacpp.py)."""
     body = dict(request.raw)
     if protocol in ("openai", "llamacpp"):
         body.pop(CACHE_SALT_FIELD, None)
     if protocol == "llamacpp":
-        llamacpp_body(body, streamed, reuse_prompt)
+        llamacpp_body(body, streamed, lease or SlotLease(None, False))
     if streamed:
         body["stream"] = True
         body["stream_options"] = {"include_usage": True}

@@ -27,6 +27,7 @@ RemoteProtocol = Literal["openai", "specgate", "vllm", "llamacpp"]
 REMOTE_PROTOCOLS: tuple[RemoteProtocol, ...] = ("openai", "specgate", "vllm", "llamacpp")
 RemoteMethod = Literal["draft_model", "ngram", "none"]
 REMOTE_METHODS: tuple[RemoteMethod, ...] = ("draft_model", "ngram", "none")
+MAX_SCOPED_SLOTS = 256  # a llama-server's -np; each slot is a sequence of its KV cache
 MAX_CONFIG_BYTES = 1 << 20  # config.yaml is a few KiB; anything near this is not a config file
 
 
@@ -85,6 +86,9 @@ class RemoteWorker:
     # ("draft_model", vLLM's name), prompt lookup ("ngram", any of llama.cpp's n-gram types), or
     # nothing ("none": it serves plain only). A specgate worker lists its own.
     method: RemoteMethod = "draft_model"
+    # A "llamacpp" server started with --cache-ram 0: its -np. The gateway then runs each cache
+    # scope's requests in slots of their own (gateway/llamacpp.py PromptScopes); 0: it does not.
+    scoped_slots: int = 0
 
 
 @dataclass(frozen=True)
@@ -396,7 +400,7 @@ def _parse_remote(raw: Any, problems: Problems) -> tuple[RemoteWorker, ...]:
         if not isinstance(item, Mapping):
             problems.add(ConfigError(prefix, item, "must be a mapping with url and mode"))
             continue
-        r = _Section(item, prefix, {"url", "protocol", "mode", "name", "max_k", "method"}, problems)
+        r = _Section(item, prefix, {"url", "protocol", "mode", "name", "max_k", "method", "scoped_slots"}, problems)
         url = r.get("url", str, None)
         if isinstance(url, str) and not url.startswith(("http://", "https://")):
             problems.add(ConfigError(f"{prefix}.url", url, "must start with http:// or https://"))
@@ -420,7 +424,10 @@ def _parse_remote(raw: Any, problems: Problems) -> tuple[RemoteWorker, ...]:
             if method != "none" and max_k < 1 and not problems.failed(f"{prefix}.max_k"):
                 problems.add(ConfigError(f"{prefix}.max_k", max_k, f"a llamacpp server of method {method} needs "
                                          "max_k >= 1: its longest draft (--spec-draft-n-max)"))
-        out.append(RemoteWorker(url, mode, r.get("name", str, url), max_k, protocol, method))
+        scoped_slots = r.get("scoped_slots", int, 0, minimum=0, maximum=MAX_SCOPED_SLOTS)
+        if protocol != "llamacpp" and "scoped_slots" in item and not problems.failed(f"{prefix}.scoped_slots"):
+            problems.add(ConfigError(f"{prefix}.scoped_slots", scoped_slots, "is for protocol llamacpp servers"))
+        out.append(RemoteWorker(url, mode, r.get("name", str, url), max_k, protocol, method, scoped_slots))
     return tuple(out)
 
 

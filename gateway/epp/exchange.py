@@ -286,8 +286,9 @@ class Exchange:
         # A whole answer's step log, for the feedback: a plain decision's would teach nothing, and
         # its response passes the picker unread (Picked.feedback), so it is not asked for.
         directive = directive_for(decision, policy, step_log=not req.stream and decision.k > 0)
-        reuse = handle.protocol == "llamacpp" and handle.prompt_scopes.reuse(scope_key(req))
-        return orjson.dumps(worker_body(req, directive, handle.protocol, streamed=False, reuse_prompt=reuse))
+        if handle.protocol == "llamacpp":
+            admission.lease = handle.prompt_scopes.lease(scope_key(req))
+        return orjson.dumps(worker_body(req, directive, handle.protocol, streamed=False, lease=admission.lease))
 
     # -- the response -------------------------------------------------------------------------------
     def _response_headers(self, headers: ext_proc.HttpHeaders) -> ext_proc.ProcessingResponse:
@@ -356,6 +357,7 @@ class Exchange:
         picked = self.picked
         if picked is not None and picked.admission is not None:
             picked.admission.handle.draft_mix.remove(picked.admission.decision)
+            picked.admission.handle.release(picked.admission.lease)
             self.state.store.save(picked.admission.session)
 
 

@@ -25,6 +25,7 @@ from gateway.fleet.probe import Probe
 from gateway.fleet.routing import Candidate
 from gateway.fleet.supervisor import Supervisor, finish_output
 from gateway.fleet.worker_http import Endpoint, WorkerHttp
+from gateway.llamacpp import PromptScopes
 from gateway.observe.metrics import GatewayMetrics
 from gateway.observe.ops_metrics import AdmissionWaitMetrics
 from policies import Mode
@@ -111,6 +112,8 @@ class Fleet:
                               protocol=remote.protocol, status="unhealthy", last_error="not checked yet")
         if remote.protocol != "specgate":  # a server's one method, for its life (a specgate worker's: polled)
             handle.methods = SERVER_METHODS[remote.method]
+        if remote.protocol == "llamacpp":
+            handle.prompt_scopes = PromptScopes(remote.scoped_slots)
         return handle
 
     async def stop(self) -> None:

@@ -15,7 +15,7 @@ from gateway.config.config import RemoteProtocol
 from gateway.fleet.draft_mix import DraftMix
 from gateway.fleet.routing import Candidate
 from gateway.fleet.worker_http import WorkerHttp
-from gateway.llamacpp import ScopeHistory
+from gateway.llamacpp import PromptScopes, SlotLease
 from policies import CostModel, Method, Mode, SessionState
 
 WorkerStatus = Literal["starting", "ready", "unhealthy", "restarting", "stopped"]
@@ -63,10 +63,15 @@ class WorkerHandle:
     acceptance: SessionState = field(default_factory=SessionState)
     cost_error: str = ""  # why its last published cost model was unusable
     cost_raw: Any = None  # the published cost model ``cost`` was parsed from
-    # A llama-server's cache scopes sent so far: whether a request may reuse its cached prompts.
-    prompt_scopes: ScopeHistory = field(default_factory=ScopeHistory)
+    # A llama-server's cache scopes sent so far: each request's slot and prompt reuse there.
+    prompt_scopes: PromptScopes = field(default_factory=PromptScopes)
     # JSON logs only: the tasks relaying its stdout and stderr into the gateway's log.
     output: list[asyncio.Task[None]] = field(default_factory=list)
+
+    def release(self, lease: SlotLease | None) -> None:
+        """A request that held ``lease`` (``PromptScopes.lease``) left this worker."""
+        if lease is not None:
+            self.prompt_scopes.release(lease)
 
     @property
     def in_flight(self) -> int:

@@ -262,6 +262,7 @@ class MigratingStream:
         if self._held:
             self._held = False
             self.admission.handle.draft_mix.remove(self.admission.decision)
+            self.admission.handle.release(self.admission.lease)
 
     # -- migration --------------------------------------------------------------------------------
     async def _lose_worker(self, exc: ApiError) -> None:

@@ -81,9 +81,9 @@ async def _admit(state: GatewayState, session: Session, req: CompletionRequest, 
         worker_id = handle.worker_id
         # A non-streaming client sees no chunk: its worker may send them a few at a time.
         coalesce_s = 0.0 if req.stream else state.config.server.coalesce_s
-        reuse = handle.protocol == "llamacpp" and handle.prompt_scopes.reuse(scope_key(req))
+        lease = handle.prompt_scopes.lease(scope_key(req)) if handle.protocol == "llamacpp" else None
         body = worker_body(req, directive_for(decision, policy, resume, coalesce_s=coalesce_s,
-                                              whole_answer=coalesce_s > 0), handle.protocol, reuse_prompt=reuse)
+                                              whole_answer=coalesce_s > 0), handle.protocol, lease=lease)
         handle.draft_mix.add(decision)
         attempt = trace.attempt(worker_id, decision)
         headers = attempt.headers  # the trace context (gateway/observe/tracing.py)
@@ -99,6 +99,7 @@ async def _admit(state: GatewayState, session: Session, req: CompletionRequest, 
                                          headers)
         except WorkerUnreachable as exc:
             handle.draft_mix.remove(decision)
+            handle.release(lease)
             attempt.failed(exc)
             log.warning("%s unreachable (%s); retrying elsewhere", worker_id, exc)
             state.fleet.report_failure(handle, str(exc))
@@ -107,11 +108,12 @@ async def _admit(state: GatewayState, session: Session, req: CompletionRequest, 
             continue
         except BaseException as exc:
             handle.draft_mix.remove(decision)
+            handle.release(lease)
             attempt.failed(exc)
             raise
         record(state, session, decision, policy)
         return Admission(session, handle, decision, policy, attempt, len(tried - exclude), placed.route,
-                         placed.prefix_share), response
+                         placed.prefix_share, lease), response
 
 
 def _client_gone(request: web.Request) -> bool:

@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 
 from gateway.config.config import ConfigError, parse_config
-from gateway.llamacpp import ScopeHistory, TimingsSeen, llamacpp_body, read_depth, timings_report
+from gateway.llamacpp import PromptScopes, SlotLease, TimingsSeen, llamacpp_body, read_depth, timings_report
 from workers.api.generation import SpecSteps
 
 BASE = Path(__file__).resolve().parent
@@ -96,17 +96,40 @@ def test_counters_that_go_back_or_accept_more_than_proposed_are_clamped() -> Non
 
 def test_client_fields_that_reach_around_the_scope_rule_are_replaced() -> None:
     body = llamacpp_body({"cache_prompt": True, "id_slot": 0, "n_cache_reuse": 64, "timings_per_token": False,
-                          "messages": []}, streamed=True, reuse_prompt=False)
+                          "messages": []}, streamed=True, lease=SlotLease(None, False))
     assert body == {"messages": [], "cache_prompt": False, "timings_per_token": True}
-    assert llamacpp_body({}, streamed=False, reuse_prompt=True) == {"cache_prompt": True}
+    assert llamacpp_body({}, streamed=False, lease=SlotLease(2, True)) == {"cache_prompt": True, "id_slot": 2}
 
 
-def test_a_server_reuses_its_cache_only_while_one_scope_was_sent() -> None:
-    history = ScopeHistory()
-    assert not history.reuse("a")  # the first: what the server held before is unknown
-    assert history.reuse("a") and history.reuse("a")
-    assert not history.reuse("b")  # a second scope: never again
-    assert not history.reuse("a") and history.view() == "mixed"
+def test_one_scope_reuses_the_servers_cache_and_the_server_picks_slots() -> None:
+    scopes = PromptScopes(scoped_slots=2)
+    assert [scopes.lease("a") for _ in range(3)] == [SlotLease(None, True)] * 3
+
+
+def test_without_scoped_slots_a_second_scope_ends_all_reuse() -> None:
+    scopes = PromptScopes()
+    assert scopes.lease("a") == SlotLease(None, True)
+    assert scopes.lease("b") == SlotLease(None, False)
+    assert scopes.lease("a") == SlotLease(None, False)  # --cache-ram moves prompts between slots
+    assert scopes.view()["scopes"] == "mixed"
+
+
+def test_scoped_slots_keep_each_scope_in_slots_of_its_own() -> None:
+    scopes = PromptScopes(scoped_slots=3)
+    assert scopes.lease("a") == SlotLease(None, True)
+    b1 = scopes.lease("b")  # every slot ran a until now: b takes one over, reusing nothing
+    assert b1.slot is not None and not b1.reuse
+    scopes.release(b1)
+    assert scopes.lease("b") == SlotLease(b1.slot, True)  # ...and finds it again
+    a1 = scopes.lease("a")
+    assert a1.slot not in (None, b1.slot) and a1.reuse
+    c1 = scopes.lease("c")  # one idle slot left, a's: taken over without reuse
+    assert c1.slot not in (None, b1.slot, a1.slot) and not c1.reuse
+    assert scopes.lease("a") == SlotLease(None, False)  # every slot busy: the server picks, no reuse
+    assert scopes.view() == {"scopes": "mixed", "scoped_slots": 3, "slots_busy": 3}
+    scopes.release(c1)
+    again = scopes.lease("c")
+    assert again == SlotLease(c1.slot, True)
 
 
 def test_depth_from_llamacpp_metrics() -> None:
@@ -123,14 +146,15 @@ def remote(**fields: Any) -> dict[str, Any]:
 def test_llamacpp_remotes_in_the_config() -> None:
     plain = parse_config(remote(), BASE).workers.remote[0]
     assert (plain.protocol, plain.method, plain.mode) == ("llamacpp", "none", "plain")
-    ngram = parse_config(remote(method="ngram", max_k=48), BASE).workers.remote[0]
-    assert (ngram.method, ngram.mode, ngram.max_k) == ("ngram", "speculative", 48)
+    ngram = parse_config(remote(method="ngram", max_k=48, scoped_slots=4), BASE).workers.remote[0]
+    assert (ngram.method, ngram.mode, ngram.max_k, ngram.scoped_slots) == ("ngram", "speculative", 48, 4)
 
 
 @pytest.mark.parametrize(("fields", "field", "message"), [
     ({"method": "ngram"}, "workers.remote[0].max_k", "its longest draft"),
     ({"method": "suffix", "max_k": 8}, "workers.remote[0].method", "must be one of"),
     ({"mode": "speculative", "method": "ngram", "max_k": 8}, "workers.remote[0].mode", "method says what it runs"),
+    ({"scoped_slots": 1000}, "workers.remote[0].scoped_slots", "must be <= 256"),
 ])
 def test_a_method_that_does_not_fit_the_protocol_is_refused(fields: dict[str, Any], field: str, message: str) -> None:
     with pytest.raises(ConfigError) as raised:
@@ -142,3 +166,9 @@ def test_an_openai_server_takes_no_method() -> None:
     with pytest.raises(ConfigError) as raised:
         parse_config({"workers": {"remote": [{"url": "http://x:1", "protocol": "openai", "method": "ngram"}]}}, BASE)
     assert raised.value.field == "workers.remote[0].method"
+
+
+def test_scoped_slots_are_for_llamacpp_servers() -> None:
+    with pytest.raises(ConfigError) as raised:
+        parse_config({"workers": {"remote": [{"url": "http://x:1", "protocol": "vllm", "scoped_slots": 2}]}}, BASE)
+    assert raised.value.field == "workers.remote[0].scoped_slots"
