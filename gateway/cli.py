@@ -102,7 +102,7 @@ def check_file(path: Path, kind: str = "auto", environ: Mapping[str, str] | None
             policy_env(raw, environ)
             return [], []
         config = load_config_env(path, environ)
-        return model_problems(config), tenancy_warnings(config)
+        return model_problems(config), tenancy_warnings(config) + method_warnings(config)
     except FieldError as exc:
         return [str(problem) for problem in exc.problems], []
 
@@ -123,6 +123,16 @@ def tenancy_warnings(config: Any) -> list[str]:
             "shared by every tenant (auth.api_keys is set; the gateway sends such a server no cache_salt). A vLLM "
             "server: declare protocol: vllm, which gets each tenant's cache_salt (got 'openai')"
             for i, remote in enumerate(config.workers.remote) if remote.protocol == "openai"]
+
+
+def method_warnings(config: Any) -> list[str]:
+    """A server whose one method the policy never chooses: its sessions would never be steered
+    to it by method (an n-gram llama-server or vLLM server while ``policy.methods`` lacks ngram)."""
+    return [f"workers.remote[{i}]: {remote.name} runs ngram for its life, which policy.methods does not list "
+            f"(got {list(config.policy.methods)}): no session moves there for its method; add ngram"
+            for i, remote in enumerate(config.workers.remote)
+            if remote.protocol in ("vllm", "llamacpp") and remote.method == "ngram"
+            and "ngram" not in config.policy.methods]
 
 
 def check(path: Path, kind: str) -> int:

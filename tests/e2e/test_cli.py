@@ -73,6 +73,25 @@ def test_check_warns_that_an_openai_servers_cache_is_not_scoped_when_keys_are_se
     assert result.returncode == 0 and result.stderr == ""
 
 
+def test_check_warns_of_an_ngram_server_the_policy_never_chooses(tmp_path: Path) -> None:
+    path = tmp_path / "config.yaml"
+    remote = (f"model: {{target: {REPO / 'models/demo-target'}, draft: null}}\n"
+              "workers: {count: 0, remote: [{url: 'http://10.0.0.5:8081', protocol: llamacpp, name: plain},"
+              " {url: 'http://10.0.0.5:8082', protocol: llamacpp, method: ngram, max_k: 48, name: ngram}]}\n")
+    path.write_text(remote)
+    result = specgate("check", str(path))
+    assert result.returncode == 0 and result.stderr == (
+        f"{path}: warning: workers.remote[1]: ngram runs ngram for its life, which policy.methods does not list "
+        "(got ['draft']): no session moves there for its method; add ngram\n"), result.stderr
+    path.write_text(remote + "policy: {methods: [draft, ngram]}\n")
+    result = specgate("check", str(path))
+    assert result.returncode == 0 and result.stderr == ""
+    # A method the protocol cannot run is refused, the field named.
+    path.write_text(remote.replace("method: ngram, max_k: 48", "method: suffix, max_k: 48"))
+    result = specgate("check", str(path))
+    assert result.returncode == 1 and "workers.remote[1].method: must be one of" in result.stderr
+
+
 def test_check_a_policy_file_prints_each_bad_field(tmp_path: Path) -> None:
     path = tmp_path / "policy.yaml"
     # A mistyped key does not make it a config file: it has policy fields and no config section.

@@ -23,8 +23,8 @@ def test_ci_installs_nothing_that_make_does_not() -> None:
     script = (REPO / ".ci" / "run").read_text()
     assert installs_of_its_own(script) == []
     makes = re.findall(r"\bmake ([\w-]+)", script)
-    assert "test" in makes and "test-vllm" in makes
-    assert set(makes) <= {"install", "install-vllm", "test", "test-vllm"}
+    assert "test" in makes and "test-vllm" in makes and "test-llamacpp" in makes
+    assert set(makes) <= {"install", "install-vllm", "install-llamacpp", "test", "test-vllm", "test-llamacpp"}
 
 
 def test_make_test_brings_the_system_packages_the_tests_run() -> None:

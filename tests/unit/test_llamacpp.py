@@ -172,3 +172,11 @@ def test_scoped_slots_are_for_llamacpp_servers() -> None:
     with pytest.raises(ConfigError) as raised:
         parse_config({"workers": {"remote": [{"url": "http://x:1", "protocol": "vllm", "scoped_slots": 2}]}}, BASE)
     assert raised.value.field == "workers.remote[0].scoped_slots"
+
+
+def test_the_deploy_example_is_a_valid_config() -> None:
+    from gateway.config.config import load_config
+    config = load_config(BASE.parents[1] / "deploy" / "llamacpp" / "config.yaml")
+    plain, ngram = config.workers.remote
+    assert (plain.protocol, plain.method, ngram.protocol, ngram.method) == ("llamacpp", "none", "llamacpp", "ngram")
+    assert "ngram" in config.policy.methods and config.model.draft is None
