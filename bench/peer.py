@@ -46,12 +46,11 @@ from typing import Any
 import aiohttp
 
 from bench.llama_server import NGRAM_CONFIGS, NGRAM_TYPE, LlamaServer, start_llama_server
-from bench.procs import REPO, print_result, served_sections, start_serve_gateway, stop
+from bench.peer_fleet import EDIT_PROMPTS, TASK_PROMPTS, print_fleet, run_fleet, run_session, sessions
+from bench.procs import print_result, served_sections, start_serve_gateway, stop
 from workers.costs.cache import cpu_label
 
 CLASSES = ("code", "chat", "json", "edit")
-TASK_PROMPTS = REPO / "bench" / "data" / "task_prompts.jsonl"
-EDIT_PROMPTS = REPO / "bench" / "data" / "peer_edits.jsonl"
 SLOTS = 4
 TARGETS = {"plain_over_llamacpp": 1.0, "default_over_llamacpp": 1.8, "concurrent4_over_llamacpp": 1.2}
 LLAMA_MODEL = "smollm2"  # llama-server's --alias
@@ -227,7 +226,6 @@ def run_all(cpu: str, quick: bool, max_tokens: int) -> dict[str, Any]:
 
 async def _edit_sessions(url: str, edits: Sequence[Any]) -> dict[str, Any]:
     """The edit conversations one after another straight to a llama-server: its tokens/s and drafts."""
-    from bench.peer_fleet import run_session
     counts = {"tokens": 0, "proposed": 0, "accepted": 0, "failed": 0}
 
     def on_answer(status: int, answer: dict[str, Any], headers: dict[str, str]) -> None:
@@ -250,7 +248,6 @@ def ngram_sweep(cpu: str, quick: bool) -> dict[str, Any]:
     """llama-server plain and each of its n-gram configurations (NGRAM_CONFIGS) on the fleet's
     copy-heavy edit conversations (bench/peer_fleet.py), one at a time, T=0: which one the
     peer's n-gram rows and fleets run (NGRAM_TYPE)."""
-    from bench.peer_fleet import sessions
     edits = [s for s in sessions(quick) if s.name.startswith("edit")]
     rows = []
     with tempfile.TemporaryDirectory(prefix="bench-peer-sweep-") as tmp:
@@ -317,7 +314,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.ngram_sweep:
         out = ngram_sweep(args.cpu, args.quick)
     elif args.fleet:
-        from bench.peer_fleet import print_fleet, run_fleet
         out = run_fleet(args.quick)
         print_fleet(out)
     else:

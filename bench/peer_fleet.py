@@ -28,10 +28,11 @@ from typing import Any
 import aiohttp
 
 from bench.llama_server import NGRAM_TYPE, llamacpp_remote, start_llama_server, start_llamacpp_gateway
-from bench.peer import EDIT_PROMPTS, TASK_PROMPTS
-from bench.procs import get_json, stop
+from bench.procs import REPO, get_json, stop
 from workers.costs.cache import cpu_label
 
+TASK_PROMPTS = REPO / "bench" / "data" / "task_prompts.jsonl"  # open chat (and bench.peer's code, JSON)
+EDIT_PROMPTS = REPO / "bench" / "data" / "peer_edits.jsonl"  # copy-heavy edits
 SESSIONS_PER_CLASS = 4
 REQUESTS_PER_SESSION = 5
 MAX_TOKENS = 128

@@ -149,13 +149,11 @@ def run_on(decision: Decision, worker: WorkerState) -> Decision:
     ``decide`` ends here; the gateway calls it too, where it asked the rules about such a worker
     as if it served both modes, to learn which mode they want (gateway/admission.py ``route``)."""
     if not worker.serves_plain and worker.max_k > 0:
-        # A server of one lookup method (a llama-server started with --spec-type ngram-...) runs
-        # it whatever the rules wanted: its steps are that method's evidence.
+        # A server of one lookup method (a llama-server with an n-gram --spec-type) runs it whatever they wanted.
         own = worker.methods[0] if len(worker.methods) == 1 and is_lookup(worker.methods[0]) else None
         if decision.mode == "plain":
             return Decision("speculative", worker.max_k, "worker_speculative_only", method=own)
-        method = decision.method if own is None or decision.method == own else own
-        return replace(decision, k=worker.max_k, tree=None, method=method)
+        return replace(decision, k=worker.max_k, tree=None, method=decision.method if own is None else own)
     return decision
 
 
