@@ -257,6 +257,7 @@ def account_chunk(state: GatewayState, admission: Admission, tally: StreamTally,
                                 any(is_lookup(m) for m in admission.handle.methods), bool(chunk_text(kind, chunk)))
         for reason in tally.timings.take_clamps():
             metrics.clamped_report(reason)
+        _learn_costs(admission.handle, tally.timings.take_step_ms())
     if report is not None and report.cached is not None:
         state.fleet.prefix_index.observe(admission.handle.worker_id, admission.prefix_share, *report.cached)
     elif admission.handle.protocol in ("vllm", "llamacpp") and chunk.get("usage"):
@@ -303,6 +304,16 @@ def account_chunk(state: GatewayState, admission: Admission, tally: StreamTally,
                                                      tally.speculative_steps if tally.proposed else None,
                                                      tested=tally.tested)
         chunk["usage"] = usage
+
+
+def _learn_costs(handle: WorkerHandle, step_ms: list[tuple[int, float]]) -> None:
+    """A llama-server's timed steps into its cost model (gateway/llamacpp.py ``StepCosts``)."""
+    if not step_ms:
+        return
+    for k, ms in step_ms:
+        handle.step_costs.observe(k, ms)
+    if handle.max_k > 0:
+        handle.cost = handle.step_costs.model(handle.max_k)
 
 
 def _observe_vllm_cached(state: GatewayState, admission: Admission, usage: Any) -> None:

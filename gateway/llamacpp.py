@@ -26,10 +26,12 @@ What a server tells the gateway, and how it is read:
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from policies import CostModel
 from workers.api.generation import SpecSteps
 from workers.api.wire import StepReport
 
@@ -50,12 +52,20 @@ class TimingsSeen:
     tokens: int = 0  # predicted_n, or the text chunks counted before any timings came
     proposing_steps: int = 0
     plain_steps: int = 0
+    ms: float = 0.0  # predicted_ms: the generation's time so far, as of its last step
+    # The steps whose time one chunk's timings told alone, as (drafts verified, ms): what
+    # StepCosts learns the server's costs from; taken by the caller, then cleared.
+    step_ms: list[tuple[int, float]] = field(default_factory=list)
     # Timings that could not be read or whose counters went back, and steps whose accepted count
     # passed their proposed: counted in specgate_step_reports_clamped_total, then cleared.
     clamps: list[str] = field(default_factory=list)
 
     def take_clamps(self) -> list[str]:
         taken, self.clamps = self.clamps, []
+        return taken
+
+    def take_step_ms(self) -> list[tuple[int, float]]:
+        taken, self.step_ms = self.step_ms, []
         return taken
 
 
@@ -113,9 +123,16 @@ def timings_report(chunk: dict[str, Any], seen: TimingsSeen, max_k: int, lookup:
     seen.proposed, seen.accepted, seen.tokens = proposed, seen.accepted + d_accepted, max(tokens, seen.tokens)
     steps = _split(d_proposed, d_accepted, max(1, max_k))
     seen.proposing_steps += len(steps)
-    # Every step emits one token of its own and its accepted drafts: what is left was plain.
-    plain = max(seen.plain_steps, tokens - seen.proposing_steps - seen.accepted)
+    # Every step emits one token of its own and its accepted drafts: what is left was plain. The
+    # first token is the prompt's (llama.cpp samples it from the prompt's last logits), no step.
+    plain = max(seen.plain_steps, tokens - 1 - seen.proposing_steps - seen.accepted)
     new_plain, seen.plain_steps = plain - seen.plain_steps, plain
+    ms = timings.get("predicted_ms")
+    if isinstance(ms, (int, float)) and not isinstance(ms, bool) and math.isfinite(ms) and ms >= seen.ms:
+        # A chunk that tells one step alone (a step's first token; its later tokens come at once).
+        if len(steps) + new_plain == 1 and ms > seen.ms:
+            seen.step_ms.append((steps[0][0] if steps else 0, ms - seen.ms))
+        seen.ms = ms
     plain_group = (SpecSteps(0, 0, new_plain),) if lookup and new_plain else ()
     if steps:  # the chunk's first step is the report's own; the rest follow it
         first_p, first_a = steps[0]
@@ -127,6 +144,53 @@ def timings_report(chunk: dict[str, Any], seen: TimingsSeen, max_k: int, lookup:
     # Neither: a token of a step already counted (a step sends its tokens a chunk each), or no
     # token at all. The caller counts the chunk's text, as for any server that reports no steps.
     return None
+
+
+class StepCosts:
+    """A llama-server's step times, learned from its per-token timings, as the cost model the
+    policy prices its speculation with (a specgate worker measures and publishes its own; a
+    llama-server publishes none).
+
+    A plain step's time and a drafting step's time are each a decayed mean over the server's last
+    ~``HALF_LIFE`` such steps, at whatever batch depth it ran them. The server drafts what its
+    n-gram type or draft model finds, whatever K a decision names, so a drafting step of any K is
+    priced at the mean drafting step's cost: the rules weigh what running there costs, not a K
+    they cannot choose. No model until ``MIN_STEPS`` of each kind were timed."""
+
+    HALF_LIFE = 64
+    MIN_STEPS = 8
+
+    def __init__(self) -> None:
+        self._sum = [0.0, 0.0]  # decayed ms of plain steps, of drafting steps
+        self._weight = [0.0, 0.0]
+        self._count = [0, 0]
+
+    def observe(self, k: int, ms: float) -> None:
+        kind = int(k > 0)
+        decay = 0.5 ** (1.0 / self.HALF_LIFE)
+        self._sum[kind] = self._sum[kind] * decay + ms
+        self._weight[kind] = self._weight[kind] * decay + 1.0
+        self._count[kind] += 1
+
+    def relative_draft_cost(self) -> float | None:
+        """A drafting step's time over a plain step's; None until both were timed often enough."""
+        if min(self._count) < self.MIN_STEPS:
+            return None
+        plain, drafting = (self._sum[i] / self._weight[i] for i in (0, 1))
+        return max(1.0, drafting / plain) if plain > 0 else None
+
+    def model(self, max_k: int) -> CostModel | None:
+        relative = self.relative_draft_cost()
+        if relative is None or max_k < 1:
+            return None
+        return CostModel((1,), ((1.0,) + (relative,) * max_k,))
+
+    def view(self) -> dict[str, object]:
+        relative = self.relative_draft_cost()
+        return {"plain_steps_timed": self._count[0], "drafting_steps_timed": self._count[1],
+                "plain_step_ms": round(self._sum[0] / self._weight[0], 3) if self._weight[0] else None,
+                "drafting_step_ms": round(self._sum[1] / self._weight[1], 3) if self._weight[1] else None,
+                "relative_draft_cost": None if relative is None else round(relative, 3)}
 
 
 def _split(proposed: int, accepted: int, max_k: int) -> list[tuple[int, int]]:

@@ -15,7 +15,7 @@ from gateway.config.config import RemoteProtocol
 from gateway.fleet.draft_mix import DraftMix
 from gateway.fleet.routing import Candidate
 from gateway.fleet.worker_http import WorkerHttp
-from gateway.llamacpp import PromptScopes, SlotLease
+from gateway.llamacpp import PromptScopes, SlotLease, StepCosts
 from policies import CostModel, Method, Mode, SessionState
 
 WorkerStatus = Literal["starting", "ready", "unhealthy", "restarting", "stopped"]
@@ -65,6 +65,8 @@ class WorkerHandle:
     cost_raw: Any = None  # the published cost model ``cost`` was parsed from
     # A llama-server's cache scopes sent so far: each request's slot and prompt reuse there.
     prompt_scopes: PromptScopes = field(default_factory=PromptScopes)
+    # ...and its step times, whose cost model (``cost``) the gateway learns, since it publishes none.
+    step_costs: StepCosts = field(default_factory=StepCosts)
     # JSON logs only: the tasks relaying its stdout and stderr into the gateway's log.
     output: list[asyncio.Task[None]] = field(default_factory=list)
 
@@ -107,7 +109,8 @@ class WorkerHandle:
             "cost_model": self.info.get("cost_model"), "acceptance": self.acceptance.acceptance_estimate,
             "tree_max_nodes": self.tree_max_nodes, "methods": list(self.methods), "shadow_lookup": self.shadow_lookup,
             "prefix_cache": self.prefix_cache,
-            **({"prompt_scopes": self.prompt_scopes.view()} if self.protocol == "llamacpp" else {}),
+            **({"prompt_scopes": self.prompt_scopes.view(), "step_costs": self.step_costs.view()}
+               if self.protocol == "llamacpp" else {}),
             "acceptance_by_method": {s.method: s.acceptance_estimate for s in self.acceptance.lookups},
             "draft_mix": self.draft_mix.view(),
             "last_error": self.last_error or None,

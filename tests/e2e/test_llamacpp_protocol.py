@@ -35,8 +35,8 @@ def timings(predicted: int, drafted: int = 0, accepted: int = 0) -> dict[str, An
     return out
 
 
-# Two plain tokens, a step that proposed 4 and accepted 2 (3 tokens), a plain token; then the
-# finish chunk and the usage chunk, which repeats the totals (as llama-server sends them).
+# The prompt's token, a plain step, a step that proposed 4 and accepted 2 (3 tokens), a plain step;
+# then the finish chunk and the usage chunk, which repeats the totals (as llama-server sends them).
 STEPPED = [chunk("a", timings=timings(1)), chunk("b", timings=timings(2)), chunk("c", timings=timings(3, 4, 2)),
            chunk("d", timings=timings(4, 4, 2)), chunk("e", timings=timings(5, 4, 2)),
            chunk("f", timings=timings(6, 4, 2)), chunk(finish="length"),
@@ -147,10 +147,10 @@ async def test_timings_are_the_sessions_evidence_and_never_reach_the_client(
         ngram = session["speculative"]["by_method"]["ngram"]
         assert (ngram["proposed"], ngram["accepted"]) == (8, 4)  # the two responses' timings, summed
         lookup = session["methods"]["ngram"]
-        # Each response: 3 plain steps and a drafting one (6 tokens: 1 + 1 + 3 + 1), whose 4 drafts
-        # tested 3 (2 accepted, then the rejection): coverage 1 in 4.
-        assert (lookup["steps"], lookup["drafts_tested"]) == (2 * 4, 2 * 3)
-        assert lookup["coverage"] == pytest.approx(0.25, abs=0.01)
+        # Each response: the prompt's token, then 2 plain steps and a drafting one (6 tokens: 1 + 1 +
+        # 3 + 1), whose 4 drafts tested 3 (2 accepted, then the rejection): coverage 1 in 3.
+        assert (lookup["steps"], lookup["drafts_tested"]) == (2 * 3, 2 * 3)
+        assert lookup["coverage"] == pytest.approx(1 / 3, abs=0.01)
     finally:
         await asyncio.to_thread(gateway.stop)
 

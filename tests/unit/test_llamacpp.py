@@ -10,14 +10,23 @@ from typing import Any
 import pytest
 
 from gateway.config.config import ConfigError, parse_config
-from gateway.llamacpp import PromptScopes, SlotLease, TimingsSeen, llamacpp_body, read_depth, timings_report
+from gateway.llamacpp import (
+    PromptScopes,
+    SlotLease,
+    StepCosts,
+    TimingsSeen,
+    llamacpp_body,
+    read_depth,
+    timings_report,
+)
 from workers.api.generation import SpecSteps
 
 BASE = Path(__file__).resolve().parent
 
 
-def timings(predicted: int, drafted: int | None = None, accepted: int | None = None) -> dict[str, Any]:
-    out: dict[str, Any] = {"predicted_n": predicted, "predicted_ms": 1.0}
+def timings(predicted: int, drafted: int | None = None, accepted: int | None = None, ms: float = 1.0
+            ) -> dict[str, Any]:
+    out: dict[str, Any] = {"predicted_n": predicted, "predicted_ms": ms}
     if drafted is not None:
         out |= {"draft_n": drafted, "draft_n_accepted": accepted}
     return {"choices": [{"delta": {"content": "x"}}], "timings": out}
@@ -41,20 +50,20 @@ def fold(chunks: list[dict[str, Any]], lookup: bool = True, max_k: int = 48) -> 
 
 
 def test_per_token_timings_give_each_step_its_counts() -> None:
-    # Two plain tokens; a step proposing 4 that accepted 2 (its 3 tokens a chunk each); a plain
-    # token; a step proposing 5 that accepted 0; the usage chunk repeating the totals.
-    chunks = [timings(1), timings(2), timings(3, 4, 2), timings(4, 4, 2), timings(5, 4, 2), timings(6, 4, 2),
-              timings(7, 9, 2), {"choices": [], "usage": {}, "timings": timings(7, 9, 2)["timings"]}]
+    # The prompt's token; a plain step; a step proposing 4 that accepted 2 (its 3 tokens a chunk
+    # each); a plain step; a step proposing 5 that accepted 0; the usage chunk repeating the totals.
+    chunks = [timings(1), timings(2), timings(3, 4, 2), timings(4, 4, 2), timings(5, 4, 2),
+              timings(6, 4, 2), timings(7, 9, 2), {"choices": [], "usage": {}, "timings": timings(7, 9, 2)["timings"]}]
     steps, tokens, seen = fold(chunks)
-    assert steps == [(0, 0), (0, 0), (4, 2), (0, 0), (5, 0)]
+    assert steps == [(0, 0), (4, 2), (0, 0), (5, 0)]
     assert tokens == 7 + 1  # the usage chunk's text counted as a caller would: it has none in practice
-    assert (seen.proposed, seen.accepted, seen.proposing_steps, seen.plain_steps) == (9, 2, 2, 3)
+    assert (seen.proposed, seen.accepted, seen.proposing_steps, seen.plain_steps) == (9, 2, 2, 2)
 
 
 def test_draft_model_servers_leave_plain_steps_out() -> None:
-    steps, _, _ = fold([timings(1), timings(2, 3, 3), timings(3, 3, 3), timings(4, 3, 3), timings(5, 3, 3)],
-                       lookup=False)
-    assert steps == [(0, 0), (3, 3)]  # the report's own plain step is one the draft accounting skips
+    steps, _, _ = fold([timings(1), timings(2, 3, 3), timings(3, 3, 3), timings(4, 3, 3), timings(5, 3, 3),
+                        timings(6, 3, 3)], lookup=False)
+    assert steps == [(3, 3), (0, 0)]  # the report's own plain step is one the draft accounting skips
 
 
 def test_a_whole_answers_totals_are_split_into_steps_of_max_k() -> None:
@@ -62,15 +71,33 @@ def test_a_whole_answers_totals_are_split_into_steps_of_max_k() -> None:
     report = timings_report(timings(40, 30, 20), seen, 16, True, False)
     assert report is not None and report.tokens == 40
     assert (report.proposed, report.accepted) == (15, 10)
-    assert report.late_steps == (SpecSteps(15, 10, 1), SpecSteps(0, 0, 18))  # 40 - 2 steps - 20 accepted
+    assert report.late_steps == (SpecSteps(15, 10, 1), SpecSteps(0, 0, 17))  # 40 - the prompt's - 2 - 20
     total_p = report.proposed + sum(g.proposed * g.count for g in report.late_steps)
     total_a = report.accepted + sum(g.accepted * g.count for g in report.late_steps)
     assert (total_p, total_a) == (30, 20)
+    assert seen.take_step_ms() == []  # many steps in one chunk: none timed alone
 
 
 def test_no_drafts_means_absent_counters() -> None:
     steps, _, seen = fold([timings(1), timings(2), timings(3)])
-    assert steps == [(0, 0)] * 3 and seen.proposed == seen.accepted == 0
+    assert steps == [(0, 0)] * 2 and seen.proposed == seen.accepted == 0
+
+
+def test_each_step_told_alone_is_timed() -> None:
+    seen = TimingsSeen()
+    for chunk in [timings(1, ms=0.0), timings(2, ms=20.0), timings(3, 6, 4, ms=70.0), timings(4, 6, 4, ms=70.0),
+                  timings(7, 6, 4, ms=70.0), timings(8, 6, 4, ms=91.0)]:
+        timings_report(chunk, seen, 8, True, True)
+    assert seen.take_step_ms() == [(0, 20.0), (6, 50.0), (0, 21.0)]
+    costs = StepCosts()
+    assert costs.model(8) is None  # nothing timed yet
+    for _ in range(StepCosts.MIN_STEPS):
+        costs.observe(0, 20.0)
+        costs.observe(6, 50.0)
+    model = costs.model(8)
+    assert model is not None and model.max_k == 8 and model.step_cost[0][0] == 1.0
+    assert model.step_cost[0][1:] == (pytest.approx(2.5),) * 8  # what a drafting step costs, whatever K
+    assert costs.view()["relative_draft_cost"] == 2.5
 
 
 @pytest.mark.parametrize("garbage", [
