@@ -3,7 +3,7 @@ steered per session (``python -m bench.peer --fleet``).
 
 Each llama-server runs ``-t 1`` pinned to a core of its own (cores 0 and 1), 4 slots, behind
 ``specgate serve`` (``workers.remote``, ``protocol: llamacpp``; ``policy.methods: [draft,
-ngram]``, the rest config.yaml's defaults). The workload: 8 sessions of 5 requests each, all
+ngram]`` and ``num_speculative_tokens: auto``, the rest the defaults). The workload: 8 sessions of 5 requests each, all
 sessions at once and each session's requests in turn; 4 sessions of copy-heavy edits
 (bench/data/peer_edits.jsonl) and 4 of open chat (task_prompts.jsonl), T=0, 64 tokens, every
 request with its session's ``X-Session-ID``. The three arms run in turn.
@@ -41,7 +41,9 @@ FOLLOW_UPS = ("Now add type hints to it. Reply with the whole code.",
               "Now rename the function to a clearer name. Reply with the whole code.",
               "Now add a comment above each line that has none. Reply with the whole code.",
               "Now check the arguments at the top of the function. Reply with the whole code.")
-POLICY = {"methods": ["draft", "ngram"]}
+# config.yaml's K (auto): the rules price each method on the servers' costs (a llama-server's are
+# learned from its timings, gateway/llamacpp.py StepCosts); methods: sessions may choose ngram.
+POLICY = {"methods": ["draft", "ngram"], "num_speculative_tokens": "auto"}
 ARMS = {"two plain": (None, None), f"two {NGRAM_TYPE}": (NGRAM_TYPE, NGRAM_TYPE),
         "steered": (None, NGRAM_TYPE)}
 TARGETS = {"fleet_over_plain_servers": 1.15, "fleet_over_best_static": 0.97}

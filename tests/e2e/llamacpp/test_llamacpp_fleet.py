@@ -13,7 +13,7 @@ import aiohttp
 import pytest
 
 from bench.llama_server import LlamaServer, llamacpp_remote, start_llamacpp_gateway
-from bench.peer_fleet import Session, run_session, sessions
+from bench.peer_fleet import POLICY, Session, run_session, sessions
 from bench.procs import get_json, stop
 
 pytestmark = pytest.mark.llamacpp
@@ -25,7 +25,7 @@ def fleet(tmp_path_factory: pytest.TempPathFactory, llama_plain: LlamaServer,
     """``specgate serve`` in front of the plain server ("plain") and the n-gram one ("ngram")."""
     process, port = start_llamacpp_gateway(
         tmp_path_factory.mktemp("llamacpp-fleet"),
-        [llamacpp_remote(llama_plain, "plain"), llamacpp_remote(llama_ngram, "ngram")], {"methods": ["draft", "ngram"]})
+        [llamacpp_remote(llama_plain, "plain"), llamacpp_remote(llama_ngram, "ngram")], POLICY)
     url = f"http://127.0.0.1:{port}"
     wait_ready(url, 2)
     yield url
@@ -69,7 +69,8 @@ async def drive(url: str, session: Session, session_id: str) -> list[tuple[str, 
 
 
 def edit_session() -> Session:
-    return next(s for s in sessions(quick=False) if s.name == "edit-0")
+    """An edit conversation whose first answer copies the code (peer_edits.jsonl's edit-01)."""
+    return next(s for s in sessions(quick=False) if s.name == "edit-1")
 
 
 def chat_session() -> Session:
@@ -80,10 +81,12 @@ async def test_a_copy_heavy_session_moves_to_the_ngram_server(fleet: str, llama_
     before = server_counts(llama_ngram)
     seen = await drive(fleet, edit_session(), "edits")
     after = server_counts(llama_ngram)
-    workers = [worker for worker, _, _, _ in seen]
-    assert len(seen) == 5 and workers[-1] == "ngram", seen
+    assert len(seen) == 5, seen
     moved = [route for worker, route, _, _ in seen if worker == "ngram"]
     assert "method" in moved, seen  # it reached the n-gram server by method
+    # ...and each request ran where its decision runs: the n-gram method there, plain on the other.
+    assert all(mode.startswith("speculative; method=ngram") if worker == "ngram" else mode.startswith("plain")
+               for worker, _, mode, _ in seen), seen
     # What the gateway believes of the session, against what the n-gram server counted while it
     # served the session's requests: proposed and accepted drafts, and its verification steps.
     session = get_json(f"{fleet}/admin/sessions/edits")
@@ -94,13 +97,15 @@ async def test_a_copy_heavy_session_moves_to_the_ngram_server(fleet: str, llama_
     steps = sum(spec["speculative_steps"] or 0 for worker, _, _, spec in seen if worker == "ngram")
     assert steps == after["steps"] - before["steps"]
     assert sum(spec["proposed"] for _, _, _, spec in seen) == ngram["proposed"]
-    print(seen)
 
 
 async def test_an_open_chat_session_ends_on_the_plain_server(fleet: str) -> None:
     seen = await drive(fleet, chat_session(), "chat")
     assert len(seen) == 5 and seen[-1][0] == "plain", seen
     assert seen[-1][2].startswith("plain"), seen
+    # The n-gram server's step costs, learned from its timings, are what priced it out.
+    ngram = next(w for w in get_json(fleet + "/admin/workers")["workers"] if w["worker_id"] == "ngram")
+    assert ngram["step_costs"]["plain_steps_timed"] > 0
 
 
 async def test_the_fleet_view_names_each_servers_method(fleet: str) -> None:
