@@ -157,7 +157,9 @@ async def run_workload(url: str, model: str, config: str, workload: str, cls: st
     run = Run(config, workload, cls)
     queue = list(prompts)
     timeout = aiohttp.ClientTimeout(total=600)
-    async with aiohttp.ClientSession(timeout=timeout) as http:
+    # A connection per request, on both sides alike: llama-server closes its connection after a
+    # streamed answer, and a pooled client's next request on it fails to write its body.
+    async with aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(force_close=True)) as http:
         async def client() -> None:
             while queue:
                 prompt = queue.pop(0)
@@ -288,14 +290,14 @@ def print_table(out: dict[str, Any]) -> None:
     print(f"bench.peer on {out['cpu']}, both sides pinned to cpu {out['pinned_cpu']}, "
           f"{out['max_tokens']} tokens a request")
     print(f"{'config':36} {'workload':16} {'class':5} {'tok/s':>7} {'TTFT ms':>8} {'equal':>6} {'prompt':>7} "
-          f"{'proposed':>8} {'accepted':>8}")
+          f"{'proposed':>8} {'accepted':>8} {'failed':>6}")
     for row in out["rows"]:
         equal = row.get("equal_to_llamacpp_plain")
         equal_text = "-" if equal is None else f"{equal}/{row['requests']}"
         print(f"{row['config']:36} {row['workload']:16} {row['class']:5} {row['tok_s']:7.1f} "
               f"{row['ttft_p50_ms'] if row['ttft_p50_ms'] is not None else '-':>8} "
               f"{equal_text:>6} {row['prompt_tokens']:7d} "
-              f"{row['proposed']:8d} {row['accepted']:8d}")
+              f"{row['proposed']:8d} {row['accepted']:8d} {row['failed']:6d}")
     for name, target in out["targets"].items():
         print(f"{name}: {target['ratio']:.3f} (target {target['target']}: {'met' if target['met'] else 'not met'})")
 

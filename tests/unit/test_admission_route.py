@@ -206,3 +206,54 @@ def test_a_server_of_the_wanted_method_beyond_the_load_bound_takes_no_more(monke
         assert (routed.handle.worker_id, routed.route, routed.decision.method) == expected, load
         # Asked as if the draft server offered both; past the bound, asked again on what it offers.
         assert asked == [("draft", "ngram")] + ([("draft",)] if load == 6 else [])
+
+
+def llama_server(worker_id: str, method: str) -> WorkerHandle:
+    """A ready llama-server of one mode and one method (protocol: llamacpp)."""
+    handle = worker(worker_id, {"plain"} if method == "none" else {"speculative"}, 0 if method == "none" else 48)
+    handle.protocol = "llamacpp"
+    handle.methods = () if method == "none" else ("ngram",)
+    return handle
+
+
+@pytest.mark.parametrize(("sticky", "wanted", "expected"), [
+    # A session on the plain server whose rules want ngram: it moves there, by method.
+    ("plain", Decision("speculative", 8, "default", method="ngram"),
+     ("ngram", "method", "speculative; method=ngram; k=48; reason=default")),
+    # ...and back, where they want plain.
+    ("ngram", Decision("plain", 0, "no_gain", method="ngram"), ("plain", "method", "plain; reason=no_gain")),
+    # Staying: the route's own reason.
+    ("ngram", Decision("speculative", 8, "default", method="ngram"),
+     ("ngram", "sticky", "speculative; method=ngram; k=48; reason=default")),
+    ("plain", Decision("plain", 0, "high_temperature"), ("plain", "sticky", "plain; reason=high_temperature")),
+])
+def test_llama_servers_of_one_mode_and_method_each_take_the_sessions_that_want_them(
+        monkeypatch: pytest.MonkeyPatch, sticky: str, wanted: Decision, expected: tuple[str, str, str]) -> None:
+    asked: list[tuple[tuple[str, ...], bool]] = []
+
+    def deciding(session: SessionState, worker: Any, facts: Any, policy: Any) -> Decision:
+        asked.append((worker.methods, worker.serves_plain))
+        return wanted
+
+    monkeypatch.setattr(placement, "decide", deciding)
+    state = gateway_state(llama_server("plain", "none"), llama_server("ngram", "ngram"))
+    session = state.sessions.touch("s", 0.0)
+    session.worker_id = sticky
+    req = parse_request("completion", {"model": state.config.model.name, "prompt": "x"})
+    routed = placement.route(state, session, state.fleet.candidates(), req,
+                             policies.PolicyConfig(methods=("draft", "ngram")))
+    assert routed is not None
+    assert (routed.handle.worker_id, routed.route, routed.decision.header) == expected
+    assert asked == [(("ngram",), True)]  # once, on the n-gram server as if it served plain too
+
+
+def test_a_llama_server_that_runs_its_method_whatever_the_rules_wanted_is_accounted_by_it() -> None:
+    """Where no plain server is ready, a session whose rules want plain still runs the n-gram
+    server's method: its decision names it, so its steps are that method's evidence."""
+    state = gateway_state(llama_server("ngram", "ngram"))
+    session = state.sessions.touch("s", 0.0)
+    req = parse_request("completion", {"model": state.config.model.name, "prompt": "x", "temperature": 1.5})
+    routed = placement.route(state, session, state.fleet.candidates(), req,
+                             policies.PolicyConfig(methods=("draft", "ngram")))
+    assert routed is not None
+    assert routed.decision.header == "speculative; method=ngram; k=48; reason=worker_speculative_only"
