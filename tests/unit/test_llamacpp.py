@@ -96,7 +96,7 @@ def test_each_step_told_alone_is_timed() -> None:
         costs.observe(6, 50.0)
     model = costs.model(8)
     assert model is not None and model.max_k == 8 and model.step_cost[0][0] == 1.0
-    assert model.step_cost[0][1:] == (pytest.approx(2.5),) * 8  # what a drafting step costs, whatever K
+    assert model.step_cost[0][1:] == pytest.approx((2.5,) * 8)  # what a drafting step costs, whatever K
     assert costs.view()["relative_draft_cost"] == 2.5
 
 
