@@ -16,7 +16,7 @@ from dataclasses import replace
 from typing import NamedTuple
 
 from gateway.fleet.handle import WorkerHandle
-from gateway.fleet.routing import Candidate, RouteReason, StepKind, choose_route, load_bound
+from gateway.fleet.routing import Candidate, RouteReason, StepKind, choose_route, load_bound, unbalanced
 from gateway.sessions.table import Session
 from gateway.state import GatewayState
 from policies import (
@@ -112,7 +112,12 @@ def _between_servers(state: GatewayState, session: Session, candidates: list[Can
     every method the fleet's ready speculating servers run, and the request goes to a server that
     runs what they want: the plain one, or the least-loaded one within the load bound that runs
     the wanted method. A request that leaves the route's worker for it moved by method
-    (``X-Specgate-Route: method``)."""
+    (``X-Specgate-Route: method``).
+
+    A move leaves the session's cached prompt behind, which a server of another method cannot
+    have, so moves are damped (``_moves``): a session already placed moves once the rules wanted
+    the other server on two requests in a row (until then it runs what its server runs), or for a
+    method's one first trial."""
     offered = [state.fleet.workers[c.worker_id].methods for c in candidates if c.ready and "speculative" in c.modes]
     methods = tuple(m for m in METHODS if any(m in o for o in offered))
     worker = worker_state(speculating, policy)
@@ -120,13 +125,41 @@ def _between_servers(state: GatewayState, session: Session, candidates: list[Can
     placed = plain
     if wanted.mode == "speculative":
         method = wanted.method or "draft"
-        bound = load_bound([c.load for c in candidates if c.ready], policy)
+        loads = [c.load for c in candidates if c.ready]
+        bound, guard, most = load_bound(loads, policy), unbalanced(loads, policy), max(loads)
+        # Within the load bound, and never the hotspot the load guard moves sessions off.
         serving = [h for c in candidates if c.ready and "speculative" in c.modes and method in
-                   (h := state.fleet.workers[c.worker_id]).methods and (h is handle or c.load + 1 <= bound)]
-        placed = speculating if speculating in serving or not serving else min(serving, key=lambda h: h.load)
-        wanted = run_on(wanted, worker_state(placed, policy))
+                   (h := state.fleet.workers[c.worker_id]).methods
+                   and (h is handle or (c.load + 1 <= bound and not (guard and c.load == most)))]
+        # None within them: the request runs what the route's worker runs.
+        placed = speculating if speculating in serving else min(serving, key=lambda h: h.load) if serving else handle
+    if placed is not handle and not _moves(session, placed, wanted, reason):
+        placed = handle
+    decision = run_on(wanted, worker_state(placed, policy)) if "speculative" in placed.modes else (
+        wanted if wanted.mode == "plain" else Decision("plain", 0, "worker_plain_only", method=wanted.method))
     route_reason: RouteReason = "method" if placed is not handle else reason
-    return Placement(placed, wanted, route_reason, shares.get(placed.worker_id, 0.0))
+    return Placement(placed, decision, route_reason, shares.get(placed.worker_id, 0.0))
+
+
+def _moves(session: Session, target: WorkerHandle, wanted: Decision, reason: RouteReason) -> bool:
+    """Whether a session goes to ``target``, another server than the route's, for the rules'
+    ``wanted``. A probe of a latched method never moves it. A method's first trial (``explore``)
+    moves a session that has a server (once a method: it is tried then), while a new one tries it
+    where the route put it, so that new sessions spread by load. Any other decision moves a new
+    session at once (it leaves no cache behind), and a placed one on the second request in a row
+    that wants it there."""
+    if wanted.reason == "probe":
+        return False
+    if wanted.reason == "explore":
+        return reason == "sticky"
+    if reason != "sticky":
+        session.move_wanted = None
+        return True
+    if session.move_wanted == target.worker_id:
+        session.move_wanted = None
+        return True
+    session.move_wanted = target.worker_id
+    return False
 
 
 def _by_server_method(state: GatewayState, session: Session, candidates: list[Candidate], handle: WorkerHandle,

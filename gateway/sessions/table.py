@@ -68,6 +68,10 @@ class Session:
     # The fingerprint of the API key that created it ("" while the API is open): the table is
     # keyed by (scope, id), so another key using the same id gets a session of its own.
     scope: str = ""
+    # Between servers of one mode and method each: the server the rules wanted this session on,
+    # last request, where it did not move (a move takes two wanting it in a row: it leaves the
+    # session's cached prompt behind; gateway/placement.py). In-process only.
+    move_wanted: str | None = None
 
     @property
     def mode(self) -> Mode | None:

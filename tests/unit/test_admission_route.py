@@ -217,18 +217,34 @@ def llama_server(worker_id: str, method: str) -> WorkerHandle:
 
 
 @pytest.mark.parametrize(("sticky", "wanted", "expected"), [
-    # A session on the plain server whose rules want ngram: it moves there, by method.
+    # A session on the plain server whose rules want ngram: it moves there, by method, once they
+    # wanted it twice in a row (a move leaves its cached prompt behind).
     ("plain", Decision("speculative", 8, "default", method="ngram"),
-     ("ngram", "method", "speculative; method=ngram; k=48; reason=default")),
-    # ...and back, where they want plain.
-    ("ngram", Decision("plain", 0, "no_gain", method="ngram"), ("plain", "method", "plain; reason=no_gain")),
+     [("plain", "sticky", "plain; reason=worker_plain_only"),
+      ("ngram", "method", "speculative; method=ngram; k=48; reason=default")]),
+    # ...and back, where they want plain: meanwhile it runs the server's method.
+    ("ngram", Decision("plain", 0, "no_gain", method="ngram"),
+     [("ngram", "sticky", "speculative; method=ngram; k=48; reason=worker_speculative_only"),
+      ("plain", "method", "plain; reason=no_gain")]),
+    # A method's first trial moves a placed session at once; a probe of a latched one never does.
+    ("plain", Decision("speculative", 8, "explore", method="ngram"),
+     [("ngram", "method", "speculative; method=ngram; k=48; reason=explore")]),
+    ("plain", Decision("speculative", 8, "probe", method="ngram"),
+     [("plain", "sticky", "plain; reason=worker_plain_only")] * 2),
+    # A new session goes where the rules want it at once (it leaves no cache behind)...
+    (None, Decision("plain", 0, "high_temperature"), [("plain", "load", "plain; reason=high_temperature")]),
+    (None, Decision("speculative", 8, "default", method="ngram"),
+     [("ngram", "method", "speculative; method=ngram; k=48; reason=default")]),
+    # ...but tries a method where the route put it (the least loaded: the first listed here).
+    (None, Decision("speculative", 8, "explore", method="ngram"),
+     [("plain", "load", "plain; reason=worker_plain_only")]),
     # Staying: the route's own reason.
     ("ngram", Decision("speculative", 8, "default", method="ngram"),
-     ("ngram", "sticky", "speculative; method=ngram; k=48; reason=default")),
-    ("plain", Decision("plain", 0, "high_temperature"), ("plain", "sticky", "plain; reason=high_temperature")),
+     [("ngram", "sticky", "speculative; method=ngram; k=48; reason=default")] * 2),
 ])
 def test_llama_servers_of_one_mode_and_method_each_take_the_sessions_that_want_them(
-        monkeypatch: pytest.MonkeyPatch, sticky: str, wanted: Decision, expected: tuple[str, str, str]) -> None:
+        monkeypatch: pytest.MonkeyPatch, sticky: str | None, wanted: Decision,
+        expected: list[tuple[str, str, str]]) -> None:
     asked: list[tuple[tuple[str, ...], bool]] = []
 
     def deciding(session: SessionState, worker: Any, facts: Any, policy: Any) -> Decision:
@@ -240,11 +256,15 @@ def test_llama_servers_of_one_mode_and_method_each_take_the_sessions_that_want_t
     session = state.sessions.touch("s", 0.0)
     session.worker_id = sticky
     req = parse_request("completion", {"model": state.config.model.name, "prompt": "x"})
-    routed = placement.route(state, session, state.fleet.candidates(), req,
-                             policies.PolicyConfig(methods=("draft", "ngram")))
-    assert routed is not None
-    assert (routed.handle.worker_id, routed.route, routed.decision.header) == expected
-    assert asked == [(("ngram",), True)]  # once, on the n-gram server as if it served plain too
+    for step in expected:
+        session.worker_id = sticky if sticky is None else session.worker_id
+        routed = placement.route(state, session, state.fleet.candidates(), req,
+                                 policies.PolicyConfig(methods=("draft", "ngram")))
+        assert routed is not None
+        assert (routed.handle.worker_id, routed.route, routed.decision.header) == step
+        if sticky is not None:
+            session.worker_id = routed.handle.worker_id  # as admission.pick records it
+    assert asked == [(("ngram",), True)] * len(expected)  # each time on the n-gram server, as if it served plain
 
 
 def test_a_llama_server_that_runs_its_method_whatever_the_rules_wanted_is_accounted_by_it() -> None:
