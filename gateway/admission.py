@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 from gateway.fleet.handle import WorkerHandle
 from gateway.fleet.prefix_index import prompt_blocks
 from gateway.fleet.routing import RouteReason
-from gateway.llamacpp import TIMINGS_FIELD, SlotLease, timings_report
+from gateway.llamacpp import TIMINGS_FIELD, SlotLease, TimingsSeen, timings_report
 from gateway.observe.metrics import GatewayMetrics
 from gateway.placement import Placement, route
 from gateway.proxy import NoWorkerLeft, NoWorkerReady, RawChunk, StreamTally
@@ -257,7 +257,7 @@ def account_chunk(state: GatewayState, admission: Admission, tally: StreamTally,
                                 any(is_lookup(m) for m in admission.handle.methods), bool(chunk_text(kind, chunk)))
         for reason in tally.timings.take_clamps():
             metrics.clamped_report(reason)
-        _learn_costs(admission.handle, tally.timings.take_step_ms())
+        _learn_costs(admission.handle, tally.timings)
     if report is not None and report.cached is not None:
         state.fleet.prefix_index.observe(admission.handle.worker_id, admission.prefix_share, *report.cached)
     elif admission.handle.protocol in ("vllm", "llamacpp") and chunk.get("usage"):
@@ -297,6 +297,9 @@ def account_chunk(state: GatewayState, admission: Admission, tally: StreamTally,
         tally.last_at = now
     if chunk.get("usage"):
         usage = dict(chunk["usage"])
+        context = [usage.get(name) for name in ("prompt_tokens", "completion_tokens")]
+        if all(type(n) is int and n >= 0 for n in context):
+            admission.session.context_tokens = sum(context)  # type: ignore[arg-type]
         # A specgate worker's usage says what ran (its step counts); a server that reports no
         # steps gets the gateway's tally, and the plain steps it cannot see stay unknown.
         if "speculative" not in usage:
@@ -306,8 +309,12 @@ def account_chunk(state: GatewayState, admission: Admission, tally: StreamTally,
         chunk["usage"] = usage
 
 
-def _learn_costs(handle: WorkerHandle, step_ms: list[tuple[int, float]]) -> None:
-    """A llama-server's timed steps into its cost model (gateway/llamacpp.py ``StepCosts``)."""
+def _learn_costs(handle: WorkerHandle, seen: TimingsSeen) -> None:
+    """A llama-server's timed steps and prefill into its costs (gateway/llamacpp.py ``StepCosts``)."""
+    if seen.prefill is not None and seen.prefill[0] > 0:
+        handle.step_costs.observe_prefill(*seen.prefill)
+        seen.prefill = (0, 0.0)  # told once a request
+    step_ms = seen.take_step_ms()
     if not step_ms:
         return
     for k, ms in step_ms:

@@ -56,6 +56,7 @@ class TimingsSeen:
     # The steps whose time one chunk's timings told alone, as (drafts verified, ms): what
     # StepCosts learns the server's costs from; taken by the caller, then cleared.
     step_ms: list[tuple[int, float]] = field(default_factory=list)
+    prefill: tuple[int, float] | None = None  # (prompt tokens computed, ms), from the timings that tell it
     # Timings that could not be read or whose counters went back, and steps whose accepted count
     # passed their proposed: counted in specgate_step_reports_clamped_total, then cleared.
     clamps: list[str] = field(default_factory=list)
@@ -127,6 +128,10 @@ def timings_report(chunk: dict[str, Any], seen: TimingsSeen, max_k: int, lookup:
     # first token is the prompt's (llama.cpp samples it from the prompt's last logits), no step.
     plain = max(seen.plain_steps, tokens - 1 - seen.proposing_steps - seen.accepted)
     new_plain, seen.plain_steps = plain - seen.plain_steps, plain
+    prompt_n, prompt_ms = timings.get("prompt_n"), timings.get("prompt_ms")
+    if (seen.prefill is None and type(prompt_n) is int and prompt_n > 0 and isinstance(prompt_ms, (int, float))
+            and not isinstance(prompt_ms, bool) and math.isfinite(prompt_ms) and prompt_ms > 0):
+        seen.prefill = (prompt_n, float(prompt_ms))
     ms = timings.get("predicted_ms")
     if isinstance(ms, (int, float)) and not isinstance(ms, bool) and math.isfinite(ms) and ms >= seen.ms:
         # A chunk that tells one step alone (a step's first token; its later tokens come at once).
@@ -164,6 +169,7 @@ class StepCosts:
         self._sum = [0.0, 0.0]  # decayed ms of plain steps, of drafting steps
         self._weight = [0.0, 0.0]
         self._count = [0, 0]
+        self._prefill = [0.0, 0.0]  # decayed prompt ms and prompt tokens computed (not cached)
 
     def observe(self, k: int, ms: float) -> None:
         kind = int(k > 0)
@@ -171,6 +177,19 @@ class StepCosts:
         self._sum[kind] = self._sum[kind] * decay + ms
         self._weight[kind] = self._weight[kind] * decay + 1.0
         self._count[kind] += 1
+
+    def observe_prefill(self, tokens: int, ms: float) -> None:
+        """A request's prompt: ``tokens`` computed (those its slot did not hold) in ``ms``."""
+        decay = 0.5 ** (1.0 / self.HALF_LIFE)
+        self._prefill = [self._prefill[0] * decay + ms, self._prefill[1] * decay + tokens]
+
+    @property
+    def plain_step_ms(self) -> float | None:
+        return self._sum[0] / self._weight[0] if self._count[0] >= self.MIN_STEPS else None
+
+    @property
+    def prefill_ms_per_token(self) -> float | None:
+        return self._prefill[0] / self._prefill[1] if self._prefill[1] >= 64 else None
 
     def relative_draft_cost(self) -> float | None:
         """A drafting step's time over a plain step's; None until both were timed often enough."""
@@ -190,7 +209,9 @@ class StepCosts:
         return {"plain_steps_timed": self._count[0], "drafting_steps_timed": self._count[1],
                 "plain_step_ms": round(self._sum[0] / self._weight[0], 3) if self._weight[0] else None,
                 "drafting_step_ms": round(self._sum[1] / self._weight[1], 3) if self._weight[1] else None,
-                "relative_draft_cost": None if relative is None else round(relative, 3)}
+                "relative_draft_cost": None if relative is None else round(relative, 3),
+                "prefill_ms_per_token": None if self.prefill_ms_per_token is None
+                else round(self.prefill_ms_per_token, 3)}
 
 
 def _split(proposed: int, accepted: int, max_k: int) -> list[tuple[int, int]]:

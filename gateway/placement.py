@@ -29,6 +29,7 @@ from policies import (
     run_on,
     worker_acceptance,
 )
+from policies.lookup import lookup_state, price_lookup
 from policies.methods import METHODS, is_lookup
 from workers.api.wire import CompletionRequest
 
@@ -92,7 +93,7 @@ def route(state: GatewayState, session: Session, candidates: list[Candidate], re
     speculating, plain = (handle, other) if "speculative" in handle.modes else (other, handle)
     if one_method(speculating) and one_method(plain):
         return _between_servers(state, session, candidates, handle, speculating, plain, chosen.reason, shares,
-                                facts, policy)
+                                facts, req, policy)
     worker = worker_state(speculating, policy)
     wanted = decide(session.policy_state, replace(worker, serves_plain=True), facts, policy)
     placed, decision = (plain, wanted) if wanted.mode == "plain" else (speculating, run_on(wanted, worker))
@@ -106,7 +107,7 @@ def one_method(handle: WorkerHandle) -> bool:
 
 def _between_servers(state: GatewayState, session: Session, candidates: list[Candidate], handle: WorkerHandle,
                      speculating: WorkerHandle, plain: WorkerHandle, reason: RouteReason, shares: dict[str, float],
-                     facts: RequestFacts, policy: PolicyConfig) -> Placement:
+                     facts: RequestFacts, req: CompletionRequest, policy: PolicyConfig) -> Placement:
     """Servers of one mode and one method each (llama-servers: a plain one, an n-gram one, one
     with a draft model): the rules are asked on the speculating one as if it served plain and
     every method the fleet's ready speculating servers run, and the request goes to a server that
@@ -115,9 +116,8 @@ def _between_servers(state: GatewayState, session: Session, candidates: list[Can
     (``X-Specgate-Route: method``).
 
     A move leaves the session's cached prompt behind, which a server of another method cannot
-    have, so moves are damped (``_moves``): a session already placed moves once the rules wanted
-    the other server on two requests in a row (until then it runs what its server runs), or for a
-    method's one first trial."""
+    have: a session already placed moves only where that pays (``_moves``); until then it runs
+    what its server runs."""
     offered = [state.fleet.workers[c.worker_id].methods for c in candidates if c.ready and "speculative" in c.modes]
     methods = tuple(m for m in METHODS if any(m in o for o in offered))
     worker = worker_state(speculating, policy)
@@ -133,7 +133,7 @@ def _between_servers(state: GatewayState, session: Session, candidates: list[Can
                    and (h is handle or (c.load + 1 <= bound and not (guard and c.load == most)))]
         # None within them: the request runs what the route's worker runs.
         placed = speculating if speculating in serving else min(serving, key=lambda h: h.load) if serving else handle
-    if placed is not handle and not _moves(session, placed, wanted, reason):
+    if placed is not handle and not _moves(session, handle, placed, wanted, reason, req, policy):
         placed = handle
     decision = run_on(wanted, worker_state(placed, policy)) if "speculative" in placed.modes else (
         wanted if wanted.mode == "plain" else Decision("plain", 0, "worker_plain_only", method=wanted.method))
@@ -141,25 +141,53 @@ def _between_servers(state: GatewayState, session: Session, candidates: list[Can
     return Placement(placed, decision, route_reason, shares.get(placed.worker_id, 0.0))
 
 
-def _moves(session: Session, target: WorkerHandle, wanted: Decision, reason: RouteReason) -> bool:
-    """Whether a session goes to ``target``, another server than the route's, for the rules'
-    ``wanted``. A probe of a latched method never moves it. A method's first trial (``explore``)
-    moves a session that has a server (once a method: it is tried then), while a new one tries it
-    where the route put it, so that new sessions spread by load. Any other decision moves a new
-    session at once (it leaves no cache behind), and a placed one on the second request in a row
-    that wants it there."""
-    if wanted.reason == "probe":
+def _moves(session: Session, here: WorkerHandle, target: WorkerHandle, wanted: Decision, reason: RouteReason,
+           req: CompletionRequest, policy: PolicyConfig) -> bool:
+    """Whether a session goes to ``target``, another server than the route's (``here``), for the
+    rules' ``wanted``. A new session (or one the route moved: its server is gone, or the load's
+    hotspot) goes at once, unless the decision is a trial: it tries methods where the load put it.
+    A placed session never moves for a trial (``explore``, ``probe``), and otherwise only where
+    the move pays for itself in this request (``_move_pays``)."""
+    if wanted.reason in ("explore", "probe"):
         return False
-    if wanted.reason == "explore":
-        return reason == "sticky"
     if reason != "sticky":
-        session.move_wanted = None
         return True
-    if session.move_wanted == target.worker_id:
-        session.move_wanted = None
-        return True
-    session.move_wanted = target.worker_id
-    return False
+    return _move_pays(session, here, target, req, policy)
+
+
+def _move_pays(session: Session, here: WorkerHandle, target: WorkerHandle, req: CompletionRequest,
+               policy: PolicyConfig) -> bool:
+    """A move's price: the session's context computed again on ``target`` (its last prompt and
+    answer, at the target's measured prefill time a token), against the time this request's tokens
+    save there (at most ``max_tokens``, at ``here``'s plain step, times 1 − here's value over the
+    target's: each server's lookup method priced as the rules price it, plain 1). Unknown costs
+    (no timings yet) or a method the gateway does not price (the draft model's) move nothing."""
+    prefill, step = target.step_costs.prefill_ms_per_token, here.step_costs.plain_step_ms
+    if prefill is None or step is None:
+        return False
+    value_here, value_there = _server_value(session, here, policy), _server_value(session, target, policy)
+    if value_here is None or value_there is None or value_there <= value_here:
+        return False
+    saved_ms = (req.max_tokens or MOVE_HORIZON_TOKENS) * step * (1.0 - value_here / value_there)
+    return saved_ms > session.context_tokens * prefill
+
+
+# A request without max_tokens is priced as if it generated this many.
+MOVE_HORIZON_TOKENS = 256
+
+
+def _server_value(session: Session, handle: WorkerHandle, policy: PolicyConfig) -> float | None:
+    """What running on a server of one mode and method is worth to the session, relative to plain:
+    1 on a plain server; its lookup method as the rules price it (``price_lookup`` at the server's
+    own draft length); None for a method the gateway cannot price here."""
+    if "speculative" not in handle.modes:
+        return 1.0
+    if len(handle.methods) != 1 or not is_lookup(handle.methods[0]):
+        return None
+    method = handle.methods[0]
+    price = price_lookup(lookup_state(session.policy_state.lookups, method), lookup_state(handle.acceptance.lookups,
+                         method), handle.cost, handle.load + 1, handle.max_k, policy, policy.acceptance_resume)
+    return price.value
 
 
 def _by_server_method(state: GatewayState, session: Session, candidates: list[Candidate], handle: WorkerHandle,

@@ -68,10 +68,9 @@ class Session:
     # The fingerprint of the API key that created it ("" while the API is open): the table is
     # keyed by (scope, id), so another key using the same id gets a session of its own.
     scope: str = ""
-    # Between servers of one mode and method each: the server the rules wanted this session on,
-    # last request, where it did not move (a move takes two wanting it in a row: it leaves the
-    # session's cached prompt behind; gateway/placement.py). In-process only.
-    move_wanted: str | None = None
+    # Its last request's prompt and answer, in tokens (its usage): about what the next request's
+    # prompt starts with, which the server that served it holds and another would compute again.
+    context_tokens: int = 0
 
     @property
     def mode(self) -> Mode | None:

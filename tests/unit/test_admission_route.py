@@ -216,35 +216,30 @@ def llama_server(worker_id: str, method: str) -> WorkerHandle:
     return handle
 
 
+STAYS_PLAIN = "plain; reason=worker_plain_only"
+
+
 @pytest.mark.parametrize(("sticky", "wanted", "expected"), [
-    # A session on the plain server whose rules want ngram: it moves there, by method, once they
-    # wanted it twice in a row (a move leaves its cached prompt behind).
-    ("plain", Decision("speculative", 8, "default", method="ngram"),
-     [("plain", "sticky", "plain; reason=worker_plain_only"),
-      ("ngram", "method", "speculative; method=ngram; k=48; reason=default")]),
-    # ...and back, where they want plain: meanwhile it runs the server's method.
+    # A placed session stays where the rules want the other server, until the move pays (below):
+    # it runs what its server runs.
+    ("plain", Decision("speculative", 8, "default", method="ngram"), ("plain", "sticky", STAYS_PLAIN)),
     ("ngram", Decision("plain", 0, "no_gain", method="ngram"),
-     [("ngram", "sticky", "speculative; method=ngram; k=48; reason=worker_speculative_only"),
-      ("plain", "method", "plain; reason=no_gain")]),
-    # A method's first trial moves a placed session at once; a probe of a latched one never does.
-    ("plain", Decision("speculative", 8, "explore", method="ngram"),
-     [("ngram", "method", "speculative; method=ngram; k=48; reason=explore")]),
-    ("plain", Decision("speculative", 8, "probe", method="ngram"),
-     [("plain", "sticky", "plain; reason=worker_plain_only")] * 2),
+     ("ngram", "sticky", "speculative; method=ngram; k=48; reason=worker_speculative_only")),
+    # Trials run where the session is.
+    ("plain", Decision("speculative", 8, "explore", method="ngram"), ("plain", "sticky", STAYS_PLAIN)),
+    ("plain", Decision("speculative", 8, "probe", method="ngram"), ("plain", "sticky", STAYS_PLAIN)),
     # A new session goes where the rules want it at once (it leaves no cache behind)...
-    (None, Decision("plain", 0, "high_temperature"), [("plain", "load", "plain; reason=high_temperature")]),
+    (None, Decision("plain", 0, "high_temperature"), ("plain", "load", "plain; reason=high_temperature")),
     (None, Decision("speculative", 8, "default", method="ngram"),
-     [("ngram", "method", "speculative; method=ngram; k=48; reason=default")]),
+     ("ngram", "method", "speculative; method=ngram; k=48; reason=default")),
     # ...but tries a method where the route put it (the least loaded: the first listed here).
-    (None, Decision("speculative", 8, "explore", method="ngram"),
-     [("plain", "load", "plain; reason=worker_plain_only")]),
+    (None, Decision("speculative", 8, "explore", method="ngram"), ("plain", "load", "plain; reason=worker_plain_only")),
     # Staying: the route's own reason.
     ("ngram", Decision("speculative", 8, "default", method="ngram"),
-     [("ngram", "sticky", "speculative; method=ngram; k=48; reason=default")] * 2),
+     ("ngram", "sticky", "speculative; method=ngram; k=48; reason=default")),
 ])
 def test_llama_servers_of_one_mode_and_method_each_take_the_sessions_that_want_them(
-        monkeypatch: pytest.MonkeyPatch, sticky: str | None, wanted: Decision,
-        expected: list[tuple[str, str, str]]) -> None:
+        monkeypatch: pytest.MonkeyPatch, sticky: str | None, wanted: Decision, expected: tuple[str, str, str]) -> None:
     asked: list[tuple[tuple[str, ...], bool]] = []
 
     def deciding(session: SessionState, worker: Any, facts: Any, policy: Any) -> Decision:
@@ -254,17 +249,38 @@ def test_llama_servers_of_one_mode_and_method_each_take_the_sessions_that_want_t
     monkeypatch.setattr(placement, "decide", deciding)
     state = gateway_state(llama_server("plain", "none"), llama_server("ngram", "ngram"))
     session = state.sessions.touch("s", 0.0)
-    session.worker_id = sticky
+    session.worker_id, session.context_tokens = sticky, 300
     req = parse_request("completion", {"model": state.config.model.name, "prompt": "x"})
-    for step in expected:
-        session.worker_id = sticky if sticky is None else session.worker_id
-        routed = placement.route(state, session, state.fleet.candidates(), req,
-                                 policies.PolicyConfig(methods=("draft", "ngram")))
-        assert routed is not None
-        assert (routed.handle.worker_id, routed.route, routed.decision.header) == step
-        if sticky is not None:
-            session.worker_id = routed.handle.worker_id  # as admission.pick records it
-    assert asked == [(("ngram",), True)] * len(expected)  # each time on the n-gram server, as if it served plain
+    routed = placement.route(state, session, state.fleet.candidates(), req,
+                             policies.PolicyConfig(methods=("draft", "ngram")))
+    assert routed is not None
+    assert (routed.handle.worker_id, routed.route, routed.decision.header) == expected
+    assert asked == [(("ngram",), True)]  # once, on the n-gram server as if it served plain
+
+
+@pytest.mark.parametrize(("context_tokens", "max_tokens", "moves"), [
+    (100, 128, True),  # 128 x 20 ms x (1 - 1/2) = 1280 ms saved > 100 x 5 ms computed again
+    (600, 128, False),  # 3000 ms to compute the conversation again: it stays
+    (400, None, True),  # no max_tokens: priced at 256 tokens, 2560 ms saved > 2000
+])
+def test_a_placed_session_moves_where_the_move_pays_for_itself(
+        monkeypatch: pytest.MonkeyPatch, context_tokens: int, max_tokens: int | None, moves: bool) -> None:
+    monkeypatch.setattr(placement, "decide", lambda *_: Decision("speculative", 8, "default", method="ngram"))
+    monkeypatch.setattr(placement, "_server_value", lambda session, handle, policy: 2.0 if handle.methods else 1.0)
+    plain_server, ngram_server = llama_server("plain", "none"), llama_server("ngram", "ngram")
+    for _ in range(8):
+        plain_server.step_costs.observe(0, 20.0)
+    ngram_server.step_costs.observe_prefill(100, 500.0)  # 5 ms a prompt token
+    state = gateway_state(plain_server, ngram_server)
+    session = state.sessions.touch("s", 0.0)
+    session.worker_id, session.context_tokens = "plain", context_tokens
+    body: dict[str, Any] = {"model": state.config.model.name, "prompt": "x"}
+    if max_tokens is not None:
+        body["max_tokens"] = max_tokens
+    routed = placement.route(state, session, state.fleet.candidates(), parse_request("completion", body),
+                             policies.PolicyConfig(methods=("draft", "ngram")))
+    assert routed is not None
+    assert (routed.handle.worker_id, routed.route) == (("ngram", "method") if moves else ("plain", "sticky"))
 
 
 def test_a_llama_server_that_runs_its_method_whatever_the_rules_wanted_is_accounted_by_it() -> None:
