@@ -4,6 +4,7 @@ own evidence, and that evidence checked against the server's own counters."""
 from __future__ import annotations
 
 import asyncio
+import json
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
@@ -13,10 +14,15 @@ import aiohttp
 import pytest
 
 from bench.llama_server import LlamaServer, llamacpp_remote, start_llamacpp_gateway
-from bench.peer_fleet import POLICY, Session, run_session, sessions
+from bench.peer_fleet import EDIT_PROMPTS, POLICY, Session, run_session, sessions
 from bench.procs import get_json, stop
 
 pytestmark = pytest.mark.llamacpp
+
+# bench.peer --fleet's policy, with the evidence taken at its word (no shrinking towards the
+# prior): a copy whose 48 drafts pass whole is priced at what it measures, not at a shrunk α
+# whose expected run of 48 is a fraction of it (docs/llamacpp.md).
+FLEET_POLICY = POLICY | {"acceptance_prior_drafts": 0.0}
 
 
 @pytest.fixture(scope="module")
@@ -25,7 +31,7 @@ def fleet(tmp_path_factory: pytest.TempPathFactory, llama_plain: LlamaServer,
     """``specgate serve`` in front of the plain server ("plain") and the n-gram one ("ngram")."""
     process, port = start_llamacpp_gateway(
         tmp_path_factory.mktemp("llamacpp-fleet"),
-        [llamacpp_remote(llama_plain, "plain"), llamacpp_remote(llama_ngram, "ngram")], POLICY)
+        [llamacpp_remote(llama_plain, "plain"), llamacpp_remote(llama_ngram, "ngram")], FLEET_POLICY)
     url = f"http://127.0.0.1:{port}"
     wait_ready(url, 2)
     yield url
@@ -68,44 +74,63 @@ async def drive(url: str, session: Session, session_id: str) -> list[tuple[str, 
     return seen
 
 
-def edit_session() -> Session:
-    """An edit conversation whose first answer copies the code (peer_edits.jsonl's edit-01)."""
-    return next(s for s in sessions(quick=False) if s.name == "edit-1")
-
-
 def chat_session() -> Session:
     return next(s for s in sessions(quick=False) if s.name == "chat-1")
 
 
-async def test_a_copy_heavy_session_moves_to_the_ngram_server(fleet: str, llama_ngram: LlamaServer) -> None:
+# A request the model answers by copying its prompt (peer_edits.jsonl's edit-01, asked plainly):
+# llama-server's n-gram drafts pass nearly whole.
+COPY_CODE = json.loads((EDIT_PROMPTS.read_text().splitlines())[1])["prompt"].split("\n", 1)[1]
+
+
+def copy_session(name: str, requests: int, ask: str) -> Session:
+    copy = ({"role": "user", "content": f"{ask}\n{COPY_CODE}"},)
+    return Session(name, copy, prompts=(copy,) * requests)
+
+
+async def test_an_open_chat_session_stays_on_the_plain_server(fleet: str) -> None:
+    """A new session tries the n-gram method only where the load puts it: on an idle fleet, the
+    plain server (the first listed); it stays there, never moved for a trial."""
+    seen = await drive(fleet, chat_session(), "chat")
+    assert len(seen) == 5 and {worker for worker, _, _, _ in seen} == {"plain"}, seen
+    assert all(mode.startswith("plain") for _, _, mode, _ in seen), seen
+
+
+async def test_a_copy_heavy_session_goes_to_the_ngram_server_by_method(fleet: str, llama_ngram: LlamaServer) -> None:
+    """A copy-heavy session placed on the n-gram server by load (the plain one is busy) teaches
+    it that copies pay; a new copy-heavy session then goes there at once, by method, and its
+    evidence in the gateway is what the server itself counted while it served the session."""
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=300)) as http:
+        long_chat = asyncio.create_task(http.post(fleet + "/v1/chat/completions", json={
+            "model": "smollm2", "messages": [{"role": "user", "content": "Tell me a long story about a ship."}],
+            "max_tokens": 200, "temperature": 0}, headers={"X-Session-ID": "busy"}))
+        for _ in range(100):  # until the plain server has it in flight
+            if next(w for w in get_json(fleet + "/admin/workers")["workers"] if w["worker_id"] == "plain")["in_flight"]:
+                break
+            await asyncio.sleep(0.02)
+        warm = await drive(fleet, copy_session("warm", 2, "Repeat this code exactly, with nothing before or after it:"),
+                           "warm")
+        (await long_chat).release()
+    assert warm[0][0] == "ngram", warm
     before = server_counts(llama_ngram)
-    seen = await drive(fleet, edit_session(), "edits")
+    seen = await drive(fleet, copy_session("copy", 3, "Copy this code exactly and add nothing:"), "copy")
     after = server_counts(llama_ngram)
-    assert len(seen) == 5, seen
-    moved = [route for worker, route, _, _ in seen if worker == "ngram"]
-    assert "method" in moved, seen  # it reached the n-gram server by method
-    # ...and each request ran where its decision runs: the n-gram method there, plain on the other.
+    assert seen[0][:2] == ("ngram", "method"), seen
+    # Each request ran where its decision runs: the n-gram method there, plain on the other.
     assert all(mode.startswith("speculative; method=ngram") if worker == "ngram" else mode.startswith("plain")
                for worker, _, mode, _ in seen), seen
-    # What the gateway believes of the session, against what the n-gram server counted while it
-    # served the session's requests: proposed and accepted drafts, and its verification steps.
-    session = get_json(f"{fleet}/admin/sessions/edits")
+    session = get_json(f"{fleet}/admin/sessions/copy")
     ngram = session["speculative"]["by_method"]["ngram"]
     assert (ngram["proposed"], ngram["accepted"]) == (after["proposed"] - before["proposed"],
                                                      after["accepted"] - before["accepted"]), (ngram, before, after)
-    assert ngram["proposed"] > 0
+    assert ngram["proposed"] > 0 and ngram["accepted"] > 0
     steps = sum(spec["speculative_steps"] or 0 for worker, _, _, spec in seen if worker == "ngram")
-    assert steps == after["steps"] - before["steps"]
+    assert steps == after["steps"] - before["steps"]  # the verification steps, one by one
     assert sum(spec["proposed"] for _, _, _, spec in seen) == ngram["proposed"]
-
-
-async def test_an_open_chat_session_ends_on_the_plain_server(fleet: str) -> None:
-    seen = await drive(fleet, chat_session(), "chat")
-    assert len(seen) == 5 and seen[-1][0] == "plain", seen
-    assert seen[-1][2].startswith("plain"), seen
-    # The n-gram server's step costs, learned from its timings, are what priced it out.
-    ngram = next(w for w in get_json(fleet + "/admin/workers")["workers"] if w["worker_id"] == "ngram")
-    assert ngram["step_costs"]["plain_steps_timed"] > 0
+    # The server's step times, read from its per-token timings (its cost model once 8 of each).
+    workers = {w["worker_id"]: w for w in get_json(fleet + "/admin/workers")["workers"]}
+    costs = workers["ngram"]["step_costs"]
+    assert costs["drafting_steps_timed"] > 0 and costs["plain_step_ms"] > 0 and costs["drafting_step_ms"] > 0
 
 
 async def test_the_fleet_view_names_each_servers_method(fleet: str) -> None:
