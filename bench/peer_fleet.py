@@ -81,6 +81,7 @@ class Session:
     first: tuple[dict[str, str], ...]
     follow_ups: tuple[str, ...] = ()  # an edit conversation's later requests
     prompts: tuple[tuple[dict[str, str], ...], ...] = ()  # open chat: each request's messages
+    temperature: float = 0.0
 
 
 def sessions(quick: bool) -> list[Session]:
@@ -104,8 +105,8 @@ def sessions(quick: bool) -> list[Session]:
 
 
 async def chat(http: aiohttp.ClientSession, url: str, messages: list[dict[str, str]], session: str | None,
-               model: str = "smollm2") -> tuple[int, dict[str, Any], dict[str, str]]:
-    body = {"model": model, "messages": messages, "max_tokens": MAX_TOKENS, "temperature": 0}
+               model: str = "smollm2", temperature: float = 0.0) -> tuple[int, dict[str, Any], dict[str, str]]:
+    body = {"model": model, "messages": messages, "max_tokens": MAX_TOKENS, "temperature": temperature}
     headers = {"X-Session-ID": session} if session else {}
     async with http.post(url + "/v1/chat/completions", json=body, headers=headers) as response:
         return response.status, await response.json(), dict(response.headers)
@@ -116,13 +117,13 @@ async def run_session(http: aiohttp.ClientSession, url: str, session: Session, s
     """A session's requests in turn; ``on_answer(status, answer, headers)`` for each."""
     if session.prompts:
         for prompt in session.prompts:
-            on_answer(*await chat(http, url, list(prompt), session_id))
+            on_answer(*await chat(http, url, list(prompt), session_id, temperature=session.temperature))
         return
     messages = list(session.first)
     for follow_up in (None, *session.follow_ups):
         if follow_up is not None:
             messages.append({"role": "user", "content": follow_up})
-        status, answer, headers = await chat(http, url, messages, session_id)
+        status, answer, headers = await chat(http, url, messages, session_id, temperature=session.temperature)
         on_answer(status, answer, headers)
         if status != 200:
             return

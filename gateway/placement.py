@@ -148,11 +148,22 @@ def _moves(session: Session, here: WorkerHandle, target: WorkerHandle, wanted: D
     hotspot) goes at once, unless the decision is a trial: it tries methods where the load put it.
     A placed session never moves for a trial (``explore``, ``probe``), and otherwise only where
     the move pays for itself in this request (``_move_pays``)."""
-    if wanted.reason in ("explore", "probe"):
+    if wanted.reason == "probe":
         return False
+    if wanted.reason == "explore":
+        # Trials stay where the load put a session, except that a new session tries a server whose
+        # method no session has run yet (its price is unknown to all), when that one is no busier.
+        return reason != "sticky" and not _has_evidence(target, wanted) and target.load <= here.load
     if reason != "sticky":
         return True
     return _move_pays(session, here, target, req, policy)
+
+
+def _has_evidence(handle: WorkerHandle, wanted: Decision) -> bool:
+    method = wanted.method or "draft"
+    if not is_lookup(method):
+        return handle.acceptance.acceptance_weight > 0
+    return lookup_state(handle.acceptance.lookups, method).tried
 
 
 def _move_pays(session: Session, here: WorkerHandle, target: WorkerHandle, req: CompletionRequest,

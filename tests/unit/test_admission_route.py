@@ -232,8 +232,9 @@ STAYS_PLAIN = "plain; reason=worker_plain_only"
     (None, Decision("plain", 0, "high_temperature"), ("plain", "load", "plain; reason=high_temperature")),
     (None, Decision("speculative", 8, "default", method="ngram"),
      ("ngram", "method", "speculative; method=ngram; k=48; reason=default")),
-    # ...but tries a method where the route put it (the least loaded: the first listed here).
-    (None, Decision("speculative", 8, "explore", method="ngram"), ("plain", "load", "plain; reason=worker_plain_only")),
+    # ...and tries a method on a server no session ran it on yet (no busier): its price is unknown.
+    (None, Decision("speculative", 8, "explore", method="ngram"),
+     ("ngram", "method", "speculative; method=ngram; k=48; reason=explore")),
     # Staying: the route's own reason.
     ("ngram", Decision("speculative", 8, "default", method="ngram"),
      ("ngram", "sticky", "speculative; method=ngram; k=48; reason=default")),
@@ -281,6 +282,25 @@ def test_a_placed_session_moves_where_the_move_pays_for_itself(
                              policies.PolicyConfig(methods=("draft", "ngram")))
     assert routed is not None
     assert (routed.handle.worker_id, routed.route) == (("ngram", "method") if moves else ("plain", "sticky"))
+
+
+def test_a_new_session_tries_a_method_where_the_load_put_it_once_the_method_has_a_price(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(placement, "decide", lambda *_: Decision("speculative", 8, "explore", method="ngram"))
+    plain_server, ngram_server = llama_server("plain", "none"), llama_server("ngram", "ngram")
+    ngram_server.acceptance = policies.observe_lookup(ngram_server.acceptance, "ngram", [(4, 2)],
+                                                      policies.PolicyConfig())
+    state = gateway_state(plain_server, ngram_server)
+    req = parse_request("completion", {"model": state.config.model.name, "prompt": "x"})
+    routed = placement.route(state, state.sessions.touch("s", 0.0), state.fleet.candidates(), req,
+                             policies.PolicyConfig(methods=("draft", "ngram")))
+    assert routed is not None and (routed.handle.worker_id, routed.route) == ("plain", "load")
+    # ...and on a server no session has run it on, only when that one is no busier.
+    state = gateway_state(llama_server("plain", "none"), busy := llama_server("ngram", "ngram"))
+    busy.draft_mix.add(Decision("speculative", 8, "default", method="ngram"))
+    routed = placement.route(state, state.sessions.touch("t", 0.0), state.fleet.candidates(), req,
+                             policies.PolicyConfig(methods=("draft", "ngram")))
+    assert routed is not None and (routed.handle.worker_id, routed.route) == ("plain", "load")
 
 
 def test_a_llama_server_that_runs_its_method_whatever_the_rules_wanted_is_accounted_by_it() -> None:

@@ -7,6 +7,7 @@ import asyncio
 import json
 import urllib.request
 from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -25,10 +26,11 @@ pytestmark = pytest.mark.llamacpp
 FLEET_POLICY = POLICY | {"acceptance_prior_drafts": 0.0}
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture
 def fleet(tmp_path_factory: pytest.TempPathFactory, llama_plain: LlamaServer,
           llama_ngram: LlamaServer) -> Iterator[str]:
-    """``specgate serve`` in front of the plain server ("plain") and the n-gram one ("ngram")."""
+    """``specgate serve`` in front of the plain server ("plain") and the n-gram one ("ngram"): a
+    gateway of its own for each test, so each starts with no evidence."""
     process, port = start_llamacpp_gateway(
         tmp_path_factory.mktemp("llamacpp-fleet"),
         [llamacpp_remote(llama_plain, "plain"), llamacpp_remote(llama_ngram, "ngram")], FLEET_POLICY)
@@ -89,28 +91,21 @@ def copy_session(name: str, requests: int, ask: str) -> Session:
 
 
 async def test_an_open_chat_session_stays_on_the_plain_server(fleet: str) -> None:
-    """A new session tries the n-gram method only where the load puts it: on an idle fleet, the
-    plain server (the first listed); it stays there, never moved for a trial."""
-    seen = await drive(fleet, chat_session(), "chat")
-    assert len(seen) == 5 and {worker for worker, _, _, _ in seen} == {"plain"}, seen
-    assert all(mode.startswith("plain") for _, _, mode, _ in seen), seen
+    """An open-chat session at a chat app's temperature (0.9, above policy.max_temperature): the
+    first new session on a fresh fleet tries the n-gram method there (no session ran it yet), and
+    the rules then want plain decisively: it goes to the plain server at once and stays."""
+    seen = await drive(fleet, replace(chat_session(), temperature=0.9), "chat")
+    assert len(seen) == 5 and {worker for worker, _, _, _ in seen[1:]} == {"plain"}, seen
+    assert all(mode == "plain; reason=high_temperature" for worker, _, mode, _ in seen if worker == "plain"), seen
 
 
 async def test_a_copy_heavy_session_goes_to_the_ngram_server_by_method(fleet: str, llama_ngram: LlamaServer) -> None:
-    """A copy-heavy session placed on the n-gram server by load (the plain one is busy) teaches
-    it that copies pay; a new copy-heavy session then goes there at once, by method, and its
+    """A copy-heavy session that tried the n-gram method (the first on a fresh fleet) teaches the
+    server that copies pay; a new copy-heavy session then goes there at once, by method, and its
     evidence in the gateway is what the server itself counted while it served the session."""
-    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=300)) as http:
-        long_chat = asyncio.create_task(http.post(fleet + "/v1/chat/completions", json={
-            "model": "smollm2", "messages": [{"role": "user", "content": "Tell me a long story about a ship."}],
-            "max_tokens": 200, "temperature": 0}, headers={"X-Session-ID": "busy"}))
-        for _ in range(100):  # until the plain server has it in flight
-            if next(w for w in get_json(fleet + "/admin/workers")["workers"] if w["worker_id"] == "plain")["in_flight"]:
-                break
-            await asyncio.sleep(0.02)
-        warm = await drive(fleet, copy_session("warm", 2, "Repeat this code exactly, with nothing before or after it:"),
-                           "warm")
-        (await long_chat).release()
+    # The first new session on a fresh fleet tries the n-gram method: nobody ran it yet.
+    warm = await drive(fleet, copy_session("warm", 2, "Repeat this code exactly, with nothing before or after it:"),
+                       "warm")
     assert warm[0][0] == "ngram", warm
     before = server_counts(llama_ngram)
     seen = await drive(fleet, copy_session("copy", 3, "Copy this code exactly and add nothing:"), "copy")
