@@ -8,15 +8,12 @@ from __future__ import annotations
 import itertools
 import os
 import subprocess
-import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import yaml
-
-from bench.procs import REPO, bench_env, free_port, stop, wait_ok
+from bench.procs import REPO, ServerProcess, free_port, serve_config
 
 LLAMA_SERVER = Path(os.environ.get("SPECGATE_LLAMA_SERVER", REPO / ".llamacpp" / "llama-server"))
 # llama.cpp's n-gram speculation that measured best on the copy-heavy edits (docs/llamacpp.md):
@@ -61,24 +58,8 @@ def require_llama_server() -> Path:
 
 
 @dataclass
-class LlamaServer:
-    process: subprocess.Popen[bytes]
-    port: int
-    log_path: Path
-    spec_type: str | None  # None: plain; else a key of NGRAM_CONFIGS, or a --spec-type
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-    def stop(self) -> None:
-        if self.process.poll() is None:
-            self.process.terminate()
-            try:
-                self.process.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait()
+class LlamaServer(ServerProcess):
+    spec_type: str | None = None  # None: plain; else a key of NGRAM_CONFIGS, or a --spec-type
 
 
 def start_llama_server(log_dir: Path, *, spec_type: str | None = None, slots: int = 1,
@@ -101,11 +82,7 @@ def start_llama_server(log_dir: Path, *, spec_type: str | None = None, slots: in
     with log_path.open("wb") as log:
         process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
     server = LlamaServer(process, port, log_path, spec_type)
-    try:
-        wait_ok(process, server.url + "/health", 120.0, log_path)
-    except RuntimeError:
-        server.stop()
-        raise
+    server.wait_ready("/health", 120.0)
     return server
 
 
@@ -128,15 +105,4 @@ def start_llamacpp_gateway(log_dir: Path, remotes: Sequence[dict[str, Any]], pol
                         "draft": None},
               "workers": {"count": 0, "poll_interval_s": 0.2, "remote": list(remotes)},
               "policy": policy or {}, **({"auth": auth} if auth else {})}
-    path = log_dir / f"gateway-{port}.yaml"
-    path.write_text(yaml.safe_dump(config))
-    log_path = log_dir / f"gateway-{port}.log"
-    with log_path.open("wb") as log:
-        process = subprocess.Popen([sys.executable, "-m", "gateway", "--config", str(path)], cwd=REPO, stdout=log,
-                                   stderr=subprocess.STDOUT, env=bench_env())
-    try:
-        wait_ok(process, f"http://127.0.0.1:{port}/ready", 60.0, log_path)
-    except RuntimeError:
-        stop(process)
-        raise
-    return process, port
+    return serve_config(log_dir, config, 60.0), port

@@ -171,6 +171,56 @@ def start_local_gateway(log_dir: Path, policy: dict[str, Any] | None = None, *, 
     return start_serve_gateway(log_dir, model, worker_config, policy)
 
 
+@dataclass
+class ServerProcess:
+    """A server process this machine started on loopback: its URL, and a stop that waits."""
+
+    process: subprocess.Popen[bytes]
+    port: int
+    log_path: Path
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def wait_ready(self, path: str, timeout_s: float) -> None:
+        """Returns once ``path`` answers 200; else stops the process and raises (with its log)."""
+        try:
+            wait_ok(self.process, self.url + path, timeout_s, self.log_path)
+        except RuntimeError:
+            self.stop()
+            raise
+
+    def stop(self, timeout_s: float = 20.0) -> None:
+        if self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(timeout=timeout_s)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+
+
+def serve_config(log_dir: Path, config: dict[str, Any], ready_timeout_s: float, *, name: str = "gateway",
+                 repo: Path = REPO, cpus: str | None = None) -> subprocess.Popen[bytes]:
+    """``specgate serve`` on ``config`` (its ``server.port`` set), written beside its log in
+    ``log_dir``; returns once it is ready. ``cpus``: pinned to those cores (taskset's list)."""
+    port = config["server"]["port"]
+    path = log_dir / f"{name}-{port}.yaml"
+    path.write_text(yaml.safe_dump(config))
+    log_path = log_dir / f"{name}-{port}.log"
+    with log_path.open("wb") as log:
+        pin = ["taskset", "-c", cpus] if cpus is not None else []
+        process = subprocess.Popen([*pin, sys.executable, "-m", "gateway", "--config", str(path)], cwd=repo,
+                                   stdout=log, stderr=subprocess.STDOUT, env=bench_env(repo))
+    try:
+        wait_ok(process, f"http://127.0.0.1:{port}/ready", ready_timeout_s, log_path)
+    except RuntimeError:
+        stop(process)
+        raise
+    return process
+
+
 def start_serve_gateway(log_dir: Path, model: dict[str, Any], workers: dict[str, Any],
                         policy: dict[str, Any] | None = None, *, server: dict[str, Any] | None = None,
                         ready_timeout_s: float = 180.0, repo: Path = REPO,
@@ -183,19 +233,7 @@ def start_serve_gateway(log_dir: Path, model: dict[str, Any], workers: dict[str,
     port = free_port()
     config = {"server": {**(server or {}), "host": "127.0.0.1", "port": port}, "model": model, "workers": workers,
               "policy": policy or {}, **({"auth": auth} if auth else {})}
-    path = log_dir / f"gateway-{port}.yaml"
-    path.write_text(yaml.safe_dump(config))
-    log_path = log_dir / f"gateway-{port}.log"
-    with log_path.open("wb") as log:
-        pin = ["taskset", "-c", cpus] if cpus is not None else []
-        process = subprocess.Popen([*pin, sys.executable, "-m", "gateway", "--config", str(path)], cwd=repo,
-                                   stdout=log, stderr=subprocess.STDOUT, env=bench_env(repo))
-    try:
-        wait_ok(process, f"http://127.0.0.1:{port}/ready", ready_timeout_s, log_path)
-    except RuntimeError:
-        stop(process)
-        raise
-    return process, port
+    return serve_config(log_dir, config, ready_timeout_s, repo=repo, cpus=cpus), port
 
 
 def stop(process: subprocess.Popen[bytes]) -> None:

@@ -31,16 +31,14 @@ import argparse
 import json
 import statistics
 import subprocess
-import sys
 import tempfile
 import urllib.request
 from pathlib import Path
 from typing import Any
 
-import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
-from bench.procs import REPO, bench_env, free_port, get_json, served_sections, stop, wait_ok
+from bench.procs import REPO, free_port, get_json, serve_config, served_sections, stop
 from bench.serve_modes import VLLM_PYTHON, vllm_client
 from workers.costs.cache import cpu_label
 
@@ -75,18 +73,7 @@ def start(name: str, log_dir: Path,
           policy_changes: dict[str, Any]) -> tuple[subprocess.Popen[bytes], int, dict[str, Any]]:
     port = free_port()
     config = gateway_config(name, port, log_dir / "costs", policy_changes)
-    path = log_dir / f"{name}-{port}.yaml"
-    path.write_text(yaml.safe_dump(config))
-    log_path = log_dir / f"{name}-{port}.log"
-    with log_path.open("wb") as log:
-        process = subprocess.Popen([sys.executable, "-m", "gateway", "--config", str(path)], cwd=REPO, stdout=log,
-                                   stderr=subprocess.STDOUT, env=bench_env())
-    try:
-        wait_ok(process, f"http://127.0.0.1:{port}/ready", 300, log_path)
-    except RuntimeError:
-        stop(process)
-        raise
-    return process, port, config
+    return serve_config(log_dir, config, 300, name=name), port, config
 
 
 def counters(port: int) -> dict[str, float]:

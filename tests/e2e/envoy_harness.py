@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from bench.procs import free_port, wait_ok
+from bench.procs import ServerProcess, free_port, wait_ok
 from gateway.epp.envoy_config import to_yaml
 from tests.e2e.harness import REPO, write_config
 
@@ -121,17 +121,8 @@ def _write(bootstrap: dict[str, Any], directory: Path) -> Path:
 
 
 # -- specgate serve replicas behind Envoy ------------------------------------------------------
-@dataclass
-class Replica:
+class Replica(ServerProcess):
     """One `specgate serve` (a gateway and its sim worker), in its own process group."""
-
-    process: subprocess.Popen[bytes]
-    port: int
-    log_path: Path
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
 
     def session_requests(self, session_id: str) -> int | None:
         """How many requests of ``session_id`` this replica served; None if it never saw it."""
@@ -157,11 +148,11 @@ class Replica:
                 os.killpg(group, signal.SIGKILL)
         self.process.wait()
 
-    def stop(self) -> None:
+    def stop(self, timeout_s: float = 20.0) -> None:
         if self.process.poll() is None:
             self.process.send_signal(signal.SIGINT)
             try:
-                self.process.wait(timeout=20)
+                self.process.wait(timeout=timeout_s)
             except subprocess.TimeoutExpired:
                 self.kill()
 

@@ -23,7 +23,7 @@ from typing import Any
 import pytest
 import yaml
 
-from bench.procs import free_port, wait_ok
+from bench.procs import ServerProcess, free_port
 from dashboards.observe import DEPLOY, ToolMissing, prometheus_command, tool, write_config
 
 DASHBOARD = Path(__file__).resolve().parents[2] / "dashboards" / "specgate.json"
@@ -44,15 +44,7 @@ def promtool(*args: str, cwd: Path = DEPLOY) -> subprocess.CompletedProcess[str]
                           check=False)
 
 
-@dataclass
-class Prometheus:
-    process: subprocess.Popen[bytes]
-    port: int
-    log_path: Path
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
+class Prometheus(ServerProcess):
 
     def api(self, path: str, **params: str) -> Any:
         """``/api/v1/<path>``'s data; raises with Prometheus's error (a PromQL parse error, say)."""
@@ -103,16 +95,6 @@ class Prometheus:
             time.sleep(0.25)
         raise AssertionError(f"{expr!r} returned nothing within {timeout_s}s:\n{self.log_path.read_text()[-3000:]}")
 
-    def stop(self) -> None:
-        if self.process.poll() is None:
-            self.process.terminate()
-            try:
-                self.process.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait()
-
-
 def start_prometheus(tmp: Path, gateway: str, scrape_interval: str = "1s") -> Prometheus:
     """deploy/prometheus.yml (and its rules) scraping ``gateway``, with its own port and data dir."""
     require_tool("prometheus")
@@ -123,11 +105,7 @@ def start_prometheus(tmp: Path, gateway: str, scrape_interval: str = "1s") -> Pr
         process = subprocess.Popen(prometheus_command(config, tmp / "data", f"127.0.0.1:{port}"),
                                    stdout=log, stderr=subprocess.STDOUT)
     prom = Prometheus(process, port, log_path)
-    try:
-        wait_ok(process, prom.url + "/-/ready", 60, log_path)
-    except RuntimeError:
-        prom.stop()
-        raise
+    prom.wait_ready("/-/ready", 60)
     return prom
 
 

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from bench.procs import free_port, wait_ok
+from bench.procs import ServerProcess, free_port, wait_ok
 from tests.e2e.harness import MODELS
 
 ENGINE_K = 3  # the demo engines' num_speculative_tokens
@@ -55,24 +55,9 @@ def vllm_env() -> dict[str, str]:
     return env
 
 
-@dataclass
-class VllmServer:
-    process: subprocess.Popen[bytes]
-    port: int
-    log_path: Path
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-    def stop(self) -> None:
-        if self.process.poll() is None:
-            self.process.terminate()
-            try:
-                self.process.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait()
+class VllmServer(ServerProcess):
+    def stop(self, timeout_s: float = 60.0) -> None:  # vLLM takes its time to shut its engine down
+        super().stop(timeout_s)
 
 
 def start_vllm_server(log_dir: Path, *, speculative: bool, plugin: bool, metrics_level: str = "summary",
