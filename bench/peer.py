@@ -47,7 +47,7 @@ import aiohttp
 
 from bench.llama_server import NGRAM_CONFIGS, NGRAM_TYPE, LlamaServer, start_llama_server
 from bench.peer_fleet import EDIT_PROMPTS, TASK_PROMPTS, print_fleet, run_fleet, run_session, sessions
-from bench.procs import print_result, served_sections, start_serve_gateway, stop
+from bench.procs import print_result, served_sections, sse_data, start_serve_gateway, stop
 from workers.costs.cache import cpu_label
 
 CLASSES = ("code", "chat", "json", "edit")
@@ -127,11 +127,10 @@ async def ask(http: aiohttp.ClientSession, url: str, model: str, prompt: Prompt,
             if response.status != 200:
                 out.error = f"HTTP {response.status}: {(await response.text())[:200]}"
                 return out
-            async for raw in response.content:
-                line = raw.decode().strip()
-                if not line.startswith("data:") or line[5:].strip() == "[DONE]":
+            async for data in sse_data(response):
+                if data == "[DONE]":
                     continue
-                chunk = json.loads(line[5:])
+                chunk = json.loads(data)
                 for choice in chunk.get("choices") or []:
                     content = (choice.get("delta") or {}).get("content")
                     if content:

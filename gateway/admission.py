@@ -261,7 +261,7 @@ def account_chunk(state: GatewayState, admission: Admission, tally: StreamTally,
     if report is not None and report.cached is not None:
         state.fleet.prefix_index.observe(admission.handle.worker_id, admission.prefix_share, *report.cached)
     elif admission.handle.protocol in ("vllm", "llamacpp") and chunk.get("usage"):
-        _observe_vllm_cached(state, admission, chunk["usage"])
+        _observe_cached(state, admission, chunk["usage"])
     # Tokens by the mode of the steps that made them: one step, or a coalesced chunk's steps.
     emitted: dict[str, int] = {}
     if report is not None:
@@ -297,9 +297,9 @@ def account_chunk(state: GatewayState, admission: Admission, tally: StreamTally,
         tally.last_at = now
     if chunk.get("usage"):
         usage = dict(chunk["usage"])
-        context = [usage.get(name) for name in ("prompt_tokens", "completion_tokens")]
-        if all(type(n) is int and n >= 0 for n in context):
-            admission.session.context_tokens = sum(context)  # type: ignore[arg-type]
+        prompt, completion = usage.get("prompt_tokens"), usage.get("completion_tokens")
+        if type(prompt) is int and type(completion) is int and prompt >= 0 and completion >= 0:
+            admission.session.context_tokens = prompt + completion
         # A specgate worker's usage says what ran (its step counts); a server that reports no
         # steps gets the gateway's tally, and the plain steps it cannot see stay unknown.
         if "speculative" not in usage:
@@ -323,9 +323,9 @@ def _learn_costs(handle: WorkerHandle, seen: TimingsSeen) -> None:
         handle.cost = handle.step_costs.model(handle.max_k)
 
 
-def _observe_vllm_cached(state: GatewayState, admission: Admission, usage: Any) -> None:
-    """A vLLM server's usage, where it reports cached tokens (``--enable-prompt-tokens-details``),
-    into the prefix index's hold for that worker."""
+def _observe_cached(state: GatewayState, admission: Admission, usage: Any) -> None:
+    """A vLLM server's or llama-server's usage, where it reports cached tokens (vLLM's
+    ``--enable-prompt-tokens-details``), into the prefix index's hold for that worker."""
     if not isinstance(usage, dict):
         return
     details, prompt = usage.get("prompt_tokens_details"), usage.get("prompt_tokens")

@@ -91,6 +91,13 @@ def _count(value: Any) -> int | None:
     return value
 
 
+def _ms(value: Any) -> float | None:
+    """A duration in ms: a finite, non-negative number (not a bool); else None."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
+        return None
+    return float(value)
+
+
 def timings_report(chunk: dict[str, Any], seen: TimingsSeen, max_k: int, lookup: bool,
                    counted_text: bool) -> StepReport | None:
     """The steps behind one chunk of a llama-server answer, from the move of its ``timings``
@@ -128,12 +135,11 @@ def timings_report(chunk: dict[str, Any], seen: TimingsSeen, max_k: int, lookup:
     # first token is the prompt's (llama.cpp samples it from the prompt's last logits), no step.
     plain = max(seen.plain_steps, tokens - 1 - seen.proposing_steps - seen.accepted)
     new_plain, seen.plain_steps = plain - seen.plain_steps, plain
-    prompt_n, prompt_ms = timings.get("prompt_n"), timings.get("prompt_ms")
-    if (seen.prefill is None and type(prompt_n) is int and prompt_n > 0 and isinstance(prompt_ms, (int, float))
-            and not isinstance(prompt_ms, bool) and math.isfinite(prompt_ms) and prompt_ms > 0):
-        seen.prefill = (prompt_n, float(prompt_ms))
-    ms = timings.get("predicted_ms")
-    if isinstance(ms, (int, float)) and not isinstance(ms, bool) and math.isfinite(ms) and ms >= seen.ms:
+    prompt_n, prompt_ms = _count(timings.get("prompt_n")), _ms(timings.get("prompt_ms"))
+    if seen.prefill is None and prompt_n and prompt_ms:
+        seen.prefill = (prompt_n, prompt_ms)
+    ms = _ms(timings.get("predicted_ms"))
+    if ms is not None and ms >= seen.ms:
         # A chunk that tells one step alone (a step's first token; its later tokens come at once).
         if len(steps) + new_plain == 1 and ms > seen.ms:
             seen.step_ms.append((steps[0][0] if steps else 0, ms - seen.ms))
@@ -163,6 +169,7 @@ class StepCosts:
     they cannot choose. No model until ``MIN_STEPS`` of each kind were timed."""
 
     HALF_LIFE = 64
+    DECAY = 0.5 ** (1.0 / HALF_LIFE)
     MIN_STEPS = 8
 
     def __init__(self) -> None:
@@ -173,15 +180,13 @@ class StepCosts:
 
     def observe(self, k: int, ms: float) -> None:
         kind = int(k > 0)
-        decay = 0.5 ** (1.0 / self.HALF_LIFE)
-        self._sum[kind] = self._sum[kind] * decay + ms
-        self._weight[kind] = self._weight[kind] * decay + 1.0
+        self._sum[kind] = self._sum[kind] * self.DECAY + ms
+        self._weight[kind] = self._weight[kind] * self.DECAY + 1.0
         self._count[kind] += 1
 
     def observe_prefill(self, tokens: int, ms: float) -> None:
         """A request's prompt: ``tokens`` computed (those its slot did not hold) in ``ms``."""
-        decay = 0.5 ** (1.0 / self.HALF_LIFE)
-        self._prefill = [self._prefill[0] * decay + ms, self._prefill[1] * decay + tokens]
+        self._prefill = [self._prefill[0] * self.DECAY + ms, self._prefill[1] * self.DECAY + tokens]
 
     @property
     def plain_step_ms(self) -> float | None:

@@ -30,7 +30,7 @@ from policies import (
     worker_acceptance,
 )
 from policies.lookup import lookup_state, price_lookup
-from policies.methods import METHODS, is_lookup
+from policies.methods import METHODS, Method, is_lookup
 from workers.api.wire import CompletionRequest
 
 
@@ -100,6 +100,12 @@ def route(state: GatewayState, session: Session, candidates: list[Candidate], re
     return Placement(placed, decision, chosen.reason, shares.get(placed.worker_id, 0.0))
 
 
+def offered_methods(state: GatewayState, candidates: list[Candidate]) -> tuple[Method, ...]:
+    """Every method a ready speculating worker runs, in ``METHODS`` order."""
+    offered = [state.fleet.workers[c.worker_id].methods for c in candidates if c.ready and "speculative" in c.modes]
+    return tuple(m for m in METHODS if any(m in o for o in offered))
+
+
 def one_method(handle: WorkerHandle) -> bool:
     """A server whose method is fixed for its life and named in the config (vLLM's, llama.cpp's)."""
     return handle.protocol in ("vllm", "llamacpp")
@@ -118,8 +124,7 @@ def _between_servers(state: GatewayState, session: Session, candidates: list[Can
     A move leaves the session's cached prompt behind, which a server of another method cannot
     have: a session already placed moves only where that pays (``_moves``); until then it runs
     what its server runs."""
-    offered = [state.fleet.workers[c.worker_id].methods for c in candidates if c.ready and "speculative" in c.modes]
-    methods = tuple(m for m in METHODS if any(m in o for o in offered))
+    methods = offered_methods(state, candidates)
     worker = worker_state(speculating, policy)
     wanted = decide(session.policy_state, replace(worker, serves_plain=True, methods=methods), facts, policy)
     placed = plain
@@ -210,8 +215,7 @@ def _by_server_method(state: GatewayState, session: Session, candidates: list[Ca
     bound, as a sticky or prefix-placed request must (``fleet.routing``): that worker and the
     decision. None where the fleet offers nothing ``handle`` lacks, or no ready worker within the
     bound runs the method the rules want (the request then runs what ``handle`` offers)."""
-    offered = [state.fleet.workers[c.worker_id].methods for c in candidates if c.ready and "speculative" in c.modes]
-    methods = tuple(m for m in METHODS if any(m in o for o in offered))
+    methods = offered_methods(state, candidates)
     if set(methods) <= set(handle.methods):
         return None
     worker = worker_state(handle, policy)

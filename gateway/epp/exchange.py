@@ -286,8 +286,7 @@ class Exchange:
         # A whole answer's step log, for the feedback: a plain decision's would teach nothing, and
         # its response passes the picker unread (Picked.feedback), so it is not asked for.
         directive = directive_for(decision, policy, step_log=not req.stream and decision.k > 0)
-        if handle.protocol == "llamacpp":
-            admission.lease = handle.prompt_scopes.lease(scope_key(req))
+        admission.lease = handle.lease(scope_key(req))
         return orjson.dumps(worker_body(req, directive, handle.protocol, streamed=False, lease=admission.lease))
 
     # -- the response -------------------------------------------------------------------------------

@@ -70,6 +70,11 @@ class WorkerHandle:
     # JSON logs only: the tasks relaying its stdout and stderr into the gateway's log.
     output: list[asyncio.Task[None]] = field(default_factory=list)
 
+    def lease(self, scope: str) -> SlotLease | None:
+        """A llama-server's slot and prompt reuse for a request of cache ``scope``
+        (``PromptScopes.lease``; ``release`` it after); None for any other protocol."""
+        return self.prompt_scopes.lease(scope) if self.protocol == "llamacpp" else None
+
     def release(self, lease: SlotLease | None) -> None:
         """A request that held ``lease`` (``PromptScopes.lease``) left this worker."""
         if lease is not None:

@@ -179,35 +179,40 @@ class Probe:
 
     async def _read_vllm_depth(self, handle: WorkerHandle) -> None:
         """A vLLM server's depth, from its own Prometheus gauges (it serves other clients too)."""
-        async with handle.client.get(handle.base_url + "/metrics",
-                                     timeout=aiohttp.ClientTimeout(total=PROBE_TIMEOUT_S)) as resp:
-            if resp.status != 200:
-                return
-            text = await resp.text()
+        text = await _metrics_text(handle)
+        if text is None:
+            return
         running = waiting = 0.0
         for line in text.splitlines():
             if line.startswith("vllm:num_requests_running"):
                 running += float(line.rsplit(" ", 1)[1])
             elif line.startswith("vllm:num_requests_waiting"):
                 waiting += float(line.rsplit(" ", 1)[1])
-        handle.info = {"engine": "vllm", "batch_depth": int(running), "queue_length": int(waiting)}
-        handle.reported_depth = int(running + waiting)
-        handle.in_flight_at_report = handle.in_flight
-
+        _report_depth(handle, "vllm", int(running), int(waiting))
 
     async def _read_llamacpp_depth(self, handle: WorkerHandle) -> None:
         """A llama-server's depth, from its ``llamacpp:`` gauges where it exports them (``--metrics``;
         without it, /metrics answers 501 and the gateway's own in-flight count is the load)."""
-        async with handle.client.get(handle.base_url + "/metrics",
-                                     timeout=aiohttp.ClientTimeout(total=PROBE_TIMEOUT_S)) as resp:
-            depth = read_depth(await resp.text()) if resp.status == 200 else None
+        text = await _metrics_text(handle)
+        depth = None if text is None else read_depth(text)
         if depth is None:
             handle.info = {"engine": "llamacpp"}
             return
-        processing, deferred = depth
-        handle.info = {"engine": "llamacpp", "batch_depth": processing, "queue_length": deferred}
-        handle.reported_depth = processing + deferred
-        handle.in_flight_at_report = handle.in_flight
+        _report_depth(handle, "llamacpp", *depth)
+
+
+async def _metrics_text(handle: WorkerHandle) -> str | None:
+    """A server's Prometheus text; None where /metrics answers anything but 200."""
+    async with handle.client.get(handle.base_url + "/metrics",
+                                 timeout=aiohttp.ClientTimeout(total=PROBE_TIMEOUT_S)) as resp:
+        return await resp.text() if resp.status == 200 else None
+
+
+def _report_depth(handle: WorkerHandle, engine: str, running: int, waiting: int) -> None:
+    """A server's own count of the requests it runs and holds: this gateway's and others'."""
+    handle.info = {"engine": engine, "batch_depth": running, "queue_length": waiting}
+    handle.reported_depth = running + waiting
+    handle.in_flight_at_report = handle.in_flight
 
 
 def precision_signature(info: dict[str, Any]) -> str | None:

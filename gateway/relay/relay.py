@@ -81,7 +81,7 @@ async def _admit(state: GatewayState, session: Session, req: CompletionRequest, 
         worker_id = handle.worker_id
         # A non-streaming client sees no chunk: its worker may send them a few at a time.
         coalesce_s = 0.0 if req.stream else state.config.server.coalesce_s
-        lease = handle.prompt_scopes.lease(scope_key(req)) if handle.protocol == "llamacpp" else None
+        lease = handle.lease(scope_key(req))
         body = worker_body(req, directive_for(decision, policy, resume, coalesce_s=coalesce_s,
                                               whole_answer=coalesce_s > 0), handle.protocol, lease=lease)
         handle.draft_mix.add(decision)
