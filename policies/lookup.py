@@ -1,5 +1,6 @@
 """A lookup method's evidence and price, per session and per worker (``policies/methods.py``
-says what the methods are).
+says what the methods are); an EAGLE-3 head's (``eagle3``) too, which is kept and priced the same
+way with a coverage of 1 (the head always proposes) and its own forwards in the step's cost.
 
 Pure, as the rest of ``policies/``: ``policies.speculation.decide`` prices each lookup method a
 session may use with ``price_lookup`` and compares it with the draft model's plan; the gateway
@@ -13,7 +14,7 @@ from dataclasses import dataclass, replace
 
 from policies.acceptance import acceptance_latch, decayed_fold, posterior
 from policies.config import PolicyConfig
-from policies.cost import CostModel, expected_tokens, lookup_step_cost
+from policies.cost import CostModel, expected_tokens, head_step_cost, lookup_step_cost
 from policies.methods import METHODS, Method
 
 
@@ -115,6 +116,12 @@ class LookupPrice:
 
 def price_lookup(session: LookupState, worker: LookupState, model: CostModel | None, depth: int, max_k: int,
                  policy: PolicyConfig, prior_alpha: float) -> LookupPrice:
+    """Priced as ``price_method`` says, for a lookup method or the head (``state.method``)."""
+    return price_method(session, worker, model, depth, max_k, policy, prior_alpha)
+
+
+def price_method(session: LookupState, worker: LookupState, model: CostModel | None, depth: int, max_k: int,
+                 policy: PolicyConfig, prior_alpha: float) -> LookupPrice:
     """The session's lookup method priced on the worker's measured verification costs.
 
     A proposing step of K costs the target's forward of K + 1 tokens and no draft forward
@@ -125,11 +132,14 @@ def price_lookup(session: LookupState, worker: LookupState, model: CostModel | N
     alpha = posterior(session.acceptance_estimate, session.acceptance_weight,
                       posterior(prior_a, worker.acceptance_weight, prior_alpha, policy.acceptance_prior_drafts),
                       policy.acceptance_prior_drafts)
+    head = session.method == "eagle3"
     prior_c = worker.coverage if worker.coverage is not None else LOOKUP_PRIOR_COVERAGE
-    coverage = posterior(session.coverage, session.steps_weight, prior_c, policy.acceptance_prior_drafts)
+    coverage = 1.0 if head else posterior(session.coverage, session.steps_weight, prior_c,
+                                          policy.acceptance_prior_drafts)
     best = LookupPrice(alpha, coverage, 0, 1.0)
+    step_cost = head_step_cost if head else lookup_step_cost
     for k in range(1, max_k + 1):
-        cost = 1.0 if model is None else lookup_step_cost(model, depth, min(k, model.max_k))
+        cost = 1.0 if model is None else step_cost(model, depth, min(k, model.max_k))
         value = (coverage * expected_tokens(alpha, k) + 1.0 - coverage) / (coverage * cost + 1.0 - coverage)
         if value > best.value:
             best = LookupPrice(alpha, coverage, k, value)

@@ -2,6 +2,11 @@
 
 - ``draft``: the draft model (chains and token trees). Drafting costs a forward of the draft per
   token, and its proposals are distributions (``q``) that verification divides by.
+- ``eagle3``: an EAGLE-3 head (chains): one decoder layer that reads the target's own hidden states
+  from three of its layers and drafts over a reduced vocabulary. Its proposals are distributions
+  as the draft's; a forward of the head per token, far cheaper than the draft model's. Its
+  evidence is kept per method, as a lookup method's (``policies/lookup.py``), and it is priced on
+  the worker's measured head costs (``policies.cost.head_step_cost``).
 - ``ngram``: prompt lookup. The last n tokens (n from ``prompt_lookup_max`` down to
   ``prompt_lookup_min``, vLLM's names) matched against the prompt and the output so far; the
   proposal is what followed the most recent match.
@@ -21,8 +26,8 @@ from __future__ import annotations
 
 from typing import Literal, TypeGuard
 
-Method = Literal["draft", "ngram", "suffix"]
-METHODS: tuple[Method, ...] = ("draft", "ngram", "suffix")
+Method = Literal["draft", "eagle3", "ngram", "suffix"]
+METHODS: tuple[Method, ...] = ("draft", "eagle3", "ngram", "suffix")
 LOOKUP_METHODS: frozenset[Method] = frozenset({"ngram", "suffix"})
 DEFAULT_METHOD: Method = "draft"
 
@@ -34,4 +39,9 @@ def is_method(value: object) -> TypeGuard[Method]:
 def is_lookup(method: Method) -> bool:
     """Proposals are point masses found in text already seen, at no model's cost."""
     return method in LOOKUP_METHODS
+
+
+def keeps_own_evidence(method: Method) -> bool:
+    """Evidence kept per method (``SessionState.lookups``), apart from the draft model's fields."""
+    return method != "draft"
 

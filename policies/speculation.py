@@ -48,7 +48,7 @@ from policies.acceptance import acceptance_latch, decayed_fold, posterior
 from policies.config import PolicyConfig
 from policies.cost import CostModel, StepMix, choose_k, expected_tokens, gain, objective, step_cost
 from policies.lookup import LookupState, fold_lookup_steps, lookup_state, price_lookup, with_lookup_state
-from policies.methods import METHODS, Method, is_lookup
+from policies.methods import METHODS, Method, is_lookup, keeps_own_evidence
 from policies.tree import StepPath, TreeShape
 from policies.tree_choice import Counts, Ranks, chain_counts, choose_plan, fold_ranks, path_counts, plan_value
 
@@ -150,7 +150,7 @@ def run_on(decision: Decision, worker: WorkerState) -> Decision:
     as if it served both modes, to learn which mode they want (gateway/admission.py ``route``)."""
     if not worker.serves_plain and worker.max_k > 0:
         # A server of one lookup method (a llama-server with an n-gram --spec-type) runs it whatever they wanted.
-        own = worker.methods[0] if len(worker.methods) == 1 and is_lookup(worker.methods[0]) else None
+        own = worker.methods[0] if len(worker.methods) == 1 and keeps_own_evidence(worker.methods[0]) else None
         if decision.mode == "plain":
             return Decision("speculative", worker.max_k, "worker_speculative_only", method=own)
         return replace(decision, k=worker.max_k, tree=None, method=decision.method if own is None else own)
@@ -169,7 +169,8 @@ def _rules(session: SessionState, worker: WorkerState, request: RequestFacts, po
         return Decision("plain", 0, "high_temperature")
     if worker.batch_full:
         return Decision("plain", 0, "batch_full")
-    lookups = [m for m in policy.methods if is_lookup(m) and m in worker.methods]  # type: ignore[arg-type]
+    # The methods with evidence of their own (lookups, the head) the session may choose among.
+    lookups = [m for m in policy.methods if keeps_own_evidence(m) and m in worker.methods]  # type: ignore[arg-type]
     if lookups:
         return _method_rules(session, worker, policy, lookups, k, worker.shadow_lookup and request.temperature <= 0.0)
     if session.low_acceptance and (waived_k := _free_batch_k(session, worker, policy, k)):

@@ -37,6 +37,8 @@ def parse_args(argv: list[str] | None = None, prog: str = "python -m workers") -
     parser.add_argument("--engine", choices=["embedded", "vllm", "sim"], default="embedded")
     parser.add_argument("--target", type=Path, required=True, help="target model directory (Hugging Face format)")
     parser.add_argument("--draft", type=Path, default=None, help="draft model directory; omit for plain only")
+    parser.add_argument("--eagle3", type=Path, default=None,
+                        help="an EAGLE-3 head directory (speculators' eagle3 format): the eagle3 method")
     parser.add_argument("--served-model-name", default="specgate-demo")
     parser.add_argument("--max-slots", type=int, default=16)
     parser.add_argument("--max-k", type=int, default=8)
@@ -120,7 +122,8 @@ def build_engine(args: argparse.Namespace) -> Engine:
                                            prompt_lookup_min=args.prompt_lookup_min,
                                            prompt_lookup_max=args.prompt_lookup_max,
                                            suffix_cache_bytes=args.suffix_cache_bytes,
-                                           prefix_cache_bytes=int(args.prefix_cache_mb * (1 << 20))))
+                                           prefix_cache_bytes=int(args.prefix_cache_mb * (1 << 20)),
+                                           eagle3=args.eagle3))
 
 
 def die_with_parent() -> None:

@@ -66,6 +66,7 @@ class ModelConfig:
     name: str = "specgate-demo"  # the model id clients send
     target: Path = Path("models/demo-target")
     draft: Path | None = Path("models/demo-draft")  # null: plain decoding only
+    eagle3: Path | None = None  # an EAGLE-3 head (speculators' eagle3 format): the eagle3 method; null: none
 
 
 @dataclass(frozen=True)
@@ -273,10 +274,11 @@ def parse_config(raw: Any, base: Path, source: Path | None = None) -> GatewayCon
     if server.coalesce_s >= server.worker_timeout_s:  # a worker holding chunks longer would time out
         problems.add(ConfigError("server.coalesce_s", server.coalesce_s,
                                  f"must be below server.worker_timeout_s ({server.worker_timeout_s:g})"))
-    m = _Section(raw.get("model"), "model", {"name", "target", "draft"}, problems)
+    m = _Section(raw.get("model"), "model", {"name", "target", "draft", "eagle3"}, problems)
     md = ModelConfig()
     model = ModelConfig(name=m.get("name", str, md.name), target=m.path("target", md.target, base) or md.target,
-                        draft=m.path("draft", md.draft, base, nullable=True))
+                        draft=m.path("draft", md.draft, base, nullable=True),
+                        eagle3=m.path("eagle3", md.eagle3, base, nullable=True))
     workers = _parse_workers(_Section(raw.get("workers"), "workers", WorkersConfig.__dataclass_fields__, problems),
                              base)
     x = _Section(raw.get("sessions"), "sessions", {"max_sessions", "idle_ttl_s", "history"}, problems)

@@ -80,7 +80,7 @@ class Fleet:
 
     def _local_handle(self, i: int, socket_dir: Path) -> WorkerHandle:
         wc = self.config.workers
-        can_speculate = self.config.model.draft is not None and wc.max_k > 0
+        can_speculate = (self.config.model.draft is not None or self.config.model.eagle3 is not None) and wc.max_k > 0
         path = socket_dir / f"w{i}.sock"
         client = aiohttp.ClientSession(connector=aiohttp.UnixConnector(path=str(path)))
         http = WorkerHttp(Endpoint.from_url("http://worker", unix_path=str(path)))

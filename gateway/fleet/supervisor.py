@@ -57,6 +57,8 @@ class Supervisor:
                    "--max-body-bytes", str(cfg.server.max_body_bytes), "--log-format", cfg.server.log_format]
         if cfg.model.draft is not None:
             command += ["--draft", str(cfg.model.draft)]
+        if cfg.model.eagle3 is not None:
+            command += ["--eagle3", str(cfg.model.eagle3)]
         if wc.cost_cache_dir is not None:
             command += ["--cost-cache-dir", str(wc.cost_cache_dir)]
         if wc.max_model_len is not None:

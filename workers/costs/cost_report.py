@@ -100,6 +100,11 @@ class CostReport:
     # forward over n = 1..W nodes (a tree level). None: the engine is not priced for trees.
     tree_verify_cost: tuple[float, ...] | None = None
     tree_draft_cost: tuple[float, ...] | None = None
+    # An EAGLE-3 head (method eagle3) at batch 1, relative to plain_step_ms[0]: a step's first head
+    # forward (its catch-up on the last step's tokens, 2 of them) and each later one (a chain
+    # draft). None: the worker has no head.
+    head_first_cost: float | None = None
+    head_draft_cost: float | None = None
 
     def to_json(self) -> dict[str, Any]:
         out = asdict(self)
@@ -174,7 +179,9 @@ class CostReport:
             prefill_tokens=None if raw.get("prefill_tokens") is None else tuple(int(n) for n in raw["prefill_tokens"]),
             prefill_ms=floats(raw.get("prefill_ms")), draft_prefill_ms=floats(raw.get("draft_prefill_ms")),
             draft_first_cost=floats(raw.get("draft_first_cost")),
-            tree_verify_cost=floats(raw.get("tree_verify_cost")), tree_draft_cost=floats(raw.get("tree_draft_cost")))
+            tree_verify_cost=floats(raw.get("tree_verify_cost")), tree_draft_cost=floats(raw.get("tree_draft_cost")),
+            head_first_cost=None if raw.get("head_first_cost") is None else float(raw["head_first_cost"]),
+            head_draft_cost=None if raw.get("head_draft_cost") is None else float(raw["head_draft_cost"]))
 
 
 def report_from_forward_times(depths: Sequence[int], target_s: Sequence[Sequence[float]], draft_s: Sequence[float],

@@ -16,8 +16,11 @@ from typing import Literal
 
 import torch
 
+from policies.methods import METHODS, Method
 from workers.costs.cost_report import CostReport
 from workers.costs.online import OnlineCosts
+from workers.engines.embedded.eagle3.costs import head_costs
+from workers.engines.embedded.eagle3.head import Eagle3Head
 from workers.engines.embedded.engine import SpeculativeEngine
 from workers.engines.embedded.kernels import rowgemm
 from workers.engines.embedded.llama import LlamaForCausalLM
@@ -65,6 +68,7 @@ class EmbeddedSettings:
     prompt_lookup_max: int = DEFAULT_PROMPT_LOOKUP_MAX  # ngram: the longest, tried first
     suffix_cache_bytes: int = DEFAULT_MAX_BYTES  # suffix: the worker's store's memory bound
     prefix_cache_bytes: int = 0  # prompt K/V kept for reuse (prefix_cache.py); 0: none
+    eagle3: Path | None = None  # an EAGLE-3 head in speculators' format (method eagle3); None: none
 
     def __post_init__(self) -> None:
         _ = self.lookup  # checked when the worker starts, not at the first request
@@ -92,9 +96,23 @@ def load_speculative_engine(settings: EmbeddedSettings, target: LlamaForCausalLM
     # Served from their laid-out copies only: the source weights would double the projections' memory.
     freed = target.release_sources() + (draft.release_sources() if draft is not None else 0)
     log.info("released %.0f MiB of projection weights the kernels hold laid out", freed / 2**20)
+    positions = min(target.cfg.max_position_embeddings, settings.max_model_len or target.cfg.max_position_embeddings)
+    eagle = None
+    if settings.eagle3 is not None:  # HeadFormatError (a ValueError) names the field that does not fit
+        eagle = Eagle3Head.load(settings.eagle3, target.cfg, target.model.embed_tokens.weight.detach().float(),
+                                settings.max_slots, positions)
     return SpeculativeEngine(target, draft, max_slots=settings.max_slots, max_k=settings.max_k,
                              max_positions=settings.max_model_len, lookup=settings.lookup,
-                             prefix_cache_bytes=settings.prefix_cache_bytes)
+                             prefix_cache_bytes=settings.prefix_cache_bytes, eagle=eagle)
+
+
+def offered_methods(engine: SpeculativeEngine) -> tuple[Method, ...]:
+    """What the engine proposes with: the draft model and the head where loaded, the lookup methods
+    wherever it speculates at all."""
+    if engine.max_k <= 0:
+        return ()
+    offered = {"draft": engine.draft is not None, "eagle3": engine.eagle is not None, "ngram": True, "suffix": True}
+    return tuple(m for m in METHODS if offered[m])
 
 
 class EmbeddedEngine:
@@ -144,12 +162,15 @@ class EmbeddedEngine:
         measuring = MeasureSettings(s.target, s.draft, s.max_slots, s.max_k, s.dtype, s.draft_dtype, s.exact,
                                     s.cost_budget_s, threads)
         report, target = measure_or_load(measuring, s.cost_cache_dir)
-        assert report.precision is not None
-        torch.set_num_threads(torch_threads_serving(report.precision, threads))
-        dtype: Literal["float32", "bfloat16"] = "bfloat16" if report.precision.target == "bfloat16" else "float32"
-        engine = load_speculative_engine(dataclasses.replace(s, dtype=dtype), target, report.precision.prepacked,
-                                         products_named(report.precision.products))
+        precision = report.precision
+        assert precision is not None
+        torch.set_num_threads(torch_threads_serving(precision, threads))
+        dtype: Literal["float32", "bfloat16"] = "bfloat16" if precision.target == "bfloat16" else "float32"
+        engine = load_speculative_engine(dataclasses.replace(s, dtype=dtype), target, precision.prepacked,
+                                         products_named(precision.products))
         return_freed_heap()
+        if engine.eagle is not None:  # the head's forwards, timed as the draft's were (a few ms; not cached)
+            report = dataclasses.replace(report, **head_costs(engine.eagle, report))
         self._costs = OnlineCosts(report)
         self._runner = EngineRunner(engine, asyncio.get_running_loop(), observer, self._costs)
         self._runner.start()
@@ -157,13 +178,13 @@ class EmbeddedEngine:
             kind="embedded", max_k=engine.max_k, max_slots=engine.max_slots,
             context_window=engine.max_positions, vocab_size=engine.target.cfg.vocab_size,
             eos_token_ids=engine.eos_ids, tree_max_nodes=engine.max_tree_nodes,
-            methods=("draft", "ngram", "suffix") if engine.lookup is not None else (),
+            methods=offered_methods(engine),
             shadow_lookup=engine.lookup is not None, prefix_cache=engine.prefix is not None,
             details={"precision": {"target": dtype, "draft": s.draft_dtype if engine.draft else None,
                                    "target_prepacked": engine.target.prepacked,
                                    "products": engine.target.products,
                                    "draft_products": engine.draft.products if engine.draft else None,
-                                   "exact": report.precision.exact, "why": report.precision.why,
+                                   "exact": precision.exact, "why": precision.why,
                                    # the kernels' build, chosen by measurement on this machine
                                    "kernels": rowgemm.chosen_build()}})
 

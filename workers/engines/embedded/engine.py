@@ -29,12 +29,14 @@ from policies.methods import LOOKUP_METHODS
 from policies.tree import MAX_TREE_NODES
 from workers.api.limits import check_sampling
 from workers.engines.embedded.drafting import draft_token, propose_greedy
-from workers.engines.embedded.forwards import native_rows, single_row
-from workers.engines.embedded.kv_cache import CacheBatch, KVCache
+from workers.engines.embedded.eagle3 import step as eagle_step
+from workers.engines.embedded.eagle3.head import Eagle3Head
+from workers.engines.embedded.kv_cache import KVCache
 from workers.engines.embedded.llama import LlamaForCausalLM
 from workers.engines.embedded.lookup.proposer import LookupProposer, LookupSettings
 from workers.engines.embedded.lookup.replay import shadow_at_finish
-from workers.engines.embedded.prefix_cache import PREFILL_CHUNK, PrefixCache, prefill_chunks, reuse
+from workers.engines.embedded.prefix_cache import PREFILL_CHUNK, PrefixCache, reuse
+from workers.engines.embedded.row_batches import RowLimits, forward_rows
 from workers.engines.embedded.sampling import (
     Verdict,
     gumbel_max,
@@ -58,12 +60,13 @@ class SpeculativeEngine:
                  rng: random.Random | None = None, drafting_in_one_call: bool = True,
                  max_tree_nodes: int = MAX_TREE_NODES, max_positions: int | None = None,
                  lookup: LookupSettings | None = None, prefix_cache_bytes: int = 0,
-                 prefill_chunk: int = PREFILL_CHUNK) -> None:
+                 prefill_chunk: int = PREFILL_CHUNK, eagle: Eagle3Head | None = None) -> None:
         if draft is not None and draft.cfg.vocab_size != target.cfg.vocab_size:
             raise ValueError("draft and target must share a vocabulary")
         self.target = target
         self.draft = draft
-        self.max_k = max_k if draft is not None else 0
+        self.eagle = eagle  # an EAGLE-3 head (method eagle3), its K/V sized by the caller
+        self.max_k = max_k if draft is not None or eagle is not None else 0
         # Token trees: at most this many draft nodes, at most max_k deep (0: chains only).
         self.max_tree_nodes = max_tree_nodes if self.max_k > 0 else 0
         self.max_slots = max_slots
@@ -143,6 +146,10 @@ class SpeculativeEngine:
         if request.request_id in self._running or self._waiting_index(request.request_id) is not None:
             raise ValueError(f"duplicate request id {request.request_id}")
         self._check_tree(request)
+        if request.method == eagle_step.METHOD and (self.eagle is None or self.max_k == 0):
+            raise ValueError("this worker has no EAGLE-3 head (method eagle3)")
+        if request.method == eagle_step.METHOD and request.tree is not None:
+            raise ValueError("eagle3 drafts chains; token trees are the draft model's")
         self._waiting.append(request)
 
     def abort(self, request_id: str) -> bool:
@@ -192,7 +199,7 @@ class SpeculativeEngine:
                 request=request, slot=self._free_slots.pop(0), tokens=list(request.prompt_ids),
                 generator=torch.Generator().manual_seed(seed), k=max(0, min(request.k, self.max_k)),
                 tree=None if request.tree is None else layout(request.tree))
-            if self.prefix is not None and (fused := self._fused_prefix(seq)):
+            if self.prefix is not None and not eagle_step.uses_head(seq) and (fused := self._fused_prefix(seq)):
                 reuse(self.prefix, seq, self.target_cache, self.draft_cache, fused)
 
     # -- one step --------------------------------------------------------------------------
@@ -219,13 +226,13 @@ class SpeculativeEngine:
             # sequences caught up and drafted K=3 while the rest decoded plain paid K+1 tokens
             # a row for all 32 rows (rows are padded to the widest) for the tokens of few:
             # 0.75x plain at batch 32 (bench.engine, AVX512-BF16 EPYC).
-            if (k > 0 and self.catch_up_rule is not None and lag > ORDINARY_LAG and not self._looks_up(seq)
+            if (k > 0 and self.catch_up_rule is not None and lag > ORDINARY_LAG and self._drafts_with_model(seq)
                     and not self.catch_up_rule(lag, seq.request.max_tokens - seq.emitted, k, depth)):
                 k = 0
             requested.append(k)
             seq.drafts, seq.draft_probs = [], []
         # The cost rule prices the draft's forwards: lookup sequences draft none and keep their K.
-        drafting = [0 if self._looks_up(s) else k for s, k in zip(seqs, requested, strict=True)]
+        drafting = [k if self._drafts_with_model(s) else 0 for s, k in zip(seqs, requested, strict=True)]
         common = self.step_cost_rule(drafting) if self.step_cost_rule is not None and any(drafting) else None
         for seq, k in zip(seqs, requested, strict=True):
             if self._looks_up(seq):
@@ -234,29 +241,42 @@ class SpeculativeEngine:
                                                  seq.request.session, k, seq.request.cache_scope)
                 seq.step_k, seq.step_tree = len(seq.drafts), None
                 continue
+            if eagle_step.uses_head(seq):  # its own K (the head's cost is not the draft's), a chain
+                seq.step_k, seq.step_tree = eagle_step.step_k(seq, k), None
+                continue
             seq.step_k = self._room(seq, common) if common is not None and k > 0 else k
             # A tree where the step's K reaches its depth (tree_step.plan), else a chain of that K.
             seq.step_tree = tree_step.plan(self, seq, seq.step_k) if seq.step_k > 0 else None
             if seq.step_tree is not None:
                 seq.step_k = seq.step_tree.layout.shape.depth
         drafted = [s for s in seqs if s.step_k > 0 and not self._looks_up(s)]
-        catch_up = max((len(s.tokens) - s.draft_len for s in drafted), default=0)
+        catch_up = max((len(s.tokens) - s.draft_len for s in drafted if self._drafts_with_model(s)), default=0)
         failed: dict[str, Exception] = {}  # one sequence's failure must not end the others
         started = time.perf_counter()
-        self._propose([s for s in drafted if s.step_tree is None], failed)
+        self._propose([s for s in drafted if s.step_tree is None and not eagle_step.uses_head(s)], failed)
+        if self.eagle is not None:
+            eagle_step.propose(self.eagle, self.target.cfg.vocab_size,
+                               [s for s in drafted if eagle_step.uses_head(s)], failed)
         tree_step.propose(self, [s for s in seqs if s.step_tree is not None], failed)
         proposed = time.perf_counter()
         seqs = [s for s in seqs if s.request.request_id not in failed]
         prefill = any(self._prefilling(s) for s in seqs)
         rows = [self._target_row(s) for s in seqs]
-        target_logits = self._forward_isolated(self.target, self.target_cache, seqs, rows, failed)
+        capture = self.target.aux_capture = eagle_step.capture_for(self.eagle, seqs)
+        try:
+            target_logits = self._forward_isolated(self.target, self.target_cache, seqs, rows, failed)
+        finally:
+            self.target.aux_capture = None
+        if capture is not None:
+            eagle_step.collect(capture, seqs)
         if self.prefix is not None:  # the chunks a prefill just computed, for later requests
             for seq, row, logits in zip(seqs, rows, target_logits, strict=True):
                 if row.fused and logits is not None:
                     self.prefix.store_target(seq.tokens, row.start + row.fused, self.target_cache, seq.slot,
                                              seq.request.cache_scope)
         self.last_draft_s, self.last_target_s = proposed - started, time.perf_counter() - proposed
-        drafting = [s.step_k for s in drafted if s.request.request_id not in failed]  # a tree: its depth
+        # The draft model's forwards (a tree: its depth); the head's are not its costs (online cost model).
+        drafting = [s.step_k for s in drafted if s.request.request_id not in failed and self._drafts_with_model(s)]
         self.last_shape = StepShape(len(rows), max((len(r.new_tokens) for r in rows), default=0),
                                     prefill, len(drafting), max(drafting, default=0), sum(drafting), catch_up,
                                     sum(len(r.new_tokens) for r in rows), any(s.step_tree is not None for s in seqs))
@@ -360,6 +380,10 @@ class SpeculativeEngine:
                 except Exception as exc:
                     failed[seq.request.request_id] = exc
 
+    def _drafts_with_model(self, seq: _Sequence) -> bool:
+        """Proposes with the draft model (not by lookup, not with the EAGLE-3 head)."""
+        return not self._looks_up(seq) and not eagle_step.uses_head(seq)
+
     def _looks_up(self, seq: _Sequence) -> bool:
         """Proposes by lookup (ngram, suffix) rather than with the draft model."""
         return self.lookup is not None and seq.request.method in LOOKUP_METHODS
@@ -396,10 +420,12 @@ class SpeculativeEngine:
             verdict = Verdict([int(sample(p[0], seq.generator).item())], 0)
         new_tokens, accepted = verdict.tokens, verdict.accepted
         if seq.step_tree is None:
-            if seq.step_k > 0 and not self._looks_up(seq):
+            if seq.step_k > 0 and self._drafts_with_model(seq):
                 # Rewind: the draft cache holds the prefix plus d_1..d_{K-1}; keep what was accepted.
                 seq.draft_len = before + min(accepted, seq.step_k - 1)
             seq.target_len = before + accepted  # rewind the target cache to the accepted prefix
+            if eagle_step.uses_head(seq):
+                eagle_step.rewind(seq)
         emitted: list[int] = []
         finish: FinishReason | None = None
         for token in new_tokens:
@@ -435,59 +461,9 @@ class SpeculativeEngine:
                          path=path, cached_tokens=cached, shadow=shadow)
 
     def _forward(self, model: LlamaForCausalLM, cache: KVCache, rows: list[_Row]) -> list[torch.Tensor]:
-        """Runs rows through a model; returns each row's (n_logits, V) logits in order."""
-        out: list[torch.Tensor | None] = [None] * len(rows)
-        # A tree row rides with the short rows where the one-call kernel serves them; the torch
-        # path verifies a tree in a forward of its own (one row's gathered keys).
-        alone = [len(r.new_tokens) > self._batched_row_limit or r.fused > 0
-                 or (r.tree is not None and model.fused is None) for r in rows]
-        short = [i for i, r in enumerate(rows) if not alone[i]]
-        groups = [short] if short else []
-        groups += [[i] for i in range(len(rows)) if alone[i]]
-        for group in groups:
-            # The target's rows must score each token exactly as plain decoding would
-            # (row-invariant attention), drafts above all, even in a long row (a short prompt
-            # plus K drafts). A prefill's prompt is always bare, in a forward of its own (see
-            # step), so it is computed identically in every mode and may use the fused kernel,
-            # 2-3x faster on long prompts (_Row.fused). The draft's numerics never reach the output.
-            row_invariant = model is self.target and not any(rows[i].fused for i in group)
-            if len(group) == 1:
-                row = rows[group[0]]
-                if model is self.target and row.fused > 0:
-                    # A prefill: the prompt fused, in the prefix cache's aligned chunks; a resumed
-                    # one's output then row-invariant in one forward, as its decode steps computed it.
-                    out[group[0]] = prefill_chunks(model, cache, row, self.prefill_chunk, self.max_positions)
-                    if out[group[0]] is not None:
-                        continue
-                    row = _Row(row.slot, row.start + row.fused, row.new_tokens[row.fused:], row.n_logits)
-                    row_invariant = True
-                out[group[0]] = single_row(model, cache, row, row_invariant, self.max_positions)
-                continue
-            width = max(len(rows[i].new_tokens) for i in group)
-            native = native_rows(model, cache, [rows[i] for i in group], row_invariant, self.max_positions)
-            if native is not None:
-                for i, chunk in zip(group, native.split([rows[i].n_logits for i in group]), strict=True):
-                    out[i] = chunk
-                continue
-            tokens = torch.zeros((len(group), width), dtype=torch.long)
-            logit_rows: list[int] = []
-            logit_cols: list[int] = []
-            for b, i in enumerate(group):
-                row = rows[i]
-                tokens[b, :len(row.new_tokens)] = torch.tensor(row.new_tokens)
-                n = len(row.new_tokens)
-                logit_rows += [b] * row.n_logits
-                logit_cols += range(n - row.n_logits, n)
-            batch = CacheBatch.build([rows[i].slot for i in group], [rows[i].start for i in group],
-                                     [len(rows[i].new_tokens) for i in group], width, self.max_positions,
-                                     row_invariant=row_invariant, trees=[rows[i].tree for i in group])
-            logits = model.forward_cached(tokens, cache, batch, torch.tensor(logit_rows), torch.tensor(logit_cols))
-            splits = logits.split([rows[i].n_logits for i in group])
-            for i, chunk in zip(group, splits, strict=True):
-                out[i] = chunk
-        # A reduced-vocabulary draft's logits, laid over the whole vocabulary (-inf elsewhere):
-        # everything after this point, sampling, trees and verification alike, sees one vocabulary.
-        return [model.full_vocab_logits(o) for o in out if o is not None]
+        """Runs rows through a model; returns each row's (n_logits, V) logits in order (row_batches.py)."""
+        return forward_rows(model, cache, rows, RowLimits(model is self.target, self._batched_row_limit,
+                                                          self.prefill_chunk, self.max_positions))
 
     # -- convenience ---------------------------------------------------------------------------
     def generate(self, request: GenerationRequest) -> list[StepEvent]:

@@ -22,7 +22,7 @@ def native_forward(model: LlamaForCausalLM, cache: KVCache, tokens: list[list[in
     fused = model.fused
     if fused is None or not (row_invariant or max(map(len, tokens)) <= model.native_attention_max_tokens):
         return None
-    return fused.run_rows(tokens, cache.k, cache.v, slots, starts, logit_idx, trees=trees)
+    return fused.run_rows(tokens, cache.k, cache.v, slots, starts, logit_idx, trees=trees, capture=model.aux_capture)
 
 
 def native_rows(model: LlamaForCausalLM, cache: KVCache, rows: list[Row], row_invariant: bool,

@@ -25,6 +25,7 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 from torch import nn
 
+from workers.engines.embedded.aux_states import AuxCapture
 from workers.engines.embedded.config import ModelConfig
 from workers.engines.embedded.kernels import fused_forward, rowgemm
 from workers.engines.embedded.kv_cache import CacheBatch, KVCache
@@ -235,6 +236,9 @@ class LlamaForCausalLM(nn.Module):
         self.native: rowgemm.RowGemm | None = None
         self.fused: fused_forward.FusedForward | None = None  # the same path in one kernel call
         self.released = False  # release_sources emptied the laid-out projections' weights
+        # Set (by the engine, for a step that serves an EAGLE-3 head): every cached forward also
+        # records the residual stream after the head's layers at each real token (aux_states.py).
+        self.aux_capture: AuxCapture | None = None
         cos, sin = rotary_tables(cfg, torch.float32)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
@@ -409,8 +413,13 @@ class LlamaForCausalLM(nn.Module):
             return self._forward_native(self.native, tokens, cache, batch, logit_rows, logit_cols)
         cos, sin = self._rotary(batch, tokens.shape[1])
         x = self.model.embed_tokens(tokens)
+        capture, captured = self.aux_capture, []
         for i, layer in enumerate(self.model.blocks()):
+            if capture is not None and i in capture.layer_ids:
+                captured.append(x.float())
             x = layer.forward_cached(x, cos, sin, cache, i, batch)
+        if capture is not None:
+            capture.add_padded(captured, *batch.rows)
         if logit_rows is not None and logit_cols is not None:
             x = x[logit_rows, logit_cols]
         x = self.model.norm(x)
@@ -447,14 +456,18 @@ class LlamaForCausalLM(nn.Module):
             fused_forward.check_bounds(tokens, cfg.vocab_size, batch.rows, cache_shape[0], cache_shape[2])
             rows = torch.tensor(batch.rows, dtype=torch.long)
             if self.fused is not None:
+                capture = self.aux_capture
                 if logit_rows is not None and logit_cols is not None:
-                    return self.fused(tokens, cache.k, cache.v, rows, logit_rows * length + logit_cols)
-                logits = self.fused(tokens, cache.k, cache.v, rows, torch.arange(tokens.numel()))
+                    return self.fused(tokens, cache.k, cache.v, rows, logit_rows * length + logit_cols, capture)
+                logits = self.fused(tokens, cache.k, cache.v, rows, torch.arange(tokens.numel()), capture)
                 return logits.view(*tokens.shape, -1)
         else:
             cos, sin = self._rotary(batch, length)
         x = self.model.embed_tokens(tokens)
+        capture, captured = self.aux_capture, []
         for i, layer in enumerate(self.model.blocks()):
+            if capture is not None and i in capture.layer_ids:
+                captured.append(x.clone())
             attn, mlp = layer.self_attn, layer.mlp
             assert attn.qkv_fused is not None and attn.o_frozen is not None
             assert mlp.gate_up_fused is not None and mlp.down_frozen is not None
@@ -467,6 +480,8 @@ class LlamaForCausalLM(nn.Module):
                 x = x + attn.forward_cached(h, cos, sin, cache, i, batch)
             h = kernel.rmsnorm(x, layer.post_attention_layernorm.weight, cfg.rms_norm_eps)
             x = x + mlp.down_frozen(kernel.swiglu(mlp.gate_up_fused(h)))
+        if capture is not None:
+            capture.add_padded(captured, *batch.rows)
         if logit_rows is not None and logit_cols is not None:
             x = x[logit_rows, logit_cols]
         assert self.head_frozen is not None
@@ -483,5 +498,6 @@ class LlamaForCausalLM(nn.Module):
         rows = [row[:n] for row, n in zip(tokens.tolist(), lengths, strict=True)]
         wanted = ((logit_rows * length + logit_cols).tolist() if logit_rows is not None and logit_cols is not None
                   else list(range(tokens.numel())))
-        logits = self.fused.run_rows(rows, cache.k, cache.v, list(slots), list(starts), wanted, trees=batch.trees)
+        logits = self.fused.run_rows(rows, cache.k, cache.v, list(slots), list(starts), wanted, trees=batch.trees,
+                                     capture=self.aux_capture)
         return logits if logit_rows is not None and logit_cols is not None else logits.view(*tokens.shape, -1)

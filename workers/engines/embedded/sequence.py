@@ -49,6 +49,10 @@ class Sequence:
     tree: TreeLayout | None = None  # the token tree asked for (GenerationRequest.tree)
     step_tree: TreeDraft | None = None  # this step's tree; None: a chain of step_k
     cached: int = 0  # prompt tokens whose K/V came from the prefix cache (prefix_cache.py)
+    # The eagle3 method (eagle3/step.py): the head's K/V holds positions < head_len; the target's
+    # states for positions head_len .. target_len - 1 wait in aux_pending for its next catch-up.
+    head_len: int = 0
+    aux_pending: torch.Tensor = field(default_factory=lambda: torch.empty(0))
     cache_reported: bool = False  # the first event carried ``cached`` (StepEvent.cached_tokens)
 
     @property

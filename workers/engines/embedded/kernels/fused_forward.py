@@ -10,6 +10,7 @@ from collections.abc import Sequence
 
 import torch
 
+from workers.engines.embedded.aux_states import AuxCapture
 from workers.engines.embedded.kernels.rowgemm import Panels, RowGemm
 from workers.engines.embedded.trees.attention import TREE_STRIDE, pack_trees
 from workers.engines.embedded.trees.tree import TreeRow
@@ -76,6 +77,10 @@ class FusedForward:
         self._tree_fn = kernel._lib.forward_tree
         self._tree_fn.restype = None
         self._tree_fn.argtypes = [*self._fn.argtypes, ptr]
+        # forward (tree or not) that also copies an EAGLE-3 head's hidden states (aux_states.py).
+        self._aux_fn = kernel._lib.forward_aux
+        self._aux_fn.restype = None
+        self._aux_fn.argtypes = [*self._fn.argtypes, ptr, ptr, ptr, i64]
         kernel._lib.rowgemm_tree_depth.restype = i64
         if kernel._lib.rowgemm_tree_depth() + 2 != TREE_STRIDE:  # the C side's stride is a constant
             raise ValueError("rowgemm.c's TREE_DEPTH is not policies.tree.MAX_TREE_DEPTH")
@@ -107,18 +112,18 @@ class FusedForward:
         return found
 
     def __call__(self, tokens: torch.Tensor, k_cache: list[torch.Tensor], v_cache: list[torch.Tensor],
-                 rows: torch.Tensor, logit_idx: torch.Tensor) -> torch.Tensor:
+                 rows: torch.Tensor, logit_idx: torch.Tensor, capture: AuxCapture | None = None) -> torch.Tensor:
         """tokens (B, L); rows (3, B) slots/starts/lengths; logit_idx (N,) into B*L -> logits (N, V).
 
         Only each row's real tokens are computed (packed: a step mixing 1-token and (K+1)-token
         rows costs their tokens); a padding position's logits are 0."""
         if logit_idx.numel():
             _check_logit_rows(int(logit_idx.min()), int(logit_idx.max()), tokens.numel())
-        return self._run(tokens.contiguous(), k_cache, v_cache, rows, logit_idx.contiguous())
+        return self._run(tokens.contiguous(), k_cache, v_cache, rows, logit_idx.contiguous(), capture)
 
     def run_rows(self, tokens: list[list[int]], k_cache: list[torch.Tensor], v_cache: list[torch.Tensor],
                  slots: list[int], starts: list[int], logit_idx: list[int],
-                 trees: Sequence[TreeRow | None] | None = None) -> torch.Tensor:
+                 trees: Sequence[TreeRow | None] | None = None, capture: AuxCapture | None = None) -> torch.Tensor:
         """The same from Python lists: row b's new tokens ``tokens[b]`` (padded to the longest),
         written at ``starts[b]`` of cache slot ``slots[b]``; logits (N, V) for the positions
         ``logit_idx`` (into the padded B x L). Checks every index the C side would use unchecked
@@ -134,9 +139,12 @@ class FusedForward:
             _check_logit_rows(min(logit_idx), max(logit_idx), b * length)
         idx = torch.tensor(logit_idx, dtype=torch.long)
         if trees is None or all(t is None for t in trees):
-            return self._run(tensor, k_cache, v_cache, rows, idx)
+            return self._run(tensor, k_cache, v_cache, rows, idx, capture)
         tree = pack_trees(trees, starts, lengths, self.cos.shape[0], k_cache[0].shape[2])
         scratch, logits = self._buffers(tensor.numel(), len(logit_idx), k_cache)
+        if capture is not None:
+            self._run_aux(tensor, k_cache, v_cache, rows, idx, logits, scratch, tree, capture)
+            return logits
         self._tree_fn(*self._forward_args(tensor, k_cache, v_cache, rows), idx.data_ptr(), len(logit_idx),
                       self.vocab, logits.data_ptr(), scratch.data_ptr(), tree.data_ptr())
         return logits
@@ -191,12 +199,29 @@ class FusedForward:
         return self.embed.shape[0]
 
     def _run(self, tokens: torch.Tensor, k_cache: list[torch.Tensor], v_cache: list[torch.Tensor],
-             rows: torch.Tensor, logit_idx: torch.Tensor) -> torch.Tensor:
+             rows: torch.Tensor, logit_idx: torch.Tensor, capture: AuxCapture | None = None) -> torch.Tensor:
         n = logit_idx.shape[0]
         scratch, logits = self._buffers(tokens.numel(), n, k_cache)
+        if capture is not None:
+            self._run_aux(tokens, k_cache, v_cache, rows, logit_idx, logits, scratch, None, capture)
+            return logits
         self._fn(*self._forward_args(tokens, k_cache, v_cache, rows), logit_idx.data_ptr(), n, self.vocab,
                  logits.data_ptr(), scratch.data_ptr())
         return logits
+
+    def _run_aux(self, tokens: torch.Tensor, k_cache: list[torch.Tensor], v_cache: list[torch.Tensor],
+                 rows: torch.Tensor, logit_idx: torch.Tensor, logits: torch.Tensor, scratch: torch.Tensor,
+                 tree: torch.Tensor | None, capture: AuxCapture) -> None:
+        """``forward_aux``: the forward, and the head's states into ``capture`` (aux_states.py)."""
+        slots, starts, lengths = rows.tolist()
+        ids = torch.tensor(capture.layer_ids, dtype=torch.long)
+        if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= self.layers):
+            raise ValueError(f"aux layer ids {capture.layer_ids} outside the model's {self.layers} layers")
+        aux = torch.empty((sum(lengths), len(capture.layer_ids) * self.hidden), dtype=torch.float32)
+        self._aux_fn(*self._forward_args(tokens, k_cache, v_cache, rows), logit_idx.data_ptr(), logit_idx.shape[0],
+                     self.vocab, logits.data_ptr(), scratch.data_ptr(), None if tree is None else tree.data_ptr(),
+                     aux.data_ptr(), ids.data_ptr(), ids.numel())
+        capture.add_packed(aux, slots, starts, lengths)
 
     def _forward_args(self, tokens: torch.Tensor, k_cache: list[torch.Tensor], v_cache: list[torch.Tensor],
                       rows: torch.Tensor) -> tuple[object, ...]:

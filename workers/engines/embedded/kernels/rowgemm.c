@@ -653,7 +653,8 @@ static void forward_impl(const int64_t* tokens, int64_t B, int64_t L, const floa
                          float* const* kc, float* const* vc, int64_t P, const float* cos_t, const float* sin_t,
                          const int64_t* slots, const int64_t* starts, const int64_t* lengths, int64_t H,
                          int64_t Hkv, int64_t D, float eps, float scale, const int64_t* logit_idx, int64_t n_logits,
-                         int64_t vocab, float* logits, float* scratch, const int64_t* tree) {
+                         int64_t vocab, float* logits, float* scratch, const int64_t* tree, float* aux,
+                         const int64_t* aux_ids, int64_t n_aux) {
   int64_t offs[B + 1], W = (H + 2 * Hkv) * D, cap = B * L; /* the scratch holds B * L rows */
   offs[0] = 0;
   for (int64_t b = 0; b < B; ++b) offs[b + 1] = offs[b] + lengths[b];
@@ -664,6 +665,10 @@ static void forward_impl(const int64_t* tokens, int64_t B, int64_t L, const floa
     for (int64_t l = 0; l < lengths[b]; ++l)
       for (int64_t i = 0; i < hid; ++i) x[(offs[b] + l) * hid + i] = embed[tokens[b * L + l] * hid + i];
   for (int64_t l = 0; l < layers; ++l) {
+    for (int64_t a = 0; a < n_aux; ++a) /* the residual stream after l layers, for an EAGLE-3 head */
+      if (aux_ids[a] == l)
+        for (int64_t m = 0; m < M; ++m)
+          for (int64_t i = 0; i < hid; ++i) aux[(m * n_aux + a) * hid + i] = x[m * hid + i];
     rmsnorm(x, norms[2 * l], h, M, hid, eps);
     gemm(h, &lins[4 * l], qkv, M, hid, W);
     rope_attend_impl(qkv, cos_t, sin_t, kc[l], vc[l], slots, starts, lengths, offs, B, L, H, Hkv, D, P, scale, att,
@@ -696,7 +701,21 @@ void forward(const int64_t* tokens, int64_t B, int64_t L, const float* embed, in
              const int64_t* lengths, int64_t H, int64_t Hkv, int64_t D, float eps, float scale,
              const int64_t* logit_idx, int64_t n_logits, int64_t vocab, float* logits, float* scratch) {
   forward_impl(tokens, B, L, embed, hid, inter, layers, norms, lins, kc, vc, P, cos_t, sin_t, slots, starts, lengths,
-               H, Hkv, D, eps, scale, logit_idx, n_logits, vocab, logits, scratch, NULL);
+               H, Hkv, D, eps, scale, logit_idx, n_logits, vocab, logits, scratch, NULL, NULL, NULL, 0);
+}
+
+/* forward, also copying the residual stream before each layer in aux_ids (n_aux of them) into
+   aux: (packed tokens, n_aux, hid), row b's lengths[b] tokens then the next row's. An EAGLE-3
+   head reads them (the target's "auxiliary hidden states"); the logits are forward's (tree NULL)
+   or forward_tree's, bit for bit. */
+void forward_aux(const int64_t* tokens, int64_t B, int64_t L, const float* embed, int64_t hid, int64_t inter,
+                 int64_t layers, const float* const* norms, const lin_t* lins, float* const* kc, float* const* vc,
+                 int64_t P, const float* cos_t, const float* sin_t, const int64_t* slots, const int64_t* starts,
+                 const int64_t* lengths, int64_t H, int64_t Hkv, int64_t D, float eps, float scale,
+                 const int64_t* logit_idx, int64_t n_logits, int64_t vocab, float* logits, float* scratch,
+                 const int64_t* tree, float* aux, const int64_t* aux_ids, int64_t n_aux) {
+  forward_impl(tokens, B, L, embed, hid, inter, layers, norms, lins, kc, vc, P, cos_t, sin_t, slots, starts, lengths,
+               H, Hkv, D, eps, scale, logit_idx, n_logits, vocab, logits, scratch, tree, aux, aux_ids, n_aux);
 }
 
 /* forward with token trees (issue #36): tree holds TREE_STRIDE int64 per packed token (row b's
@@ -711,7 +730,7 @@ void forward_tree(const int64_t* tokens, int64_t B, int64_t L, const float* embe
                   const int64_t* logit_idx, int64_t n_logits, int64_t vocab, float* logits, float* scratch,
                   const int64_t* tree) {
   forward_impl(tokens, B, L, embed, hid, inter, layers, norms, lins, kc, vc, P, cos_t, sin_t, slots, starts, lengths,
-               H, Hkv, D, eps, scale, logit_idx, n_logits, vocab, logits, scratch, tree);
+               H, Hkv, D, eps, scale, logit_idx, n_logits, vocab, logits, scratch, tree, NULL, NULL, 0);
 }
 
 /* Greedy drafting in one call: `steps` forwards of B rows, each row's argmax (the first
@@ -732,7 +751,8 @@ void draft_greedy(const int64_t* tokens, int64_t B, int64_t L, const float* embe
   for (int64_t s = 0; s < steps; ++s) {
     const int64_t* in = s == 0 ? tokens : out + (s - 1) * B;
     forward_impl(in, B, s == 0 ? L : 1, embed, hid, inter, layers, norms, lins, kc, vc, P, cos_t, sin_t, slots,
-                 starts, lengths, H, Hkv, D, eps, scale, s == 0 ? idx0 : idx, B, vocab, logits, scratch, NULL);
+                 starts, lengths, H, Hkv, D, eps, scale, s == 0 ? idx0 : idx, B, vocab, logits, scratch, NULL, NULL,
+                 NULL, 0);
     for (int64_t b = 0; b < B; ++b) {
       const float* row = logits + b * vocab;
       int64_t best = 0;

@@ -1,0 +1,1 @@
+"""The EAGLE-3 method: the head (head.py) and its part of the engine's step (step.py)."""
