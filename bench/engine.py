@@ -83,6 +83,8 @@ def parse_args() -> argparse.Namespace:
                         help="--quick with fewer tokens, prompts and repetitions still: for the smoke test; its "
                              "figures mean nothing")
     parser.add_argument("--json", action="store_true", help="print one JSON object as the last line")
+    parser.add_argument("--eagle3", type=Path, default=None,
+                        help="measure this EAGLE-3 head at batch 1 against plain instead (bench/engine_eagle3.py)")
     args = parser.parse_args()
     if args.quick:
         args.prompts, args.max_tokens, args.kmax, args.batches, args.batch_max_tokens = 3, 32, 4, "8", 16
@@ -387,6 +389,11 @@ def compare_at_batch(args: argparse.Namespace, served: Served, batch1: Batch1,
 
 def main() -> None:
     args = parse_args()
+    if args.eagle3 is not None:
+        from bench.engine_eagle3 import run
+
+        run(args)
+        return
     batch_sizes = [int(b) for b in args.batches.split(",") if b]
     served, engine = load_served(args, batch_sizes)
     batch1 = measure_batch1(args, served)

@@ -14,6 +14,7 @@ from typing import Protocol
 import torch
 
 from policies import tested_drafts
+from policies.methods import Method
 from policies.tree import TreeShape
 from workers.costs.online import OnlineCosts
 from workers.engines.embedded.engine import GenerationRequest, SpeculativeEngine, StepEvent
@@ -80,12 +81,12 @@ class RequestPlan(Protocol):
 
 
 def add_group(engine: SpeculativeEngine, prompts: list[list[int]], max_tokens: int, k: int, temperature: float,
-              seed: int | None, plan: RequestPlan | None = None) -> None:
+              seed: int | None, plan: RequestPlan | None = None, method: Method = "draft") -> None:
     """``seed`` None: unseeded requests (standard speculative sampling; the engine's rng is fixed)."""
     for i, ids in enumerate(prompts):
         params = SamplingParams(temperature=temperature, seed=None if seed is None else seed + i)
         k_i, tree = (k, None) if plan is None else plan.request(i, ids)
-        engine.add(GenerationRequest(f"r{i}", ids, max_tokens, params, k=k_i, tree=tree))
+        engine.add(GenerationRequest(f"r{i}", ids, max_tokens, params, k=k_i, tree=tree, method=method))
 
 
 def run_batch(engine: SpeculativeEngine, prompts: list[list[int]], max_tokens: int, k: int,
@@ -97,7 +98,7 @@ def run_batch(engine: SpeculativeEngine, prompts: list[list[int]], max_tokens: i
 def run_interleaved(engines: dict[int, SpeculativeEngine], groups: list[list[list[int]]], max_tokens: int,
                     temperature: float, seed: int | None = 0, costs: OnlineCosts | None = None,
                     drafted: dict[int, dict[int, int]] | None = None, unfolded: frozenset[int] = frozenset(),
-                    plans: Mapping[int, RequestPlan] | None = None,
+                    plans: Mapping[int, RequestPlan] | None = None, methods: Mapping[int, Method] | None = None,
                     ) -> tuple[dict[int, RunResult], dict[int, list[list[int]]]]:
     """Each group of prompts as one batch, one group after another, under every K at once.
 
@@ -118,6 +119,7 @@ def run_interleaved(engines: dict[int, SpeculativeEngine], groups: list[list[lis
     per K, how many sequence-steps drafted each number of tokens (what ran, after every rule).
     ``unfolded``: keys whose steps ``costs`` does not hear (an engine on another configuration).
     ``plans``: keys whose requests a plan makes (trees, the policy's choice), and which hear their steps.
+    ``methods``: keys whose requests propose with another method than the draft model (``eagle3``).
     """
     plans = plans or {}
     totals = {k: RunResult(0, 0.0, 0, 0, 0) for k in engines}
@@ -125,7 +127,7 @@ def run_interleaved(engines: dict[int, SpeculativeEngine], groups: list[list[lis
     for g, group in enumerate(groups):
         for k, engine in engines.items():
             add_group(engine, group, max_tokens, max(0, k), temperature, None if seed is None else seed + g,
-                      plans.get(k))
+                      plans.get(k), (methods or {}).get(k, "draft"))
         produced: dict[int, dict[str, list[int]]] = {k: {f"r{i}": [] for i in range(len(group))} for k in engines}
         emitted = dict.fromkeys(engines, 0)
         order = list(engines.items())

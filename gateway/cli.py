@@ -127,12 +127,22 @@ def tenancy_warnings(config: Any) -> list[str]:
 
 def method_warnings(config: Any) -> list[str]:
     """A server whose one method the policy never chooses: its sessions would never be steered
-    to it by method (an n-gram llama-server or vLLM server while ``policy.methods`` lacks ngram)."""
-    return [f"workers.remote[{i}]: {remote.name} runs ngram for its life, which policy.methods does not list "
-            f"(got {list(config.policy.methods)}): no session moves there for its method; add ngram"
-            for i, remote in enumerate(config.workers.remote)
-            if remote.protocol in ("vllm", "llamacpp") and remote.method == "ngram"
-            and "ngram" not in config.policy.methods]
+    to it by method (an n-gram or EAGLE-3 server while ``policy.methods`` lacks the method); and an
+    EAGLE-3 head loaded that no session may use, or eagle3 listed where nothing serves it."""
+    methods = list(config.policy.methods)
+    out = [f"workers.remote[{i}]: {remote.name} runs {remote.method} for its life, which policy.methods does not "
+           f"list (got {methods}): no session moves there for its method; add {remote.method}"
+           for i, remote in enumerate(config.workers.remote)
+           if remote.protocol in ("vllm", "llamacpp") and remote.method in ("ngram", "eagle3")
+           and remote.method not in methods]
+    heads = config.model.eagle3 is not None or any(r.method == "eagle3" for r in config.workers.remote)
+    if config.model.eagle3 is not None and "eagle3" not in methods:
+        out.append(f"model.eagle3: the workers load {config.model.eagle3}, which policy.methods does not list "
+                   f"(got {methods}): no session drafts with it; add eagle3")
+    if "eagle3" in methods and not heads:
+        out.append("policy.methods lists eagle3, but no worker has an EAGLE-3 head (model.eagle3 is null and no "
+                   "remote server runs method eagle3): sessions price the other methods only")
+    return out
 
 
 def check(path: Path, kind: str) -> int:

@@ -261,8 +261,8 @@ def head_step_cost(model: CostModel, depth: int, k: int) -> float:
     if model.parts is not None:
         lo, hi, w = _between(model.depths, depth)
         parts = model.parts
-        first = parts.plain_ms[0] + parts.overhead_ms[0]
-        whole = [(parts.plain_ms[i] + parts.overhead_ms[i]) / first for i in (lo, hi)]
+        shallowest = parts.plain_ms[0] + parts.overhead_ms[0]
+        whole = [(parts.plain_ms[i] + parts.overhead_ms[i]) / shallowest for i in (lo, hi)]
         plain_at_depth = (1 - w) * whole[0] + w * whole[1]
     return lookup_step_cost(model, depth, k) + (first + (k - 1) * later) / plain_at_depth
 

@@ -25,8 +25,8 @@ EngineName = Literal["embedded", "vllm", "sim"]
 RemoteMode = Literal["speculative", "plain"]
 RemoteProtocol = Literal["openai", "specgate", "vllm", "llamacpp"]
 REMOTE_PROTOCOLS: tuple[RemoteProtocol, ...] = ("openai", "specgate", "vllm", "llamacpp")
-RemoteMethod = Literal["draft_model", "ngram", "none"]
-REMOTE_METHODS: tuple[RemoteMethod, ...] = ("draft_model", "ngram", "none")
+RemoteMethod = Literal["draft_model", "eagle3", "ngram", "none"]
+REMOTE_METHODS: tuple[RemoteMethod, ...] = ("draft_model", "eagle3", "ngram", "none")
 MAX_SCOPED_SLOTS = 256  # a llama-server's -np; each slot is a sequence of its KV cache
 MAX_CONFIG_BYTES = 1 << 20  # config.yaml is a few KiB; anything near this is not a config file
 
@@ -418,6 +418,9 @@ def _parse_remote(raw: Any, problems: Problems) -> tuple[RemoteWorker, ...]:
         if protocol == "openai" and "method" in item and not problems.failed(f"{prefix}.method"):
             problems.add(ConfigError(f"{prefix}.method", method, "an openai server's mode says what it serves; "
                                      "method is for protocol vllm or llamacpp"))
+        if protocol == "llamacpp" and method == "eagle3" and not problems.failed(f"{prefix}.method"):
+            problems.add(ConfigError(f"{prefix}.method", method, "llama-server's EAGLE-3 needs a GGUF head, which "
+                                     "this repository does not make; eagle3 is for protocol vllm"))
         if protocol == "llamacpp":
             if "mode" in item and not problems.failed(f"{prefix}.mode"):
                 problems.add(ConfigError(f"{prefix}.mode", mode, "a llamacpp server's method says what it runs "

@@ -32,7 +32,8 @@ from policies import Mode
 from policies.methods import Method
 
 # A server's --speculative-config method, as specgate's policy names it (policies/methods.py).
-SERVER_METHODS: dict[RemoteMethod, tuple[Method, ...]] = {"draft_model": ("draft",), "ngram": ("ngram",), "none": ()}
+SERVER_METHODS: dict[RemoteMethod, tuple[Method, ...]] = {"draft_model": ("draft",), "eagle3": ("eagle3",),
+                                                          "ngram": ("ngram",), "none": ()}
 
 
 class Fleet:

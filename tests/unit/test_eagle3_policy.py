@@ -72,3 +72,13 @@ def test_a_worker_without_the_head_never_gets_it() -> None:
     for _ in range(5):
         decision = decide(session, worker, COOL, POLICY)
         assert decision.method in (None, "draft")
+
+
+def test_deeper_steps_weigh_the_heads_forwards_less() -> None:
+    """The head runs per sequence: its time is the same at any depth, a smaller share of a deeper
+    (slower) plain step."""
+    deep = CostModel((1, 8), (curve(AMX_VERIFY, 0.2), curve(AMX_VERIFY, 0.2)),
+                     StepParts((10.0, 20.0), (AMX_VERIFY, AMX_VERIFY), (0.2, 0.2), (0.0, 0.0), (0.0, 0.0)),
+                     head=(0.04, 0.02))
+    assert head_step_cost(deep, 1, 3) == pytest.approx(lookup_step_cost(deep, 1, 3) + 0.08)
+    assert head_step_cost(deep, 8, 3) == pytest.approx(lookup_step_cost(deep, 8, 3) + 0.04)

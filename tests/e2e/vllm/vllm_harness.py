@@ -62,11 +62,12 @@ class VllmServer(ServerProcess):
 
 def start_vllm_server(log_dir: Path, *, speculative: bool, plugin: bool, metrics_level: str = "summary",
                       pair: ModelPair = DEMO_PAIR, method: str = "draft_model",
-                      extra: tuple[str, ...] = ()) -> VllmServer:
+                      extra: tuple[str, ...] = (), speculative_config: dict[str, Any] | None = None) -> VllmServer:
     """vLLM's OpenAI server on ``pair``, float32 (the reference the embedded engine matches); the
     draft (``speculative``) runs in the target's dtype, K = ENGINE_K; ``method``: vLLM's
     speculative method, ``draft_model`` (``pair``'s draft) or ``ngram`` (prompt lookup);
-    ``extra``: more of vLLM's flags."""
+    ``extra``: more of vLLM's flags; ``speculative_config``: vLLM's, whole (e.g. an EAGLE-3 head's),
+    instead of the one ``method`` names."""
     pair.check()
     port = free_port()
     log_path = log_dir / f"vllm-{port}.log"
@@ -78,6 +79,7 @@ def start_vllm_server(log_dir: Path, *, speculative: bool, plugin: bool, metrics
         if method == "ngram":  # vLLM's names: the longest and shortest n-gram matched
             spec = {"method": "ngram", "num_speculative_tokens": ENGINE_K, "prompt_lookup_max": 4,
                     "prompt_lookup_min": 2}
+        spec = speculative_config or spec
         command += ["--speculative-config", json.dumps(spec), "--per-request-spec-decode-metrics", metrics_level]
     if plugin:
         command += ["--scheduler-cls", SYNC_SCHEDULER]

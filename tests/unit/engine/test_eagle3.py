@@ -213,3 +213,30 @@ def test_an_engine_without_a_head_refuses_eagle3_requests(target: LlamaForCausal
     engine = SpeculativeEngine(target, None, max_slots=1, max_k=8)
     with pytest.raises(ValueError, match="no EAGLE-3 head"):
         engine.add(GenerationRequest("x", PROMPTS[0], 4, GREEDY, k=2, method="eagle3"))
+
+
+def test_the_heads_forward_is_speculators_own(target: LlamaForCausalLM, head_dir: Path) -> None:
+    """The engine's head computes what speculators' Eagle3DraftModel (the trainer's model, and the
+    format vLLM loads) computes from the same checkpoint: the first step's drafts at every position,
+    and a second step fed its own output, as training-time test feeds it."""
+    from speculators.models.eagle3 import Eagle3DraftModel, Eagle3SpeculatorConfig
+
+    config = Eagle3SpeculatorConfig.from_pretrained(str(head_dir))  # the config class validates the file
+    config.transformer_layer_config._attn_implementation = "eager"  # its default, flex attention, wants a GPU
+    reference = Eagle3DraftModel.from_pretrained(str(head_dir), config=config).float()
+    reference.embed_tokens.weight.data.copy_(target.model.embed_tokens.weight.detach())
+    reference.eval()
+    tokens = PROMPTS[2] * 2
+    states, _ = target_states(target, tokens, DEMO_LAYER_IDS)
+    n = len(tokens) - 1
+    with torch.no_grad():
+        drafts = reference(states[None, :-1], torch.tensor([tokens[1:]]), torch.zeros(1, n, dtype=torch.long),
+                           position_ids=torch.arange(1, n + 1)[None], ttt_steps=2)
+    head = load_head(head_dir, target)
+    logits, out = head.forward(0, 0, states[:-1], tokens[1:], fused=True, logits_for_last=False)
+    assert torch.equal(logits.argmax(-1), drafts[0][0])
+    # The second step after position n - 2: its hidden is the first step's output there, its token the
+    # one after (teacher-forced in training, the first draft when serving), written over position n - 1
+    # as a chain's entry is.
+    second, _ = head.forward(0, n - 1, out[n - 2:n - 1], [tokens[n]], fused=False)
+    assert int(second.argmax()) == int(drafts[1][0, n - 2])

@@ -8,8 +8,8 @@ decoder layer whose attention reads [input_layernorm(embedding of the next token
 states; each later draft feeds back its own output before the norm (vLLM's ``hidden_prenorm``,
 speculators' training-time test). The target's embedding is shared, never stored.
 
-Everything here is float32 torch ops on one sequence at a time: at batch 1 a head forward is a few
-hundred microseconds, next to a target step of tens of milliseconds.
+Float32 on one sequence at a time, the projections on the engine's kernels (bfloat16 panels: the
+checkpoint's values, half the bytes to stream); ``eagle3/costs.py`` times a forward at start-up.
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ from safetensors.torch import load_file
 
 from workers.engines.embedded.config import ModelConfig
 from workers.engines.embedded.layers import apply_rotary, rotary_tables
+from workers.engines.embedded.projections import FrozenLinear
 
 
 class HeadFormatError(ValueError):
@@ -63,8 +64,15 @@ def read_spec(directory: Path, target: ModelConfig) -> HeadSpec:
         raise HeadFormatError(f"{path}: transformer_layer_config.model_type must be llama "
                               f"(got {layer_raw.get('model_type') if isinstance(layer_raw, dict) else layer_raw!r})")
     names = set(ModelConfig.__dataclass_fields__)
+    # transformers 5 writes rotary settings as rope_parameters {rope_theta, rope_type}, 4.x as rope_theta.
+    rope = layer_raw.get("rope_parameters") or {}
+    if rope.get("rope_type", "default") != "default":
+        raise HeadFormatError(f"{path}: transformer_layer_config.rope_parameters.rope_type must be default "
+                              f"(got {rope.get('rope_type')!r})")
+    theta = layer_raw.get("rope_theta", rope.get("rope_theta"))
     try:
-        layer = ModelConfig(**{k: v for k, v in layer_raw.items() if k in names})
+        layer = ModelConfig(**{k: v for k, v in layer_raw.items() if k in names and k != "rope_theta"},
+                            **({} if theta is None else {"rope_theta": float(theta)}))
     except TypeError as exc:
         raise HeadFormatError(f"{path}: transformer_layer_config is incomplete ({exc})") from exc
     target_hidden = int(raw.get("target_hidden_size") or layer.hidden_size)
@@ -77,6 +85,9 @@ def read_spec(directory: Path, target: ModelConfig) -> HeadSpec:
     if layer.vocab_size != target.vocab_size:
         raise HeadFormatError(f"{path}: transformer_layer_config.vocab_size is {layer.vocab_size}, the target's "
                               f"is {target.vocab_size}")
+    if layer.rope_theta != target.rope_theta or layer.head_dim != target.head_dim:
+        raise HeadFormatError(f"{path}: transformer_layer_config's rotary (rope_theta {layer.rope_theta:g}, head_dim "
+                              f"{layer.head_dim}) is not the target's ({target.rope_theta:g}, {target.head_dim})")
     ids = _field(raw, "eagle_aux_hidden_state_layer_ids", path)
     if (not isinstance(ids, list) or not ids or len(set(ids)) != len(ids)
             or not all(isinstance(i, int) and 0 <= i < target.num_hidden_layers for i in ids)):
@@ -104,15 +115,17 @@ class Eagle3Head:
         self.eps = cfg.rms_norm_eps
         w = {name: t.float().contiguous() for name, t in state.items() if t.is_floating_point()}
         p = "layers.0."
-        self.fc = w["fc.weight"]
-        self.qkv = torch.cat([w[p + "self_attn.q_proj.weight"], w[p + "self_attn.k_proj.weight"],
-                              w[p + "self_attn.v_proj.weight"]])
-        self.o = w[p + "self_attn.o_proj.weight"]
-        self.gate_up = torch.cat([w[p + "mlp.gate_proj.weight"], w[p + "mlp.up_proj.weight"]])
-        self.down = w[p + "mlp.down_proj.weight"]
+        # Laid out once for the float32 kernels (kernels/rowgemm.py) where they build: bfloat16 panels
+        # (the checkpoint's values exactly), half the bytes a forward streams; else F.linear.
+        self.fc = FrozenLinear(w["fc.weight"])
+        self.qkv = FrozenLinear(torch.cat([w[p + "self_attn.q_proj.weight"], w[p + "self_attn.k_proj.weight"],
+                                           w[p + "self_attn.v_proj.weight"]]))
+        self.o = FrozenLinear(w[p + "self_attn.o_proj.weight"])
+        self.gate_up = FrozenLinear(torch.cat([w[p + "mlp.gate_proj.weight"], w[p + "mlp.up_proj.weight"]]))
+        self.down = FrozenLinear(w[p + "mlp.down_proj.weight"])
         self.input_norm, self.hidden_norm = w[p + "input_layernorm.weight"], w[p + "hidden_norm.weight"]
         self.post_norm, self.norm = w[p + "post_attention_layernorm.weight"], w["norm.weight"]
-        self.lm_head = w["lm_head.weight"]
+        self.lm_head = FrozenLinear(w["lm_head.weight"])
         self.vocab_ids = torch.arange(spec.draft_vocab_size) + state["d2t"].long() if "d2t" in state else None
         cos, sin = rotary_tables(cfg, torch.float32)
         self.cos, self.sin = cos[:positions], sin[:positions]
@@ -175,11 +188,11 @@ class Eagle3Head:
         position's; the output before the final norm (n, h), the next draft's hidden)."""
         n = len(tokens)
         if fused:
-            hidden = F.linear(hidden, self.fc)
+            hidden = self.fc(hidden.contiguous())
         embeds = self._rms(self.embed[torch.tensor(tokens)], self.input_norm)
         normed = self._rms(hidden, self.hidden_norm)
         residual = normed if self.spec.norm_before_residual else hidden
-        qkv = F.linear(torch.cat([embeds, normed], dim=-1), self.qkv)
+        qkv = self.qkv(torch.cat([embeds, normed], dim=-1))
         hq, hk, d = self.heads, self.kv_heads, self.head_dim
         qkv = qkv.view(1, n, hq + 2 * hk, d)
         cos = self.cos[start:start + n][None, :, None]
@@ -194,11 +207,11 @@ class Eagle3Head:
             mask = torch.arange(start + n)[None, :] <= torch.arange(start, start + n)[:, None]
         attended = F.scaled_dot_product_attention(q[None], keys[None], values[None], attn_mask=mask,
                                                   enable_gqa=True)[0]
-        x = residual + F.linear(attended.transpose(0, 1).reshape(n, hq * d), self.o)
-        gate, up = F.linear(self._rms(x, self.post_norm), self.gate_up).chunk(2, dim=-1)
-        x = x + F.linear(F.silu(gate) * up, self.down)
+        x = residual + self.o(attended.transpose(0, 1).reshape(n, hq * d).contiguous())
+        gate, up = self.gate_up(self._rms(x, self.post_norm)).chunk(2, dim=-1)
+        x = x + self.down((F.silu(gate) * up).contiguous())
         last = x[-1:] if logits_for_last else x
-        return F.linear(self._rms(last, self.norm), self.lm_head), x
+        return self.lm_head(self._rms(last, self.norm).contiguous()), x
 
     def full_vocab_logits(self, logits: torch.Tensor, vocab: int) -> torch.Tensor:
         """(N, draft vocab) logits laid over the target's vocabulary, -inf where the head has no row
