@@ -27,6 +27,7 @@ from bench.procs import print_result
 from bench.prompts import load_task_prompts
 from policies import CostModel
 from policies.cost import expected_tokens, head_step_cost
+from policies.methods import Method
 from workers.api.wire import ChatMessage
 from workers.costs.cache import cpu_label
 from workers.engines.embedded.eagle3.costs import head_costs
@@ -58,15 +59,16 @@ def run(args: argparse.Namespace) -> None:
     prompts = [codec.encode_chat([ChatMessage("user", text)]) for text in load_task_prompts()["code"][:args.prompts]]
     positions = max(map(len, prompts)) + args.max_tokens + args.kmax + 1
     head = Eagle3Head.load(args.eagle3, target.cfg, target.model.embed_tokens.weight.detach().float(), 1, positions)
+    precision = costs.precision
     costs = dataclasses.replace(costs, **head_costs(head, costs))
     model = CostModel.from_json(costs.to_json())
     engines = {0: SpeculativeEngine(target, None, max_slots=1, max_k=args.kmax, max_positions=positions)}
     for k in range(1, args.kmax + 1):
         engines[k] = SpeculativeEngine(target, None, max_slots=1, max_k=args.kmax, max_positions=positions,
                                        eagle=head, rng=random.Random(7))
-    methods = dict.fromkeys(range(1, args.kmax + 1), "eagle3")
+    methods: dict[int, Method] = dict.fromkeys(range(1, args.kmax + 1), "eagle3")
     run_interleaved(engines, [prompts[:1]], 8, 0.0, methods=methods)  # warm-up
-    print(f"CPU: {cpu_label()}; target {costs.precision.target} ({costs.precision.why}); head costs "
+    print(f"CPU: {cpu_label()}; target {precision.target} ({precision.why}); head costs "
           f"first {costs.head_first_cost}, later {costs.head_draft_cost} of a plain step", flush=True)
     totals, outputs = run_interleaved(engines, [[p] for p in prompts], args.max_tokens, 0.0, methods=methods)
     plain = totals.pop(0)
@@ -81,7 +83,7 @@ def run(args: argparse.Namespace) -> None:
     out: dict[str, Any] = {
         "bench": "engine_eagle3", "cpu": cpu_label(), "target": str(args.target), "eagle3": str(args.eagle3),
         "prompts": len(prompts), "max_tokens": args.max_tokens, "threads": args.threads,
-        "precision": costs.precision.target, "head_first_cost": costs.head_first_cost,
+        "precision": precision.target, "head_first_cost": costs.head_first_cost,
         "head_draft_cost": costs.head_draft_cost, "plain_tok_s": round(plain.tok_s, 2),
         "plain_decode_tok_s": round(plain.decode_tok_s, 2), "by_k": rows, "best_k": best,
         "identical_to_plain": [identical, len(totals) * len(prompts)],

@@ -169,7 +169,6 @@ def _rules(session: SessionState, worker: WorkerState, request: RequestFacts, po
         return Decision("plain", 0, "high_temperature")
     if worker.batch_full:
         return Decision("plain", 0, "batch_full")
-    # The methods with evidence of their own (lookups, the head) the session may choose among.
     lookups = [m for m in policy.methods if keeps_own_evidence(m) and m in worker.methods]  # type: ignore[arg-type]
     if lookups:
         return _method_rules(session, worker, policy, lookups, k, worker.shadow_lookup and request.temperature <= 0.0)

@@ -98,13 +98,14 @@ def test_check_warns_of_a_head_no_session_may_use_and_refuses_one_on_llamacpp(tm
     head = model + f", eagle3: {tmp_path}}}\n"
     path.write_text(head)
     result = specgate("check", str(path))
-    assert result.returncode == 0 and "model.eagle3: the workers load" in result.stderr and "add eagle3" in result.stderr
+    assert result.returncode == 0 and "model.eagle3: the workers load" in result.stderr
+    assert "add eagle3" in result.stderr
     path.write_text(head + "policy: {methods: [draft, eagle3]}\n")
     assert specgate("check", str(path)).stderr == ""
     path.write_text(model + "}\npolicy: {methods: [draft, eagle3]}\n")
     assert "no worker has an EAGLE-3 head" in specgate("check", str(path)).stderr
-    path.write_text(model + "}\nworkers: {count: 0, remote: [{url: 'http://10.0.0.5:8082', protocol: llamacpp, method: eagle3,"
-                    " max_k: 4}]}\n")
+    path.write_text(model + "}\nworkers: {count: 0, remote: [{url: 'http://10.0.0.5:8082', protocol: llamacpp,"
+                    " method: eagle3, max_k: 4}]}\n")
     result = specgate("check", str(path))
     assert result.returncode == 1 and "workers.remote[0].method: " in result.stderr and "GGUF head" in result.stderr
 

@@ -24,32 +24,23 @@ from typing import Any
 import pytest
 import torch
 
-from models.distill_prompts import CLASSES, load_prompts
 from tests.e2e.harness import Gateway, start_gateway, write_config
-from tests.e2e.vllm.test_vllm_real_pair import vllm_greedy
+from tests.e2e.vllm.real_pair import MAX_TOKENS, REQUEST_TIMEOUT_S, chat_prompts, vllm_greedy
 from tests.e2e.vllm.vllm_harness import REAL_PAIR, STARTUP_TIMEOUT_S, VllmServer, start_vllm_server
-from workers.api.wire import ChatMessage
 from workers.engines.embedded.eagle3.head import Eagle3Head
 from workers.engines.embedded.engine import GenerationRequest, SpeculativeEngine
 from workers.engines.embedded.llama import LlamaForCausalLM
 from workers.engines.embedded.sampling import SamplingParams
-from workers.text import TextCodec
 
 pytestmark = pytest.mark.vllm
 
 HEAD = REAL_PAIR.target.parent / "smollm2-eagle3"
 HEAD_K = 3
-MAX_TOKENS = 32
-PER_CLASS = 5  # 20 held-out prompts
 ALPHA_TOLERANCE = 0.05
-REQUEST_TIMEOUT_S = STARTUP_TIMEOUT_S + 120
 
 
 def prompts() -> list[list[int]]:
-    codec = TextCodec.from_model_dir(REAL_PAIR.target)
-    held_out = [q for q in load_prompts() if q.split == "heldout"]
-    chosen = [p for cls in CLASSES for p in [q for q in held_out if q.cls == cls][:PER_CLASS]]
-    return [codec.encode_chat([ChatMessage("user", p.user)]) for p in chosen]
+    return [ids for _, ids in chat_prompts()]
 
 
 @pytest.fixture(scope="module")

@@ -223,7 +223,7 @@ def test_the_heads_forward_is_speculators_own(target: LlamaForCausalLM, head_dir
 
     config = Eagle3SpeculatorConfig.from_pretrained(str(head_dir))  # the config class validates the file
     config.transformer_layer_config._attn_implementation = "eager"  # its default, flex attention, wants a GPU
-    reference = Eagle3DraftModel.from_pretrained(str(head_dir), config=config).float()
+    reference = Eagle3DraftModel.from_pretrained(str(head_dir), config=config).float()  # type: ignore[no-untyped-call]
     reference.embed_tokens.weight.data.copy_(target.model.embed_tokens.weight.detach())
     reference.eval()
     tokens = PROMPTS[2] * 2

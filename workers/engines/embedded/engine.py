@@ -262,18 +262,7 @@ class SpeculativeEngine:
         seqs = [s for s in seqs if s.request.request_id not in failed]
         prefill = any(self._prefilling(s) for s in seqs)
         rows = [self._target_row(s) for s in seqs]
-        capture = self.target.aux_capture = eagle_step.capture_for(self.eagle, seqs)
-        try:
-            target_logits = self._forward_isolated(self.target, self.target_cache, seqs, rows, failed)
-        finally:
-            self.target.aux_capture = None
-        if capture is not None:
-            eagle_step.collect(capture, seqs)
-        if self.prefix is not None:  # the chunks a prefill just computed, for later requests
-            for seq, row, logits in zip(seqs, rows, target_logits, strict=True):
-                if row.fused and logits is not None:
-                    self.prefix.store_target(seq.tokens, row.start + row.fused, self.target_cache, seq.slot,
-                                             seq.request.cache_scope)
+        target_logits = self._verify(seqs, rows, failed)
         self.last_draft_s, self.last_target_s = proposed - started, time.perf_counter() - proposed
         # The draft model's forwards (a tree: its depth); the head's are not its costs (online cost model).
         drafting = [s.step_k for s in drafted if s.request.request_id not in failed and self._drafts_with_model(s)]
@@ -293,6 +282,24 @@ class SpeculativeEngine:
             events.append(StepEvent(request_id, [], 0, 0, depth, error=error))
         self.last_step_s = time.perf_counter() - step_started
         return events
+
+    def _verify(self, seqs: list[_Sequence], rows: list[_Row], failed: dict[str, Exception]
+                ) -> list[torch.Tensor | None]:
+        """The target's forward of the step's rows; the states an EAGLE-3 head reads kept for its
+        sequences (eagle3/step.py), and the chunks a prefill computed stored for later requests."""
+        capture = self.target.aux_capture = eagle_step.capture_for(self.eagle, seqs)
+        try:
+            target_logits = self._forward_isolated(self.target, self.target_cache, seqs, rows, failed)
+        finally:
+            self.target.aux_capture = None
+        if capture is not None:
+            eagle_step.collect(capture, seqs)
+        if self.prefix is not None:
+            for seq, row, logits in zip(seqs, rows, target_logits, strict=True):
+                if row.fused and logits is not None:
+                    self.prefix.store_target(seq.tokens, row.start + row.fused, self.target_cache, seq.slot,
+                                             seq.request.cache_scope)
+        return target_logits
 
     def _forward_isolated(self, model: LlamaForCausalLM, cache: KVCache, seqs: list[_Sequence], rows: list[_Row],
                           failed: dict[str, Exception]) -> list[torch.Tensor | None]:

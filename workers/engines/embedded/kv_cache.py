@@ -24,7 +24,7 @@ if TYPE_CHECKING:
 
 # Row-invariant attention spans are padded to whole blocks of this many keys (masked), so a
 # token's attention reads the same number of keys whether it is decoded alone or verified
-# among K drafts, in any batch (see _attend_per_query).
+# among K drafts, in any batch (see layers.attend_per_query).
 KEY_BLOCK = 64
 
 
@@ -89,7 +89,7 @@ class CacheBatch:
     mask: torch.Tensor | None  # (B, 1, L, key_span) True where allowed; None: one query sees every key
     single: tuple[int, int] | None  # (slot, start) when the batch is one unpadded sequence
     scatter: Scatter | None  # otherwise
-    # Every token's logits independent of the batch's shape (see _attend_per_query): what a
+    # Every token's logits independent of the batch's shape (see layers.attend_per_query): what a
     # target needs so verification scores exactly what plain decoding would. A draft can skip it.
     row_invariant: bool = True
     # Each row's (slot, first position, real tokens), for the native kernels (kernels/rowgemm.py).

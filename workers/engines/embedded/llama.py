@@ -29,7 +29,7 @@ from workers.engines.embedded.aux_states import AuxCapture
 from workers.engines.embedded.config import ModelConfig
 from workers.engines.embedded.kernels import fused_forward, rowgemm
 from workers.engines.embedded.kv_cache import CacheBatch, KVCache
-from workers.engines.embedded.layers import RMSNorm, apply_rotary, rotary_tables
+from workers.engines.embedded.layers import RMSNorm, apply_rotary, attend_per_query, rotary_tables
 from workers.engines.embedded.projections import Embedding, FrozenLinear, Linear, Products, release_sources
 from workers.engines.embedded.reduced_vocab import check_same_tokenizer, projected_embedding, vocab_ids
 from workers.engines.embedded.trees.attention import attend_gathered, gather_keys
@@ -111,7 +111,7 @@ class Attention(nn.Module):
                 keys, values = k_layer[sc.slots, :, :span], v_layer[sc.slots, :, :span]
         if batch.row_invariant:
             assert batch.mask is not None
-            out = _attend_per_query(q, keys, values, batch.mask)
+            out = attend_per_query(q, keys, values, batch.mask)
         else:
             out = F.scaled_dot_product_attention(q, keys, values, attn_mask=batch.mask, enable_gqa=True)
         return self._out(out.transpose(1, 2).reshape(b, length, -1))
@@ -123,32 +123,6 @@ class Attention(nn.Module):
         assert batch.tree_keys is not None and batch.mask is not None
         slots, index = batch.tree_keys
         return attend_gathered(q, gather_keys(k_layer, slots, index), gather_keys(v_layer, slots, index), batch.mask)
-
-
-def _attend_per_query(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """Attention computed for every query as if it were decoded alone.
-
-    q (B, H, L, D); keys/values (B, Hkv, S, D); mask (B, 1, L, S), True where allowed.
-    The fused kernel picks its blocking from the number of queries, so a token scored inside
-    a (K+1)-token verification would round differently from the same token decoded alone, and
-    greedy speculative output would drift from plain output at near-ties (often, in bfloat16).
-    Feeding it one query per call row makes each row's arithmetic independent of its
-    neighbours; the key span is padded to whole KEY_BLOCKs (masked) so that it also does not
-    depend on how far the longest row in the call reaches.
-    """
-    b, _, length, _ = q.shape
-    if length == 1:
-        return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=True)
-    if b == 1:
-        # The L queries become L batch rows over the same keys (expand is a view, not a copy).
-        rows = F.scaled_dot_product_attention(
-            q.transpose(0, 2), keys.expand(length, -1, -1, -1), values.expand(length, -1, -1, -1),
-            attn_mask=mask.transpose(0, 2), enable_gqa=True)
-        return rows.transpose(0, 2)
-    # Several sequences: one call per query column keeps every row a single-query problem
-    # without copying each sequence's keys once per query.
-    return torch.cat([F.scaled_dot_product_attention(q[:, :, i:i + 1], keys, values, attn_mask=mask[:, :, i:i + 1],
-                                                     enable_gqa=True) for i in range(length)], dim=2)
 
 
 class MLP(nn.Module):

@@ -70,9 +70,11 @@ def read_spec(directory: Path, target: ModelConfig) -> HeadSpec:
         raise HeadFormatError(f"{path}: transformer_layer_config.rope_parameters.rope_type must be default "
                               f"(got {rope.get('rope_type')!r})")
     theta = layer_raw.get("rope_theta", rope.get("rope_theta"))
+    fields: dict[str, Any] = {k: v for k, v in layer_raw.items() if k in names}
+    if theta is not None:
+        fields["rope_theta"] = float(theta)
     try:
-        layer = ModelConfig(**{k: v for k, v in layer_raw.items() if k in names and k != "rope_theta"},
-                            **({} if theta is None else {"rope_theta": float(theta)}))
+        layer = ModelConfig(**fields)
     except TypeError as exc:
         raise HeadFormatError(f"{path}: transformer_layer_config is incomplete ({exc})") from exc
     target_hidden = int(raw.get("target_hidden_size") or layer.hidden_size)

@@ -88,7 +88,7 @@ def gather_keys(layer: torch.Tensor, slots: torch.Tensor, index: torch.Tensor) -
 
 
 def attend_gathered(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """``model._attend_per_query`` over per-query keys: q (B, H, L, D); keys/values
+    """``layers.attend_per_query`` over per-query keys: q (B, H, L, D); keys/values
     (B, L, Hkv, S, D); mask (B, 1, L, S). Every query is a single-query problem over its own
     keys, as a plain decoding step at its position is."""
     b, _, length, _ = q.shape
