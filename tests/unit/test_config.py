@@ -166,6 +166,15 @@ def test_remote_workers() -> None:
     )
 
 
+def test_an_eagle3_head_and_an_eagle3_server() -> None:
+    """model.eagle3 resolves against the file (default: none); a vLLM server may run eagle3 for its life."""
+    assert parse_config({}, BASE).model.eagle3 is None
+    remote = {"url": REMOTE, "protocol": "vllm", "max_k": 3, "method": "eagle3"}
+    config = parse_config({"model": {"eagle3": "models/smollm2-eagle3"}, "workers": {"remote": [remote]}}, BASE)
+    assert config.model.eagle3 == BASE / "models/smollm2-eagle3"
+    assert config.workers.remote[0].method == "eagle3"
+
+
 def test_remote_workers_alongside_local_ones() -> None:
     config = parse_config({"workers": {"remote": [{"url": "http://a:1"}]}}, BASE)
     assert config.workers.count == 2
@@ -227,8 +236,8 @@ ERRORS: list[tuple[Any, str, Any]] = [
     ({"workers": {"remote": [{"url": REMOTE, "max_k": -1}]}}, "workers.remote[0].max_k", -1),
     ({"workers": {"remote": [{"url": REMOTE}, {"url": REMOTE, "mode": "fast"}]}}, "workers.remote[1].mode", "fast"),
     ({"workers": {"remote": [{"url": REMOTE, "port": 1}]}}, "workers.remote[0].port", 1),
-    ({"workers": {"remote": [{"url": REMOTE, "protocol": "vllm", "method": "eagle3"}]}}, "workers.remote[0].method",
-     "eagle3"),
+    ({"workers": {"remote": [{"url": REMOTE, "protocol": "vllm", "method": "medusa"}]}}, "workers.remote[0].method",
+     "medusa"),
     ({"workers": {"remote": [{"url": REMOTE, "protocol": "specgate", "method": "ngram"}]}},
      "workers.remote[0].method", "ngram"),
     ({"workers": {"remote": [{"url": REMOTE, "name": 7}]}}, "workers.remote[0].name", 7),
