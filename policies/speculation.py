@@ -196,18 +196,16 @@ def _method_rules(session: SessionState, worker: WorkerState, policy: PolicyConf
                   k: int, shadowed: bool) -> Decision:
     """Rules 4-6 where a session may choose its method (``policy.methods`` and the worker's).
 
-    Each method not latched by its own acceptance floor is priced: the draft model as without
-    methods (its K or tree, ``choose_plan``), each lookup method on its α and coverage
-    (``price_lookup``). The best is kept unless the session's current method is within
-    ``k_switch_gain`` of it. A method the session never tried is priced on the worker's evidence
-    for it where the worker has some; every ``method_explore_every``-th request (or at once, where
-    no other method is on offer), one it never tried runs (``explore``). Plain only when no
-    method is expected to pay: every one latched (``low_acceptance``, probed every
-    ``probe_every``-th request with the best-estimated one) or none pays ``min_gain`` (``no_gain``).
-
-    ``shadowed``: the request brings shadow evidence for each lookup method it does not run (its
-    worker replays them on the output; T=0), so none is explored or probed while another runs. The
-    draft model has no free shadow (it needs its forwards): it is explored and probed as before."""
+    Each method not latched by its own acceptance floor is priced: the draft model as without methods
+    (its K or tree, ``choose_plan``), each lookup method and the head on its α and coverage
+    (``price_lookup``). The best is kept unless the current method is within ``k_switch_gain`` of
+    it. A method never tried is priced on the worker's evidence for it where there is some; every
+    ``method_explore_every``-th request (at once, where nothing else is on offer) one never tried
+    runs (``explore``). Plain only when no method is expected to pay: every one latched
+    (``low_acceptance``, the best-estimated probed every ``probe_every``-th request) or none pays
+    ``min_gain`` (``no_gain``). ``shadowed``: the request brings shadow evidence for each lookup
+    method it does not run (its worker replays them; T=0), so none is explored or probed while
+    another runs; the models (draft, head) have no free shadow: explored and probed as before."""
     depth, auto = worker.batch_depth + 1, policy.num_speculative_tokens == "auto"
     options: dict[Method, tuple[float, int, TreeShape | None]] = {}
     latched: list[Method] = []
@@ -232,9 +230,11 @@ def _method_rules(session: SessionState, worker: WorkerState, policy: PolicyConf
         price = price_lookup(state, prior, worker.cost, depth, worker.max_k if auto else k, policy,
                              policy.acceptance_resume)
         options[method] = (price.value, price.k if auto else k, None)
-    # Where nothing else is on offer, trying costs nothing: the method runs at once.
-    if untried and (not options or (not shadowed and session.since_method + 1 >= policy.method_explore_every)):
-        return Decision("speculative", k, "explore", method=untried[0])
+    # Where nothing else is on offer, trying costs nothing: the method runs at once. A shadowed lookup
+    # method learns from every request (the head has no shadow: explored as ever).
+    explorable = [m for m in untried if not (shadowed and is_lookup(m))]
+    if untried and (not options or (explorable and session.since_method + 1 >= policy.method_explore_every)):
+        return Decision("speculative", k, "explore", method=untried[0] if not options else explorable[0])
     probe_due = session.plain_since_probe + 1 >= policy.probe_every
     # A latched method gets new evidence even while another one runs: probed every probe_every-th
     # request, as a latched session is (a shadowed lookup method gets it from every request).

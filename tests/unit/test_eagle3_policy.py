@@ -82,3 +82,13 @@ def test_deeper_steps_weigh_the_heads_forwards_less() -> None:
                      head=(0.04, 0.02))
     assert head_step_cost(deep, 1, 3) == pytest.approx(lookup_step_cost(deep, 1, 3) + 0.08)
     assert head_step_cost(deep, 8, 3) == pytest.approx(lookup_step_cost(deep, 8, 3) + 0.04)
+
+
+def test_the_head_is_explored_where_lookups_learn_from_shadows() -> None:
+    """At T=0 a worker replays the lookup methods on every answer, so they are never explored; the
+    head has no shadow and is explored as the draft is."""
+    policy = replace(POLICY, methods=("draft", "eagle3", "ngram", "suffix"))
+    worker = replace(WORKER, methods=("draft", "eagle3", "ngram", "suffix"), shadow_lookup=True)
+    session = replace(state(0.55, 100), since_method=1)
+    decision = decide(session, worker, COOL, policy)
+    assert (decision.method, decision.reason) == ("eagle3", "explore")
