@@ -103,7 +103,7 @@ def build_engine(args: argparse.Namespace) -> Engine:
 
         return VllmEngine(VllmSettings(target=args.target, draft=args.draft, max_slots=args.max_slots,
                                        max_k=args.max_k, dtype=args.dtype, max_model_len=args.max_model_len,
-                                       threads=args.threads, engine_args=args.vllm_args))
+                                       threads=args.threads, engine_args=args.vllm_args, eagle3=args.eagle3))
     if args.engine == "sim":  # imports no torch: the sim runs no model
         from workers.api.sim_config import SimConfig
         from workers.engines.sim.engine import SimEngine, SimSettings

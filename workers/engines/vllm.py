@@ -67,6 +67,9 @@ class VllmSettings:
     threads: int = 1
     # Further AsyncEngineArgs fields, as operators pass them to `vllm serve` (workers.vllm_args).
     engine_args: Mapping[str, Any] = field(default_factory=dict)
+    # An EAGLE-3 head (speculators' format): the engine's method is then eagle3, not the draft's
+    # (a vLLM engine runs one method for its life).
+    eagle3: Path | None = None
 
 
 def late_steps(metrics: Any) -> tuple[SpecSteps, ...]:
@@ -92,7 +95,9 @@ def _engine_args(s: VllmSettings) -> tuple[Any, bool]:
     from vllm.engine.arg_utils import AsyncEngineArgs
 
     speculative: dict[str, Any] | None = None
-    if s.draft is not None and s.max_k > 0:
+    if s.eagle3 is not None and s.max_k > 0:
+        speculative = {"method": "eagle3", "model": str(s.eagle3), "num_speculative_tokens": s.max_k}
+    elif s.draft is not None and s.max_k > 0:
         speculative = {"method": "draft_model", "model": str(s.draft), "num_speculative_tokens": s.max_k}
     # Operators' vLLM arguments (workers.vllm_args) win over the worker's generic ones.
     fields: dict[str, Any] = {"dtype": s.dtype, "max_model_len": s.max_model_len}
@@ -113,7 +118,8 @@ class VllmEngine:
         self._batch_resume = 1 << 30
         self._latched = False  # the frontend's mirror of the plugin's latch (the plugin's runs in the engine core)
         self._observer: StepObserver | None = None
-        self._costs = StepTimeCosts(depth_grid(settings.max_slots), settings.max_k if settings.draft else 0)
+        speculates = settings.draft is not None or settings.eagle3 is not None
+        self._costs = StepTimeCosts(depth_grid(settings.max_slots), settings.max_k if speculates else 0)
 
     @property
     def info(self) -> EngineInfo:
@@ -218,7 +224,8 @@ class VllmEngine:
         self._info = EngineInfo(
             kind="vllm", max_k=s.max_k if speculative else 0, max_slots=s.max_slots, tree_max_nodes=0,
             context_window=model_config.max_model_len, vocab_size=model_config.get_vocab_size(),
-            eos_token_ids=_eos_ids(s.target), methods=("draft",) if speculative else (),
+            eos_token_ids=_eos_ids(s.target),
+            methods=(("eagle3",) if s.eagle3 is not None else ("draft",)) if speculative else (),
             prefix_cache=bool(vllm_config.cache_config.enable_prefix_caching),
             details={"precision": {"target": str(model_config.dtype).removeprefix("torch."),
                                    "draft": str(model_config.dtype).removeprefix("torch.") if speculative else None},
