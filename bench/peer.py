@@ -193,7 +193,7 @@ def _specgate_config(name: str) -> tuple[dict[str, Any], dict[str, Any], dict[st
     model, workers, policy = served_sections()
     workers |= {"count": 1, "threads": 1, "max_slots": SLOTS}
     if name == "specgate plain":
-        model |= {"draft": None}
+        model |= {"draft": None, "eagle3": None}
     return model, workers, policy
 
 

@@ -99,7 +99,7 @@ def served_sections() -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
     """config.yaml's model (its directories made absolute), workers and policy sections: what
     ``make serve`` serves, for the benches that measure it."""
     config = yaml.safe_load((REPO / "config.yaml").read_text())
-    model = {key: str(REPO / value) if key in ("target", "draft") and value else value
+    model = {key: str(REPO / value) if key in ("target", "draft", "eagle3") and value else value
              for key, value in config["model"].items()}
     return model, dict(config["workers"]), dict(config["policy"])
 

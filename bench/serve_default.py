@@ -57,7 +57,7 @@ def gateway_config(name: str, port: int, cost_cache: Path, policy_changes: dict[
     workers |= {"cost_cache_dir": str(cost_cache)}
     policy |= policy_changes
     if name == "plain":
-        model["draft"] = None
+        model["draft"] = model["eagle3"] = None
     elif name == "speculative":
         # Always the draft at a fixed K: config.yaml's K, or where that is auto, the real pair's best
         # fixed K at batch 1 (bench.engine, docs/measured.md). With K auto every request of vLLM's
