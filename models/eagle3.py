@@ -154,7 +154,7 @@ def export(args: argparse.Namespace, work: Path, tokens: int) -> None:
     report = json.loads((run / "report.json").read_text())
     head = new_head(args.target, draft_vocab(DEFAULT_VOCAB_FROM), report["settings"]["ttt_steps"])
     head.load_state_dict(torch.load(run / "head.pt", weights_only=True))
-    curve = [json.loads(p.read_text()) for p in sorted(work.glob("run-*/report.json"))]
+    curve = sorted((json.loads(p.read_text()) for p in work.glob("run-*/report.json")), key=lambda r: r["tokens"])
     save_head(head, args.out, {"exported": report, "learning_curve": curve,
                                "data_seconds": json.loads((work / "times.json").read_text()).get("data_s")})
     print(json.dumps({"exported": str(args.out), "tokens": tokens}))
