@@ -310,13 +310,16 @@ def class_figures(run: Run, temperature: float, class_name: str, plan: list[Setu
 
 
 def gateway_counts_match(run: Run, plan: list[Setup]) -> bool:
-    """The pair's gateway counted the drafts each session's answers reported (its /admin/sessions)."""
+    """The pair's gateway counted the drafts each session's answers reported (its /admin/sessions):
+    the draft model's under ``acceptance``, every other method's (the head's) under ``methods``."""
     for (temperature, class_name, name), tally in run.tallies.items():
         if name == "plain":
             continue
         view = run.admin[session_id(class_name, next(s for s in plan if s.name == name), temperature)]
-        counts = view.get("acceptance", {})
-        if counts.get("drafts_tested") != tally.tested or counts.get("drafts_accepted") != tally.accepted:
+        counts = [view.get("acceptance", {}), *(view.get("methods") or {}).values()]
+        tested = sum(int(c.get("drafts_tested") or 0) for c in counts)
+        accepted = sum(int(c.get("drafts_accepted") or 0) for c in counts)
+        if (tested, accepted) != (tally.tested, tally.accepted):
             return False
     return True
 
