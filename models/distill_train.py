@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
@@ -22,6 +21,7 @@ import numpy.typing as npt
 import torch
 import torch.nn.functional as F
 
+from models.checkpoints import load_checkpoint, save_checkpoint
 from models.distill_data import Generation, TargetCache, Teacher, epoch_order
 from models.draft_format import DraftLlama
 
@@ -184,18 +184,13 @@ class Trainer:
         path = self.work / CHECKPOINT
         state = {"student": self.student.state_dict(), "opt": self.opt.state_dict(), "step": self.step,
                  "done": self.done.clone(), "spent": dict(self.spent), "recipe": self.settings.recipe()}
-        torch.save(state, path.with_suffix(".tmp"))
-        os.replace(path.with_suffix(".tmp"), path)
+        save_checkpoint(state, path)
 
     def load(self) -> bool:
         """Resume from the work directory's checkpoint; False when there is none."""
-        path = self.work / CHECKPOINT
-        if not path.is_file():
+        state = load_checkpoint(self.work / CHECKPOINT, "recipe", self.settings.recipe())
+        if state is None:
             return False
-        state = torch.load(path, weights_only=True)
-        if state["recipe"] != self.settings.recipe():
-            raise ValueError(f"{path}: made with {state['recipe']}, this run asks for {self.settings.recipe()}; "
-                             "use the same settings or another --work")
         self.student.load_state_dict(state["student"])
         self.opt.load_state_dict(state["opt"])
         self.step, self.done, self.spent = int(state["step"]), state["done"], dict(state["spent"])

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import random
 import time
 from dataclasses import asdict, dataclass
@@ -24,6 +23,7 @@ import torch
 from speculators.losses.utils import resolve_loss_config
 from speculators.models.eagle3 import Eagle3DraftModel
 
+from models.checkpoints import load_checkpoint, save_checkpoint
 from models.eagle3_data import CachedSequence
 
 CHECKPOINT = "checkpoint.pt"
@@ -162,17 +162,12 @@ class HeadTrainer:
                      ("embed_tokens", "verifier_"))},
                  "opt": self.opt.state_dict(), "step": self.step, "position": self.position,
                  "spent_s": self.spent_s, "settings": asdict(self.settings)}
-        torch.save(state, path.with_suffix(".tmp"))
-        os.replace(path.with_suffix(".tmp"), path)
+        save_checkpoint(state, path)
 
     def load(self) -> bool:
-        path = self.work / CHECKPOINT
-        if not path.is_file():
+        state = load_checkpoint(self.work / CHECKPOINT, "settings", asdict(self.settings))
+        if state is None:
             return False
-        state = torch.load(path, weights_only=True)
-        if state["settings"] != asdict(self.settings):
-            raise SystemExit(f"{path}: made with {state['settings']}, this run asks for {asdict(self.settings)}; "
-                             "use the same settings or another --work")
         self.model.load_state_dict(state["model"], strict=False)
         self.opt.load_state_dict(state["opt"])
         self.step, self.position, self.spent_s = int(state["step"]), int(state["position"]), float(state["spent_s"])

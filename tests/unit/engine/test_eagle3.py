@@ -48,11 +48,7 @@ def load_head(directory: Path, target: LlamaForCausalLM, slots: int = 6) -> Eagl
 
 
 def run(engine: SpeculativeEngine, request: GenerationRequest) -> list[StepEvent]:
-    engine.add(request)
-    events: list[StepEvent] = []
-    while engine.has_work:
-        events += [e for e in engine.step() if e.request_id == request.request_id]
-    return events
+    return engine.generate(request)
 
 
 def tokens_of(events: Sequence[StepEvent]) -> list[int]:
