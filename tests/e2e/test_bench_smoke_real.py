@@ -16,11 +16,13 @@ def test_bench_tasks_smoke_json() -> None:
     assert (REPO / "models/smollm2-135m-instruct-q4_1/model.safetensors").is_file(), "run make install"
     result, stdout = bench_json("-m", "bench.tasks", "--smoke", "--json", timeout=300)
     assert result["cpu"] and result["command"] == "python -m bench.tasks --smoke --json"
-    assert result["configurations"] == ["plain", "K=5", "auto"] and set(result["temperatures"]) == {"0", "1"}
+    # The pair's workers load make serve's head (models/smollm2-eagle3): its K=5 runs too.
+    assert result["configurations"] == ["plain", "K=5", "eagle3 K=5", "auto"]
+    assert set(result["temperatures"]) == {"0", "1"}
     for rows in result["temperatures"].values():
         assert list(rows) == list(TASK_CLASSES)
         for row in rows.values():
-            assert set(row["tokens_per_s"]) == {"plain", "K=5", "auto"}
+            assert set(row["tokens_per_s"]) == {"plain", "K=5", "eagle3 K=5", "auto"}
             assert all(rate > 0 for rate in row["tokens_per_s"].values())
             assert 0.0 <= row["alpha_k5"] <= 1.0 and row["drafts"]["K=5"]["tested"] > 0
             assert row["below_floor"] == (row["alpha_k5"] < 0.60) and row["best_fixed"] == "K=5"

@@ -47,7 +47,7 @@ def test_repo_config_loads() -> None:
     assert config.sessions == SessionsConfig()
     assert config.model == ModelConfig(name="smollm2-135m-instruct-q4_1",
                                        target=REPO / "models/smollm2-135m-instruct-q4_1",
-                                       draft=REPO / "models/smollm2-draft")
+                                       draft=REPO / "models/smollm2-draft", eagle3=REPO / "models/smollm2-eagle3")
 
 
 def test_repo_config_policy_is_the_files_values() -> None:
@@ -59,12 +59,12 @@ def test_repo_config_policy_is_the_files_values() -> None:
     assert config.policy.as_dict() == {key: file_values.get(key, v) for key, v in PolicyConfig().as_dict().items()}
     # the file documents the defaults; a changed default or a changed file shows up here. The
     # deliberate departures: the real pair's K is auto (the default, 6, is the demo pair's best),
-    # sessions choose among all three methods (the default, the draft alone, is today's behaviour),
+    # sessions choose among all four methods (the default, the draft alone, is today's behaviour),
     # and the floor and temperature rule wait where the worker's costs say speculation pays
     # (free_batch: auto; bench.tasks measured the floor costing 5-25% on the real pair)
     assert file_values["num_speculative_tokens"] == "auto"
     assert config.policy == PolicyConfig.from_mapping({"num_speculative_tokens": "auto", "free_batch": "auto",
-                                                       "methods": ["draft", "ngram", "suffix"]})
+                                                       "methods": ["draft", "eagle3", "ngram", "suffix"]})
     assert load_policy_file(CONFIG) == config.policy
 
 

@@ -36,7 +36,7 @@ def test_defaults() -> None:
 
 
 @pytest.mark.parametrize(("raw", "problem"), [
-    (["draft", "ngrams"], "unknown method 'ngrams'; known: draft, ngram, suffix"),
+    (["draft", "ngrams"], "unknown method 'ngrams'; known: draft, eagle3, ngram, suffix"),
     ([], "must list at least one method"),
     (["ngram", "ngram"], "lists a method twice"),
     ("ngram", "must be a list of methods"),

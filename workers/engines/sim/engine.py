@@ -50,6 +50,9 @@ from workers.engines.sim.roofline import SimBatch, SimSeq, StepCost, config_summ
 from workers.engines.sim.shadow import SHADOW_SEED, sim_shadow
 from workers.text import TextCodec
 
+# What the sim simulates: the draft model and the lookup methods (no EAGLE-3 head: no acceptance table for one).
+SIM_METHODS: tuple[Method, ...] = tuple(m for m in METHODS if m != "eagle3")
+
 COST_CONTEXT = 1024  # cached tokens per sequence the derived cost model assumes
 
 
@@ -153,7 +156,7 @@ class SimEngine:
                                 context_window=self.config.context_window,
                                 vocab_size=int(config.get("vocab_size", self._codec.tokenizer.get_vocab_size())),
                                 eos_token_ids=eos_ids, details=details, tree_max_nodes=self.batch_tree_nodes,
-                                methods=METHODS if self.batch.max_k > 0 else (),
+                                methods=SIM_METHODS if self.batch.max_k > 0 else (),
                                 shadow_lookup=self.batch.max_k > 0, prefix_cache=self.prefix_cache.enabled)
         self._task = asyncio.create_task(self._loop(), name="sim-step-loop")
 
