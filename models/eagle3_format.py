@@ -15,12 +15,14 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from safetensors.torch import load_file, save_file
-from speculators.models.eagle3 import Eagle3DraftModel
 from transformers import LlamaConfig
+
+if TYPE_CHECKING:  # speculators is in make install's .venv, not in the vLLM lane's (vLLM reads the format itself)
+    from speculators.models.eagle3 import Eagle3DraftModel
 
 # The residual stream after 2, 15 and 27 of the target's 30 layers: low, middle and high, vLLM's own
 # default for a 30-layer target ((2, L // 2, L - 3)), so the head serves unchanged where a loader ignores
@@ -55,6 +57,8 @@ def new_head(target: Path, ids: torch.Tensor, ttt_steps: int, layer_ids: tuple[i
     """A fresh head (speculators' ``from_training_args``) over the draft vocabulary ``ids`` (ascending
     target ids): its LM head rows and embedding copied from the target's (both frozen, as speculators
     trains them), everything else initialized."""
+    from speculators.models.eagle3 import Eagle3DraftModel
+
     cfg = layer_config(target)
     t2d = torch.zeros(cfg.vocab_size, dtype=torch.bool)
     t2d[ids] = True
