@@ -26,6 +26,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from models.checkpoints import add_time
 from models.distill_data import (
     Generation,
     Teacher,
@@ -138,7 +139,7 @@ def prepare(args: argparse.Namespace, settings: Settings, teacher: Teacher, work
         seconds = time.perf_counter() - t0
         print(f"generation: {teacher.tokens - before} tokens in {seconds:.0f}s "
               f"({(teacher.tokens - before) / seconds:.1f} tok/s)", flush=True)
-        _add_time(work, "generation_s", seconds)
+        add_time(work, "generation_s", seconds)
     if not complete:
         return None
     if not (work / "rows.npy").is_file():
@@ -150,13 +151,6 @@ def prepare(args: argparse.Namespace, settings: Settings, teacher: Teacher, work
     stats = json.loads((work / "data.json").read_text())
     data = Data(np.load(work / "rows.npy"), np.load(work / "subset.npy"), stats["gen_rows"], stats["corpus_rows"])
     return data, read_generations(work / "eval_generations.jsonl")
-
-
-def _add_time(work: Path, key: str, seconds: float) -> None:
-    path = work / "times.json"
-    times = json.loads(path.read_text()) if path.is_file() else {}
-    times[key] = times.get(key, 0.0) + seconds
-    path.write_text(json.dumps(times) + "\n")
 
 
 def new_student(target: Path, subset: np.ndarray[Any, Any], sha: str, seed: int) -> DraftLlama:

@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 
+from models.checkpoints import add_time
 from models.distill import cpu_info
 from models.distill_data import Teacher, corpus_stream, read_generations
 from models.eagle3_data import (
@@ -84,7 +85,7 @@ def cache_data(args: argparse.Namespace, work: Path, deadline: float,
         count = build_shards(teacher.model, items, DEFAULT_LAYER_IDS, work / name, deadline)
         (work / name / "count.json").write_text(json.dumps({"shards": count, "sequences": len(items)}) + "\n")
         done = done and count * SHARD_SEQUENCES >= len(items)
-    _add_time(work, "data_s", time.perf_counter() - started)
+    add_time(work, "data_s", time.perf_counter() - started)
     return done
 
 
@@ -138,13 +139,6 @@ def train_size(args: argparse.Namespace, work: Path, tokens: int, deadline: floa
     report_path.write_text(json.dumps(report, indent=2) + "\n")
     torch.save(trainer.model.state_dict(), run / "head.pt")
     return report
-
-
-def _add_time(work: Path, key: str, seconds: float) -> None:
-    path = work / "times.json"
-    times = json.loads(path.read_text()) if path.is_file() else {}
-    times[key] = times.get(key, 0.0) + seconds
-    path.write_text(json.dumps(times) + "\n")
 
 
 def export(args: argparse.Namespace, work: Path, tokens: int) -> None:

@@ -86,12 +86,15 @@ class HeadTrainer:
         self.per_epoch = max(1, math.ceil(data_tokens / settings.batch_tokens))
         self.total = max(1, round(self.per_epoch * settings.epochs))
         self.step, self.position, self.spent_s = 0, 0, 0.0
-        self.history: list[dict[str, Any]] = []
+        self._order: tuple[int, list[int]] = (-1, [])
 
     def order(self, epoch: int) -> list[int]:
-        ids = list(range(len(self.data)))
-        random.Random(self.settings.seed * 1000 + epoch).shuffle(ids)
-        return ids
+        """The epoch's sequence order, a function of (seed, epoch): shuffled once an epoch, not per sequence."""
+        if self._order[0] != epoch:
+            ids = list(range(len(self.data)))
+            random.Random(self.settings.seed * 1000 + epoch).shuffle(ids)
+            self._order = (epoch, ids)
+        return self._order[1]
 
     def forward(self, seq: CachedSequence) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         s = self.settings
@@ -138,7 +141,7 @@ class HeadTrainer:
 
     def run(self, deadline: float, log: Path) -> bool:
         """Train to the schedule's end or ``deadline`` (time.monotonic); True when the schedule is done."""
-        last_save = started = time.monotonic()
+        last_save = time.monotonic()
         while self.step < self.total and time.monotonic() < deadline:
             t0 = time.perf_counter()
             record = self.train_step()
@@ -153,7 +156,6 @@ class HeadTrainer:
                 self.save()
         self.spent_s += time.monotonic() - last_save
         self.save()
-        del started
         return self.step >= self.total
 
     def save(self) -> None:
