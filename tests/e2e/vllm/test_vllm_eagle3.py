@@ -72,7 +72,7 @@ def spec_counters(server: VllmServer) -> dict[str, float]:
 
 def embedded_acceptance(chats: list[list[int]]) -> tuple[float, list[list[int]]]:
     target = LlamaForCausalLM.from_pretrained(REAL_PAIR.target, torch.float32)
-    head = Eagle3Head.load(HEAD, target.cfg, target.model.embed_tokens.weight.detach().float(), 1, 1024)
+    head = Eagle3Head.load(HEAD, target.cfg, target.embed_rows, 1, 1024)
     engine = SpeculativeEngine(target, None, max_slots=1, max_k=8, max_positions=1024, eagle=head)
     proposed = accepted = 0
     outputs = []

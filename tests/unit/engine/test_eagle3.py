@@ -43,7 +43,7 @@ def head_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def load_head(directory: Path, target: LlamaForCausalLM, slots: int = 6) -> Eagle3Head:
-    return Eagle3Head.load(directory, target.cfg, target.model.embed_tokens.weight.detach().float(), slots,
+    return Eagle3Head.load(directory, target.cfg, target.embed_rows, slots,
                            target.cfg.max_position_embeddings)
 
 

@@ -99,7 +99,7 @@ def load_speculative_engine(settings: EmbeddedSettings, target: LlamaForCausalLM
     positions = min(target.cfg.max_position_embeddings, settings.max_model_len or target.cfg.max_position_embeddings)
     eagle = None
     if settings.eagle3 is not None:  # HeadFormatError (a ValueError) names the field that does not fit
-        eagle = Eagle3Head.load(settings.eagle3, target.cfg, target.model.embed_tokens.weight.detach().float(),
+        eagle = Eagle3Head.load(settings.eagle3, target.cfg, target.embed_rows,
                                 settings.max_slots, positions)
     return SpeculativeEngine(target, draft, max_slots=settings.max_slots, max_k=settings.max_k,
                              max_positions=settings.max_model_len, lookup=settings.lookup,

@@ -210,6 +210,8 @@ class LlamaForCausalLM(nn.Module):
         self.native: rowgemm.RowGemm | None = None
         self.fused: fused_forward.FusedForward | None = None  # the same path in one kernel call
         self.released = False  # release_sources emptied the laid-out projections' weights
+        # A model served from the GGUF's blocks (quantized.py): its Q8_0 embedding, also the tied head.
+        self.embed_panels: rowgemm.Panels | None = None
         # Set (by the engine, for a step that serves an EAGLE-3 head): every cached forward also
         # records the residual stream after the head's layers at each real token (aux_states.py).
         self.aux_capture: AuxCapture | None = None
@@ -272,6 +274,15 @@ class LlamaForCausalLM(nn.Module):
         if target is not None:
             check_same_tokenizer(Path(target), Path(directory))
         return cls.from_pretrained(directory, dtype, packed=True, products=products, target=target)
+
+    def embed_rows(self, tokens: torch.Tensor) -> torch.Tensor:
+        """The input embedding of ``tokens`` (any shape): the table's rows, or, for a model served
+        from blocks, its Q8_0 rows widened as its products see them (float32)."""
+        if self.embed_panels is not None:
+            assert self.native is not None
+            return self.native.embedding_rows(self.embed_panels, tokens)
+        out: torch.Tensor = self.model.embed_tokens(tokens)
+        return out
 
     def full_vocab_logits(self, logits: torch.Tensor) -> torch.Tensor:
         """(N, head rows) logits as (N, vocab_size): a reduced-vocabulary draft's rows at their
@@ -386,7 +397,7 @@ class LlamaForCausalLM(nn.Module):
         if self.native is not None:
             return self._forward_native(self.native, tokens, cache, batch, logit_rows, logit_cols)
         cos, sin = self._rotary(batch, tokens.shape[1])
-        x = self.model.embed_tokens(tokens)
+        x = self.embed_rows(tokens)
         capture, captured = self.aux_capture, []
         for i, layer in enumerate(self.model.blocks()):
             if capture is not None and i in capture.layer_ids:
@@ -437,7 +448,7 @@ class LlamaForCausalLM(nn.Module):
                 return logits.view(*tokens.shape, -1)
         else:
             cos, sin = self._rotary(batch, length)
-        x = self.model.embed_tokens(tokens)
+        x = self.embed_rows(tokens)
         capture, captured = self.aux_capture, []
         for i, layer in enumerate(self.model.blocks()):
             if capture is not None and i in capture.layer_ids:

@@ -98,6 +98,14 @@ class FrozenLinear:
             self.panels, self.weight = self._rowgemm.pack(weight), None
             self.dot = products == "bfloat16" and self._rowgemm.can_dot(self.panels)
 
+    @classmethod
+    def from_panels(cls, panels: rowgemm.Panels, kernel: rowgemm.RowGemm) -> FrozenLinear:
+        """A projection already laid out for the kernels (the GGUF's blocks: kernels/blocks.py)."""
+        frozen = cls.__new__(cls)
+        frozen.packed, frozen.weight, frozen.panels, frozen.dot = None, None, panels, False
+        frozen._rowgemm = kernel
+        return frozen
+
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed is not None:
             out: torch.Tensor = torch.ops.mkldnn._linear_pointwise(x, self.packed, None, "none", [None], "")

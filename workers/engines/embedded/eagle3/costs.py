@@ -22,7 +22,7 @@ def head_costs(head: Eagle3Head, report: CostReport) -> dict[str, Any]:
     """The two costs, from the median of ``REPEATS`` timed forwards at position 64 of slot 0 (the
     K/V written there is overwritten before any sequence reads it: slot 0's positions are its own
     sequence's to write first)."""
-    hidden = torch.randn(2, len(head.layer_ids) * head.embed.shape[1])
+    hidden = torch.randn(2, len(head.layer_ids) * head.spec.target_hidden_size)
     start = min(64, head.k_cache.shape[2] - 4)
 
     def timed(fused: bool) -> float:
@@ -32,7 +32,7 @@ def head_costs(head: Eagle3Head, report: CostReport) -> dict[str, Any]:
             if fused:
                 head.forward(0, start, hidden, [1, 2], fused=True)
             else:
-                head.forward(0, start + 2, hidden[:1, :head.embed.shape[1]], [3], fused=False)
+                head.forward(0, start + 2, hidden[:1, :head.spec.target_hidden_size], [3], fused=False)
             times.append(time.perf_counter() - t0)
         return statistics.median(times) * 1000
 

@@ -15,6 +15,7 @@ checkpoint's values, half the bytes to stream); ``eagle3/costs.py`` times a forw
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -26,6 +27,10 @@ from safetensors.torch import load_file
 from workers.engines.embedded.config import ModelConfig
 from workers.engines.embedded.layers import apply_rotary, rotary_tables
 from workers.engines.embedded.projections import FrozenLinear
+
+
+# The target's input embedding: token ids (any shape) -> their rows (..., hidden).
+TokenEmbedding = Callable[[torch.Tensor], torch.Tensor]
 
 
 class HeadFormatError(ValueError):
@@ -108,11 +113,11 @@ def read_spec(directory: Path, target: ModelConfig) -> HeadSpec:
 class Eagle3Head:
     """The head's weights (float32), its own K/V per slot, and its forward."""
 
-    def __init__(self, spec: HeadSpec, state: dict[str, torch.Tensor], embed: torch.Tensor, slots: int,
+    def __init__(self, spec: HeadSpec, state: dict[str, torch.Tensor], embed: TokenEmbedding, slots: int,
                  positions: int) -> None:
         self.spec = spec
         cfg = spec.layer
-        self.embed = embed  # the target's (vocab, hidden): shared
+        self.embed = embed  # the target's (LlamaForCausalLM.embed_rows): shared
         self.heads, self.kv_heads, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
         self.eps = cfg.rms_norm_eps
         w = {name: t.float().contiguous() for name, t in state.items() if t.is_floating_point()}
@@ -135,7 +140,7 @@ class Eagle3Head:
         self.v_cache = torch.zeros(slots, self.kv_heads, positions, self.head_dim)
 
     @classmethod
-    def load(cls, directory: Path | str, target: ModelConfig, embed: torch.Tensor, slots: int,
+    def load(cls, directory: Path | str, target: ModelConfig, embed: TokenEmbedding, slots: int,
              positions: int) -> Eagle3Head:
         """Reads and checks the head against the target (``HeadFormatError`` names the field)."""
         directory = Path(directory)
@@ -191,7 +196,7 @@ class Eagle3Head:
         n = len(tokens)
         if fused:
             hidden = self.fc(hidden.contiguous())
-        embeds = self._rms(self.embed[torch.tensor(tokens)], self.input_norm)
+        embeds = self._rms(self.embed(torch.tensor(tokens)).float(), self.input_norm)
         normed = self._rms(hidden, self.hidden_norm)
         residual = normed if self.spec.norm_before_residual else hidden
         qkv = self.qkv(torch.cat([embeds, normed], dim=-1))

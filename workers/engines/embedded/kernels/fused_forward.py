@@ -48,8 +48,7 @@ class _Lin(ctypes.Structure):
     _fields_ = [("w", ctypes.c_void_p), ("ks", ctypes.c_int64), ("kind", ctypes.c_int64)]
 
 
-_KINDS = {torch.float32: 0, torch.bfloat16: 1}  # float32 FMAs of float32 or bfloat16 panels
-_DOT_KIND = 2  # bfloat16 products of bfloat16 panels
+_DOT_KIND = 2  # bfloat16 products of bfloat16 panels (Panels.kind: the others)
 _PointerArray = ctypes.Array[ctypes.c_void_p]
 
 
@@ -58,7 +57,7 @@ class FusedForward:
     the per-op path's kernels in the same order, without a Python call per op. Built once per
     model; holds references to every tensor the C side reads."""
 
-    def __init__(self, kernel: RowGemm, *, embed: torch.Tensor, norms: list[torch.Tensor],
+    def __init__(self, kernel: RowGemm, *, embed: torch.Tensor | Panels, norms: list[torch.Tensor],
                  panels: list[tuple[Panels, bool]],
                  hidden: int, inter: int, heads: int, kv_heads: int, head_dim: int, eps: float,
                  cos: torch.Tensor, sin: torch.Tensor) -> None:
@@ -86,12 +85,21 @@ class FusedForward:
             raise ValueError("rowgemm.c's TREE_DEPTH is not policies.tree.MAX_TREE_DEPTH")
         self._keep = (embed, norms, panels, cos, sin)
         self.embed, self.cos, self.sin = embed, cos, sin
+        # The embedding as the C side reads it (embed_row): a float32 table, or Q8_0 panels.
+        if isinstance(embed, Panels):
+            if embed.blocks != "q8_0":
+                raise ValueError("an embedding in blocks must be Q8_0 panels")
+            self._embed = _Lin(embed.weights.data_ptr(), embed.weights.shape[1], embed.kind)
+            self._embed_rows = embed.weights.shape[0] * 8
+        else:
+            self._embed = _Lin(embed.data_ptr(), 0, 0)
+            self._embed_rows = embed.shape[0]
         self.norms = (ctypes.c_void_p * len(norms))(*[n.data_ptr() for n in norms])
         # Each projection's panels and whether they multiply as bfloat16 products (kind 2).
         if any(dot and not kernel.can_dot(p) for p, dot in panels):
             raise ValueError("bfloat16 products need AVX512-BF16 and bfloat16 panels")
         self.lins = (_Lin * len(panels))(*[
-            _Lin(p.weights.data_ptr(), p.weights.shape[1], _DOT_KIND if dot else _KINDS[p.weights.dtype])
+            _Lin(p.weights.data_ptr(), p.weights.shape[1], _DOT_KIND if dot else p.kind)
             for p, dot in panels])
         self.layers = (len(panels) - 1) // 4
         self.hidden, self.inter, self.heads, self.kv_heads, self.head_dim = hidden, inter, heads, kv_heads, head_dim
@@ -196,7 +204,7 @@ class FusedForward:
     @property
     def vocab_rows(self) -> int:
         """Rows of the embedding: the token ids the forward can read."""
-        return self.embed.shape[0]
+        return self._embed_rows
 
     def _run(self, tokens: torch.Tensor, k_cache: list[torch.Tensor], v_cache: list[torch.Tensor],
              rows: torch.Tensor, logit_idx: torch.Tensor, capture: AuxCapture | None = None) -> torch.Tensor:
@@ -229,7 +237,7 @@ class FusedForward:
         (B, L) tokens, the model, the caches, the rows' slots/starts/lengths, the attention shape."""
         b, length = tokens.shape
         kc, vc = self._pointers(k_cache, v_cache)
-        return (tokens.data_ptr(), b, length, self.embed.data_ptr(), self.hidden, self.inter, self.layers,
+        return (tokens.data_ptr(), b, length, ctypes.addressof(self._embed), self.hidden, self.inter, self.layers,
                 self.norms, self.lins, kc, vc, k_cache[0].shape[2], self.cos.data_ptr(), self.sin.data_ptr(),
                 rows[0].data_ptr(), rows[1].data_ptr(), rows[2].data_ptr(), self.heads, self.kv_heads,
                 self.head_dim, self.eps, self.scale)

@@ -207,6 +207,7 @@ static void b16_range(const float* x, const uint16_t* p, float* y, int64_t M, in
 }
 
 #include "rowgemm_pool.h"
+#include "quant_blocks.h"
 
 #if WIDE_TILES && defined(__AVX512BF16__)
 #define DOT_PRODUCTS 1
@@ -325,13 +326,14 @@ static void gemm_part(const void* ctx, int64_t part, int64_t parts) {
   if (g->kind == 2) { dot_range((const uint32_t*)g->x, (const uint16_t*)g->w, g->y, g->M, (g->K + 1) / 2, g->KS,
                                 g->N, lo, hi); return; }
 #endif
-  if (g->kind == 1) b16_range(g->x, (const uint16_t*)g->w, g->y, g->M, g->K, g->KS, g->N, lo, hi);
+  if (g->kind >= 3) quant_range(g->x, (const uint8_t*)g->w, g->kind, g->y, g->M, g->K, g->KS, g->N, lo, hi);
+  else if (g->kind == 1) b16_range(g->x, (const uint16_t*)g->w, g->y, g->M, g->K, g->KS, g->N, lo, hi);
   else f32_range(g->x, (const float*)g->w, g->y, g->M, g->K, g->KS, g->N, lo, hi);
 }
 
 static void gemm_any(const float* x, const void* w, int64_t kind, float* y, int64_t M, int64_t K, int64_t KS,
                      int64_t N) {
-  gemm_t g = {x, w, kind, y, M, K, KS, N, kind == 0 ? 24 : 6};
+  gemm_t g = {x, w, kind, y, M, K, KS, N, kind == 0 ? 24 : kind >= 3 ? 4 : 6};
 #if !DOT_PRODUCTS
   if (kind == 2) abort(); /* rowgemm.py asks for kind 2 only where rowgemm_dot_products() */
 #else
@@ -360,6 +362,12 @@ void rowgemm_f32(const float* x, const float* p, float* y, int64_t M, int64_t K,
 
 void rowgemm_b16(const float* x, const uint16_t* p, float* y, int64_t M, int64_t K, int64_t KS, int64_t N) {
   gemm_any(x, p, 1, y, M, K, KS, N);
+}
+
+/* kind 3: Q4_1 blocks, kind 4: Q8_0 blocks (quant_blocks.h); PS: bytes a panel. */
+void rowgemm_quant(const float* x, const uint8_t* p, int64_t kind, float* y, int64_t M, int64_t K, int64_t PS,
+                   int64_t N) {
+  gemm_any(x, p, kind, y, M, K, PS, N);
 }
 
 /* kind 2: bfloat16 products (only where rowgemm_dot_products(); gemm_any aborts elsewhere). */
@@ -630,11 +638,19 @@ static inline __attribute__((always_inline)) void attend_impl(const void* ctx, i
 static void attend_part(const void* ctx, int64_t part, int64_t parts) { attend_impl(ctx, part, parts, 0); }
 static void attend_part_tree(const void* ctx, int64_t part, int64_t parts) { attend_impl(ctx, part, parts, 1); }
 
-/* A projection's panels: weights, panel stride in k-rows, element kind (0 float32, 1 bfloat16). */
+/* A projection's panels: weights, panel stride (k-rows; bytes for blocks), element kind (0 float32,
+   1 bfloat16, 2 bfloat16 products, 3 Q4_1 blocks, 4 Q8_0 blocks). The embedding is one too: kind 0
+   a row-major float32 table (ks unused), kind 4 the tied head's Q8_0 panels (q8_0_rows). */
 typedef struct { const void* w; int64_t ks; int64_t kind; } lin_t;
 
 static void gemm(const float* x, const lin_t* l, float* y, int64_t M, int64_t K, int64_t N) {
   gemm_any(x, l->w, l->kind, y, M, K, l->ks, N);
+}
+
+static void embed_row(const lin_t* e, int64_t token, int64_t hid, float* out) {
+  if (e->kind == 4) { q8_0_rows((const uint8_t*)e->w, e->ks, hid, &token, 1, out); return; }
+  const float* row = (const float*)e->w + token * hid;
+  for (int64_t i = 0; i < hid; ++i) out[i] = row[i];
 }
 
 static void add_into(float* x, const float* t, int64_t n) { for (int64_t i = 0; i < n; ++i) x[i] += t[i]; }
@@ -648,7 +664,7 @@ static void add_into(float* x, const float* t, int64_t n) { for (int64_t i = 0; 
    the next row's): a step where some sequences verify K + 1 tokens and the others one costs
    their tokens, not B (K + 1), and every kernel is row-invariant, so packing changes no bit.
    tree: NULL, or forward_tree's per-token tree arrays. */
-static void forward_impl(const int64_t* tokens, int64_t B, int64_t L, const float* embed, int64_t hid,
+static void forward_impl(const int64_t* tokens, int64_t B, int64_t L, const lin_t* embed, int64_t hid,
                          int64_t inter, int64_t layers, const float* const* norms, const lin_t* lins,
                          float* const* kc, float* const* vc, int64_t P, const float* cos_t, const float* sin_t,
                          const int64_t* slots, const int64_t* starts, const int64_t* lengths, int64_t H,
@@ -663,7 +679,7 @@ static void forward_impl(const int64_t* tokens, int64_t B, int64_t L, const floa
   float *gu = tmp + cap * hid, *act = gu + cap * 2 * inter, *sc = act + cap * inter;
   for (int64_t b = 0; b < B; ++b)
     for (int64_t l = 0; l < lengths[b]; ++l)
-      for (int64_t i = 0; i < hid; ++i) x[(offs[b] + l) * hid + i] = embed[tokens[b * L + l] * hid + i];
+      embed_row(embed, tokens[b * L + l], hid, x + (offs[b] + l) * hid);
   for (int64_t l = 0; l < layers; ++l) {
     for (int64_t a = 0; a < n_aux; ++a) /* the residual stream after l layers, for an EAGLE-3 head */
       if (aux_ids[a] == l)
@@ -695,7 +711,7 @@ static void forward_impl(const int64_t* tokens, int64_t B, int64_t L, const floa
         for (int64_t v = 0; v < vocab; ++v) logits[r * vocab + v] = 0.0f;
 }
 
-void forward(const int64_t* tokens, int64_t B, int64_t L, const float* embed, int64_t hid, int64_t inter,
+void forward(const int64_t* tokens, int64_t B, int64_t L, const lin_t* embed, int64_t hid, int64_t inter,
              int64_t layers, const float* const* norms, const lin_t* lins, float* const* kc, float* const* vc,
              int64_t P, const float* cos_t, const float* sin_t, const int64_t* slots, const int64_t* starts,
              const int64_t* lengths, int64_t H, int64_t Hkv, int64_t D, float eps, float scale,
@@ -708,7 +724,7 @@ void forward(const int64_t* tokens, int64_t B, int64_t L, const float* embed, in
    aux: (packed tokens, n_aux, hid), row b's lengths[b] tokens then the next row's. An EAGLE-3
    head reads them (the target's "auxiliary hidden states"); the logits are forward's (tree NULL)
    or forward_tree's, bit for bit. */
-void forward_aux(const int64_t* tokens, int64_t B, int64_t L, const float* embed, int64_t hid, int64_t inter,
+void forward_aux(const int64_t* tokens, int64_t B, int64_t L, const lin_t* embed, int64_t hid, int64_t inter,
                  int64_t layers, const float* const* norms, const lin_t* lins, float* const* kc, float* const* vc,
                  int64_t P, const float* cos_t, const float* sin_t, const int64_t* slots, const int64_t* starts,
                  const int64_t* lengths, int64_t H, int64_t Hkv, int64_t D, float eps, float scale,
@@ -723,7 +739,7 @@ void forward_aux(const int64_t* tokens, int64_t B, int64_t L, const float* embed
    then their cache positions (TREE_DEPTH slots, the first count used). An ordinary token is
    {starts[b] + l, 0}. Each token is written at starts[b] + l as in forward; rotary and
    attention follow its logical position and map. rowgemm.py checks every index first. */
-void forward_tree(const int64_t* tokens, int64_t B, int64_t L, const float* embed, int64_t hid, int64_t inter,
+void forward_tree(const int64_t* tokens, int64_t B, int64_t L, const lin_t* embed, int64_t hid, int64_t inter,
                   int64_t layers, const float* const* norms, const lin_t* lins, float* const* kc, float* const* vc,
                   int64_t P, const float* cos_t, const float* sin_t, const int64_t* slots, const int64_t* starts,
                   const int64_t* lengths, int64_t H, int64_t Hkv, int64_t D, float eps, float scale,
@@ -740,7 +756,7 @@ void forward_tree(const int64_t* tokens, int64_t B, int64_t L, const float* embe
    holds the drafts step-major: out[s * B + b]. Bit for bit the forwards the engine would run
    one at a time, without the interpreter between them (at batch 1 that was a third of a
    draft step). */
-void draft_greedy(const int64_t* tokens, int64_t B, int64_t L, const float* embed, int64_t hid, int64_t inter,
+void draft_greedy(const int64_t* tokens, int64_t B, int64_t L, const lin_t* embed, int64_t hid, int64_t inter,
                   int64_t layers, const float* const* norms, const lin_t* lins, float* const* kc,
                   float* const* vc, int64_t P, const float* cos_t, const float* sin_t, const int64_t* slots,
                   int64_t* starts, int64_t* lengths, int64_t H, int64_t Hkv, int64_t D, float eps, float scale,

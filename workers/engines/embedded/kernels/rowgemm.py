@@ -46,16 +46,34 @@ log = logging.getLogger(__name__)
 
 # The C sources, next to this module (rowgemm.c includes the pool's header); their text is part
 # of the build key (_compile).
-_SOURCES = {name: (Path(__file__).parent / name).read_text() for name in ("rowgemm.c", "rowgemm_pool.h")}
-_FLAGS = ("-O3", "-mavx2", "-mfma", "-shared", "-fPIC", "-pthread")
+_SOURCES = {name: (Path(__file__).parent / name).read_text()
+            for name in ("rowgemm.c", "rowgemm_pool.h", "quant_blocks.h")}
+# -ffp-contract=off: a multiply and an add stay two roundings (quant_blocks.h: the GGUF's blocks
+# widen to exactly the float32 conversion's weights only so); every FMA in the source is written
+# out. -mf16c: the blocks' fp16 scales (every AVX2 CPU has F16C).
+_FLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-ffp-contract=off", "-shared", "-fPIC", "-pthread")
 _ARGTYPES = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 4
 
 
+# GGUF block types the kernels read as weights, by the kind the C source names them with.
+BLOCK_KINDS = {"q4_1": 3, "q8_0": 4}
+
+
 class Panels(NamedTuple):
-    """A weight laid out for the kernel: (N/8, K + pad, 8), and K, the inputs it takes."""
+    """A weight laid out for the kernel: (N/8, K + pad, 8), and K, the inputs it takes; or, with
+    ``blocks`` ("q4_1", "q8_0"), the GGUF's blocks in panels of 8 columns (uint8 (N/8, bytes a
+    panel): kernels/blocks.py lays them out, quant_blocks.h reads them)."""
 
     weights: torch.Tensor
     k: int
+    blocks: str | None = None
+
+    @property
+    def kind(self) -> int:
+        """The element kind the C source dispatches on (float32 FMAs; dot products are kind 2)."""
+        if self.blocks is not None:
+            return BLOCK_KINDS[self.blocks]
+        return 1 if self.weights.dtype == torch.bfloat16 else 0
 
 
 class RowGemm:
@@ -70,6 +88,13 @@ class RowGemm:
         self._dot = lib.rowgemm_dot
         for fn in (self._f32, self._b16, self._dot):
             fn.argtypes, fn.restype = _ARGTYPES, None
+        self._quant = lib.rowgemm_quant
+        self._quant.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_int64] + [ctypes.c_void_p] + [ctypes.c_int64] * 4
+        self._quant.restype = None
+        self._q8_rows = lib.q8_0_rows
+        self._q8_rows.argtypes = [ctypes.c_void_p] + [ctypes.c_int64] * 2 + [ctypes.c_void_p, ctypes.c_int64,
+                                                                              ctypes.c_void_p]
+        self._q8_rows.restype = None
         lib.rowgemm_dot_products.restype = ctypes.c_int64
         # Whether this build has bfloat16 products (AVX512-BF16): bfloat16 panels times inputs
         # rounded to bfloat16, summed in float32 (``linear(..., dot=True)``, kind 2 in the source).
@@ -146,18 +171,36 @@ class RowGemm:
         """x (..., K) float32 -> (..., N) float32. ``dot``: bfloat16 products (the inputs rounded to
         bfloat16; bfloat16 panels, where ``dot_products``), else float32 FMAs of the same weights."""
         weights = packed.weights
-        blocks, stride, _ = weights.shape
+        blocks, stride = weights.shape[:2]  # for block weights the stride is in bytes
         k, n = x.shape[-1], blocks * 8
         if k != packed.k:  # the C side would read past each row of x, or short of the weight
             raise ValueError(f"projection takes {packed.k} inputs, got {k}")
         x = x.contiguous()
         y = torch.empty((*x.shape[:-1], n), dtype=torch.float32)
+        if packed.blocks is not None:
+            if dot:
+                raise ValueError("block weights multiply in float32 only")
+            self._quant(x.data_ptr(), weights.data_ptr(), packed.kind, y.data_ptr(), x.numel() // k, k, stride, n)
+            return y
         if dot and not self.can_dot(packed):
             raise ValueError("bfloat16 products need AVX512-BF16 and bfloat16 panels")
         fn = self._dot if dot else self._b16 if weights.dtype == torch.bfloat16 else self._f32
         fn(x.data_ptr(), weights.data_ptr(), y.data_ptr(), x.numel() // k, k, stride, n)
         return y
 
+    def embedding_rows(self, table: Panels, ids: torch.Tensor) -> torch.Tensor:
+        """Rows ``ids`` (any shape, checked in range) of a Q8_0 panel weight (a tied embedding)
+        as float32 (..., K): the values its products use."""
+        if table.blocks != "q8_0":
+            raise ValueError("embedding rows are read from Q8_0 panels")
+        flat = ids.reshape(-1).to(torch.long).contiguous()
+        rows = table.weights.shape[0] * 8
+        if flat.numel() and (int(flat.min()) < 0 or int(flat.max()) >= rows):
+            raise ValueError(f"token id outside the vocabulary of {rows}")
+        out = torch.empty((flat.numel(), table.k), dtype=torch.float32)
+        self._q8_rows(table.weights.data_ptr(), table.weights.shape[1], table.k, flat.data_ptr(), flat.numel(),
+                      out.data_ptr())
+        return out.view(*ids.shape, table.k)
 
     def rmsnorm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         """RMSNorm over the last dim of contiguous float32 ``x``, row by row."""
