@@ -23,7 +23,14 @@ import numpy.typing as npt
 from gguf import GGMLQuantizationType, GGUFReader, ReaderTensor
 
 from models.gguf_llama import ConversionError, LlamaMeta, check_tensors, unpermute_rows
-from workers.engines.embedded.kernels.blocks import LAYOUT, PANELS_DIR, PANELS_FILE, BlockError, concat_rows, panel_bytes
+from workers.engines.embedded.kernels.blocks import (
+    LAYOUT,
+    PANELS_DIR,
+    PANELS_FILE,
+    BlockError,
+    concat_rows,
+    panel_bytes,
+)
 
 __all__ = ["PANELS_DIR", "PANELS_FILE", "block_panels"]
 _KINDS = {GGMLQuantizationType.Q4_1: "q4_1", GGMLQuantizationType.Q8_0: "q8_0"}

@@ -44,9 +44,10 @@ def parse_args(argv: list[str] | None = None, prog: str = "python -m workers") -
     parser.add_argument("--max-k", type=int, default=8)
     parser.add_argument("--default-k", type=int, default=6)
     parser.add_argument("--max-queue", type=int, default=64)
-    parser.add_argument("--dtype", choices=["auto", "float32", "bfloat16"], default="auto",
-                        help="the target's dtype; auto: bfloat16 where this CPU runs it prepacked, else float32 "
-                             "(embedded); the checkpoint's own dtype (vllm)")
+    parser.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "q4_1"], default="auto",
+                        help="the target's dtype; auto: measured at start-up among bfloat16, float32 and the "
+                             "GGUF's q4_1 blocks where make install laid them out (embedded); the checkpoint's "
+                             "own dtype (vllm, which has no q4_1)")
     parser.add_argument("--draft-dtype", choices=["float32", "bfloat16"], default="float32",
                         help="the draft's dtype (embedded; vLLM runs the draft in the target's dtype)")
     parser.add_argument("--exact", action=argparse.BooleanOptionalAction, default=True,
@@ -93,6 +94,9 @@ def parse_args(argv: list[str] | None = None, prog: str = "python -m workers") -
             LookupSettings(args.prompt_lookup_min, args.prompt_lookup_max, args.suffix_cache_bytes)
         except LookupSettingsError as error:
             parser.error(str(error))
+    elif args.dtype == "q4_1":
+        parser.error(f"--dtype q4_1 (workers.dtype) is the embedded engine's; engine {args.engine} serves the "
+                     "float32 conversion")
     return args
 
 

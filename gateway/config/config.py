@@ -112,7 +112,7 @@ class WorkersConfig:
     # SmolLM2's float32 target K/V (46 KB a token) with its draft's: a few long conversations.
     prefix_cache_mb: float = 256.0
     threads: int = 1  # compute threads per worker process: torch's and the float32 kernels'
-    dtype: Literal["auto", "float32", "bfloat16"] = "auto"  # the target's (auto: see workers/server/app.py)
+    dtype: Literal["auto", "float32", "bfloat16", "q4_1"] = "auto"  # the target's (auto: measured at start-up)
     draft_dtype: Literal["float32", "bfloat16"] = "float32"
     # dtype auto: choose only among configurations whose verification is bit-identical to plain
     # decoding on the worker's CPU (checked at start-up); false admits faster, close ones.
@@ -325,7 +325,7 @@ def _parse_workers(w: _Section, base: Path) -> WorkersConfig:
         max_model_len=w.get("max_model_len", int, wd.max_model_len, minimum=16, nullable=True),
         prefix_cache_mb=_prefix_cache_mb(w, wd.prefix_cache_mb),
         threads=w.get("threads", int, wd.threads, minimum=1),
-        dtype=w.get("dtype", str, wd.dtype, choices=("auto", "float32", "bfloat16")),
+        dtype=w.get("dtype", str, wd.dtype, choices=("auto", "float32", "bfloat16", "q4_1")),
         draft_dtype=w.get("draft_dtype", str, wd.draft_dtype, choices=("float32", "bfloat16")),
         exact=w.get("exact", bool, wd.exact),
         cost_cache_dir=w.path("cost_cache_dir", None, base, nullable=True),
@@ -336,6 +336,9 @@ def _parse_workers(w: _Section, base: Path) -> WorkersConfig:
         restart_backoff_s=w.get("restart_backoff_s", float, wd.restart_backoff_s, minimum=0),
         restart_backoff_max_s=w.get("restart_backoff_max_s", float, wd.restart_backoff_max_s, minimum=0),
         socket_dir=w.path("socket_dir", None, base, nullable=True), remote=_parse_remote(w.raw.get("remote"), problems))
+    if workers.dtype == "q4_1" and workers.engine != "embedded":
+        problems.add(ConfigError("workers.dtype", "q4_1", f"the GGUF's blocks are the embedded engine's; "
+                                 f"engine {workers.engine} serves the float32 conversion (dtype auto or float32)"))
     # Only a count that was given (and valid) can leave nothing to serve: a bad one is already reported.
     if workers.count == 0 and not workers.remote and not problems.failed("workers.count"):
         problems.add(ConfigError("workers.count", 0, "no local workers and no workers.remote: nothing would serve"))

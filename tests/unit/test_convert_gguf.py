@@ -45,6 +45,7 @@ class Tiny:
     seed: int = 0
     drop: tuple[str, ...] = ()  # GGUF tensors left out
     reshape: dict[str, tuple[int, ...]] = field(default_factory=dict)  # GGUF tensors written with another shape
+    quant: dict[str, GGMLQuantizationType] = field(default_factory=dict)  # GGUF tensors in another block type
 
     @property
     def vocab(self) -> int:
@@ -68,9 +69,9 @@ def hf_weights(tiny: Tiny) -> dict[str, np.ndarray]:
     meta = meta_of(tiny)
     rng = np.random.default_rng(tiny.seed)
     out = {}
-    for hf_name, shape in tensor_plan(meta, tiny.tied).values():
+    for gguf_name, (hf_name, shape) in tensor_plan(meta, tiny.tied).items():
         w = rng.standard_normal(shape).astype(np.float32)
-        qtype = quant_type(hf_name)
+        qtype = tiny.quant.get(gguf_name, quant_type(hf_name))
         out[hf_name] = w if qtype is None else dequantize(quantize(w, qtype), qtype)
     return out
 
@@ -124,7 +125,7 @@ def write_gguf(path: Path, tiny: Tiny) -> dict[str, np.ndarray]:
             w = permute_rows(w, tiny.kv_heads)
         if gguf_name in tiny.reshape:
             w = np.zeros(tiny.reshape[gguf_name], dtype=np.float32)
-        qtype = quant_type(hf_name)
+        qtype = tiny.quant.get(gguf_name, quant_type(hf_name))
         if qtype is None:
             writer.add_tensor(gguf_name, w)
         else:

@@ -32,6 +32,7 @@ from workers.engines.embedded.measurement.precision import torch_threads_serving
 from workers.engines.embedded.measurement.settings import MeasureSettings
 from workers.engines.embedded.memory import return_freed_heap
 from workers.engines.embedded.projections import TORCH_DTYPES, Products, products_named, resolve_dtype
+from workers.engines.embedded.quantized import TargetDtype, load_target
 from workers.engines.embedded.runner import EngineRunner
 from workers.engines.interface import (
     EngineInfo,
@@ -51,9 +52,9 @@ class EmbeddedSettings:
     draft: Path | None
     max_slots: int = 16  # sequences batched together
     max_k: int = 8  # deepest speculation this worker runs
-    # The target's. "auto": bfloat16 where it runs prepacked (fast, bit-identical verification),
-    # else float32, which is faster than unpacked bfloat16 and makes no bit-for-bit promise.
-    dtype: Literal["auto", "float32", "bfloat16"] = "auto"
+    # The target's. "auto": chosen by measurement at start-up (measurement/measure.py) among
+    # bfloat16, float32 and, where make install laid them out, the GGUF's q4_1 blocks (quantized.py).
+    dtype: Literal["auto", "float32", "bfloat16", "q4_1"] = "auto"
     # The draft's: float32 by default, because for a model this small bfloat16's upcasts around
     # every norm cost more than its cheaper matmuls save; its numerics never reach the output.
     draft_dtype: Literal["float32", "bfloat16"] = "float32"
@@ -80,12 +81,13 @@ class EmbeddedSettings:
 
 def load_speculative_engine(settings: EmbeddedSettings, target: LlamaForCausalLM | None = None,
                             packed: bool = True, products: Products = "float32") -> SpeculativeEngine:
-    """The engine with ``settings.dtype`` as given ("auto": by CPU flags, ``resolve_dtype``);
+    """The engine with ``settings.dtype`` as given ("auto": by CPU flags, ``resolve_dtype``; "q4_1":
+    from the GGUF's blocks);
     a worker passes the dtype, packing and products its cost measurement chose, and the target
     it loaded to measure (``EmbeddedEngine.start``)."""
     if target is None:
-        target = LlamaForCausalLM.from_pretrained(settings.target, TORCH_DTYPES[resolve_dtype(settings.dtype)],
-                                                  packed, products)
+        dtype = settings.dtype if settings.dtype == "q4_1" else resolve_dtype(settings.dtype)
+        target = load_target(settings.target, dtype, packed, products)
     draft = None
     if settings.draft is not None:
         draft = LlamaForCausalLM.load_draft(settings.draft, TORCH_DTYPES[settings.draft_dtype], products,
@@ -165,7 +167,8 @@ class EmbeddedEngine:
         precision = report.precision
         assert precision is not None
         torch.set_num_threads(torch_threads_serving(precision, threads))
-        dtype: Literal["float32", "bfloat16"] = "bfloat16" if precision.target == "bfloat16" else "float32"
+        dtype: TargetDtype = ("bfloat16" if precision.target == "bfloat16" else "q4_1" if precision.target == "q4_1"
+                              else "float32")
         engine = load_speculative_engine(dataclasses.replace(s, dtype=dtype), target, precision.prepacked,
                                          products_named(precision.products))
         return_freed_heap()

@@ -72,7 +72,8 @@ def load_blocks(directory: Path | str) -> LlamaForCausalLM:
     directory = Path(directory)
     cfg = ModelConfig.from_json(directory / "config.json")
     if not kernel.supports(cfg.hidden_size, cfg.head_dim):
-        raise ValueError(f"{directory}: hidden size {cfg.hidden_size} / head size {cfg.head_dim} do not fit the kernels")
+        raise ValueError(f"{directory}: hidden size {cfg.hidden_size} / head size {cfg.head_dim} "
+                         "do not fit the kernels")
     path = panels_path(directory)
     with safe_open(str(path), "pt") as f:
         meta = f.metadata() or {}

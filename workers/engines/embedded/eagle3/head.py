@@ -28,7 +28,6 @@ from workers.engines.embedded.config import ModelConfig
 from workers.engines.embedded.layers import apply_rotary, rotary_tables
 from workers.engines.embedded.projections import FrozenLinear
 
-
 # The target's input embedding: token ids (any shape) -> their rows (..., hidden).
 TokenEmbedding = Callable[[torch.Tensor], torch.Tensor]
 

@@ -24,15 +24,15 @@
    float32 tiles do over float32 panels: the same weights in the same order, so the same bits as
    the float32 conversion on the float32 kernel, whatever the rows beside it (verification stays
    bit-identical to decoding one token at a time). Up to QROWS rows, a block is widened in
-   registers once per tile of rows; more rows (a prefill) widen QCHUNK panels into scratch
-   (float32 panels, L2-sized) and run the float32 tiles over them. */
+   registers once per tile of rows; more rows (a verification of K >= 3 drafts, a prefill) widen
+   each block once into an L1 buffer and run float32 tiles over it (blocked_range). The float32
+   weights are never stored whole. */
 #ifndef QUANT_BLOCKS_H
 #define QUANT_BLOCKS_H
 
 #define Q41_BLOCK 160
 #define Q80_BLOCK 272
-#define QROWS 4
-#define QCHUNK 24 /* panels widened at a time for many rows: a multiple of every float32 tile's NB */
+#define QROWS 3 /* rows widened in registers; more take blocked_range */
 
 static inline __m256 widen_ph(const uint16_t* h) { return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)h)); }
 
@@ -48,7 +48,11 @@ static void q41tile_##MR##_##NB(const float* x, int64_t K, const uint8_t* p, int
     const uint8_t* blk[NB]; \
     UNROLL for (int b = 0; b < NB; ++b) { \
       blk[b] = p + b * PS + (k0 / 32) * Q41_BLOCK; \
-      if (PREFETCH_BYTES) _mm_prefetch((const char*)blk[b] + PREFETCH_BYTES, _MM_HINT_T1); \
+      if (PREFETCH_BYTES) { /* a block is 2.5 cache lines: ask for 3 */ \
+        _mm_prefetch((const char*)blk[b] + PREFETCH_BYTES, _MM_HINT_T1); \
+        _mm_prefetch((const char*)blk[b] + PREFETCH_BYTES + 64, _MM_HINT_T1); \
+        _mm_prefetch((const char*)blk[b] + PREFETCH_BYTES + 128, _MM_HINT_T1); \
+      } \
       d[b] = widen_ph((const uint16_t*)blk[b]); \
       mn[b] = widen_ph((const uint16_t*)blk[b] + 8); \
     } \
@@ -78,10 +82,8 @@ static void q80tile_##MR##_##NB(const float* x, int64_t K, const uint8_t* p, int
     const uint8_t* blk[NB]; \
     UNROLL for (int b = 0; b < NB; ++b) { \
       blk[b] = p + b * PS + (k0 / 32) * Q80_BLOCK; \
-      if (PREFETCH_BYTES) { \
-        _mm_prefetch((const char*)blk[b] + PREFETCH_BYTES, _MM_HINT_T1); \
-        _mm_prefetch((const char*)blk[b] + PREFETCH_BYTES + 128, _MM_HINT_T1); \
-      } \
+      if (PREFETCH_BYTES) /* a block is 4.25 cache lines: ask for 5 */ \
+        for (int l = 0; l < 5; ++l) _mm_prefetch((const char*)blk[b] + PREFETCH_BYTES + 64 * l, _MM_HINT_T1); \
       d[b] = widen_ph((const uint16_t*)blk[b]); \
     } \
     _Pragma("GCC unroll 4") for (int64_t k = 0; k < 32; ++k) { \
@@ -97,37 +99,87 @@ static void q80tile_##MR##_##NB(const float* x, int64_t K, const uint8_t* p, int
     _mm256_storeu_ps(y + m * N + b * 8, acc[m][b]); \
 }
 
-Q41_TILE(1, 4) Q41_TILE(1, 6) Q41_TILE(1, 8) Q41_TILE(2, 3) Q41_TILE(2, 4) Q41_TILE(3, 2) Q41_TILE(4, 2)
-Q41_TILE(1, 1) Q41_TILE(2, 1) Q41_TILE(3, 1) Q41_TILE(4, 1)
-Q80_TILE(1, 4) Q80_TILE(2, 3) Q80_TILE(3, 2) Q80_TILE(4, 2)
-Q80_TILE(1, 1) Q80_TILE(2, 1) Q80_TILE(3, 1) Q80_TILE(4, 1)
+Q41_TILE(1, 4) Q41_TILE(2, 3) Q41_TILE(3, 2) Q41_TILE(1, 1) Q41_TILE(2, 1) Q41_TILE(3, 1)
+Q80_TILE(1, 4) Q80_TILE(2, 3) Q80_TILE(3, 2) Q80_TILE(1, 1) Q80_TILE(2, 1) Q80_TILE(3, 1)
 
 #define QRUN(KIND, MR, NB) do { \
   int64_t b = lo; \
   for (; b + NB <= hi; b += NB) KIND##tile_##MR##_##NB(x, K, p + b * PS, PS, y + b * 8, N); \
   for (; b < hi; ++b) KIND##tile_##MR##_1(x, K, p + b * PS, PS, y + b * 8, N); } while (0)
 
-/* One panel of blocks widened to a float32 panel (K, 8): the very values the tiles make. */
-static void widen_q41_panel(const uint8_t* p, int64_t K, float* out) {
+/* Many rows (a verification of 4 or more tokens, a prefill): per group of up to 3 panels and per
+   block of 32 k, the group's weights are widened once into an L1 buffer (3 KB), then every tile
+   of up to 4 rows runs the block's 32 FMAs a column on it, its sums carried in y between blocks
+   (a float32 stored and loaded back is the same float32, so the chain is the one the float32
+   tiles run). The widening is paid once per weight whatever the rows; 12 independent chains keep
+   both FMA pipes busy. */
+#define BTILE(MR, NB) \
+static void btile_##MR##_##NB(const float* x, int64_t K, int64_t k0, const float* w, float* y, int64_t N, \
+                              int first) { \
+  __m256 acc[MR][NB]; \
+  UNROLL for (int m = 0; m < MR; ++m) UNROLL for (int b = 0; b < NB; ++b) \
+    acc[m][b] = first ? _mm256_setzero_ps() : _mm256_loadu_ps(y + m * N + b * 8); \
+  _Pragma("GCC unroll 4") for (int64_t k = 0; k < 32; ++k) { \
+    __m256 wk[NB]; \
+    UNROLL for (int b = 0; b < NB; ++b) wk[b] = _mm256_load_ps(w + (b * 32 + k) * 8); \
+    UNROLL for (int m = 0; m < MR; ++m) { \
+      __m256 xv = _mm256_broadcast_ss(x + m * K + k0 + k); \
+      UNROLL for (int b = 0; b < NB; ++b) acc[m][b] = _mm256_fmadd_ps(xv, wk[b], acc[m][b]); \
+    } \
+  } \
+  UNROLL for (int m = 0; m < MR; ++m) UNROLL for (int b = 0; b < NB; ++b) \
+    _mm256_storeu_ps(y + m * N + b * 8, acc[m][b]); \
+}
+BTILE(4, 3) BTILE(3, 3) BTILE(2, 3) BTILE(1, 3) BTILE(4, 1) BTILE(1, 1)
+
+static inline void widen_q41_block(const uint8_t* blk, float* out) {
   const __m256i low = _mm256_set1_epi32(0xF);
-  for (int64_t k0 = 0; k0 < K; k0 += 32) {
-    const uint8_t* blk = p + (k0 / 32) * Q41_BLOCK;
-    __m256 d = widen_ph((const uint16_t*)blk), mn = widen_ph((const uint16_t*)blk + 8);
-    for (int64_t q = 0; q < 16; ++q) {
-      __m256i v = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)(blk + 32 + q * 8)));
-      _mm256_storeu_ps(out + (k0 + 2 * q) * 8, _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_and_si256(v, low)), d, mn));
-      _mm256_storeu_ps(out + (k0 + 2 * q + 1) * 8, _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(v, 4)), d, mn));
-    }
+  __m256 d = widen_ph((const uint16_t*)blk), mn = widen_ph((const uint16_t*)blk + 8);
+  for (int64_t q = 0; q < 16; ++q) {
+    __m256i v = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)(blk + 32 + q * 8)));
+    _mm256_store_ps(out + 2 * q * 8, _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_and_si256(v, low)), d, mn));
+    _mm256_store_ps(out + (2 * q + 1) * 8, _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(v, 4)), d, mn));
   }
 }
 
-static void widen_q80_panel(const uint8_t* p, int64_t K, float* out) {
-  for (int64_t k0 = 0; k0 < K; k0 += 32) {
-    const uint8_t* blk = p + (k0 / 32) * Q80_BLOCK;
-    __m256 d = widen_ph((const uint16_t*)blk);
-    for (int64_t k = 0; k < 32; ++k) {
-      __m256i v = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)(blk + 16 + k * 8)));
-      _mm256_storeu_ps(out + (k0 + k) * 8, _mm256_mul_ps(_mm256_cvtepi32_ps(v), d));
+static inline void widen_q80_block(const uint8_t* blk, float* out) {
+  __m256 d = widen_ph((const uint16_t*)blk);
+  for (int64_t k = 0; k < 32; ++k) {
+    __m256i v = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)(blk + 16 + k * 8)));
+    _mm256_store_ps(out + k * 8, _mm256_mul_ps(_mm256_cvtepi32_ps(v), d));
+  }
+}
+
+#define BRUN(NB) do { \
+  int64_t m = 0; \
+  for (; m + 4 <= M; m += 4) btile_4_##NB(x + m * K, K, k0, buf, y + m * N + g * 8, N, k0 == 0); \
+  switch (M - m) { \
+    case 3: btile_3_##NB(x + m * K, K, k0, buf, y + m * N + g * 8, N, k0 == 0); break; \
+    case 2: btile_2_##NB(x + m * K, K, k0, buf, y + m * N + g * 8, N, k0 == 0); break; \
+    case 1: btile_1_##NB(x + m * K, K, k0, buf, y + m * N + g * 8, N, k0 == 0); break; \
+    default: break; \
+  } } while (0)
+
+static void blocked_range(const float* x, const uint8_t* p, int64_t kind, float* y, int64_t M, int64_t K,
+                          int64_t PS, int64_t N, int64_t lo, int64_t hi) {
+  float buf[3 * 32 * 8] __attribute__((aligned(32)));
+  int64_t bytes = kind == 3 ? Q41_BLOCK : Q80_BLOCK;
+  for (int64_t g = lo; g < hi; g += 3) {
+    int64_t nb = hi - g < 3 ? hi - g : 3;
+    for (int64_t k0 = 0; k0 < K; k0 += 32) {
+      for (int64_t b = 0; b < nb; ++b) {
+        const uint8_t* blk = p + (g + b) * PS + (k0 / 32) * bytes;
+        if (kind == 3) widen_q41_block(blk, buf + b * 32 * 8);
+        else widen_q80_block(blk, buf + b * 32 * 8);
+      }
+      if (nb == 3) BRUN(3);
+      else for (int64_t b = 0; b < nb; ++b) {
+        /* a group of 1-2 panels: one panel at a time (the buffer's panel b, output panel g + b) */
+        const float* one = buf + b * 32 * 8;
+        int64_t m = 0;
+        for (; m + 4 <= M; m += 4) btile_4_1(x + m * K, K, k0, one, y + m * N + (g + b) * 8, N, k0 == 0);
+        for (; m < M; ++m) btile_1_1(x + m * K, K, k0, one, y + m * N + (g + b) * 8, N, k0 == 0);
+      }
     }
   }
 }
@@ -135,44 +187,14 @@ static void widen_q80_panel(const uint8_t* p, int64_t K, float* out) {
 /* Output panels [lo, hi) of a block weight (kind 3: Q4_1, 4: Q8_0; PS bytes a panel) for M rows. */
 static void quant_range(const float* x, const uint8_t* p, int64_t kind, float* y, int64_t M, int64_t K, int64_t PS,
                         int64_t N, int64_t lo, int64_t hi) {
-  if (M <= (getenv("QROWS") ? atoi(getenv("QROWS")) : QROWS)) {
-    switch (M * 2 + (kind == 4)) {
-      case 2:
-        if (getenv("QNB") && atoi(getenv("QNB")) == 8) QRUN(q41, 1, 8);
-        else if (getenv("QNB") && atoi(getenv("QNB")) == 6) QRUN(q41, 1, 6);
-        else QRUN(q41, 1, 4);
-        break;
-      case 4:
-        if (getenv("QNB2")) QRUN(q41, 2, 4); else QRUN(q41, 2, 3);
-        break;
-      case 6: QRUN(q41, 3, 2); break;
-      case 8: QRUN(q41, 4, 2); break;
-      case 3: QRUN(q80, 1, 4); break;
-      case 5: QRUN(q80, 2, 3); break;
-      case 7: QRUN(q80, 3, 2); break;
-      case 9: QRUN(q80, 4, 2); break;
-      default: break;
-    }
-    return;
-  }
-  /* Many rows: QCHUNK panels at a time widened into this thread's scratch, then the float32
-     tiles over every row (f32_range's plan on a chunk of panels). */
-  static _Thread_local float* panels = NULL;
-  static _Thread_local int64_t room = 0;
-  int64_t need = QCHUNK * K * 8;
-  if (need > room) {
-    float* grown = realloc(panels, (size_t)need * sizeof(float));
-    if (grown == NULL) abort(); /* as gemm_any's: no silent other arithmetic */
-    panels = grown;
-    room = need;
-  }
-  for (int64_t c0 = lo; c0 < hi; c0 += QCHUNK) {
-    int64_t c1 = c0 + QCHUNK < hi ? c0 + QCHUNK : hi;
-    for (int64_t b = c0; b < c1; ++b) {
-      if (kind == 3) widen_q41_panel(p + b * PS, K, panels + (b - c0) * K * 8);
-      else widen_q80_panel(p + b * PS, K, panels + (b - c0) * K * 8);
-    }
-    f32_range(x, panels, y + c0 * 8, M, K, K, N, 0, c1 - c0);
+  switch (M > QROWS ? 0 : M * 2 + (kind == 4)) {
+    case 2: QRUN(q41, 1, 4); break;
+    case 4: QRUN(q41, 2, 3); break;
+    case 6: QRUN(q41, 3, 2); break;
+    case 3: QRUN(q80, 1, 4); break;
+    case 5: QRUN(q80, 2, 3); break;
+    case 7: QRUN(q80, 3, 2); break;
+    default: blocked_range(x, p, kind, y, M, K, PS, N, lo, hi); break;
   }
 }
 

@@ -333,7 +333,7 @@ static void gemm_part(const void* ctx, int64_t part, int64_t parts) {
 
 static void gemm_any(const float* x, const void* w, int64_t kind, float* y, int64_t M, int64_t K, int64_t KS,
                      int64_t N) {
-  gemm_t g = {x, w, kind, y, M, K, KS, N, kind == 0 ? 24 : kind >= 3 ? 4 : 6};
+  gemm_t g = {x, w, kind, y, M, K, KS, N, kind == 0 ? 24 : kind >= 3 ? 12 : 6};
 #if !DOT_PRODUCTS
   if (kind == 2) abort(); /* rowgemm.py asks for kind 2 only where rowgemm_dot_products() */
 #else

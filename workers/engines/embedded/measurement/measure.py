@@ -4,7 +4,8 @@ Before a worker reports ready it spends at most ``budget_s`` here (or nothing, o
 
 1. **Precision.** Each target configuration (``workers.dtype: auto``: bfloat16, prepacked where
    the CPU can; float32 on the kernels and on ``F.linear``; and where the CPU has AVX512-BF16,
-   float32 on the kernels with bfloat16 products) is loaded, checked for bit-identical verification on this CPU
+   float32 on the kernels with bfloat16 products; and where make install laid the GGUF's blocks
+   out, q4_1 on them: ``quantized.py``) is loaded, checked for bit-identical verification on this CPU
    (a (K+1)-token verification and a padded batch against one-token-at-a-time decoding, bit
    for bit, on the real models) and timed at batch 1 for n = 1..max_k+1 new tokens, next to
    the draft. The candidates take turns, one forward each, so a noisy neighbour hits them
@@ -58,6 +59,7 @@ from workers.engines.embedded.measurement.settings import MeasureSettings, Targe
 from workers.engines.embedded.measurement.steps import draft_split, measure_overheads
 from workers.engines.embedded.measurement.trees import TREE_LEVEL_WIDTH, measure_tree_costs
 from workers.engines.embedded.projections import TORCH_DTYPES, Products
+from workers.engines.embedded.quantized import blocks_unavailable, load_target
 
 log = logging.getLogger(__name__)
 
@@ -251,7 +253,7 @@ class _Candidates:
 
 def _load_candidates(settings: MeasureSettings, shape: _Shape) -> _Candidates:
     configs = target_configs(settings.dtype, "float32" if stored_weight_dtype(settings.target) == "float32"
-                             else "bfloat16")
+                             else "bfloat16", blocks_unavailable(settings.target))
     # The draft multiplies as its target does (load_draft): one draft per products among the
     # candidates, each candidate priced with its own.
     drafts: dict[str, LlamaForCausalLM] = {}
@@ -259,8 +261,7 @@ def _load_candidates(settings: MeasureSettings, shape: _Shape) -> _Candidates:
         drafts = {p: LlamaForCausalLM.load_draft(settings.draft, TORCH_DTYPES[settings.draft_dtype], p,
                                                  target=settings.target)
                   for p in sorted({c[2] for c in configs.values()})}
-    targets = {d: LlamaForCausalLM.from_pretrained(settings.target, TORCH_DTYPES[configs[d][0]], configs[d][1],
-                                                   configs[d][2]) for d in configs}
+    targets = {d: load_target(settings.target, configs[d][0], configs[d][1], configs[d][2]) for d in configs}
     identical = {d: verification_bit_identical(m, max(2, shape.width)) for d, m in targets.items()}
     caches = {d: scratch_cache(m, shape.full, shape.positions) for d, m in targets.items()}
     draft_caches = {p: scratch_cache(m, shape.full, shape.positions) for p, m in drafts.items()}

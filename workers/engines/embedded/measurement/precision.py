@@ -53,8 +53,8 @@ def choose_precision(candidates: list[PrecisionCandidate],
     return best, f"fastest bit-identical at alpha {REFERENCE_ALPHA}: {listing}"
 
 
-def target_configs(dtype: Literal["auto", "float32", "bfloat16"],
-                   stored: TargetDtype = "bfloat16") -> dict[str, tuple[TargetDtype, bool, Products]]:
+def target_configs(dtype: Literal["auto", "float32", "bfloat16", "q4_1"], stored: TargetDtype = "bfloat16",
+                   blocks: str | None = "no blocks") -> dict[str, tuple[TargetDtype, bool, Products]]:
     """The target configurations to measure, by label: (dtype, packed, products). float32 packed
     runs kernels/rowgemm.py's kernels where they compiled, and is then measured against F.linear.
     Where the kernels have bfloat16 products (AVX512-BF16), a float32 model multiplying in
@@ -64,10 +64,21 @@ def target_configs(dtype: Literal["auto", "float32", "bfloat16"],
     ``auto`` never narrows weights stored in float32 (``stored``, the checkpoint's) to bfloat16
     weights and activations: the start-up measurement ranks speed, not fidelity, and SmolLM2's
     float32 weights in bfloat16 answer "What is the capital of France?" with "L'Étoile, la
-    Marseillaise, ..." (docs/engine.md). bfloat16 products on float32 weights stay candidates."""
+    Marseillaise, ..." (docs/engine.md). bfloat16 products on float32 weights stay candidates.
+
+    ``blocks``: why the target cannot be served from its GGUF blocks here (quantized.py's
+    ``blocks_unavailable``), None where it can: ``auto`` then measures ``q4_1`` too (the same
+    function as the float32 conversion, bit for bit: no fidelity to rank), and ``q4_1`` asked
+    for where it cannot run is a ValueError saying why."""
+    if dtype == "q4_1":
+        if blocks is not None:
+            raise ValueError(f"workers.dtype: q4_1: {blocks}")
+        return {"q4_1": ("q4_1", True, "float32")}
     dtypes: list[TargetDtype] = ["bfloat16", "float32"] if dtype == "auto" else [dtype]
     if dtype == "auto" and stored == "float32":
         dtypes = ["float32"]
+    if dtype == "auto" and blocks is None:
+        dtypes.append("q4_1")
     configs: dict[str, tuple[TargetDtype, bool, Products]] = {d: (d, True, "float32") for d in dtypes}
     kernel = rowgemm.load()
     if kernel is not None:
@@ -85,5 +96,5 @@ def torch_threads_serving(precision: PrecisionChoice, threads: int) -> int:
     second core from the kernels' helper: on the 2-core AVX2 machine, ``bench.engine --threads 2``
     decoded 603 -> 900 tok/s (plain -> speculative) with them and 770 -> 1135 without
     (OMP_WAIT_POLICY=PASSIVE), its start-up verification curve erratic with them."""
-    on_kernels = precision.target == "float32" and precision.prepacked and rowgemm.load() is not None
+    on_kernels = precision.target in ("float32", "q4_1") and precision.prepacked and rowgemm.load() is not None
     return 1 if on_kernels else threads

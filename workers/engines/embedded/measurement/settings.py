@@ -12,8 +12,11 @@ import torch
 from workers.costs.cache import cache_key
 from workers.engines.embedded.kernels import rowgemm
 from workers.engines.embedded.projections import bf16_prepacking_available
+from workers.engines.embedded.quantized import TargetDtype, blocks_unavailable
 
-TargetDtype = Literal["float32", "bfloat16"]
+__all__ = ["DraftDtype", "MeasureSettings", "TargetDtype", "kernel_build"]
+
+DraftDtype = Literal["float32", "bfloat16"]
 
 
 @dataclass(frozen=True)
@@ -22,8 +25,8 @@ class MeasureSettings:
     draft: Path | None
     max_slots: int
     max_k: int
-    dtype: Literal["auto", "float32", "bfloat16"] = "auto"
-    draft_dtype: TargetDtype = "float32"
+    dtype: Literal["auto", "float32", "bfloat16", "q4_1"] = "auto"
+    draft_dtype: DraftDtype = "float32"
     exact: bool = True  # only bit-identical configurations, unless none is
     budget_s: float = 4.0
     threads: int = 1  # torch intra-op threads the worker runs with
@@ -33,7 +36,9 @@ class MeasureSettings:
         return cache_key({"target": self.target, "draft": self.draft},
                          {"max_slots": self.max_slots, "max_k": self.max_k, "dtype": self.dtype,
                           "draft_dtype": self.draft_dtype, "exact": self.exact, "threads": self.threads,
-                          "prepacking": bf16_prepacking_available(), "rowgemm": kernel_build()},
+                          "prepacking": bf16_prepacking_available(), "rowgemm": kernel_build(),
+                          # whether the GGUF's blocks can serve: auto measures them then
+                          "blocks": blocks_unavailable(self.target) is None},
                          torch.__version__)
 
 
