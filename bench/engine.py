@@ -43,6 +43,7 @@ from workers.engines.embedded.measurement.measure import measure
 from workers.engines.embedded.measurement.precision import torch_threads_serving
 from workers.engines.embedded.measurement.settings import MeasureSettings
 from workers.engines.embedded.projections import TORCH_DTYPES, Products, products_named
+from workers.engines.embedded.quantized import load_target
 from workers.text import TextCodec
 
 REPO = Path(__file__).resolve().parent.parent
@@ -60,7 +61,7 @@ def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--target", type=Path, default=REPO / "models/demo-target")
     parser.add_argument("--draft", type=Path, default=REPO / "models/demo-draft")
-    parser.add_argument("--dtype", choices=["auto", "float32", "bfloat16"], default="auto",
+    parser.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "q4_1"], default="auto",
                         help="the target's dtype (auto: as a worker resolves it)")
     parser.add_argument("--draft-dtype", choices=["float32", "bfloat16"], default="float32")
     parser.add_argument("--threads", type=int, default=1,
@@ -134,7 +135,7 @@ def load_served(args: argparse.Namespace, batch_sizes: list[int]) -> tuple[Serve
     # served as a float32 model with bfloat16 products: costs_measure.target_configs).
     args.dtype = costs.precision.target
     products = products_named(costs.precision.products)
-    target = LlamaForCausalLM.from_pretrained(args.target, TORCH_DTYPES[args.dtype], costs.precision.prepacked,
+    target = load_target(args.target, args.dtype, costs.precision.prepacked,
                                               products)
     draft = LlamaForCausalLM.load_draft(args.draft, TORCH_DTYPES[args.draft_dtype], products, target=args.target)
     codec = TextCodec.from_model_dir(args.target)
@@ -153,7 +154,7 @@ def load_served(args: argparse.Namespace, batch_sizes: list[int]) -> tuple[Serve
     other_products: Products = "float32" if products == "bfloat16" else "bfloat16"
     kernel = rowgemm.load()
     if target.fused is not None and kernel is not None and kernel.dot_products:
-        other_target = LlamaForCausalLM.from_pretrained(args.target, TORCH_DTYPES[args.dtype], True, other_products)
+        other_target = load_target(args.target, args.dtype, True, other_products)
         b1_engines[OTHER_PLAIN] = SpeculativeEngine(other_target, draft, max_slots=1, max_k=args.kmax,
                                                     max_positions=args.max_positions)
     run_interleaved(b1_engines, [prompts[:1]], 8, 0.0)  # warm-up
@@ -233,8 +234,8 @@ def measure_forwards(args: argparse.Namespace, served: Served, batch1: Batch1) -
     reps = 10 if args.smoke else 50 if args.quick else 200
     target, draft = served.target, served.draft
     # The same two models in the other dtype each: what the dtype defaults rest on (docs/engine.md).
-    other = {"float32": "bfloat16", "bfloat16": "float32"}
-    target_alt = LlamaForCausalLM.from_pretrained(args.target, TORCH_DTYPES[other[args.dtype]])
+    other = {"float32": "bfloat16", "bfloat16": "float32", "q4_1": "float32"}
+    target_alt = load_target(args.target, other[args.dtype])  # type: ignore[arg-type]
     # load_draft: a reduced-vocabulary draft reads the target's embedding (models/draft_format.py)
     draft_alt = LlamaForCausalLM.load_draft(args.draft, TORCH_DTYPES[other[args.draft_dtype]], target=args.target)
     last = args.kmax + 1

@@ -11,6 +11,11 @@ forwards (``head_first_cost``, ``head_draft_cost``) price each K as the policy p
 (``policies.cost.head_step_cost``): ``predicted`` is that price's speed-up at the measured α, next to the
 measured speed-up of the decode steps. Targets (issue #54): ``real_pair_speedup_b1``, the best K's
 tokens/s ÷ plain's (prefills included) ≥ 1.8; ``prediction_error`` ≤ 0.10 at that K.
+
+Where the worker serves the GGUF's blocks (``q4_1``, issue #55), plain decoding of the float32
+conversion takes turns with the rest too: ``quantized_plain_over_float32_plain`` (≥ 1.6), the
+two plain configurations' tokens/s on the same prompts. And each prefills 150- and 1,000-token
+prompts, taking turns (``prefill_ms``; the target: the blocks no slower than float32).
 """
 
 from __future__ import annotations
@@ -22,7 +27,7 @@ from typing import Any
 
 import torch
 
-from bench.engine_runs import RunResult, run_interleaved
+from bench.engine_runs import RunResult, prefill_times, run_interleaved
 from bench.procs import print_result
 from bench.prompts import load_task_prompts
 from policies import CostModel
@@ -38,11 +43,15 @@ from workers.engines.embedded.llama import LlamaForCausalLM
 from workers.engines.embedded.measurement.measure import measure
 from workers.engines.embedded.measurement.precision import torch_threads_serving
 from workers.engines.embedded.measurement.settings import MeasureSettings
-from workers.engines.embedded.projections import TORCH_DTYPES, products_named
+from workers.engines.embedded.projections import products_named
+from workers.engines.embedded.quantized import blocks_unavailable, load_target
 from workers.text import TextCodec
 
 SPEEDUP_TARGET = 1.8
 PREDICTION_TOLERANCE = 0.10
+QUANTIZED_PLAIN_TARGET = 1.6  # issue #55: the blocks' plain step against the float32 conversion's
+OTHER_CONFIG = -3  # run_interleaved's key (a negative one: plain) for the other plain configuration
+PREFILL_TOKENS = (150, 1000)
 
 
 def run(args: argparse.Namespace) -> None:
@@ -52,25 +61,30 @@ def run(args: argparse.Namespace) -> None:
     costs = measure(MeasureSettings(args.target, args.draft, 16, args.kmax, args.dtype, args.draft_dtype,
                                     not args.inexact, args.cost_budget_s, args.threads))
     assert costs.precision is not None
+    precision = costs.precision
     torch.set_num_threads(torch_threads_serving(costs.precision, args.threads))
-    target = LlamaForCausalLM.from_pretrained(args.target, TORCH_DTYPES[costs.precision.target],
-                                              costs.precision.prepacked, products_named(costs.precision.products))
+    target = load_target(args.target, costs.precision.target, costs.precision.prepacked,  # type: ignore[arg-type]
+                         products_named(costs.precision.products))
     codec = TextCodec.from_model_dir(args.target)
     prompts = [codec.encode_chat([ChatMessage("user", text)]) for text in load_task_prompts()["code"][:args.prompts]]
     positions = max(map(len, prompts)) + args.max_tokens + args.kmax + 1
     head = Eagle3Head.load(args.eagle3, target.cfg, target.embed_rows, 1, positions)
-    precision = costs.precision
     costs = dataclasses.replace(costs, **head_costs(head, costs))
     model = CostModel.from_json(costs.to_json())
     engines = {0: SpeculativeEngine(target, None, max_slots=1, max_k=args.kmax, max_positions=positions)}
     for k in range(1, args.kmax + 1):
         engines[k] = SpeculativeEngine(target, None, max_slots=1, max_k=args.kmax, max_positions=positions,
                                        eagle=head, rng=random.Random(7))
+    other = _other_plain(args, precision.target)
+    if other is not None:  # the other plain configuration, taking turns with the rest
+        engines[OTHER_CONFIG] = SpeculativeEngine(other[1], None, max_slots=1, max_k=args.kmax, max_positions=positions)
     methods: dict[int, Method] = dict.fromkeys(range(1, args.kmax + 1), "eagle3")
     run_interleaved(engines, [prompts[:1]], 8, 0.0, methods=methods)  # warm-up
     print(f"CPU: {cpu_label()}; target {precision.target} ({precision.why}); head costs "
           f"first {costs.head_first_cost}, later {costs.head_draft_cost} of a plain step", flush=True)
     totals, outputs = run_interleaved(engines, [[p] for p in prompts], args.max_tokens, 0.0, methods=methods)
+    other_plain = totals.pop(OTHER_CONFIG, None)
+    other_identical = outputs.pop(OTHER_CONFIG, None) == outputs[0]
     plain = totals.pop(0)
     identical = sum(outputs[k][i] == outputs[0][i] for k in totals for i in range(len(prompts)))
     rows = {k: _row(r, plain, model, k) for k, r in totals.items()}
@@ -91,6 +105,9 @@ def run(args: argparse.Namespace) -> None:
                                              "met": rows[best]["speedup"] >= SPEEDUP_TARGET},
                     "prediction_error": {"value": round(error, 4), "target": PREDICTION_TOLERANCE,
                                          "met": error <= PREDICTION_TOLERANCE}}}
+    if other is not None and other_plain is not None:
+        out |= _quantized_figures(args, precision.target, target, other, plain, other_plain, other_identical)
+        out["targets"] |= out.pop("quantized_targets")
     print(f"best K={best}: {rows[best]['speedup']:.2f}x plain (target {SPEEDUP_TARGET}); prediction error "
           f"{error:.3f}; output identical to plain in {identical}/{len(totals) * len(prompts)} (prompt, K) runs")
     print_result(out, args.json)
@@ -103,3 +120,41 @@ def _row(result: RunResult, plain: RunResult, model: CostModel, k: int) -> dict[
             "accepted_per_proposed": round(result.accepted / max(1, result.proposed), 4),
             "predicted": round(expected_tokens(alpha, k) / head_step_cost(model, 1, k), 4),
             "draft_share": round(result.draft_share, 4)}
+
+
+def _other_plain(args: argparse.Namespace, served: str) -> tuple[str, LlamaForCausalLM] | None:
+    """The plain configuration to compare the served one with: float32 where the blocks serve,
+    the blocks where float32 serves and they can; None otherwise."""
+    if served == "q4_1":
+        other = LlamaForCausalLM.from_pretrained(args.target, torch.float32)
+        other.release_sources()
+        return "float32", other
+    if served == "float32" and blocks_unavailable(args.target) is None:
+        return "q4_1", load_target(args.target, "q4_1")
+    return None
+
+
+def _quantized_figures(args: argparse.Namespace, served: str, target: LlamaForCausalLM,
+                       other: tuple[str, LlamaForCausalLM], plain: RunResult, other_plain: RunResult,
+                       identical: bool) -> dict[str, Any]:
+    """Issue #55's figures: the blocks' plain decoding against the float32 conversion's (the same
+    prompts, taking turns), and their prefills."""
+    models = {served: target, other[0]: other[1]}
+    quantized, float32 = (plain, other_plain) if served == "q4_1" else (other_plain, plain)
+    ratio = quantized.tok_s / float32.tok_s
+    reps = 1 if args.quick else 3
+    prefill = {name: prefill_times(model, list(PREFILL_TOKENS), reps, only_served=True) for name, model in
+               models.items()}
+    prefill_ms = {str(n): {name: round(1000 * prefill[name][str(n)]["served"], 1) for name in models}
+                  for n in PREFILL_TOKENS}
+    slowest = max(row["q4_1"] / row["float32"] for row in prefill_ms.values())
+    print(f"plain: q4_1 {quantized.tok_s:.1f} tok/s, float32 {float32.tok_s:.1f} tok/s ({ratio:.2f}x; target "
+          f"{QUANTIZED_PLAIN_TARGET}); the same tokens: {identical}; prefill ms by prompt tokens: {prefill_ms}",
+          flush=True)
+    return {"float32_plain_tok_s": round(float32.tok_s, 2), "q4_1_plain_tok_s": round(quantized.tok_s, 2),
+            "q4_1_output_is_float32s": identical, "prefill_ms": prefill_ms,
+            "quantized_targets": {
+                "quantized_plain_over_float32_plain": {"ratio": round(ratio, 3), "target": QUANTIZED_PLAIN_TARGET,
+                                                       "met": ratio >= QUANTIZED_PLAIN_TARGET},
+                "quantized_prefill_over_float32": {"ratio": round(slowest, 3), "target": 1.0,
+                                                   "met": slowest <= 1.0}}}

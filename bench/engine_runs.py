@@ -196,23 +196,25 @@ def forward_times(models: dict[str, tuple[LlamaForCausalLM, int]], drafts: tuple
     return {name: total / reps for name, total in totals.items()}
 
 
-def prefill_times(target: LlamaForCausalLM, prompt_tokens: list[int], reps: int) -> dict[str, dict[str, float]]:
+def prefill_times(target: LlamaForCausalLM, prompt_tokens: list[int], reps: int,
+                  only_served: bool = False) -> dict[str, dict[str, float]]:
     """Seconds to prefill a prompt of each length at batch 1 as the engine does (fused, not
     row-invariant: the one-call kernel up to ``native_attention_max_tokens``, SDPA beyond) and
     with SDPA attention in the per-op path (what served prefills longer than 16 tokens before),
-    taking turns."""
-    cache = KVCache.allocate(target.cfg, 1, target.lm_head.weight.dtype)
+    taking turns; ``only_served``: as the engine does only."""
+    positions = max(prompt_tokens) + 1  # the prompts' span, not the model's window (SmolLM2's: 377 MB a slot)
+    cache = KVCache.allocate(target.cfg, 1, target.lm_head.weight.dtype, positions)
     served = target.native_attention_max_tokens
     out: dict[str, dict[str, float]] = {}
     with torch.inference_mode():
         for n in prompt_tokens:
             prompt = torch.randint(5, target.cfg.vocab_size, (1, n), generator=torch.Generator().manual_seed(0))
-            totals = {"served": 0.0, "sdpa": 0.0}
+            totals = {"served": 0.0} if only_served else {"served": 0.0, "sdpa": 0.0}
             for i in range(reps + 1):
                 for name in totals:
                     target.native_attention_max_tokens = served if name == "served" else 0
                     started = time.perf_counter()
-                    batch = CacheBatch.build([0], [0], [n], n, target.cfg.max_position_embeddings, row_invariant=False)
+                    batch = CacheBatch.build([0], [0], [n], n, positions, row_invariant=False)
                     target.forward_cached(prompt, cache, batch, torch.zeros(1, dtype=torch.long), torch.tensor([n - 1]))
                     if i >= 1:
                         totals[name] += time.perf_counter() - started

@@ -51,7 +51,7 @@ def test_a_projection_in_another_block_type_gets_no_panels_and_is_named(tmp_path
     reason = blocks_unavailable(out)
     if rowgemm.load() is not None:
         assert reason is not None and "blk.1.ffn_up.weight is Q5_0" in reason
-        with pytest.raises(ValueError, match="blk.1.ffn_up.weight is Q5_0"):
+        with pytest.raises(ValueError, match=r"blk.1.ffn_up.weight is Q5_0"):
             load_blocks(out)
     assert LlamaForCausalLM.from_pretrained(out, torch.float32).cfg.num_hidden_layers == 2  # still serves
     assert not convert(Source(path), out, tokenizer=False)  # and is up to date without panels

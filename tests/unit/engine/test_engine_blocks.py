@@ -55,12 +55,12 @@ def test_the_blocks_compute_the_float32_conversion_bit_for_bit(block_dir: Path, 
     prompt = PROMPTS[3] * 3
     caches = [KVCache.allocate(m.cfg, 2, torch.float32) for m in (quantized, converted)]
     for start, n in [(0, len(prompt)), (len(prompt), 1), (len(prompt) + 1, 5)]:
-        tokens = (prompt + [7, 8, 9, 10, 11, 12])[start:start + n]
+        tokens = ([*prompt, 7, 8, 9, 10, 11, 12])[start:start + n]
         out = [m.fused.run_rows([tokens], c.k, c.v, [1], [start], list(range(n)))  # type: ignore[union-attr]
                for m, c in zip((quantized, converted), caches, strict=True)]
         assert torch.equal(out[0], out[1]), (start, n)
     assert torch.equal(quantized.embed_rows(torch.tensor([[1, 2]])), converted.embed_rows(torch.tensor([[1, 2]])))
-    with pytest.raises(RuntimeError, match="release_sources emptied"):
+    with pytest.raises(RuntimeError, match=r"release_sources emptied"):
         quantized.forward_train(torch.tensor([[1, 2]]))
 
 
@@ -107,7 +107,7 @@ def test_greedy_parity_mixed_batch(quantized: LlamaForCausalLM, draft_model: Lla
 
 def test_prefix_cache_hits_change_no_token(quantized: LlamaForCausalLM, draft_model: LlamaForCausalLM) -> None:
     system = PROMPTS[5] + PROMPTS[6] + PROMPTS[7]
-    prompts = [system + [3, 4, 5], system + [9], system + PROMPTS[2]]
+    prompts = [[*system, 3, 4, 5], [*system, 9], system + PROMPTS[2]]
 
     def run(cache_bytes: int) -> tuple[list[list[int]], list[int | None]]:
         engine = SpeculativeEngine(quantized, draft_model, max_slots=2, max_k=4, prefill_chunk=16,
@@ -135,9 +135,9 @@ def test_q4_1_is_a_candidate_where_the_panels_are(block_dir: Path, tmp_path: Pat
     reason = blocks_unavailable(tmp_path)
     assert reason is not None and "blk.0.attn_q.weight is Q5_0" in reason
     assert "q4_1" not in target_configs("auto", "float32", reason)
-    with pytest.raises(ValueError, match="workers.dtype: q4_1: .*blk.0.attn_q.weight is Q5_0"):
+    with pytest.raises(ValueError, match=r"workers.dtype: q4_1: .*blk.0.attn_q.weight is Q5_0"):
         target_configs("q4_1", "float32", reason)
-    with pytest.raises(ValueError, match="gguf-panels/model.safetensors is missing"):
+    with pytest.raises(ValueError, match=r"gguf-panels/model.safetensors is missing"):
         load_blocks(tmp_path)
 
 
@@ -153,6 +153,6 @@ def test_a_corrupt_panel_file_is_refused_at_load(block_dir: Path, tmp_path: Path
     bad[0, 0:2] = [0x00, 0x7E]  # fp16 NaN as column 0's scale of block 0
     save_file({**tensors, "model.layers.1.mlp.down_proj.q4_1": bad}, str(tmp_path / PANELS_DIR / PANELS_FILE),
               metadata=metadata)
-    with pytest.raises(ValueError, match="model.layers.1.mlp.down_proj.q4_1: block 0 of panel 0 has a non-finite "
-                                         "scale"):
+    with pytest.raises(ValueError, match=r"model.layers.1.mlp.down_proj.q4_1: block 0 of panel 0 has a non-finite "
+                                          r"scale"):
         load_blocks(tmp_path)

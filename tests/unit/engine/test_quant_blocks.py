@@ -39,7 +39,7 @@ def test_widened_weights_are_the_float32_conversions_bit_for_bit(kind: str, n: i
     if kind == "q8_0":  # the embedding: rows read as the head multiplies them
         ids = torch.tensor([[0, n - 1], [3, 3]])
         assert torch.equal(KERNEL.embedding_rows(panels, ids), torch.from_numpy(reference)[ids])
-        with pytest.raises(ValueError, match="outside the vocabulary"):
+        with pytest.raises(ValueError, match=r"outside the vocabulary"):
             KERNEL.embedding_rows(panels, torch.tensor([n]))
 
 
@@ -83,7 +83,7 @@ def test_the_panels_read_back_from_bytes_are_the_same_weights() -> None:
     again = panels_from_bytes(torch.from_numpy(panel_bytes(raw, "q4_1", "w")), "q4_1", 64, "w")
     x = torch.randn(2, 64)
     assert torch.equal(KERNEL.linear(x, again), KERNEL.linear(x, packed))
-    with pytest.raises(BlockError, match="w: .* is not q4_1 panels of 96 inputs"):
+    with pytest.raises(BlockError, match=r"w: .* is not q4_1 panels of 96 inputs"):
         panels_from_bytes(again.weights, "q4_1", 96, "w")
 
 
@@ -108,9 +108,9 @@ def test_a_non_finite_scale_is_refused_naming_the_weight(kind: str, offset: int,
 
 def test_other_block_types_and_shapes_are_refused_by_name() -> None:
     raw, _ = quantized(weight(16, 64, 8), "q4_1")
-    with pytest.raises(BlockError, match="attn_q: q5_0 blocks are not read"):
+    with pytest.raises(BlockError, match=r"attn_q: q5_0 blocks are not read"):
         pack_blocks(raw, "q5_0", "attn_q")
-    with pytest.raises(BlockError, match="attn_q: 12 output rows, not a multiple of 8"):
+    with pytest.raises(BlockError, match=r"attn_q: 12 output rows, not a multiple of 8"):
         pack_blocks(raw[:12], "q4_1", "attn_q")
     with pytest.raises(BlockError, match=r"attn_q: uint8 \(16, 39\) is not rows of q4_1 blocks"):
         pack_blocks(raw[:, :39], "q4_1", "attn_q")
