@@ -18,13 +18,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from bench.procs import ServerProcess, free_port, wait_ok
+from bench.procs import ServerProcess, free_port
 from tests.e2e.harness import MODELS
 
 ENGINE_K = 3  # the demo engines' num_speculative_tokens
 MAX_MODEL_LEN = 512
 SYNC_SCHEDULER = "specgate_vllm.scheduler.SpecgateScheduler"
 STARTUP_TIMEOUT_S = 300.0  # vLLM loads in about a minute here; slower while other engines load
+LAUNCHED_TIMEOUT_S = 600.0  # the session's servers, loading side by side (conftest.py)
 
 
 @dataclass(frozen=True)
@@ -67,7 +68,18 @@ def start_vllm_server(log_dir: Path, *, speculative: bool, plugin: bool, metrics
     draft (``speculative``) runs in the target's dtype, K = ENGINE_K; ``method``: vLLM's
     speculative method, ``draft_model`` (``pair``'s draft) or ``ngram`` (prompt lookup);
     ``extra``: more of vLLM's flags; ``speculative_config``: vLLM's, whole (e.g. an EAGLE-3 head's),
-    instead of the one ``method`` names."""
+    instead of the one ``method`` names. Returns once it answers /health."""
+    server = launch_vllm_server(log_dir, speculative=speculative, plugin=plugin, metrics_level=metrics_level,
+                                pair=pair, method=method, extra=extra, speculative_config=speculative_config)
+    server.wait_ready("/health", STARTUP_TIMEOUT_S)
+    return server
+
+
+def launch_vllm_server(log_dir: Path, *, speculative: bool, plugin: bool, metrics_level: str = "summary",
+                       pair: ModelPair = DEMO_PAIR, method: str = "draft_model",
+                       extra: tuple[str, ...] = (), speculative_config: dict[str, Any] | None = None) -> VllmServer:
+    """``start_vllm_server`` without the wait: the process is started; ``wait_ready("/health", ...)``
+    before use (the lane's servers load side by side: conftest.py)."""
     pair.check()
     port = free_port()
     log_path = log_dir / f"vllm-{port}.log"
@@ -86,12 +98,6 @@ def start_vllm_server(log_dir: Path, *, speculative: bool, plugin: bool, metrics
     command += extra
     with log_path.open("wb") as log:
         process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=vllm_env())
-    try:
-        wait_ok(process, f"http://127.0.0.1:{port}/health", STARTUP_TIMEOUT_S, log_path)
-    except RuntimeError:
-        process.kill()
-        process.wait()
-        raise
     return VllmServer(process, port, log_path)
 
 
