@@ -213,6 +213,7 @@ ERRORS: list[tuple[Any, str, Any]] = [
     ({"workers": {"count": 0, "remote": None}}, "workers.count", 0),
     ({"workers": {"dtype": "float16"}}, "workers.dtype", "float16"),
     ({"workers": {"draft_dtype": "int8"}}, "workers.draft_dtype", "int8"),
+    ({"workers": {"dtype": "q4_1", "engine": "vllm"}}, "workers.dtype", "q4_1"),  # the blocks are the embedded's
     ({"workers": {"engine": "tensorrt"}}, "workers.engine", "tensorrt"),
     ({"workers": {"vllm_args": ["enforce_eager"]}}, "workers.vllm_args", ["enforce_eager"]),
     ({"workers": {"vllm_args": {"scheduler_cls": "x.Y"}}}, "workers.vllm_args.scheduler_cls", "x.Y"),
@@ -445,3 +446,13 @@ def test_a_worker_refuses_a_bad_prefix_cache_at_start(value: str, capsys: pytest
         parse_args(["--target", "models/demo-target", "--port", "1", "--prefix-cache-mb", value])
     assert exited.value.code == 2
     assert "--prefix-cache-mb (workers.prefix_cache_mb)" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("engine", ["vllm", "sim"])
+def test_a_worker_refuses_q4_1_on_another_engine_at_start(engine: str, capsys: pytest.CaptureFixture[str]) -> None:
+    from workers.__main__ import parse_args
+
+    with pytest.raises(SystemExit) as exited:
+        parse_args(["--target", "models/demo-target", "--port", "1", "--engine", engine, "--dtype", "q4_1"])
+    assert exited.value.code == 2
+    assert f"--dtype q4_1 (workers.dtype) is the embedded engine's; engine {engine}" in capsys.readouterr().err
