@@ -2,6 +2,7 @@
 docs/engine.md section 1).
 
     python -m bench.kernels [--json] [--quick]
+    python -m bench.kernels --blocks models/smollm2-135m-instruct-q4_1 [--json]   (bench/kernels_blocks.py)
 
 - ``projections_ms``: one pass of the target's projections (all of its bfloat16 panels, 28 MB
   for the demo target: more than stays cached beside everything else) for 1 to 9 rows, in
@@ -41,6 +42,8 @@ from pathlib import Path
 
 import torch
 
+from bench.kernels_blocks import add_arguments as add_block_arguments
+from bench.kernels_blocks import run as run_blocks
 from bench.turns import median_in_turns
 from workers.api.generation import SamplingParams
 from workers.costs.cache import cpu_label
@@ -175,7 +178,11 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=60)
     parser.add_argument("--quick", action="store_true", help="fewer rows and repetitions (smoke run)")
     parser.add_argument("--json", action="store_true", help="print one JSON object as the last line")
+    add_block_arguments(parser)
     args = parser.parse_args()
+    if args.blocks is not None:
+        run_blocks(args)
+        return
     if args.quick:
         args.max_rows, args.reps = 4, 5
     torch.set_num_threads(1)  # as a worker runs
