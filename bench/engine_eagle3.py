@@ -105,6 +105,11 @@ def run(args: argparse.Namespace) -> None:
                                              "met": rows[best]["speedup"] >= SPEEDUP_TARGET},
                     "prediction_error": {"value": round(error, 4), "target": PREDICTION_TOLERANCE,
                                          "met": error <= PREDICTION_TOLERANCE}}}
+    out["what_alpha_buys"] = _what_alpha_buys(model, args.kmax)
+    buys = out["what_alpha_buys"]
+    print("the cost model's price of the head on this target: break-even α by K " + ", ".join(
+        f"K={k} {a}" for k, a in buys["break_even_alpha"].items()) + "; at α 0.7: " + ", ".join(
+        f"K={k} {v}x" for k, v in buys["at_alpha"]["0.7"].items()), flush=True)
     if other is not None and other_plain is not None:
         out |= _quantized_figures(args, precision.target, target, other, plain, other_plain, other_identical)
         out["targets"] |= out.pop("quantized_targets")
@@ -158,3 +163,24 @@ def _quantized_figures(args: argparse.Namespace, served: str, target: LlamaForCa
                                                        "met": ratio >= QUANTIZED_PLAIN_TARGET},
                 "quantized_prefill_over_float32": {"ratio": round(slowest, 3), "target": 1.0,
                                                    "met": slowest <= 1.0}}}
+
+
+def _what_alpha_buys(model: CostModel, kmax: int) -> dict[str, Any]:
+    """What the head can buy on this target by the cost model's own price of its steps (the
+    measured verification costs and head forwards): the per-token acceptance at which each K
+    breaks even with plain decoding, and each K's predicted speed-up at a few acceptances."""
+    def speedup(alpha: float, k: int) -> float:
+        return expected_tokens(alpha, k) / head_step_cost(model, 1, k)
+
+    def break_even(k: int) -> float | None:
+        lo, hi = 0.0, 1.0
+        if speedup(hi, k) < 1.0:
+            return None  # not even a head that is always right pays at this K
+        for _ in range(40):
+            mid = (lo + hi) / 2
+            lo, hi = (mid, hi) if speedup(mid, k) < 1.0 else (lo, mid)
+        return round(hi, 3)
+
+    return {"break_even_alpha": {str(k): break_even(k) for k in range(1, kmax + 1)},
+            "at_alpha": {str(a): {str(k): round(speedup(a, k), 3) for k in range(1, kmax + 1)}
+                         for a in (0.3, 0.5, 0.7, 0.9)}}
