@@ -5,7 +5,7 @@ on each class of bench/data/task_prompts.jsonl (code, json, math, chat).
                           [--fixed-k 2,3,5] [--temperatures 0,1] [--target DIR] [--draft DIR] [--eagle3 DIR|none]
 
 Two gateways (``specgate serve``), each with one embedded worker (``threads: 1``, one slot,
-float32): one serves the pair, the other the target alone (no draft loaded: plain decoding, what
+``dtype: auto`` as make serve's): one serves the pair, the other the target alone (no draft loaded: plain decoding, what
 a server without speculation runs). Chat completions go one at a time (batch 1), each
 configuration a session of its own per class and temperature (``X-Session-ID``):
 
@@ -63,9 +63,11 @@ DEFAULT_DRAFT = REPO / "models" / "smollm2-draft"
 DEFAULT_EAGLE3 = REPO / "models" / "smollm2-eagle3"
 EAGLE3_ALPHA_TARGET = 0.70  # issue #54: the head's α at K=5, T=0, on code and on JSON
 WARMUP_PROMPT = "Say hello in three languages."  # not in the prompt set
-# The pair serves float32 on one thread, one sequence at a time (the real target's measured
-# setting, docs/engine.md); the plain gateway the same target the same way.
-WORKERS: dict[str, Any] = {"count": 1, "threads": 1, "max_slots": 1, "dtype": "float32"}
+# The pair serves on one thread, one sequence at a time, in the precision make serve's workers
+# measure fastest (dtype auto: the GGUF's blocks where make install laid them out, the float32
+# conversion's function either way, so α does not depend on it); the plain gateway the same target
+# the same way.
+WORKERS: dict[str, Any] = {"count": 1, "threads": 1, "max_slots": 1, "dtype": "auto"}
 # A shared machine can stall a worker past the default 60 s (memory pressure from other jobs):
 # the bench would rather wait than fail.
 SERVER: dict[str, Any] = {"worker_timeout_s": 300}
