@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from tests.e2e.real_prompts import held_out
+from tests.unit.engine.engine_runs import output_tokens, run_until_idle
 from workers.engines.embedded.engine import GenerationRequest, SpeculativeEngine
 from workers.engines.embedded.kernels import rowgemm
 from workers.engines.embedded.kv_cache import KVCache
@@ -35,11 +36,8 @@ def greedy_batch(model: LlamaForCausalLM, prompts: list[list[int]], k: int = 0,
                                max_positions=max(map(len, prompts)) + TOKENS + 9)
     for i, prompt in enumerate(prompts):
         engine.add(GenerationRequest(f"r{i}", prompt, TOKENS, IGNORE_EOS, k=k))
-    out: dict[str, list[int]] = {f"r{i}": [] for i in range(len(prompts))}
-    while engine.has_work:
-        for event in engine.step():
-            out[event.request_id].extend(event.tokens)
-    return [out[f"r{i}"] for i in range(len(prompts))]
+    events = run_until_idle(engine)
+    return [output_tokens(events[f"r{i}"]) for i in range(len(prompts))]
 
 
 def first_difference(model: LlamaForCausalLM, prompt: list[int], a: list[int], b: list[int]) -> str:

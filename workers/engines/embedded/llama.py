@@ -324,19 +324,23 @@ class LlamaForCausalLM(nn.Module):
                                                                        self.cfg.head_dim) else None
         self.fused = None
         if self.native is not None:
-            cfg, blocks = self.cfg, self.model.blocks()
-            frozen = self.frozen_projections()
-            panels = [(f.panels, f.dot) for f in frozen if f is not None and f.panels is not None]
-            norms = [w for layer in blocks
-                     for w in (layer.input_layernorm.weight, layer.post_attention_layernorm.weight)]
-            assert len(panels) == len(frozen)
-            self.fused = fused_forward.FusedForward(
-                self.native, embed=self.model.embed_tokens.weight.detach().contiguous(),
-                norms=[*norms, self.model.norm.weight], panels=panels,
-                hidden=cfg.hidden_size, inter=cfg.intermediate_size, heads=cfg.num_attention_heads,
-                kv_heads=cfg.num_key_value_heads, head_dim=cfg.head_dim, eps=cfg.rms_norm_eps,
-                cos=self.rope_cos, sin=self.rope_sin)
+            self.fused = self.one_call_forward(self.native, self.model.embed_tokens.weight.detach().contiguous())
         return self
+
+    def one_call_forward(self, kernel: rowgemm.RowGemm,
+                         embed: torch.Tensor | rowgemm.Panels) -> fused_forward.FusedForward:
+        """The whole forward in one kernel call over the frozen projections (every one on panels),
+        the norms and ``embed``: a float32 table, or the Q8_0 panels of a model served from blocks."""
+        cfg, frozen = self.cfg, self.frozen_projections()
+        panels = [(f.panels, f.dot) for f in frozen if f is not None and f.panels is not None]
+        assert len(panels) == len(frozen)
+        norms = [w for layer in self.model.blocks()
+                 for w in (layer.input_layernorm.weight, layer.post_attention_layernorm.weight)]
+        return fused_forward.FusedForward(
+            kernel, embed=embed, norms=[*norms, self.model.norm.weight], panels=panels,
+            hidden=cfg.hidden_size, inter=cfg.intermediate_size, heads=cfg.num_attention_heads,
+            kv_heads=cfg.num_key_value_heads, head_dim=cfg.head_dim, eps=cfg.rms_norm_eps,
+            cos=self.rope_cos, sin=self.rope_sin)
 
     def release_sources(self) -> int:
         """For serving: empty the projections' weights that ``prepare_inference`` laid out again

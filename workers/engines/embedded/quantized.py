@@ -23,7 +23,7 @@ from safetensors import safe_open
 from torch import nn
 
 from workers.engines.embedded.config import ModelConfig
-from workers.engines.embedded.kernels import fused_forward, rowgemm
+from workers.engines.embedded.kernels import rowgemm
 from workers.engines.embedded.kernels.blocks import LAYOUT, PANELS_DIR, PANELS_FILE, BlockError, panels_from_bytes
 from workers.engines.embedded.llama import LlamaForCausalLM
 from workers.engines.embedded.projections import TORCH_DTYPES, FrozenLinear, Products
@@ -83,12 +83,12 @@ def load_blocks(directory: Path | str) -> LlamaForCausalLM:
     inputs: dict[str, int] = json.loads(meta.get("inputs", "{}"))
 
     def panels(name: str, rows: int, k: int) -> rowgemm.Panels:
-        found = [key for key in tensors if key.rpartition(".")[0] == name and key in inputs]
-        if len(found) != 1:
+        found = [(f"{name}.{kind}", kind) for kind in rowgemm.BLOCK_KINDS if f"{name}.{kind}" in tensors]
+        if len(found) != 1 or found[0][0] not in inputs:
             raise ValueError(f"{path}: no block panels for {name}")
-        key = found[0]
+        key, kind = found[0]
         try:
-            loaded = panels_from_bytes(tensors.pop(key), key.rpartition(".")[2], inputs[key], key)
+            loaded = panels_from_bytes(tensors.pop(key), kind, inputs[key], key)
         except BlockError as e:
             raise ValueError(f"{path}: {e}") from e
         if (loaded.weights.shape[0] * 8, loaded.k) != (rows, k):
@@ -101,7 +101,6 @@ def load_blocks(directory: Path | str) -> LlamaForCausalLM:
     model.eval().requires_grad_(False)
     hidden, inter, d = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
     width = (cfg.num_attention_heads + 2 * cfg.num_key_value_heads) * d
-    norms = []
     for i, layer in enumerate(model.model.blocks()):
         at = f"model.layers.{i}"
         attn, mlp = layer.self_attn, layer.mlp
@@ -110,11 +109,10 @@ def load_blocks(directory: Path | str) -> LlamaForCausalLM:
                                                         cfg.num_attention_heads * d), kernel)
         mlp.gate_up_fused = FrozenLinear.from_panels(panels(f"{at}.mlp.gate_up_proj", 2 * inter, hidden), kernel)
         mlp.down_frozen = FrozenLinear.from_panels(panels(f"{at}.mlp.down_proj", hidden, inter), kernel)
-        for norm in (layer.input_layernorm, layer.post_attention_layernorm):
-            norms.append(_norm(tensors, f"{at}.{_norm_name(layer, norm)}.weight", hidden, path))
-            norm.weight = nn.Parameter(norms[-1], requires_grad=False)
-    final = _norm(tensors, "model.norm.weight", hidden, path)
-    model.model.norm.weight = nn.Parameter(final, requires_grad=False)
+        for norm in ("input_layernorm", "post_attention_layernorm"):
+            getattr(layer, norm).weight = nn.Parameter(_norm(tensors, f"{at}.{norm}.weight", hidden, path),
+                                                       requires_grad=False)
+    model.model.norm.weight = nn.Parameter(_norm(tensors, "model.norm.weight", hidden, path), requires_grad=False)
     embed = panels("model.embed_tokens", cfg.vocab_size, hidden)
     if embed.blocks != "q8_0":
         raise ValueError(f"{path}: the embedding must be Q8_0 blocks (got {embed.blocks})")
@@ -122,11 +120,7 @@ def load_blocks(directory: Path | str) -> LlamaForCausalLM:
     model.head_frozen = FrozenLinear.from_panels(head, kernel)
     model.embed_panels = embed
     model.native = kernel
-    frozen = model.frozen_projections()
-    model.fused = fused_forward.FusedForward(
-        kernel, embed=embed, norms=[*norms, final], panels=[(f.panels, False) for f in frozen if f and f.panels],
-        hidden=hidden, inter=inter, heads=cfg.num_attention_heads, kv_heads=cfg.num_key_value_heads, head_dim=d,
-        eps=cfg.rms_norm_eps, cos=model.rope_cos, sin=model.rope_sin)
+    model.fused = model.one_call_forward(kernel, embed)
     model.released = True  # no float32 weights to train, save or prepare again
     return model
 
@@ -139,10 +133,6 @@ def _empty_weights(model: LlamaForCausalLM) -> None:
             module.weight = nn.Parameter(torch.empty(0, dtype=torch.float32), requires_grad=False)
     if model.cfg.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
-
-
-def _norm_name(layer: nn.Module, norm: nn.Module) -> str:
-    return next(name for name, child in layer.named_children() if child is norm)
 
 
 def _norm(tensors: dict[str, torch.Tensor], name: str, hidden: int, path: Path) -> torch.Tensor:

@@ -4,8 +4,8 @@ tied embedding, read as stored, never widened to a float32 copy.
 A GGUF row of K weights is K/32 blocks: Q4_1's are 20 bytes (fp16 d, fp16 m, 16 bytes whose low
 nibbles are weights 0-15 and high nibbles 16-31; w = d q + m), Q8_0's 34 (fp16 d, 32 signed
 bytes; w = d q). ``pack_blocks`` regroups whole rows into panels of 8 output columns, the layout
-the float32 kernel streams, with each block's 8 scales first (quant_blocks.h spells it out);
-``check_blocks`` refuses a block whose scale or minimum is not finite, naming the weight.
+the float32 kernel streams, with each block's 8 scales first (quant_blocks.h spells it out); a
+block whose scale or minimum is not finite is refused, at install and at load, naming the weight.
 """
 
 from __future__ import annotations
@@ -47,17 +47,10 @@ def block_rows(raw: U8, kind: str, name: str) -> tuple[int, int]:
     return n, k
 
 
-def check_blocks(raw: U8, kind: str, name: str) -> None:
-    """Every GGUF block's scale (and Q4_1's minimum) finite: a NaN or infinite one is a corrupt
-    file, refused rather than served as NaN logits."""
-    block_rows(raw, kind, name)
-    _check_scales(raw.reshape(raw.shape[0], -1, GGUF_BLOCK_BYTES[kind])[..., : 4 if kind == "q4_1" else 2],
-                  kind, name, "row")
-
-
 def _check_scales(fields: U8, kind: str, name: str, unit: str) -> None:
-    """``fields`` (units, blocks, bytes): each block's fp16 scale fields, in the order Q4_1 keeps
-    d and m (GGUF: d, m; panels: 8 d, then 8 m)."""
+    """Every block's scale (and Q4_1's minimum) finite: a NaN or infinite one is a corrupt file,
+    refused rather than served as NaN logits. ``fields`` (units, blocks, bytes): each block's fp16
+    scale fields, in the order Q4_1 keeps d and m (GGUF: d, m; panels: 8 d, then 8 m)."""
     scales = np.ascontiguousarray(fields).view(np.float16)
     bad = ~np.isfinite(scales)
     if bad.any():
@@ -71,8 +64,8 @@ def _check_scales(fields: U8, kind: str, name: str, unit: str) -> None:
 def panel_bytes(raw: U8, kind: str, name: str) -> U8:
     """GGUF block rows (N, K/32 * bytes) as the kernels' panels: (N/8, K/32 * panel bytes) uint8."""
     n, k = block_rows(raw, kind, name)
-    check_blocks(raw, kind, name)
     nb = k // BLOCK
+    _check_scales(raw.reshape(n, nb, GGUF_BLOCK_BYTES[kind])[..., : 4 if kind == "q4_1" else 2], kind, name, "row")
     blocks = raw.reshape(n // 8, 8, nb, GGUF_BLOCK_BYTES[kind]).transpose(0, 2, 1, 3)  # (panel, block, col, bytes)
     if kind == "q4_1":
         scales = blocks[..., 0:4].reshape(n // 8, nb, 8, 2, 2).transpose(0, 1, 3, 2, 4)  # (.., d|m, col, 2 bytes)
@@ -90,7 +83,8 @@ def panel_bytes(raw: U8, kind: str, name: str) -> U8:
 
 def pack_blocks(raw: U8, kind: str, name: str) -> Panels:
     """GGUF block rows as the kernels' ``Panels``."""
-    return Panels(torch.from_numpy(panel_bytes(raw, kind, name)), block_rows(raw, kind, name)[1], kind)
+    data = panel_bytes(raw, kind, name)
+    return Panels(torch.from_numpy(data), data.shape[1] // PANEL_BLOCK_BYTES[kind] * BLOCK, kind)
 
 
 def panels_from_bytes(data: torch.Tensor, kind: str, k: int, name: str) -> Panels:
