@@ -234,7 +234,8 @@ def _method_rules(session: SessionState, worker: WorkerState, policy: PolicyConf
     # method learns from every request (the head has no shadow: explored as ever).
     explorable = [m for m in untried if not (shadowed and is_lookup(m))]
     if untried and (not options or (explorable and session.since_method + 1 >= policy.method_explore_every)):
-        return Decision("speculative", k, "explore", method=untried[0] if not options else explorable[0])
+        method = untried[0] if not options else explorable[0]
+        return Decision("speculative", _explore_k(session, worker, policy, method, k), "explore", method=method)
     probe_due = session.plain_since_probe + 1 >= policy.probe_every
     # A latched method gets new evidence even while another one runs: probed every probe_every-th
     # request, as a latched session is (a shadowed lookup method gets it from every request).
@@ -349,6 +350,19 @@ def _probe_k(session: SessionState, worker: WorkerState, policy: PolicyConfig, f
     ks = range(1, min(worker.max_k, cost.max_k) + 1)
     mix = _mix(worker)
     return max(ks, key=lambda k: (gain(cost, alpha, k, depth, mix), -k), default=fallback)
+
+
+def _explore_k(session: SessionState, worker: WorkerState, policy: PolicyConfig, method: Method,
+               fallback: int) -> int:
+    """A trial's K: with ``auto`` and a cost model, the K the method is priced best at on its
+    prior (the worker's evidence for it, else ``acceptance_resume``), at least 1. A trial at the
+    worker's largest K pays the dearest verification there is (on a dequantizing target, about
+    four plain steps at K = 8), to learn an α that any K measures."""
+    if policy.num_speculative_tokens != "auto" or worker.cost is None:
+        return fallback
+    price = price_lookup(lookup_state(session.lookups, method), lookup_state(worker.lookups, method), worker.cost,
+                         worker.batch_depth + 1, worker.max_k, policy, policy.acceptance_resume)
+    return max(1, price.k)
 
 
 def _mix(worker: WorkerState) -> StepMix | None:

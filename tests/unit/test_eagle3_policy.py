@@ -92,3 +92,30 @@ def test_the_head_is_explored_where_lookups_learn_from_shadows() -> None:
     session = replace(state(0.55, 100), since_method=1)
     decision = decide(session, worker, COOL, policy)
     assert (decision.method, decision.reason) == ("eagle3", "explore")
+
+
+# The quantized target's verification on the AMD EPYC (AVX2): n = 1..9 rows against one
+# (bench.kernels --blocks: 9.6, 12.6, 13.5, 21.6 ms for 1-4 rows, 38.1 for 9; 5-8 between).
+Q4_1_VERIFY = (1.0, 1.31, 1.41, 2.25, 2.6, 2.95, 3.3, 3.6, 3.97)
+
+
+@pytest.mark.parametrize(("verify", "worker_alpha", "largest"), [
+    (Q4_1_VERIFY, None, 3),  # dear verification, no evidence: a short trial
+    (Q4_1_VERIFY, 0.2, 1),  # the worker's head evidence says it barely pays: the cheapest trial
+    (AMX_VERIFY, None, 8),  # flat verification: a long trial costs little more than a short one
+])
+def test_a_trial_runs_at_the_k_its_prior_prices_best(verify: tuple[float, ...], worker_alpha: float | None,
+                                                     largest: int) -> None:
+    """A method never tried is explored at the K the cost model prices best on its prior, not at
+    the worker's largest K: on a dequantizing target K = 8 verifies at four plain steps' cost."""
+    parts = StepParts((10.0,), (verify,), (0.2,), (0.0,), (0.0,))
+    model = CostModel((1,), (curve(verify, 0.2),), parts, head=(0.04, 0.02))
+    worker = replace(WORKER, cost=model, lookups=() if worker_alpha is None else (head_evidence(worker_alpha),))
+    explored = decide(replace(state(0.55, 100), since_method=1), worker, COOL, POLICY)
+    assert (explored.method, explored.reason) == ("eagle3", "explore")
+    assert 1 <= explored.k <= largest
+    if verify is AMX_VERIFY:
+        assert explored.k >= 4
+    fixed = decide(replace(state(0.55, 100), since_method=1), worker, COOL,
+                   replace(POLICY, num_speculative_tokens=5))
+    assert (fixed.reason, fixed.k) == ("explore", 5)  # a fixed K is the operator's: trials run it
