@@ -18,7 +18,6 @@ from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 from gateway.fleet.handle import WorkerHandle
-from gateway.fleet.prefix_index import prompt_blocks
 from gateway.fleet.routing import RouteReason
 from gateway.llamacpp import TIMINGS_FIELD, SlotLease, TimingsSeen, timings_report
 from gateway.observe.metrics import GatewayMetrics
@@ -163,15 +162,16 @@ def pick(state: GatewayState, session: Session, req: CompletionRequest, policy: 
     candidates = [c for c in state.fleet.candidates() if c.worker_id not in tried
                   and (allowed is None or c.worker_id in allowed)
                   and (resume is None or state.fleet.workers[c.worker_id].speaks_specgate)]
-    blocks = prompt_blocks(req) if policy.route_index_blocks > 0 else ()  # within the request's cache scope
-    routed = route(state, session, candidates, req, policy, blocks)
+    pipeline = state.routing.pipeline
+    routed = route(pipeline, state.fleet.workers, session, candidates, req, policy)
     if routed is None:
         failed = set(tried) - set(exclude)
         if failed:
             raise NoWorkerLeft(f"no worker could take the request (tried {', '.join(sorted(failed))})")
         raise NoWorkerReady("no worker is ready", retry_after_s=1.0)
     session.worker_id = routed.handle.worker_id
-    state.fleet.prefix_index.record(routed.handle.worker_id, blocks, policy.route_index_blocks)
+    if routed.cycle is not None:  # the plugins' pre-request step: the prefix scorer records the placement
+        pipeline.pre_request(routed.cycle, routed.handle.worker_id)
     state.metrics.series(state.metrics.routes, routed.route).inc()
     return routed
 
@@ -259,7 +259,7 @@ def account_chunk(state: GatewayState, admission: Admission, tally: StreamTally,
             metrics.clamped_report(reason)
         _learn_costs(admission.handle, tally.timings)
     if report is not None and report.cached is not None:
-        state.fleet.prefix_index.observe(admission.handle.worker_id, admission.prefix_share, *report.cached)
+        state.routing.pipeline.post_response(admission.handle.worker_id, admission.prefix_share, *report.cached)
     elif admission.handle.protocol in ("vllm", "llamacpp") and chunk.get("usage"):
         _observe_cached(state, admission, chunk["usage"])
     # Tokens by the mode of the steps that made them: one step, or a coalesced chunk's steps.
@@ -331,7 +331,7 @@ def _observe_cached(state: GatewayState, admission: Admission, usage: Any) -> No
     details, prompt = usage.get("prompt_tokens_details"), usage.get("prompt_tokens")
     cached = details.get("cached_tokens") if isinstance(details, dict) else None
     if type(prompt) is int and type(cached) is int and 0 <= cached <= prompt:
-        state.fleet.prefix_index.observe(admission.handle.worker_id, admission.prefix_share, prompt, cached)
+        state.routing.pipeline.post_response(admission.handle.worker_id, admission.prefix_share, prompt, cached)
 
 
 def checked_step(metrics: GatewayMetrics, report: StepReport) -> StepReport:

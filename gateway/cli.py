@@ -153,8 +153,25 @@ def check(path: Path, kind: str) -> int:
         return 1
     for warning in warnings:
         print(f"{path}: warning: {warning}", file=sys.stderr)
+    for note in route_key_notes(path):
+        print(f"{path}: note: {note}", file=sys.stderr)
     print(f"{path}: ok")
     return 0
+
+
+def route_key_notes(path: Path) -> list[str]:
+    """What each ``policy.route_*`` key the file sets becomes in a ``routing:`` section (the old
+    keys still load: gateway/scheduling/config.py ``routing_from_policy``)."""
+    from gateway.config.config import _read_yaml, parse_policy
+    from gateway.scheduling.config import ROUTE_KEYS, policy_key_mapping
+
+    raw = _read_yaml(path)
+    section = raw.get("policy") if isinstance(raw.get("policy"), dict) else raw
+    if not isinstance(section, dict) or "routing" in raw:
+        return []
+    policy = parse_policy({k: v for k, v in section.items() if k in ROUTE_KEYS})
+    return [line + " (the old key still loads)" for key, line in zip(ROUTE_KEYS, policy_key_mapping(policy),
+                                                                     strict=True) if key in section]
 
 
 # -- serve -------------------------------------------------------------------------------------------

@@ -1,10 +1,10 @@
-"""Where a request goes and the decision there: the one place that asks the policy's ``decide``
-for a request (the relay's and the endpoint picker's, through ``admission.pick``).
+"""The pipeline's last stage: the policy's decision where the request lands, the one place that
+asks the policy's ``decide`` for a request (the relay's and the endpoint picker's, through
+``admission.pick``).
 
-``route`` reads the prefix index (the expected hit on each worker, scaled by what the worker
-reports it holds), asks ``fleet.routing`` for the worker (sticky, prefix, load, or, with
-``route_method_margin``, a batch that runs the session's kind of step), and decides there: once
-a request, twice where method-aware placement moves the session. Over workers of one fixed mode
+``route`` asks the routing pipeline for the worker (sticky, prefix, load, or, with method-aware
+placement, a batch that runs the session's kind of step), and decides there: once a request,
+twice where method-aware placement moves the session. Over workers of one fixed mode
 each, the rules are asked on the one that speculates; over servers of one fixed method each
 (``workers.remote[].method``), as if the asked worker offered every method the fleet does, and
 the request goes where the wanted method runs.
@@ -12,13 +12,14 @@ the request goes where the wanted method runs.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import replace
 from typing import NamedTuple
 
 from gateway.fleet.handle import WorkerHandle
-from gateway.fleet.routing import Candidate, RouteReason, StepKind, choose_route, load_bound, unbalanced
+from gateway.scheduling.framework import Candidate, Cycle, Pipeline, RequestFeatures, RouteReason, StepKind
+from gateway.scheduling.plugins.has_method_filter import serving_method
 from gateway.sessions.table import Session
-from gateway.state import GatewayState
 from policies import (
     Decision,
     PolicyConfig,
@@ -43,6 +44,7 @@ class Placement(NamedTuple):
     # The share of the prompt the prefix index had seen sent to this worker (before its hold):
     # what the worker's reported cached tokens are checked against (``PrefixIndex.observe``).
     prefix_share: float = 0.0
+    cycle: Cycle | None = None  # the pipeline's cycle: its pre-request step records the placement
 
 
 def worker_state(handle: WorkerHandle, policy: PolicyConfig) -> WorkerState:
@@ -55,54 +57,55 @@ def worker_state(handle: WorkerHandle, policy: PolicyConfig) -> WorkerState:
                        handle.shadow_lookup and handle.speaks_specgate)
 
 
-def route(state: GatewayState, session: Session, candidates: list[Candidate], req: CompletionRequest,
-          policy: PolicyConfig, blocks: tuple[int, ...] = ()) -> Placement | None:
+Workers = Mapping[str, WorkerHandle]
+
+
+def route(pipeline: Pipeline, workers: Workers, session: Session, candidates: list[Candidate],
+          req: CompletionRequest, policy: PolicyConfig) -> Placement | None:
     """The session's worker and the decision there, from one call of the policy's ``decide`` (two
     where method-aware placement moves the session: decided on its own worker, then where it goes).
 
-    Mode-aware where workers serve one fixed mode: when the session's (or the least-loaded)
-    worker serves one mode and another ready worker serves the other, the rules are asked on the
-    one of the two that speculates, as if it served plain too, and the request goes to the one
-    that serves the mode they want, for their reason, so ``X-Specgate-Mode`` tells what runs.
-    Only where no ready worker serves the wanted mode does a fixed-mode reason
+    Mode-aware where workers serve one fixed mode: when the session's (or the pipeline's) worker
+    serves one mode and another ready worker serves the other (``Route.other_id``), the rules are
+    asked on the one of the two that speculates, as if it served plain too, and the request goes
+    to the one that serves the mode they want, for their reason, so ``X-Specgate-Mode`` tells
+    what runs. Only where no ready worker serves the wanted mode does a fixed-mode reason
     (``worker_plain_only``, ``worker_speculative_only``) name what runs instead.
     """
-    index = state.fleet.prefix_index
-    shares = {c.worker_id: index.share(c.worker_id, blocks) for c in candidates} if blocks else {}
-    # A worker that says it keeps no prompt K/V gains nothing from a prefix it was sent before.
-    hits = {worker_id: share * index.hold(worker_id) for worker_id, share in shares.items()
-            if share and state.fleet.workers[worker_id].prefix_cache is not False}
     facts = RequestFacts(req.temperature)
     # Method-aware placement needs the session's method for this request: decided on its own
     # worker first, and kept unless the session moves (then decided again where it goes).
-    here = _method_decision(state, session, candidates, facts, policy)
-    chosen = choose_route(session.worker_id, candidates, hits, policy, None if here is None else step_kind(here))
-    if chosen is None:
+    here = _method_decision(pipeline, workers, session, candidates, facts, policy)
+    placed = pipeline.place(RequestFeatures(session.worker_id, None if here is None else step_kind(here), req),
+                            candidates)
+    if placed is None:
         return None
-    handle = state.fleet.workers[chosen.worker_id]
+    chosen, cycle = placed.route, placed.cycle
+    shares = cycle.shares
+    handle = workers[chosen.worker_id]
     if chosen.other_id is None:
-        by_method = _by_server_method(state, session, candidates, handle, facts, policy)
+        by_method = _by_server_method(workers, session, candidates, handle, cycle, facts, policy)
         if by_method is not None:
-            placed, decision = by_method
-            return Placement(placed, decision, "method" if placed is not handle else chosen.reason,
-                             shares.get(placed.worker_id, 0.0))
+            moved, decision = by_method
+            return Placement(moved, decision, "method" if moved is not handle else chosen.reason,
+                             shares.get(moved.worker_id, 0.0), cycle)
         decision = here if here is not None and chosen.worker_id == session.worker_id else decide(
             session.policy_state, worker_state(handle, policy), facts, policy)
-        return Placement(handle, decision, chosen.reason, shares.get(handle.worker_id, 0.0))
-    other = state.fleet.workers[chosen.other_id]
+        return Placement(handle, decision, chosen.reason, shares.get(handle.worker_id, 0.0), cycle)
+    other = workers[chosen.other_id]
     speculating, plain = (handle, other) if "speculative" in handle.modes else (other, handle)
     if one_method(speculating) and one_method(plain):
-        return _between_servers(state, session, candidates, handle, speculating, plain, chosen.reason, shares,
+        return _between_servers(workers, session, candidates, handle, speculating, plain, chosen.reason, cycle,
                                 facts, req, policy)
     worker = worker_state(speculating, policy)
     wanted = decide(session.policy_state, replace(worker, serves_plain=True), facts, policy)
-    placed, decision = (plain, wanted) if wanted.mode == "plain" else (speculating, run_on(wanted, worker))
-    return Placement(placed, decision, chosen.reason, shares.get(placed.worker_id, 0.0))
+    moved, decision = (plain, wanted) if wanted.mode == "plain" else (speculating, run_on(wanted, worker))
+    return Placement(moved, decision, chosen.reason, shares.get(moved.worker_id, 0.0), cycle)
 
 
-def offered_methods(state: GatewayState, candidates: list[Candidate]) -> tuple[Method, ...]:
+def offered_methods(candidates: list[Candidate]) -> tuple[Method, ...]:
     """Every method a ready speculating worker runs, in ``METHODS`` order."""
-    offered = [state.fleet.workers[c.worker_id].methods for c in candidates if c.ready and "speculative" in c.modes]
+    offered = [c.methods for c in candidates if c.ready and "speculative" in c.modes]
     return tuple(m for m in METHODS if any(m in o for o in offered))
 
 
@@ -111,8 +114,8 @@ def one_method(handle: WorkerHandle) -> bool:
     return handle.protocol in ("vllm", "llamacpp")
 
 
-def _between_servers(state: GatewayState, session: Session, candidates: list[Candidate], handle: WorkerHandle,
-                     speculating: WorkerHandle, plain: WorkerHandle, reason: RouteReason, shares: dict[str, float],
+def _between_servers(workers: Workers, session: Session, candidates: list[Candidate], handle: WorkerHandle,
+                     speculating: WorkerHandle, plain: WorkerHandle, reason: RouteReason, cycle: Cycle,
                      facts: RequestFacts, req: CompletionRequest, policy: PolicyConfig) -> Placement:
     """Servers of one mode and one method each (llama-servers: a plain one, an n-gram one, one
     with a draft model): the rules are asked on the speculating one as if it served plain and
@@ -124,18 +127,16 @@ def _between_servers(state: GatewayState, session: Session, candidates: list[Can
     A move leaves the session's cached prompt behind, which a server of another method cannot
     have: a session already placed moves only where that pays (``_moves``); until then it runs
     what its server runs."""
-    methods = offered_methods(state, candidates)
+    methods = offered_methods(candidates)
     worker = worker_state(speculating, policy)
     wanted = decide(session.policy_state, replace(worker, serves_plain=True, methods=methods), facts, policy)
     placed = plain
     if wanted.mode == "speculative":
-        method = wanted.method or "draft"
-        loads = [c.load for c in candidates if c.ready]
-        bound, guard, most = load_bound(loads, policy), unbalanced(loads, policy), max(loads)
         # Within the load bound, and never the hotspot the load guard moves sessions off.
-        serving = [h for c in candidates if c.ready and "speculative" in c.modes and method in
-                   (h := state.fleet.workers[c.worker_id]).methods
-                   and (h is handle or (c.load + 1 <= bound and not (guard and c.load == most)))]
+        serving = [workers[c.worker_id] for c in serving_method([c for c in candidates if c.ready],
+                                                                 wanted.method or "draft")
+                   if c.worker_id == handle.worker_id or (c.load + 1 <= cycle.bound
+                                                          and c.worker_id not in cycle.hotspots)]
         # None within them: the request runs what the route's worker runs.
         placed = speculating if speculating in serving else min(serving, key=lambda h: h.load) if serving else handle
     if placed is not handle and not _moves(session, handle, placed, wanted, reason, req, policy):
@@ -143,7 +144,7 @@ def _between_servers(state: GatewayState, session: Session, candidates: list[Can
     decision = run_on(wanted, worker_state(placed, policy)) if "speculative" in placed.modes else (
         wanted if wanted.mode == "plain" else Decision("plain", 0, "worker_plain_only", method=wanted.method))
     route_reason: RouteReason = "method" if placed is not handle else reason
-    return Placement(placed, decision, route_reason, shares.get(placed.worker_id, 0.0))
+    return Placement(placed, decision, route_reason, cycle.shares.get(placed.worker_id, 0.0), cycle)
 
 
 def _moves(session: Session, here: WorkerHandle, target: WorkerHandle, wanted: Decision, reason: RouteReason,
@@ -206,16 +207,17 @@ def _server_value(session: Session, handle: WorkerHandle, policy: PolicyConfig) 
     return price.value
 
 
-def _by_server_method(state: GatewayState, session: Session, candidates: list[Candidate], handle: WorkerHandle,
-                      facts: RequestFacts, policy: PolicyConfig) -> tuple[WorkerHandle, Decision] | None:
+def _by_server_method(workers: Workers, session: Session, candidates: list[Candidate], handle: WorkerHandle,
+                      cycle: Cycle, facts: RequestFacts, policy: PolicyConfig
+                      ) -> tuple[WorkerHandle, Decision] | None:
     """Method-aware routing over servers of one fixed method each (vLLM servers: ``method`` in
     ``workers.remote``): where other ready workers offer methods ``handle`` lacks, the rules are
     asked on it as if it offered them all, and a request whose method it lacks goes to the
     least-loaded ready worker that runs it (K cut to that worker's) if that keeps within the load
-    bound, as a sticky or prefix-placed request must (``fleet.routing``): that worker and the
+    bound, as a sticky or prefix-placed request must (``load-bound-filter``): that worker and the
     decision. None where the fleet offers nothing ``handle`` lacks, or no ready worker within the
     bound runs the method the rules want (the request then runs what ``handle`` offers)."""
-    methods = offered_methods(state, candidates)
+    methods = offered_methods(candidates)
     if set(methods) <= set(handle.methods):
         return None
     worker = worker_state(handle, policy)
@@ -223,25 +225,25 @@ def _by_server_method(state: GatewayState, session: Session, candidates: list[Ca
     method = wanted.method or "draft"
     if wanted.mode != "speculative" or method in handle.methods:
         return handle, wanted
-    bound = load_bound([c.load for c in candidates if c.ready], policy)
-    serving = [h for c in candidates if c.ready and "speculative" in c.modes and c.load + 1 <= bound
-               and method in (h := state.fleet.workers[c.worker_id]).methods]
+    serving = [workers[c.worker_id] for c in serving_method([c for c in candidates if c.ready], method)
+               if c.load + 1 <= cycle.bound]
     if not serving:
         return None
     target = min(serving, key=lambda h: h.load)
     return target, replace(wanted, k=min(wanted.k, target.max_k), tree=None)
 
 
-def _method_decision(state: GatewayState, session: Session, candidates: list[Candidate], facts: RequestFacts,
-                     policy: PolicyConfig) -> Decision | None:
-    """With method-aware placement on, the decision on the session's own worker (ready, serving
-    both modes), whose method places the request; else None."""
-    if policy.route_method_margin <= 0 or session.last_decision is None:
+def _method_decision(pipeline: Pipeline, workers: Workers, session: Session, candidates: list[Candidate],
+                     facts: RequestFacts, policy: PolicyConfig) -> Decision | None:
+    """Where the pipeline places by method (``method-placement``, ``method-agreement-scorer``), the
+    decision on the session's own worker (ready, serving both modes), whose method places the
+    request; else None."""
+    if not pipeline.wants_kind or session.last_decision is None:
         return None  # off, or a new session: its first request drafts, with no evidence yet
     own = next((c for c in candidates if c.worker_id == session.worker_id and c.ready and len(c.modes) == 2), None)
     if own is None:
         return None
-    return decide(session.policy_state, worker_state(state.fleet.workers[own.worker_id], policy), facts, policy)
+    return decide(session.policy_state, worker_state(workers[own.worker_id], policy), facts, policy)
 
 
 def step_kind(decision: Decision) -> StepKind | None:

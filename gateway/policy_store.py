@@ -1,9 +1,11 @@
-"""The live policy: what is active, when and from where it was loaded, and how it is replaced.
+"""The live policy and routing: what is active, when and from where it was loaded, and how it
+is replaced.
 
 Three ways in: the config file changes on disk and SIGHUP (both through the one config watcher,
-gateway/config/watcher.py), and ``PUT /admin/policy``. A candidate that fails to parse or
-validate is rejected with the field and value named, and the running policy stays. Requests
-read ``store.active`` once at admission, so a reload affects new requests only.
+gateway/config/watcher.py), and ``PUT /admin/policy``. A file reload installs the ``policy:``
+and ``routing:`` sections together, or neither: a candidate that fails to parse or validate is
+rejected with the field and value named, and the running policy and pipeline stay. Requests
+read ``store.active`` (and the pipeline) once at admission, so a reload affects new requests only.
 """
 
 from __future__ import annotations
@@ -14,11 +16,14 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from gateway.config.config import ConfigError, _read_yaml
-from gateway.config.env_overrides import Origin, load_policy_env, policy_origins, read_overrides
+from gateway.config.config import ConfigError, _read_yaml, parse_routing_section
+from gateway.config.env_overrides import Origin, policy_env, policy_origins, read_overrides
 from gateway.config.watcher import ReloadSource
 from gateway.observe.metrics import GatewayMetrics
+from gateway.scheduling.config import POLICY_KEY_HOMES, ROUTE_KEYS
+from gateway.scheduling.store import RoutingStore
 from policies import FieldError, PolicyConfig
+from policies.config import raise_problems
 
 log = logging.getLogger(__name__)
 
@@ -38,8 +43,11 @@ class ReloadResult:
 
 
 class PolicyStore:
-    def __init__(self, initial: PolicyConfig, path: Path | None, metrics: GatewayMetrics) -> None:
+    def __init__(self, initial: PolicyConfig, path: Path | None, metrics: GatewayMetrics,
+                 routing: RoutingStore | None = None) -> None:
         self.current = LoadedPolicy(initial, time.time(), "startup")
+        # The routing pipeline, reloaded with the policy (without a section: the policy's keys).
+        self.routing = routing if routing is not None else RoutingStore(None, initial)
         self.path = path
         self.metrics = metrics
         self.last_error: str | None = None
@@ -62,10 +70,25 @@ class PolicyStore:
     def active(self) -> PolicyConfig:
         return self.current.policy
 
+    def routing_clash(self, candidate: PolicyConfig) -> ConfigError | None:
+        """Where the file has a ``routing:`` section, a policy from the API that changes a
+        ``route_*`` key is refused: the section alone says how requests route."""
+        if self.routing.section is None:
+            return None
+        for key in ROUTE_KEYS:
+            if getattr(candidate, key) != getattr(self.current.policy, key):
+                return ConfigError(f"policy.{key}", getattr(candidate, key), "is set by the config file's routing "
+                                   f"section ({POLICY_KEY_HOMES[key][0]}); edit it there")
+        return None
+
     def apply(self, candidate: PolicyConfig, source: ReloadSource,
-              origins: dict[str, Origin] | None = None) -> None:
+              origins: dict[str, Origin] | None = None, reload_routing: bool = False) -> None:
+        """Installs ``candidate`` (and, from the file, its routing section; from the API, the
+        routing its ``route_*`` keys describe where the file has no section)."""
         self.origins = origins or dict.fromkeys(candidate.as_dict(), "api")
         changed = candidate != self.current.policy
+        if not reload_routing:
+            self.routing.install(self.routing.section, candidate)
         self.current = LoadedPolicy(candidate, time.time(), source)
         self.last_error = None
         self.metrics.policy_reloads.labels(model=self.metrics.model, source=source, result="ok").inc()
@@ -86,9 +109,23 @@ class PolicyStore:
         if self.path is None:
             return ReloadResult(False, "gateway was started without a config file")
         try:
-            # The environment's overrides are applied again on every reload (they outrank the file).
-            candidate, origins = load_policy_env(self.path)
+            raw = _read_yaml(self.path)
         except FieldError as exc:
             return self.reject(exc, source)
-        self.apply(candidate, source, origins)
+        found: list[FieldError] = []
+        try:
+            # The environment's overrides are applied again on every reload (they outrank the file).
+            candidate, origins = policy_env(raw.get("policy"))
+        except FieldError as exc:
+            found.extend(exc.problems)
+        try:
+            section = parse_routing_section(raw)
+        except FieldError as exc:
+            found.extend(exc.problems)
+        try:
+            raise_problems(found)
+        except FieldError as exc:
+            return self.reject(exc, source)
+        self.routing.install(section, candidate)  # checked: it cannot fail now
+        self.apply(candidate, source, origins, reload_routing=True)
         return ReloadResult(True)

@@ -10,6 +10,7 @@ from gateway.config.config import GatewayConfig
 from gateway.fleet.fleet import Fleet
 from gateway.observe.metrics import GatewayMetrics
 from gateway.policy_store import PolicyStore
+from gateway.scheduling.store import RoutingStore
 from gateway.sessions.store import MemoryStore, SessionStore
 from gateway.sessions.table import SessionTable
 
@@ -23,6 +24,12 @@ class GatewayState:
     fleet: Fleet
     # Per-session controller state shared with other replicas (state.backend: redis), else a no-op.
     store: SessionStore = field(default_factory=MemoryStore)
+
+    @property
+    def routing(self) -> RoutingStore:
+        """The live routing pipeline, reloaded with the policy; one instance shared by the relay
+        and the endpoint picker."""
+        return self.policy.routing
 
 
 STATE_KEY = web.AppKey("gateway", GatewayState)

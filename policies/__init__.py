@@ -47,11 +47,7 @@ from policies.speculation import (
     Decision,
     Mode,
     Reason,
-    RequestFacts,
-    SessionState,
     StepDepth,
-    WorkerState,
-    acceptance_for_k,
     batch_latch,
     decide,
     observe,
@@ -62,10 +58,11 @@ from policies.speculation import (
     run_on,
     step_depth,
     tested_drafts,
-    worker_acceptance,
 )
+from policies.states import RequestFacts, SessionState, WorkerState
 from policies.tree import MAX_TREE_NODES, StepPath, TreeShape, TreeShapeError, expected_tree_tokens, level_pass
 from policies.tree_choice import choose_plan, plan_value, tree_gain
+from policies.trial_k import acceptance_for_k, worker_acceptance
 from policies.views import acceptance_view, lookup_views, speculative_view
 
 __all__ = [

@@ -11,12 +11,14 @@ from __future__ import annotations
 import difflib
 import functools
 import math
-from collections.abc import Collection, Iterable, Mapping
+from collections.abc import Callable, Collection, Iterable, Mapping
 from dataclasses import dataclass, fields
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
 from policies.methods import METHODS
 from policies.tree import TreeShape, TreeShapeError
+
+T = TypeVar("T")
 
 EXCERPT_CHARS = 200  # error messages quote at most this much of a value
 # A summary lists at most this many problems and counts the rest: a hostile body can hold
@@ -80,6 +82,43 @@ def raise_problems(found: Iterable[FieldError]) -> None:
         problem.problems = (problem,)
     listed[0].problems = listed
     raise listed[0]
+
+
+class SectionError(FieldError):
+    """A field of a config section failed validation: ``field`` (its dotted path) and ``value``."""
+
+    def __init__(self, field: str, value: object, problem: str) -> None:
+        field = bounded_text(field, 100)  # an unknown key is the file's text
+        super().__init__(f"{field}: {problem} (got {bounded_repr(value)})", field, value)
+
+
+class Problems:
+    """Every field problem of one parse, in the order found.
+
+    A parser reads each field through ``check``: a bad one is recorded and a stand-in (its
+    default) returned, so parsing goes on to the next field; ``raise_any`` ends the parse with
+    one error carrying them all (``FieldError.problems``).
+    """
+
+    def __init__(self) -> None:
+        self.found: list[FieldError] = []
+
+    def check(self, parse: Callable[[], T], stand_in: T) -> T:
+        try:
+            return parse()
+        except FieldError as exc:
+            self.found.extend(exc.problems)
+            return stand_in
+
+    def add(self, error: FieldError) -> None:
+        self.found.extend(error.problems)
+
+    def failed(self, field: str) -> bool:
+        """Whether ``field`` has a problem already (a rule that reads it would only restate it)."""
+        return any(problem.field == field for problem in self.found)
+
+    def raise_any(self) -> None:
+        raise_problems(self.found)
 
 
 class PolicyConfigError(FieldError):

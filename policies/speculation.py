@@ -44,13 +44,15 @@ from collections.abc import Iterable
 from dataclasses import dataclass, replace
 from typing import Literal
 
-from policies.acceptance import acceptance_latch, decayed_fold, posterior
+from policies.acceptance import acceptance_latch, decayed_fold
 from policies.config import PolicyConfig
-from policies.cost import CostModel, StepMix, choose_k, expected_tokens, gain, objective, step_cost
-from policies.lookup import LookupState, fold_lookup_steps, lookup_state, price_lookup, with_lookup_state
+from policies.cost import choose_k, expected_tokens, objective, step_cost
+from policies.lookup import fold_lookup_steps, lookup_state, price_lookup, with_lookup_state
 from policies.methods import METHODS, Method, is_lookup, keeps_own_evidence
+from policies.states import RequestFacts, SessionState, WorkerState
 from policies.tree import StepPath, TreeShape
-from policies.tree_choice import Counts, Ranks, chain_counts, choose_plan, fold_ranks, path_counts, plan_value
+from policies.tree_choice import Counts, chain_counts, choose_plan, fold_ranks, path_counts, plan_value
+from policies.trial_k import acceptance_for_k, explore_k, mix_of, probe_k
 
 Mode = Literal["speculative", "plain"]
 Reason = Literal["default", "probe", "worker_plain_only", "worker_speculative_only", "high_temperature",
@@ -83,55 +85,6 @@ class Decision:
                 return f"speculative; {method}tree={self.tree}; reason={self.reason}"
             return f"speculative; {method}k={self.k}; reason={self.reason}"
         return f"plain; reason={self.reason}"
-
-
-@dataclass(frozen=True)
-class SessionState:
-    # α, the per-draft acceptance: decayed accepted drafts / decayed tested drafts
-    # (policies/acceptance.py); None until the first draft is tested.
-    acceptance_estimate: float | None = None
-    acceptance_weight: float = 0.0  # the decayed tested drafts it rests on (levels off near half_life / ln 2)
-    proposals_seen: int = 0  # drafts tested over the session's life
-    # Over the session's life, as vLLM counts them: drafts proposed (tested or not) and accepted.
-    drafts_proposed: int = 0
-    drafts_accepted: int = 0
-    low_acceptance: bool = False  # latched: fell below the floor, not yet back above resume
-    plain_since_probe: int = 0  # low-acceptance (or no-gain) requests served plain since the last probe
-    auto_k: int | None = None  # the K the cost model last chose (0: plain, no_gain); None: never chosen
-    auto_tree: TreeShape | None = None  # ...and the tree, where it chose one (auto_k is then its depth)
-    since_tree: int = 0  # K auto decisions since the last tree: when a tree on the prior may be explored
-    # Rank acceptances by depth with their tests (policies/tree_choice.py); () until the first step.
-    ranks: Ranks = ()
-    # The fields above are the draft model's. Each lookup method's evidence (policies/lookup.py),
-    # () until one ran; the method last chosen (hysteresis); requests since an untried method
-    # was last explored (``method_explore_every``).
-    lookups: tuple[LookupState, ...] = ()
-    method: Method = "draft"
-    since_method: int = 0
-
-
-@dataclass(frozen=True)
-class WorkerState:
-    batch_depth: int  # running + queued sequences, as last reported plus admitted since
-    batch_full: bool  # the batch latch (see batch_latch)
-    max_k: int  # 0 when the worker cannot speculate
-    serves_speculative: bool = True  # False for a worker that serves one fixed plain mode
-    serves_plain: bool = True  # False for a worker that serves one fixed speculative mode
-    cost: CostModel | None = None  # the worker's published step costs (num_speculative_tokens: auto)
-    acceptance: float | None = None  # the worker's acceptance estimate over all its sessions
-    # K auto: what the worker's in-flight sequences draft (the gateway's decisions for them), so
-    # a step is priced at its real mix, not as if every sequence drafted (policies/cost.py).
-    # None: unknown, priced uniformly.
-    mix: StepMix | None = None
-    tree_max_nodes: int = 0  # the most tree nodes its engine verifies in one step; 0: chains only
-    methods: tuple[Method, ...] = ("draft",)  # the speculation methods its engine offers
-    lookups: tuple[LookupState, ...] = ()  # its evidence per lookup method, over all its sessions
-    shadow_lookup: bool = False  # its requests report shadow evidence at T=0 (docs/methods.md)
-
-
-@dataclass(frozen=True)
-class RequestFacts:
-    temperature: float
 
 
 def decide(session: SessionState, worker: WorkerState, request: RequestFacts, policy: PolicyConfig) -> Decision:
@@ -177,17 +130,17 @@ def _rules(session: SessionState, worker: WorkerState, request: RequestFacts, po
     probe_due = session.plain_since_probe + 1 >= policy.probe_every
     if session.low_acceptance:
         if probe_due:
-            return Decision("speculative", _probe_k(session, worker, policy, k), "probe")
+            return Decision("speculative", probe_k(session, worker, policy, k), "probe")
         return Decision("plain", 0, "low_acceptance")
     tree = None
     if policy.num_speculative_tokens == "auto" and worker.cost is not None:
         alpha = acceptance_for_k(session, worker, policy)
         k, tree = choose_plan(worker.cost, alpha, session.ranks, worker.batch_depth + 1, worker.max_k,
                               worker.tree_max_nodes, policy, session.auto_k, session.auto_tree,
-                              session.since_tree + 1 >= policy.tree_explore_every, _mix(worker))
+                              session.since_tree + 1 >= policy.tree_explore_every, mix_of(worker))
         if k == 0:
             if probe_due:
-                return Decision("speculative", _probe_k(session, worker, policy, 1), "probe")
+                return Decision("speculative", probe_k(session, worker, policy, 1), "probe")
             return Decision("plain", 0, "no_gain")
     return Decision("speculative", k, "default", tree)
 
@@ -235,21 +188,21 @@ def _method_rules(session: SessionState, worker: WorkerState, policy: PolicyConf
     explorable = [m for m in untried if not (shadowed and is_lookup(m))]
     if untried and (not options or (explorable and session.since_method + 1 >= policy.method_explore_every)):
         method = untried[0] if not options else explorable[0]
-        return Decision("speculative", _explore_k(session, worker, policy, method, k), "explore", method=method)
+        return Decision("speculative", explore_k(session, worker, policy, method, k), "explore", method=method)
     probe_due = session.plain_since_probe + 1 >= policy.probe_every
     # A latched method gets new evidence even while another one runs: probed every probe_every-th
     # request, as a latched session is (a shadowed lookup method gets it from every request).
     probed = [m for m in latched if not (shadowed and is_lookup(m))]
     if probed and options and session.since_method + 1 >= policy.probe_every:
         method = max(probed, key=lambda m: _estimate(session, m))
-        return Decision("speculative", _probe_k(session, worker, policy, k) if method == "draft" else k, "probe",
+        return Decision("speculative", probe_k(session, worker, policy, k) if method == "draft" else k, "probe",
                         method=method)
     if not options:
         if not latched:
             return Decision("plain", 0, "no_gain", method="draft")
         if probe_due and probed:
             method = max(probed, key=lambda m: _estimate(session, m))
-            return Decision("speculative", _probe_k(session, worker, policy, k) if method == "draft" else k, "probe",
+            return Decision("speculative", probe_k(session, worker, policy, k) if method == "draft" else k, "probe",
                             method=method)
         return Decision("plain", 0, "low_acceptance", method=latched[0])
     best = max(options, key=lambda m: (options[m][0], -METHODS.index(m)))
@@ -259,7 +212,7 @@ def _method_rules(session: SessionState, worker: WorkerState, policy: PolicyConf
     value, best_k, tree = options[best]
     if best_k == 0 or (auto and worker.cost is not None and value <= 1.0 + policy.min_gain):
         if probe_due:
-            return Decision("speculative", _probe_k(session, worker, policy, 1) if best == "draft" else k, "probe",
+            return Decision("speculative", probe_k(session, worker, policy, 1) if best == "draft" else k, "probe",
                             method=best)
         return Decision("plain", 0, "no_gain", method=best)
     return Decision("speculative", best_k, "free_batch" if best == "draft" and waived else "default", tree,
@@ -279,8 +232,8 @@ def _draft_option(session: SessionState, worker: WorkerState, policy: PolicyConf
     current_tree = session.auto_tree if session.method == "draft" else None
     plan_k, tree = choose_plan(worker.cost, alpha, session.ranks, worker.batch_depth + 1, worker.max_k,
                                worker.tree_max_nodes, policy, current_k, current_tree,
-                               session.since_tree + 1 >= policy.tree_explore_every, _mix(worker))
-    value = plan_value(worker.cost, alpha, session.ranks, worker.batch_depth + 1, plan_k, tree, policy, _mix(worker))
+                               session.since_tree + 1 >= policy.tree_explore_every, mix_of(worker))
+    value = plan_value(worker.cost, alpha, session.ranks, worker.batch_depth + 1, plan_k, tree, policy, mix_of(worker))
     return value, plan_k, tree
 
 
@@ -315,59 +268,10 @@ def _free_batch_k(session: SessionState, worker: WorkerState, policy: PolicyConf
         return k if worker.batch_depth <= policy.free_batch else 0
     if worker.cost is None:
         return 0
-    alpha, depth, mix = acceptance_for_k(session, worker, policy), worker.batch_depth + 1, _mix(worker)
+    alpha, depth, mix = acceptance_for_k(session, worker, policy), worker.batch_depth + 1, mix_of(worker)
     if policy.num_speculative_tokens != "auto":
         return k if objective(worker.cost, alpha, k, depth, policy.min_gain, mix) > 1.0 + policy.min_gain else 0
     return choose_k(worker.cost, alpha, depth, worker.max_k, policy.min_gain, 0.0, None, mix)
-
-
-def acceptance_for_k(session: SessionState, worker: WorkerState, policy: PolicyConfig) -> float:
-    """The α the cost model is read at: the session's estimate shrunk towards a prior worth
-    ``acceptance_prior_drafts`` tested drafts (a Beta posterior mean, ``policies.acceptance``).
-    The prior is the worker's estimate over all its sessions, or before the worker has any,
-    ``acceptance_resume``, the level at which the rules let a session speculate."""
-    prior = worker.acceptance if worker.acceptance is not None else policy.acceptance_resume
-    return posterior(session.acceptance_estimate, session.acceptance_weight, prior, policy.acceptance_prior_drafts)
-
-
-def worker_acceptance(worker: SessionState, policy: PolicyConfig) -> float | None:
-    """A worker's acceptance over all its sessions (folded as a session's is), as
-    ``WorkerState.acceptance`` gives it to the cost model: shrunk towards ``acceptance_resume``
-    with ``acceptance_prior_drafts`` pseudo-drafts, so that one unlucky first session (two
-    rejected drafts) cannot send every session new to the worker plain for ``no_gain`` (plain
-    requests add no evidence, and only probes would bring it back). None before any evidence."""
-    if worker.acceptance_estimate is None or worker.acceptance_weight <= 0.0:
-        return None
-    return posterior(worker.acceptance_estimate, worker.acceptance_weight, policy.acceptance_resume,
-                     policy.acceptance_prior_drafts)
-
-
-def _probe_k(session: SessionState, worker: WorkerState, policy: PolicyConfig, fallback: int) -> int:
-    """A probe's K: with ``auto`` and a cost model, the K with the best gain (never 0)."""
-    if policy.num_speculative_tokens != "auto" or worker.cost is None:
-        return fallback
-    cost, alpha, depth = worker.cost, acceptance_for_k(session, worker, policy), worker.batch_depth + 1
-    ks = range(1, min(worker.max_k, cost.max_k) + 1)
-    mix = _mix(worker)
-    return max(ks, key=lambda k: (gain(cost, alpha, k, depth, mix), -k), default=fallback)
-
-
-def _explore_k(session: SessionState, worker: WorkerState, policy: PolicyConfig, method: Method,
-               fallback: int) -> int:
-    """A trial's K: with ``auto`` and a cost model, the K the method is priced best at on its
-    prior (the worker's evidence for it, else ``acceptance_resume``), at least 1. A trial at the
-    worker's largest K pays the dearest verification there is (on a dequantizing target, about
-    four plain steps at K = 8), to learn an α that any K measures."""
-    if policy.num_speculative_tokens != "auto" or worker.cost is None:
-        return fallback
-    price = price_lookup(lookup_state(session.lookups, method), lookup_state(worker.lookups, method), worker.cost,
-                         worker.batch_depth + 1, worker.max_k, policy, policy.acceptance_resume)
-    return max(1, price.k)
-
-
-def _mix(worker: WorkerState) -> StepMix | None:
-    """The worker's draft mix, its drafting sequences accepting as the worker does overall."""
-    return None if worker.mix is None else replace(worker.mix, acceptance=worker.acceptance)
 
 
 def record_decision(session: SessionState, decision: Decision, auto_k: bool = False) -> SessionState:

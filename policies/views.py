@@ -10,7 +10,7 @@ from typing import Any
 from policies.acceptance import posterior, stderr
 from policies.config import PolicyConfig
 from policies.lookup import LookupState
-from policies.speculation import SessionState
+from policies.states import SessionState
 
 
 def acceptance_view(state: SessionState, policy: PolicyConfig, prior: float | None) -> dict[str, float | int | None]:

@@ -16,7 +16,8 @@ from typing import Any, Literal
 from gateway.config.auth import AuthConfig, parse_auth
 from gateway.config.errors import ConfigError, Problems
 from gateway.config.safe_yaml import YamlRefused, load_yaml
-from policies.config import PolicyConfig, PolicyConfigError, raise_problems
+from gateway.scheduling.config import POLICY_KEY_HOMES, ROUTE_KEYS, RoutingConfig, parse_routing
+from policies.config import FieldError, PolicyConfig, PolicyConfigError, raise_problems
 from workers.api.limits import prefix_cache_problem
 
 __all__ = ["ConfigError", "GatewayConfig", "load_config", "parse_config"]
@@ -174,6 +175,8 @@ class GatewayConfig:
     auth: AuthConfig = field(default_factory=AuthConfig)
     state: StateConfig = field(default_factory=StateConfig)
     epp: EppConfig = field(default_factory=EppConfig)
+    # The routing pipeline (gateway/scheduling/config.py); None: the policy's route_* keys say it.
+    routing: RoutingConfig | None = None
 
 
 class _Section:
@@ -253,7 +256,7 @@ def parse_config(raw: Any, base: Path, source: Path | None = None) -> GatewayCon
         raise ConfigError("(top level)", raw, "config must be a mapping")
     problems = Problems()
     _check_keys(raw, "(top level)", {"server", "model", "workers", "sessions", "policy", "tracing", "auth", "state",
-                                     "epp"}, problems)
+                                     "epp", "routing"}, problems)
     s = _Section(raw.get("server"), "server", ServerConfig.__dataclass_fields__, problems)
     d = ServerConfig()
     server = ServerConfig(
@@ -295,8 +298,9 @@ def parse_config(raw: Any, base: Path, source: Path | None = None) -> GatewayCon
     ed = EppConfig()
     epp = EppConfig(host=e.get("host", str, ed.host), port=e.get("port", int, ed.port, minimum=0, maximum=65535),
                     max_body_bytes=e.get("max_body_bytes", int, ed.max_body_bytes, minimum=1024))
+    routing = problems.check(lambda: parse_routing_section(raw), None)
     problems.raise_any()
-    return GatewayConfig(server, model, workers, sessions, policy, source, tracing, auth, state, epp)
+    return GatewayConfig(server, model, workers, sessions, policy, source, tracing, auth, state, epp, routing)
 
 
 def _parse_state(s: _Section) -> StateConfig:
@@ -455,6 +459,25 @@ def _read_yaml(path: Path) -> Any:
     if raw is not None and not isinstance(raw, Mapping):
         raise ConfigError("(top level)", raw, "config must be a mapping")
     return raw or {}
+
+
+def parse_routing_section(raw: Mapping[str, Any]) -> RoutingConfig | None:
+    """The file's ``routing:`` section, or None where it has none. With one, the policy's
+    ``route_*`` keys in the same file are refused: two places for one weight would disagree."""
+    if raw.get("routing") is None:
+        return None
+    section = raw.get("policy")
+    section = section if isinstance(section, Mapping) else {}
+    problems = [ConfigError(f"policy.{key}", section[key], f"is set by the routing section when there is one "
+                            f"({POLICY_KEY_HOMES[key][0]}); `specgate check` shows where")
+                for key in ROUTE_KEYS if key in section]
+    try:
+        routing = parse_routing(raw["routing"])
+    except FieldError as exc:
+        problems.extend(exc.problems)  # type: ignore[arg-type]
+        routing = None
+    raise_problems(problems)
+    return routing
 
 
 def load_config(path: Path) -> GatewayConfig:

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import functools
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
@@ -20,14 +19,13 @@ import aiohttp
 
 from gateway.config.config import GatewayConfig, RemoteMethod, RemoteWorker
 from gateway.fleet.handle import WorkerHandle
-from gateway.fleet.prefix_index import PrefixIndex
 from gateway.fleet.probe import Probe
-from gateway.fleet.routing import Candidate
 from gateway.fleet.supervisor import Supervisor, finish_output
 from gateway.fleet.worker_http import Endpoint, WorkerHttp
 from gateway.llamacpp import PromptScopes
 from gateway.observe.metrics import GatewayMetrics
 from gateway.observe.ops_metrics import AdmissionWaitMetrics
+from gateway.scheduling.framework import Candidate
 from policies import Mode
 from policies.methods import Method
 
@@ -42,16 +40,14 @@ class Fleet:
         self.config = config
         self.metrics = metrics
         self.workers: dict[str, WorkerHandle] = {}
-        # A worker that went down lost its cache: the index forgets what it held.
-        self.probe = Probe(config, metrics, self.workers, functools.partial(self._worker_down, then=on_worker_down))
+        # A worker that went down lost its cache: ``on_worker_down`` has the routing forget what it held.
+        self.probe = Probe(config, metrics, self.workers, on_worker_down)
         self.supervisor = Supervisor(config, metrics, self.probe)
         self._tasks: list[asyncio.Task[None]] = []
         self._tmpdir: tempfile.TemporaryDirectory[str] | None = None
         # Requests waiting for a ready worker (gateway/admission.py ``pick_ready``): how many, and
         # their metrics; the probe wakes them.
         self.waiting = 0
-        # Which prompt prefixes the gateway sent where (cache-aware routing, gateway/fleet/routing.py).
-        self.prefix_index = PrefixIndex()
         self.admission_waits = AdmissionWaitMetrics.create(metrics.registry)
 
     # -- lifecycle ----------------------------------------------------------------------------------
@@ -143,10 +139,6 @@ class Fleet:
     async def wait_ready(self, timeout_s: float) -> bool:
         """Waits until a worker becomes ready, at most ``timeout_s`` (Probe.wait_ready)."""
         return await self.probe.wait_ready(timeout_s)
-
-    def _worker_down(self, worker_id: str, then: Callable[[str], None]) -> None:
-        self.prefix_index.forget(worker_id)
-        then(worker_id)
 
     def report_failure(self, handle: WorkerHandle, error: str) -> None:
         """A request could not reach the worker: stop routing to it until a poll succeeds."""

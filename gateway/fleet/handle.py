@@ -13,9 +13,9 @@ import aiohttp
 
 from gateway.config.config import RemoteProtocol
 from gateway.fleet.draft_mix import DraftMix
-from gateway.fleet.routing import Candidate
 from gateway.fleet.worker_http import WorkerHttp
 from gateway.llamacpp import PromptScopes, SlotLease, StepCosts
+from gateway.scheduling.framework import Candidate
 from policies import CostModel, Method, Mode, SessionState
 
 WorkerStatus = Literal["starting", "ready", "unhealthy", "restarting", "stopped"]
@@ -101,7 +101,7 @@ class WorkerHandle:
 
     def candidate(self) -> Candidate:
         return Candidate(self.worker_id, self.status == "ready", self.load, self.modes, self.draft_mix.drafting,
-                         self.draft_mix.lookups)
+                         self.draft_mix.lookups, self.methods, self.prefix_cache)
 
     def view(self) -> dict[str, Any]:
         return {

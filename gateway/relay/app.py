@@ -29,6 +29,7 @@ from gateway.relay.drain import DRAIN_KEY, Drain
 from gateway.relay.openapi import openapi_document
 from gateway.relay.relay import REQUEST_LOG_KEY, relay
 from gateway.relay.tokenize import detokenize, tokenize
+from gateway.scheduling.store import RoutingStore
 from gateway.sessions.store import create_store
 from gateway.sessions.table import SessionTable
 from gateway.state import STATE_KEY, GatewayState
@@ -72,12 +73,14 @@ def create_app(config: GatewayConfig, metrics: GatewayMetrics | None = None,
     sessions = SessionTable(config.sessions)
 
     def worker_down(worker_id: str) -> None:
+        routing.forget(worker_id)  # a worker that went down lost its cache
         moved = sessions.move_off(worker_id)
         log.warning("%s is down; %d sessions will move on their next request", worker_id, moved)
 
     app[BODY_TIMEOUT_KEY] = config.server.body_timeout_s
     app[OPENAPI_KEY] = json.dumps(openapi_document(config.model.name)).encode()
-    store = PolicyStore(config.policy, config.source, metrics)
+    routing = RoutingStore(config.routing, config.policy)
+    store = PolicyStore(config.policy, config.source, metrics, routing)
     app[TRACING_KEY] = Tracing.create(config.tracing)
     app[STATE_KEY] = GatewayState(config, metrics, sessions, store, Fleet(config, metrics, worker_down),
                                   create_store(config, ops))
@@ -277,9 +280,10 @@ async def _get_session(request: web.Request) -> web.Response:
 
 
 async def _get_workers(request: web.Request) -> web.Response:
-    fleet = request.app[STATE_KEY].fleet
-    index = fleet.prefix_index
-    blocks = index.sizes()
+    state = request.app[STATE_KEY]
+    index = state.routing.prefix_index()  # the prefix scorer's, if the pipeline has one
+    blocks = index.sizes() if index is not None else {}
     return web.json_response({"workers": [
-        {**h.view(), "prefix_index": {"blocks": blocks.get(h.worker_id, 0), "hold": index.hold(h.worker_id)}}
-        for h in fleet.workers.values()]})
+        {**h.view(), "prefix_index": None if index is None else {"blocks": blocks.get(h.worker_id, 0),
+                                                                 "hold": index.hold(h.worker_id)}}
+        for h in state.fleet.workers.values()]})

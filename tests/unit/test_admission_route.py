@@ -15,11 +15,14 @@ from gateway.config.config import parse_config
 from gateway.fleet.fleet import Fleet
 from gateway.fleet.handle import WorkerHandle
 from gateway.observe.metrics import GatewayMetrics
+from gateway.placement import Placement
 from gateway.policy_store import PolicyStore
-from gateway.sessions.table import SessionTable
+from gateway.scheduling.framework import Candidate
+from gateway.sessions.table import Session, SessionTable
 from gateway.state import GatewayState
 from policies import Decision, Mode, SessionState
 from workers.api.request_parser import parse_request
+from workers.api.wire import CompletionRequest
 
 REPO = Path(__file__).resolve().parents[2]
 LATCHED = SessionState(acceptance_estimate=0.2, acceptance_weight=40.0, proposals_seen=40, low_acceptance=True)
@@ -29,6 +32,13 @@ def worker(worker_id: str, modes: set[Mode], max_k: int) -> WorkerHandle:
     """A ready remote worker; route reads its modes, K and load, never its connections."""
     return WorkerHandle(worker_id, "http://127.0.0.1:9", cast(Any, None), cast(Any, None), frozenset(modes), max_k,
                         remote=True, protocol="openai", status="ready")
+
+
+def route(state: GatewayState, session: Session, candidates: list[Candidate], req: CompletionRequest,
+          policy: policies.PolicyConfig) -> Placement | None:
+    """``placement.route`` behind the pipeline that ``policy``'s route_* keys describe."""
+    state.routing.install(None, policy)
+    return placement.route(state.routing.pipeline, state.fleet.workers, session, candidates, req, policy)
 
 
 def gateway_state(*handles: WorkerHandle) -> GatewayState:
@@ -80,7 +90,7 @@ def test_route_decides_once(monkeypatch: pytest.MonkeyPatch, workers: list[Any],
     session = state.sessions.touch("s", 0.0)
     session.worker_id, session.policy_state = sticky, session_state
     req = parse_request("completion", {"model": state.config.model.name, "prompt": "x", "temperature": temperature})
-    routed = placement.route(state, session, state.fleet.candidates(), req, state.policy.active)
+    routed = route(state, session, state.fleet.candidates(), req, state.policy.active)
     assert routed is not None
     handle, decision = routed.handle, routed.decision
     assert (handle.worker_id, decision.header) == expected
@@ -93,7 +103,7 @@ def test_route_finds_no_worker_when_none_is_ready() -> None:
     state = gateway_state(down)
     session = state.sessions.touch("s", 0.0)
     req = parse_request("completion", {"model": state.config.model.name, "prompt": "x"})
-    assert placement.route(state, session, state.fleet.candidates(), req, state.policy.active) is None
+    assert route(state, session, state.fleet.candidates(), req, state.policy.active) is None
 
 
 @pytest.mark.parametrize(("margin", "b_drafts", "b_lookups", "expected_worker", "expected_route", "decides"), [
@@ -125,7 +135,7 @@ def test_a_session_whose_method_is_lookup_moves_to_a_batch_that_looks_up(
     session.worker_id, session.last_decision = "a", Decision("speculative", 4, "default", method="draft")
     policy = policies.PolicyConfig(methods=("draft", "ngram"), route_method_margin=margin)
     req = parse_request("completion", {"model": state.config.model.name, "prompt": "x", "temperature": 0.0})
-    routed = placement.route(state, session, state.fleet.candidates(), req, policy)
+    routed = route(state, session, state.fleet.candidates(), req, policy)
     assert routed is not None
     assert (routed.handle.worker_id, routed.route, routed.decision) == (expected_worker, expected_route, ngram)
     assert len(calls) == decides
@@ -153,7 +163,7 @@ def test_servers_of_one_method_each_take_the_sessions_that_want_it(
     session = state.sessions.touch("s", 0.0)
     session.worker_id = "draft-server"
     req = parse_request("completion", {"model": state.config.model.name, "prompt": "x"})
-    routed = placement.route(state, session, state.fleet.candidates(), req, policies.PolicyConfig(
+    routed = route(state, session, state.fleet.candidates(), req, policies.PolicyConfig(
         methods=("draft", "ngram")))
     assert routed is not None
     assert (routed.handle.worker_id, routed.route, routed.decision.k) == (expected_worker, expected_route, expected_k)
@@ -161,7 +171,7 @@ def test_servers_of_one_method_each_take_the_sessions_that_want_it(
 
 
 def test_a_worker_that_keeps_no_prompt_kv_gets_no_session_by_prefix() -> None:
-    from gateway.fleet.prefix_index import prompt_blocks
+    from gateway.scheduling.plugins.prefix_index import prompt_blocks
 
     kept, none = worker("kept", {"speculative", "plain"}, 4), worker("none", {"speculative", "plain"}, 4)
     state = gateway_state(none, kept)
@@ -169,13 +179,15 @@ def test_a_worker_that_keeps_no_prompt_kv_gets_no_session_by_prefix() -> None:
     blocks = prompt_blocks(req)
     policy = policies.PolicyConfig()
     for handle in (none, kept):
-        state.fleet.prefix_index.record(handle.worker_id, blocks, policy.route_index_blocks)
+        index = state.routing.prefix_index()
+        assert index is not None
+        index.record(handle.worker_id, blocks, policy.route_index_blocks)
     # Both hold the prompt in the index: the first listed wins the tie...
-    routed = placement.route(state, state.sessions.touch("a", 0.0), state.fleet.candidates(), req, policy, blocks)
+    routed = route(state, state.sessions.touch("a", 0.0), state.fleet.candidates(), req, policy)
     assert routed is not None and (routed.handle.worker_id, routed.route) == ("none", "prefix")
     # ...until it says it keeps nothing: then only the other one's hit counts.
     none.prefix_cache, kept.prefix_cache = False, True
-    routed = placement.route(state, state.sessions.touch("b", 0.0), state.fleet.candidates(), req, policy, blocks)
+    routed = route(state, state.sessions.touch("b", 0.0), state.fleet.candidates(), req, policy)
     assert routed is not None and (routed.handle.worker_id, routed.route) == ("kept", "prefix")
     assert routed.prefix_share == 1.0
 
@@ -201,7 +213,7 @@ def test_a_server_of_the_wanted_method_beyond_the_load_bound_takes_no_more(monke
     for load, expected in ((5, ("ngram-server", "method", "ngram")), (6, ("draft-a", "sticky", "draft"))):
         servers[2].reported_depth = load
         asked.clear()
-        routed = placement.route(state, session, state.fleet.candidates(), req, policy)
+        routed = route(state, session, state.fleet.candidates(), req, policy)
         assert routed is not None
         assert (routed.handle.worker_id, routed.route, routed.decision.method) == expected, load
         # Asked as if the draft server offered both; past the bound, asked again on what it offers.
@@ -252,7 +264,7 @@ def test_llama_servers_of_one_mode_and_method_each_take_the_sessions_that_want_t
     session = state.sessions.touch("s", 0.0)
     session.worker_id, session.context_tokens = sticky, 300
     req = parse_request("completion", {"model": state.config.model.name, "prompt": "x"})
-    routed = placement.route(state, session, state.fleet.candidates(), req,
+    routed = route(state, session, state.fleet.candidates(), req,
                              policies.PolicyConfig(methods=("draft", "ngram")))
     assert routed is not None
     assert (routed.handle.worker_id, routed.route, routed.decision.header) == expected
@@ -278,7 +290,7 @@ def test_a_placed_session_moves_where_the_move_pays_for_itself(
     body: dict[str, Any] = {"model": state.config.model.name, "prompt": "x"}
     if max_tokens is not None:
         body["max_tokens"] = max_tokens
-    routed = placement.route(state, session, state.fleet.candidates(), parse_request("completion", body),
+    routed = route(state, session, state.fleet.candidates(), parse_request("completion", body),
                              policies.PolicyConfig(methods=("draft", "ngram")))
     assert routed is not None
     assert (routed.handle.worker_id, routed.route) == (("ngram", "method") if moves else ("plain", "sticky"))
@@ -292,13 +304,13 @@ def test_a_new_session_tries_a_method_where_the_load_put_it_once_the_method_has_
                                                       policies.PolicyConfig())
     state = gateway_state(plain_server, ngram_server)
     req = parse_request("completion", {"model": state.config.model.name, "prompt": "x"})
-    routed = placement.route(state, state.sessions.touch("s", 0.0), state.fleet.candidates(), req,
+    routed = route(state, state.sessions.touch("s", 0.0), state.fleet.candidates(), req,
                              policies.PolicyConfig(methods=("draft", "ngram")))
     assert routed is not None and (routed.handle.worker_id, routed.route) == ("plain", "load")
     # ...and on a server no session has run it on, only when that one is no busier.
     state = gateway_state(llama_server("plain", "none"), busy := llama_server("ngram", "ngram"))
     busy.draft_mix.add(Decision("speculative", 8, "default", method="ngram"))
-    routed = placement.route(state, state.sessions.touch("t", 0.0), state.fleet.candidates(), req,
+    routed = route(state, state.sessions.touch("t", 0.0), state.fleet.candidates(), req,
                              policies.PolicyConfig(methods=("draft", "ngram")))
     assert routed is not None and (routed.handle.worker_id, routed.route) == ("plain", "load")
 
@@ -309,7 +321,7 @@ def test_a_llama_server_that_runs_its_method_whatever_the_rules_wanted_is_accoun
     state = gateway_state(llama_server("ngram", "ngram"))
     session = state.sessions.touch("s", 0.0)
     req = parse_request("completion", {"model": state.config.model.name, "prompt": "x", "temperature": 1.5})
-    routed = placement.route(state, session, state.fleet.candidates(), req,
+    routed = route(state, session, state.fleet.candidates(), req,
                              policies.PolicyConfig(methods=("draft", "ngram")))
     assert routed is not None
     assert routed.decision.header == "speculative; method=ngram; k=48; reason=worker_speculative_only"

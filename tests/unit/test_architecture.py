@@ -31,7 +31,7 @@ API_MAY_IMPORT = ("workers.api", "policies")
 API_FORBIDDEN_EXTERNAL = {"torch", "safetensors", "vllm"}
 
 # The gateway in rooms by job (issue #42): these packages exist, and few modules are left beside them.
-GATEWAY_ROOMS = ("config", "fleet", "observe", "sessions", "relay", "epp")
+GATEWAY_ROOMS = ("config", "fleet", "observe", "sessions", "relay", "epp", "scheduling")
 MAX_GATEWAY_TOP_LEVEL = 12  # .py files directly in gateway/, __init__.py and __main__.py counted
 ARCHITECTURE_DOC = ROOT / "docs" / "architecture.md"
 

@@ -32,7 +32,7 @@ from policies import (
     step_cost,
     worker_acceptance,
 )
-from policies.speculation import RequestFacts
+from policies.states import RequestFacts
 from tests.policy_data import COOL, PROPERTY, state
 from workers.api.sim_config import SimConfig
 from workers.costs.cost_report import report_from_forward_times

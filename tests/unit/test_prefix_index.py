@@ -1,8 +1,8 @@
-"""The gateway's approximate prefix index (gateway/fleet/prefix_index.py): blocks, hits, the bound."""
+"""The gateway's approximate prefix index (gateway/scheduling/plugins/prefix_index.py): blocks, hits, the bound."""
 
 from __future__ import annotations
 
-from gateway.fleet.prefix_index import BLOCK_CHARS, PrefixIndex, prompt_blocks
+from gateway.scheduling.plugins.prefix_index import BLOCK_CHARS, PrefixIndex, prompt_blocks
 from workers.api.request_parser import parse_request
 
 SYSTEM = "You answer questions about the Hollins Bridge. " * 20  # 940 characters: 7 blocks of its own

@@ -1,0 +1,1 @@
+"""The routing plugins, one type a module (``gateway.scheduling.registry`` names them)."""
