@@ -295,8 +295,8 @@ def test_every_bad_field_of_every_section_is_reported() -> None:
            "state": {"backend": "etcd", "redis_url": "http://x"}, "epp": {"port": 70000}}
     with pytest.raises(ConfigError) as info:
         parse_config(raw, BASE)
-    assert str(info.value) == ("extra: unknown field; known: auth, epp, model, policy, server, sessions, state, "
-                               "tracing, workers (got {})")
+    assert str(info.value) == ("extra: unknown field; known: auth, epp, model, policy, routing, server, sessions, "
+                               "state, tracing, workers (got {})")
     assert [p.field for p in info.value.problems] == [
         "extra", "server.colour", "server.host", "server.port", "workers.max_k", "workers.remote[0].url",
         "workers.remote[0].mode", "workers.remote[1]", "sessions.history", "probe_every", "max_batch",
