@@ -310,7 +310,7 @@ def mismatch_sample(chaos: Chaos, pool: list[Variant], variant: Variant, outcome
             "reference_then": variant.reference[common:common + 40], "then": outcome.text[common:common + 40]}
 
 
-# What the gateway says when no worker can take a request (gateway/proxy.py NoWorkerReady, a
+# What the gateway says when no worker can take a request (gateway/admission.py NoWorkerReady, a
 # migration given up for want of a worker).
 NO_WORKER_MESSAGES = ("no worker is ready", "no worker could take")
 WAITED_SERIES = 'specgate_admission_waits_total{result="served"}'  # requests that waited for a worker, then ran

@@ -8,6 +8,7 @@ from aiohttp import web
 
 from gateway.config.config import GatewayConfig
 from gateway.fleet.fleet import Fleet
+from gateway.observe.chunk_outcome import ChunkOutcome, record_chunk
 from gateway.observe.metrics import GatewayMetrics
 from gateway.policy_store import PolicyStore
 from gateway.scheduling.store import RoutingStore
@@ -30,6 +31,13 @@ class GatewayState:
         """The live routing pipeline, reloaded with the policy; one instance shared by the relay
         and the endpoint picker."""
         return self.policy.routing
+
+    def settle(self, outcome: ChunkOutcome) -> None:
+        """One chunk's outcome (gateway/accounting.py) into the metrics, in one call, and a
+        worker's report of its cache into the routing pipeline's post-response step."""
+        record_chunk(self.metrics, outcome)
+        if outcome.cached is not None:
+            self.routing.pipeline.post_response(outcome.worker_id, *outcome.cached)
 
 
 STATE_KEY = web.AppKey("gateway", GatewayState)

@@ -30,10 +30,10 @@ from envoy.type.v3.http_status_pb2 import HttpStatus
 from google.protobuf.struct_pb2 import Struct
 from multidict import CIMultiDict
 
+from gateway.accounting import StreamTally, account_chunk
 from gateway.admission import (
     Admission,
     accept_request,
-    account_chunk,
     commit,
     directive_for,
     pick_ready,
@@ -42,8 +42,8 @@ from gateway.admission import (
 from gateway.auth import AuthStore
 from gateway.epp.feedback import ResponseReader
 from gateway.fleet.handle import WorkerHandle
+from gateway.fleet.worker_stream import scope_key, worker_body
 from gateway.observe.tracing import AttemptTrace
-from gateway.proxy import StreamTally, scope_key, worker_body
 from gateway.state import GatewayState
 from gateway.tenancy import OPEN, worker_session_id
 from workers.api.errors import ApiError, BadRequest, Overloaded, PayloadTooLarge, Unavailable
@@ -334,11 +334,11 @@ class Exchange:
         admission, kind, now = picked.admission, picked.req.kind, time.monotonic()
         if self.reader.streaming:
             for raw in self.reader.stream_piece(body.body):
-                account_chunk(self.state, admission, self.tally, raw, kind, self.started, now)
+                self.state.settle(account_chunk(admission, self.tally, raw, kind, self.started, now))
         elif body.end_of_stream:
             whole, stripped = self.reader.whole_answer(body.body)
             if whole is not None:
-                account_chunk(self.state, admission, self.tally, whole, kind, self.started, now)
+                self.state.settle(account_chunk(admission, self.tally, whole, kind, self.started, now))
             if stripped is not None:
                 response.response_body.response.body_mutation.body = stripped
         else:

@@ -19,7 +19,7 @@ from typing import Any
 
 import orjson
 
-from gateway.proxy import RawChunk
+from gateway.fleet.worker_stream import RawChunk
 from workers.api.wire import DIRECTIVE_FIELD, StepReport, logged_steps
 
 # A whole answer larger than this is relayed unread: its steps go unaccounted, as a stream's

@@ -31,11 +31,9 @@ from typing import Any
 
 import orjson
 
-from gateway.admission import Admission
+from gateway.admission import Admission, NoWorker
 from gateway.fleet.worker_http import WorkerResponse
-from gateway.observe.ops_metrics import OpsMetrics
-from gateway.proxy import (
-    NoWorker,
+from gateway.fleet.worker_stream import (
     RawChunk,
     WholeAnswer,
     WorkerLost,
@@ -43,6 +41,7 @@ from gateway.proxy import (
     iter_chunk_batches,
     read_whole_answer,
 )
+from gateway.observe.ops_metrics import OpsMetrics
 from gateway.relay.drain import Drain, ShuttingDown
 from gateway.sessions.table import Session
 from gateway.state import GatewayState

@@ -11,10 +11,10 @@ from typing import Any
 import orjson
 from aiohttp import web
 
+from gateway.accounting import StreamTally, account_chunk
 from gateway.admission import (
     Admission,
     accept_request,
-    account_chunk,
     directive_for,
     pick,
     pick_ready,
@@ -23,17 +23,16 @@ from gateway.admission import (
 )
 from gateway.auth import caller_of
 from gateway.fleet.worker_http import WorkerResponse
-from gateway.observe.ops_metrics import OPS_KEY
-from gateway.observe.tracing import TRACING_KEY, RequestTrace
-from gateway.proxy import (
+from gateway.fleet.worker_stream import (
     RawChunk,
-    StreamTally,
     WholeAnswer,
     WorkerUnreachable,
     open_stream,
     scope_key,
     worker_body,
 )
+from gateway.observe.ops_metrics import OPS_KEY
+from gateway.observe.tracing import TRACING_KEY, RequestTrace
 from gateway.relay.busy_poll import BUSY_POLL_KEY
 from gateway.relay.drain import DRAIN_KEY, InFlight
 from gateway.relay.migration import MigratingStream
@@ -166,8 +165,8 @@ async def _answer_whole(request: web.Request, state: GatewayState, stream: Migra
         await response.write_eof()
     finally:
         if whole.report is not None:
-            account_chunk(state, stream.admission, tally, RawChunk({}, None, None, whole.report), stream.kind, started,
-                     whole.at)
+            state.settle(account_chunk(stream.admission, tally, RawChunk({}, None, None, whole.report), stream.kind,
+                                       started, whole.at))
     return response
 
 
@@ -198,7 +197,7 @@ async def _answer(request: web.Request, state: GatewayState, stream: MigratingSt
     def account(received: Received) -> None:
         at, admission, batch = received
         for raw in batch:
-            account_chunk(state, admission, tally, raw, kind, started, at)
+            state.settle(account_chunk(admission, tally, raw, kind, started, at))
 
     try:
         async for batch in batches:
@@ -283,7 +282,7 @@ async def _relay(request: web.Request, kind: RequestKind, state: GatewayState, t
                 events = []
                 now = time.monotonic()
                 for raw in batch:
-                    account_chunk(state, stream.admission, tally, raw, kind, started, now)
+                    state.settle(account_chunk(stream.admission, tally, raw, kind, started, now))
                     if raw.chunk.get("usage") is not None and not req.include_usage:
                         continue
                     if _worth_sending(kind, raw.chunk):

@@ -23,14 +23,13 @@ import openai
 import pytest
 
 from bench.procs import free_port, wait_ok
-from gateway.admission import pick_ready
+from gateway.admission import NoWorkerReady, pick_ready
 from gateway.config.config import parse_config
 from gateway.fleet.fleet import Fleet
 from gateway.fleet.handle import WorkerHandle
 from gateway.fleet.worker_http import Endpoint, WorkerHttp
 from gateway.observe.metrics import GatewayMetrics
 from gateway.policy_store import PolicyStore
-from gateway.proxy import NoWorkerReady
 from gateway.sessions.table import SessionTable
 from gateway.state import GatewayState
 from tests.e2e.harness import MODELS, REPO, TEST_COST_BUDGET_S, Gateway, cost_cache_dir, write_config

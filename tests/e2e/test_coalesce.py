@@ -19,7 +19,7 @@ import aiohttp
 import pytest
 
 from gateway.config.config import ConfigError, parse_config
-from gateway.proxy import WorkerLost, read_whole_answer
+from gateway.fleet.worker_stream import WorkerLost, read_whole_answer
 from tests.e2e.harness import Gateway, GatewayFactory, start_tcp_worker, worker_sse_events
 from tests.unit.worker_http_server import serve
 from workers.api.errors import WorkerFailed

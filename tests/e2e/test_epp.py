@@ -334,7 +334,7 @@ def test_epp_refuses_local_workers(tmp_path: Path) -> None:
 def test_the_decision_reaches_each_kind_of_model_server_in_its_terms() -> None:
     """What the picker writes into the body Envoy forwards: the client's request as it sent it
     (its own ``stream``), plus the directive (specgate) or plugin arguments (vLLM)."""
-    from gateway.proxy import worker_body
+    from gateway.fleet.worker_stream import worker_body
     from workers.api.request_parser import parse_request
     from workers.api.wire import Directive
 

@@ -330,7 +330,8 @@ def test_the_cost_model_reads_tree_curves_both_or_neither() -> None:
 
 # -- the gateway's side: the directive a decision sends, the path a step reports ---------------------
 def test_the_directive_carries_the_tree_and_a_reported_path_is_checked_against_it() -> None:
-    from gateway.admission import directive_for, step_path
+    from gateway.accounting import step_path
+    from gateway.admission import directive_for
     from workers.api.wire import StepReport
 
     tree = TreeShape.parse("2x2+3")

@@ -1,4 +1,6 @@
-"""Forwarding one OpenAI request to a worker and relaying its chunks.
+"""The worker-stream client: one OpenAI request's body in a worker's protocol, the POST that
+opens its stream, and the stream read into chunks (or a whole answer), with the errors of the
+way there (the relay's and the migration's; ``worker_http.py`` below it is the HTTP client).
 
 The gateway always asks the worker for a stream (with usage), whatever the client asked
 for: each chunk's ``specgate`` step report feeds the session's acceptance estimate and the
@@ -13,7 +15,7 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import AsyncGenerator, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import orjson
@@ -21,7 +23,7 @@ import orjson
 from gateway.config.config import RemoteProtocol
 from gateway.fleet.handle import WorkerHandle
 from gateway.fleet.worker_http import WorkerConnectError, WorkerResponse, WorkerStreamError
-from gateway.llamacpp import SlotLease, TimingsSeen, llamacpp_body
+from gateway.llamacpp import SlotLease, llamacpp_body
 from workers.api.errors import (
     ApiError,
     BadRequest,
@@ -57,33 +59,6 @@ class WorkerUnreachable(Exception):
 class WorkerLost(WorkerFailed):
     """The worker's stream broke or ended early (it died, or its connection did): the generation
     can resume on another worker (gateway/relay/migration.py). An error event the worker sent is not this."""
-
-
-class NoWorker(Exception):
-    """Marks the errors of an admission that found no worker to take the request."""
-
-
-class NoWorkerReady(Unavailable, NoWorker):
-    pass
-
-
-class NoWorkerLeft(WorkerFailed, NoWorker):
-    pass
-
-
-@dataclass
-class StreamTally:
-    """What the chunks of one request added up to."""
-
-    proposed: int = 0
-    accepted: int = 0
-    tested: int = 0  # drafts tested (α's denominator)
-    speculative_steps: int = 0
-    first_token_at: float | None = None
-    last_at: float = 0.0  # when the last chunk with tokens arrived
-    tokens: int = 0
-    collected: list[dict[str, Any]] = field(default_factory=list)
-    timings: TimingsSeen = field(default_factory=TimingsSeen)  # a llama-server's counters (gateway/llamacpp.py)
 
 
 def scope_key(request: CompletionRequest) -> str:
