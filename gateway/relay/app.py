@@ -110,6 +110,7 @@ def create_app(config: GatewayConfig, metrics: GatewayMetrics | None = None,
     app.router.add_get("/openapi.json", _openapi)
     app.router.add_get("/admin/policy", _get_policy)
     app.router.add_put("/admin/policy", _put_policy)
+    app.router.add_get("/admin/routing", _get_routing)
     app.router.add_get("/admin/sessions/{session_id}", _get_session)
     app.router.add_get("/admin/workers", _get_workers)
     return app
@@ -226,8 +227,22 @@ async def _put_policy(request: web.Request) -> web.Response:
         store.reject(exc, "api")
         # Every problem in the message (the summary), the first one's field as the param.
         raise BadRequest(exc.summary(), param=f"policy.{exc.field}") from None
+    clash = store.routing_clash(candidate)
+    if clash is not None:  # a route_* key while the file's routing: section says how requests route
+        store.reject(clash, "api")
+        raise BadRequest(str(clash), param=clash.field)
     store.apply(candidate, "api")
     return web.json_response(_policy_view(store))
+
+
+async def _get_routing(request: web.Request) -> web.Response:
+    """The live routing pipeline as config.yaml's ``routing:`` section writes it, and where it came
+    from: the file's section, or the policy's ``route_*`` keys (docs/routing.md)."""
+    store = request.app[STATE_KEY].policy
+    routing = store.routing
+    return web.json_response({"routing": routing.config.as_dict(), "loaded_at": _iso(store.current.loaded_at),
+                              "source": "routing section" if routing.section is not None else "policy route_* keys",
+                              "last_error": store.last_error})
 
 
 def _refuse(store: PolicyStore, message: str) -> BadRequest:
