@@ -36,7 +36,7 @@ def record_chunk(metrics: GatewayMetrics, outcome: ChunkOutcome) -> None:
         metrics.record_steps(outcome.worker_id, proposed, accepted, count)
     if outcome.first_token is not None:
         mode, seconds = outcome.first_token
-        metrics.series(metrics.time_to_first_token, mode).observe(seconds)
+        metrics.observe_many(metrics.series(metrics.time_to_first_token, mode), seconds, 1)
     for mode, n in outcome.tokens.items():
         if n:
             metrics.series(metrics.tokens, mode).inc(n)

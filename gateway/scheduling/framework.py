@@ -132,7 +132,7 @@ class Rule(Plugin):
 class Scorer(Plugin):
     role = "scorer"
 
-    def prepare(self, cycle: Cycle) -> None:
+    def pre_cycle(self, cycle: Cycle) -> None:
         """Before the profile runs: what the scorer's state says of this request (once a cycle)."""
 
     def score(self, cycle: Cycle, endpoints: list[Candidate]) -> list[float]:
@@ -175,7 +175,7 @@ class Profile:
     def run(self, cycle: Cycle) -> Settled | None:
         endpoints = list(cycle.ready)
         for scorer, _ in self.scorers:
-            scorer.prepare(cycle)
+            scorer.pre_cycle(cycle)
         for stage in self.stages:
             if isinstance(stage, Filter):
                 endpoints = stage.filter(cycle, endpoints)

@@ -169,12 +169,12 @@ def test_the_prefix_scorer_owns_its_index_through_its_request_and_response_steps
     req = parse_request("completion", {"model": "m", "prompt": "You are terse. " * 40})
     fleet = [worker("a"), worker("b"), worker("c", prefix_cache=False)]
     first = cycle(fleet, request=req)
-    scorer.prepare(first)
+    scorer.pre_cycle(first)
     assert first.blocks == prompt_blocks(req) and first.hits == {} and scorer.score(first, fleet) == [0, 0, 0]
     for worker_id in ("b", "c"):
         scorer.pre_request(first, worker_id)  # the placement's pre-request step records it
     again = cycle(fleet, request=req)
-    scorer.prepare(again)
+    scorer.pre_cycle(again)
     # c was sent it too, but says it keeps no prompt K/V: no hit there.
     assert again.shares == {"b": 1.0, "c": 1.0} and again.hits == {"b": 1.0}
     assert scorer.score(again, fleet) == [0.0, 1.0, 0.0]
@@ -182,16 +182,16 @@ def test_the_prefix_scorer_owns_its_index_through_its_request_and_response_steps
     for _ in range(20):
         scorer.post_response("b", 1.0, 600, 0)
     later = cycle(fleet, request=req)
-    scorer.prepare(later)
+    scorer.pre_cycle(later)
     assert later.hits["b"] < 0.2
     scorer.forget("b")  # it left the fleet
     gone = cycle(fleet, request=req)
-    scorer.prepare(gone)
+    scorer.pre_cycle(gone)
     assert "b" not in gone.shares
     # Another tenant's same prompt has other blocks: never placed by this one's prefix.
     other = parse_request("completion", {"model": "m", "prompt": "You are terse. " * 40, "cache_salt": "t2"})
     salted = cycle(fleet, request=other)
-    scorer.prepare(salted)
+    scorer.pre_cycle(salted)
     assert salted.shares == {}
 
 
@@ -199,7 +199,7 @@ def test_the_prefix_scorer_is_off_at_zero_capacity() -> None:
     scorer = configured(PrefixCacheScorer, lruCapacityPerServer=0)
     req = parse_request("completion", {"model": "m", "prompt": "x" * 1000})
     made = cycle([worker("a")], request=req)
-    scorer.prepare(made)
+    scorer.pre_cycle(made)
     scorer.pre_request(made, "a")
     assert made.blocks == () and scorer.index.sizes() == {}
 

@@ -26,7 +26,7 @@ class PrefixCacheScorer(Scorer):
         super().__init__(name)
         self.index = PrefixIndex()
 
-    def prepare(self, cycle: Cycle) -> None:
+    def pre_cycle(self, cycle: Cycle) -> None:
         req = cycle.features.request
         if req is None or self.lruCapacityPerServer <= 0:
             return
