@@ -171,25 +171,36 @@ class Profile:
     stages: tuple[Filter | Rule, ...]
     scorers: tuple[tuple[Scorer, float], ...]
     picker: Picker
+    # Derived once (the request path's hot loop, bench.overhead): each stage's bound method and
+    # whether it filters, the scorers with a pre-cycle step, and the weighted ones.
+    _steps: tuple[tuple[Any, bool], ...] = field(init=False, repr=False, compare=False)
+    _pre_cycle: tuple[Any, ...] = field(init=False, repr=False, compare=False)
+    _weighted: tuple[tuple[Any, float], ...] = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        steps = tuple((s.filter, True) if isinstance(s, Filter) else (s.apply, False) for s in self.stages)
+        object.__setattr__(self, "_steps", steps)
+        object.__setattr__(self, "_pre_cycle", tuple(
+            s.pre_cycle for s, _ in self.scorers if type(s).pre_cycle is not Scorer.pre_cycle))
+        object.__setattr__(self, "_weighted", tuple((s.score, w) for s, w in self.scorers if w))
 
     def run(self, cycle: Cycle) -> Settled | None:
         endpoints = list(cycle.ready)
-        for scorer, _ in self.scorers:
-            scorer.pre_cycle(cycle)
-        for stage in self.stages:
-            if isinstance(stage, Filter):
-                endpoints = stage.filter(cycle, endpoints)
+        for pre_cycle in self._pre_cycle:
+            pre_cycle(cycle)
+        for step, filters in self._steps:
+            if filters:
+                endpoints = step(cycle, endpoints)
                 if not endpoints:
                     return None
-            elif (settled := stage.apply(cycle, endpoints)) is not None:
+            elif (settled := step(cycle, endpoints)) is not None:
                 return settled
         if cycle.load_only:
             return Settled(least_loaded(endpoints), "load")
         totals = [0.0] * len(endpoints)
-        for scorer, weight in self.scorers:
-            if weight:
-                for i, score in enumerate(scorer.score(cycle, endpoints)):
-                    totals[i] += weight * score
+        for score, weight in self._weighted:
+            for i, value in enumerate(score(cycle, endpoints)):
+                totals[i] += weight * value
         return self.picker.pick(cycle, endpoints, totals)
 
 
