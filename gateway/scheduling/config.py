@@ -14,7 +14,7 @@ one weight would disagree.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, fields
 from typing import Any
 
@@ -124,19 +124,26 @@ def parse_routing(raw: Any, types: Mapping[str, type[Plugin]] = PLUGIN_TYPES) ->
     return RoutingConfig(plugins, profiles)
 
 
-def _parse_plugins(raw: Any, types: Mapping[str, type[Plugin]], problems: Problems) -> tuple[PluginSpec, ...]:
+def _entries(raw: Any, where: str, what: str, keys: tuple[str, ...],
+             problems: Problems) -> Iterator[tuple[str, Mapping[str, Any]]]:
+    """A list's mappings, each with its path, their unknown keys reported (a list of 1..MAX_PLUGINS)."""
     if not isinstance(raw, list) or not raw or len(raw) > MAX_PLUGINS:
-        problems.add(ConfigError("routing.plugins", raw, f"must be a list of 1..{MAX_PLUGINS} plugins"))
-        return ()
-    specs: list[PluginSpec] = []
+        problems.add(ConfigError(where, raw, f"must be a list of 1..{MAX_PLUGINS} {what}"))
+        return
     for i, item in enumerate(raw):
-        where = f"routing.plugins[{i}]"
+        at = f"{where}[{i}]"
         if not isinstance(item, Mapping):
-            problems.add(ConfigError(where, item, "must be a mapping with type, name and parameters"))
+            problems.add(ConfigError(at, item, f"must be a mapping with {', '.join(keys)}"))
             continue
         for key in item:
-            if key not in ("type", "name", "parameters"):
-                problems.add(ConfigError(f"{where}.{key}", item[key], "unknown field; known: name, parameters, type"))
+            if key not in keys:
+                problems.add(ConfigError(f"{at}.{key}", item[key], f"unknown field; known: {', '.join(sorted(keys))}"))
+        yield at, item
+
+
+def _parse_plugins(raw: Any, types: Mapping[str, type[Plugin]], problems: Problems) -> tuple[PluginSpec, ...]:
+    specs: list[PluginSpec] = []
+    for where, item in _entries(raw, "routing.plugins", "plugins", ("type", "name", "parameters"), problems):
         kind = item.get("type")
         if not isinstance(kind, str) or kind not in types:
             problems.add(ConfigError(f"{where}.type", kind, f"unknown plugin type; known: {', '.join(sorted(types))}"))
@@ -191,18 +198,8 @@ def _value(value: Any, name: str, kind: type, low: float | None, high: float | N
 
 
 def _parse_profiles(raw: Any, roles: Mapping[str, str], problems: Problems) -> tuple[ProfileSpec, ...]:
-    if not isinstance(raw, list) or not raw or len(raw) > MAX_PLUGINS:
-        problems.add(ConfigError("routing.schedulingProfiles", raw, f"must be a list of 1..{MAX_PLUGINS} profiles"))
-        return ()
     profiles: list[ProfileSpec] = []
-    for i, item in enumerate(raw):
-        where = f"routing.schedulingProfiles[{i}]"
-        if not isinstance(item, Mapping):
-            problems.add(ConfigError(where, item, "must be a mapping with name and plugins"))
-            continue
-        for key in item:
-            if key not in ("name", "plugins"):
-                problems.add(ConfigError(f"{where}.{key}", item[key], "unknown field; known: name, plugins"))
+    for where, item in _entries(raw, "routing.schedulingProfiles", "profiles", ("name", "plugins"), problems):
         name = item.get("name")
         if not isinstance(name, str) or not name or any(p.name == name for p in profiles):
             problems.add(ConfigError(f"{where}.name", name, "must be a non-empty string, unique among the profiles"))

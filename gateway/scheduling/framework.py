@@ -193,7 +193,9 @@ class Profile:
                 endpoints = step(cycle, endpoints)
                 if not endpoints:
                     return None
-            elif (settled := step(cycle, endpoints)) is not None:
+                continue
+            settled: Settled | None = step(cycle, endpoints)
+            if settled is not None:
                 return settled
         if cycle.load_only:
             return Settled(least_loaded(endpoints), "load")

@@ -205,3 +205,15 @@ def bench_json(*args: str, timeout: int = 240) -> tuple[dict[str, Any], str]:
                          check=True)
     result: dict[str, Any] = json.loads(run.stdout.strip().splitlines()[-1])
     return result, run.stdout
+
+
+def put_policy(gateway: Gateway, body: bytes, content_type: str) -> tuple[int, Any]:
+    """``PUT /admin/policy`` with ``body``: the status and the JSON answer, an error's too."""
+    request = urllib.request.Request(gateway.url + "/admin/policy", data=body, method="PUT",
+                                     headers={"Content-Type": content_type})
+    try:
+        with urllib.request.urlopen(request, timeout=10) as response:
+            return response.status, json.loads(response.read())
+    except urllib.error.HTTPError as error:
+        with error:
+            return error.code, json.loads(error.read())

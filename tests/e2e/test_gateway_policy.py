@@ -18,7 +18,7 @@ import openai
 import pytest
 import yaml
 
-from tests.e2e.harness import Gateway, GatewayFactory, sdk_client, start_gateway, write_config
+from tests.e2e.harness import Gateway, GatewayFactory, put_policy, sdk_client, start_gateway, write_config
 
 CODE_PROMPT = "import os\nimport sys\n\n\ndef main(argv):\n    parser = "
 
@@ -222,41 +222,27 @@ def test_sighup_reloads_the_file(gateway: Gateway) -> None:
         _wait_for(lambda: gateway.get_json("/admin/policy")["policy"]["probe_every"] == 3, WATCH_DEADLINE_S)
 
 
-def _put_policy(gateway: Gateway, body: bytes, content_type: str) -> tuple[int, Any]:
-    import urllib.error
-    import urllib.request
-
-    request = urllib.request.Request(gateway.url + "/admin/policy", data=body, method="PUT",
-                                     headers={"Content-Type": content_type})
-    try:
-        with urllib.request.urlopen(request, timeout=10) as response:
-            return response.status, json.loads(response.read())
-    except urllib.error.HTTPError as error:
-        with error:
-            return error.code, json.loads(error.read())
-
-
 def test_put_policy_json_yaml_and_invalid(gateway: Gateway) -> None:
     original = gateway.get_json("/admin/policy")["policy"]
     try:
-        status, view = _put_policy(gateway, json.dumps({**original, "num_speculative_tokens": 3}).encode(),
+        status, view = put_policy(gateway, json.dumps({**original, "num_speculative_tokens": 3}).encode(),
                                    "application/json")
         assert status == 200 and view["policy"]["num_speculative_tokens"] == 3 and view["source"] == "api"
-        status, view = _put_policy(gateway, b"policy:\n  max_batch: 32\n  batch_resume: 30\n", "application/yaml")
+        status, view = put_policy(gateway, b"policy:\n  max_batch: 32\n  batch_resume: 30\n", "application/yaml")
         assert status == 200 and view["policy"]["max_batch"] == 32
-        status, error = _put_policy(gateway, b"max_batch: 8\nbatch_resume: 9\n", "application/yaml")
+        status, error = put_policy(gateway, b"max_batch: 8\nbatch_resume: 9\n", "application/yaml")
         assert status == 400 and error["error"]["param"] == "policy.batch_resume"
         assert "9" in error["error"]["message"]
         # Every problem in the one message, the first one's field as the param; also in last_error.
-        status, error = _put_policy(gateway, b"max_batch: x\nprobe_every: 0\nflooor: 1\n", "application/yaml")
+        status, error = put_policy(gateway, b"max_batch: x\nprobe_every: 0\nflooor: 1\n", "application/yaml")
         assert status == 400 and error["error"]["param"] == "policy.max_batch"
         message = error["error"]["message"]
         assert message.startswith("policy.max_batch: must be an integer (got 'x'); policy.flooor: unknown field")
         assert message.endswith("; policy.probe_every: must be >= 1 (got 0)")
         assert gateway.get_json("/admin/policy")["last_error"] == message
-        status, error = _put_policy(gateway, b"{nope: ", "application/yaml")
+        status, error = put_policy(gateway, b"{nope: ", "application/yaml")
         assert status == 400
         assert gateway.get_json("/admin/policy")["policy"]["max_batch"] == 32
     finally:
-        status, _ = _put_policy(gateway, json.dumps(original).encode(), "application/json")
+        status, _ = put_policy(gateway, json.dumps(original).encode(), "application/json")
         assert status == 200

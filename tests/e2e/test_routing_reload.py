@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import json
 import time
 from collections.abc import Callable
 from typing import Any
@@ -19,7 +20,7 @@ import yaml
 
 from gateway.scheduling.config import routing_from_policy
 from policies import PolicyConfig
-from tests.e2e.harness import Gateway, GatewayFactory
+from tests.e2e.harness import Gateway, GatewayFactory, put_policy
 
 DEADLINE_S = 5.0
 SYSTEM = "You are the on-call assistant. Answer in one line. " * 6
@@ -134,21 +135,10 @@ def test_routing_reloads_under_load_and_a_bad_section_keeps_the_old_one(gateway:
 
 
 def test_a_policy_put_may_not_change_what_the_routing_section_says(gateway: Gateway) -> None:
-    import json
-    import urllib.error
-    import urllib.request
-
     policy = gateway.get_json("/admin/policy")["policy"]
 
     def put(changes: dict[str, Any]) -> tuple[int, Any]:
-        request = urllib.request.Request(gateway.url + "/admin/policy", data=json.dumps({**policy, **changes}).encode(),
-                                         method="PUT", headers={"Content-Type": "application/json"})
-        try:
-            with urllib.request.urlopen(request, timeout=10) as response:
-                return response.status, json.loads(response.read())
-        except urllib.error.HTTPError as error:
-            with error:
-                return error.code, json.loads(error.read())
+        return put_policy(gateway, json.dumps({**policy, **changes}).encode(), "application/json")
     status, answer = put({"route_prefix_weight": 9.0})
     assert status == 400 and answer["error"]["param"] == "policy.route_prefix_weight"
     assert "set by the config file's routing section (prefix-cache-scorer)" in answer["error"]["message"]
