@@ -217,6 +217,8 @@ def _by_server_method(workers: Workers, session: Session, candidates: list[Candi
     bound, as a sticky or prefix-placed request must (``load-bound-filter``): that worker and the
     decision. None where the fleet offers nothing ``handle`` lacks, or no ready worker within the
     bound runs the method the rules want (the request then runs what ``handle`` offers)."""
+    if all(c.methods is handle.methods or c.methods == handle.methods for c in candidates):
+        return None  # one fleet of one method set (the usual): nothing elsewhere that handle lacks
     methods = offered_methods(candidates)
     if set(methods) <= set(handle.methods):
         return None
