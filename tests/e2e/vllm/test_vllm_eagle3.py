@@ -22,14 +22,13 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import torch
 
 from tests.e2e.harness import Gateway, start_gateway, write_config
 from tests.e2e.vllm.real_pair import MAX_TOKENS, REQUEST_TIMEOUT_S, chat_prompts, vllm_greedy
 from tests.e2e.vllm.vllm_harness import REAL_PAIR, STARTUP_TIMEOUT_S, VllmServer, start_vllm_server
 from workers.engines.embedded.eagle3.head import Eagle3Head
 from workers.engines.embedded.engine import GenerationRequest, SpeculativeEngine
-from workers.engines.embedded.llama import LlamaForCausalLM
+from workers.engines.embedded.quantized import load_target
 from workers.engines.embedded.sampling import SamplingParams
 
 pytestmark = pytest.mark.vllm
@@ -71,7 +70,9 @@ def spec_counters(server: VllmServer) -> dict[str, float]:
 
 
 def embedded_acceptance(chats: list[list[int]]) -> tuple[float, list[list[int]]]:
-    target = LlamaForCausalLM.from_pretrained(REAL_PAIR.target, torch.float32)
+    # The target from the GGUF's own blocks: the float32 conversion's logits bit for bit
+    # (tests/e2e/test_smollm2_blocks.py), in about half the time a step on 2 cores.
+    target = load_target(REAL_PAIR.target, "q4_1")
     head = Eagle3Head.load(HEAD, target.cfg, target.embed_rows, 1, 1024)
     engine = SpeculativeEngine(target, None, max_slots=1, max_k=8, max_positions=1024, eagle=head)
     proposed = accepted = 0
