@@ -25,22 +25,30 @@ def test_bench_overhead_smoke_json() -> None:
     assert "specgate_busy_poll" in result["latency_ms"] and result["busy_poll_gateway_cpu_us_per_request"] > 0
     assert set(result["busy_poll_gateway_cpu_us_per_chunk"]) == {"instant", "paced"}
     # The targets are ratios to vllm-router in the same run; judged only where it ran.
-    assert set(result["targets"]) == {"added_p50_le_2.5x_vllm_router", "stream256_ge_1x_vllm_router"}
+    assert set(result["targets"]) == {"added_p50_le_2.5x_vllm_router", "stream256_ge_1x_vllm_router",
+                                      "rps_c32_ge_0.8x_vllm_router", "gateway_cpu_le_400us_per_request"}
     if result["vllm_router"] is None:
-        assert set(result["targets"].values()) == {None}
+        assert {k: v for k, v in result["targets"].items() if "vllm_router" in k} == dict.fromkeys(
+            ("added_p50_le_2.5x_vllm_router", "stream256_ge_1x_vllm_router", "rps_c32_ge_0.8x_vllm_router"))
     assert "added p50, specgate / vllm-router" in stdout
     assert result["cpu"] and f"CPU: {result['cpu']}" in stdout
 
 
 def test_overhead_targets_are_ratios_to_vllm_router() -> None:
-    base = {"added_p50_ms": 0.5, "vllm_router_added_p50_ms": 0.2, "stream256_ratio_vs_vllm_router": 1.0}
-    assert target_lines(base) == {"added_p50_le_2.5x_vllm_router": True, "stream256_ge_1x_vllm_router": True}
-    assert target_lines({**base, "added_p50_ms": 0.51, "stream256_ratio_vs_vllm_router": 0.99}) == {
-        "added_p50_le_2.5x_vllm_router": False, "stream256_ge_1x_vllm_router": False}
+    base = {"added_p50_ms": 0.5, "vllm_router_added_p50_ms": 0.2, "stream256_ratio_vs_vllm_router": 1.0,
+            "rps_ratio_c32_vs_vllm_router": 0.8, "gateway_cpu_us_per_request": 400.0}
+    assert target_lines(base) == {"added_p50_le_2.5x_vllm_router": True, "stream256_ge_1x_vllm_router": True,
+                                  "rps_c32_ge_0.8x_vllm_router": True, "gateway_cpu_le_400us_per_request": True}
+    assert target_lines({**base, "added_p50_ms": 0.51, "stream256_ratio_vs_vllm_router": 0.99,
+                         "rps_ratio_c32_vs_vllm_router": 0.79, "gateway_cpu_us_per_request": 401.0}) == {
+        "added_p50_le_2.5x_vllm_router": False, "stream256_ge_1x_vllm_router": False,
+        "rps_c32_ge_0.8x_vllm_router": False, "gateway_cpu_le_400us_per_request": False}
     # vllm-router absent, or its added latency no latency (at or below zero on a loaded machine): not judged.
     for router in (None, -0.02, 0.0):
-        lines = target_lines({**base, "vllm_router_added_p50_ms": router, "stream256_ratio_vs_vllm_router": None})
-        assert set(lines.values()) == {None}
+        lines = target_lines({**base, "vllm_router_added_p50_ms": router, "stream256_ratio_vs_vllm_router": None,
+                              "rps_ratio_c32_vs_vllm_router": None})
+        assert {k for k, v in lines.items() if v is None} == {
+            "added_p50_le_2.5x_vllm_router", "stream256_ge_1x_vllm_router", "rps_c32_ge_0.8x_vllm_router"}
 
 
 def test_bench_timeline_lines_up_every_hand_off() -> None:
@@ -80,3 +88,10 @@ def test_bench_wakeup_measures_every_placement() -> None:
         if result["cpus"] >= 2:
             assert "other_cpu" in placements and f"{family}_cross_cpu_wakeups_us" in result
     assert result["cpu"] and "round trip" in stdout
+
+
+def test_bench_overhead_profile_names_where_the_cpu_goes() -> None:
+    result, stdout = bench_json("-m", "bench.overhead_profile", "--requests", "60", "--json")
+    assert result["us_per_request"] > 0 and result["groups_us"]["gateway"] > 0
+    assert any("relay.py" in row["where"] for row in result["top"])
+    assert f"CPU: {result['cpu']}" in stdout
