@@ -227,8 +227,7 @@ async def _put_policy(request: web.Request) -> web.Response:
         store.reject(exc, "api")
         # Every problem in the message (the summary), the first one's field as the param.
         raise BadRequest(exc.summary(), param=f"policy.{exc.field}") from None
-    clash = store.routing_clash(candidate)
-    if clash is not None:  # a route_* key while the file's routing: section says how requests route
+    if (clash := store.routing_clash(candidate)) is not None:  # the file's routing: section says that
         store.reject(clash, "api")
         raise BadRequest(str(clash), param=clash.field)
     store.apply(candidate, "api")
@@ -239,9 +238,7 @@ async def _get_routing(request: web.Request) -> web.Response:
     """The live routing pipeline as config.yaml's ``routing:`` section writes it, and where it came
     from: the file's section, or the policy's ``route_*`` keys (docs/routing.md)."""
     store = request.app[STATE_KEY].policy
-    routing = store.routing
-    return web.json_response({"routing": routing.config.as_dict(), "loaded_at": _iso(store.current.loaded_at),
-                              "source": "routing section" if routing.section is not None else "policy route_* keys",
+    return web.json_response({**store.routing.view(), "loaded_at": _iso(store.current.loaded_at),
                               "last_error": store.last_error})
 
 

@@ -11,6 +11,7 @@ Without a ``routing:`` section the pipeline follows the policy's ``route_*`` key
 from __future__ import annotations
 
 import logging
+from typing import Any
 
 from gateway.scheduling.config import RoutingConfig, build, routing_from_policy
 from gateway.scheduling.framework import Pipeline
@@ -35,6 +36,11 @@ class RoutingStore:
             self.pipeline = build(config, previous=self.pipeline)
             self.config = config
             log.info("routing reloaded: %s", config.as_dict())
+
+    def view(self) -> dict[str, Any]:
+        """What runs (``GET /admin/routing``): the section as config.yaml writes it, and its source."""
+        return {"routing": self.config.as_dict(),
+                "source": "routing section" if self.section is not None else "policy route_* keys"}
 
     def prefix_index(self) -> PrefixIndex | None:
         """The prefix scorer's index (``/admin/workers``), if the pipeline has one."""
