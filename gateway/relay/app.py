@@ -1,9 +1,7 @@
 """The gateway's app factory: OpenAI routes, health, metrics, and the admin API.
 
 State lives in typed ``web.AppKey``s; the fleet and the config watcher (the file's changes and
-SIGHUP, for the policy and the API keys) are started in a cleanup context and stopped after it
-yields.
-"""
+SIGHUP: the policy, the routing and the API keys) run in cleanup contexts."""
 
 from __future__ import annotations
 
