@@ -13,12 +13,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import itertools
 import logging
 import time
 import weakref
 from collections import OrderedDict
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
@@ -33,6 +34,9 @@ from policies.config import PolicyConfig
 from policies.methods import is_method
 from policies.tree import parse_shape
 from policies.tree_choice import CELLS, EMPTY_CELL
+
+# Schema 1's tested drafts -> a weight of evidence (``legacy_weight`` at the policy's half-life).
+LegacyWeight = Callable[[int], float]
 
 if TYPE_CHECKING:
     from gateway.sessions.redis_resp import RedisClient
@@ -130,7 +134,7 @@ def _tree(text: Any) -> TreeShape | None:
         raise CorruptState(str(exc)) from None
 
 
-def _tree_state(state: SessionState, raw: Any, half_life: float, legacy: bool) -> SessionState:
+def _tree_state(state: SessionState, raw: Any, legacy: LegacyWeight | None) -> SessionState:
     """The session's tree fields (``dump_session``'s "tree"), onto the state read before them.
     ``legacy``: schema 1's cells, [cell, β, tests], whose weight is read off the tests."""
     if raw is None:
@@ -144,7 +148,7 @@ def _tree_state(state: SessionState, raw: Any, half_life: float, legacy: bool) -
         if len(rest) != (1 if legacy else 2):
             raise CorruptState(f"a rank cell of {2 + len(rest)} fields")
         tests = _int(rest[-1])
-        weight = legacy_weight(tests, half_life) if legacy else _weight(rest[0])
+        weight = legacy(tests) if legacy else _weight(rest[0])
         cells[i] = (_float(beta, unit=True), weight, tests)
     ranks = tuple(cells) if any(tests for _, _, tests in cells) else ()
     return replace(state, auto_tree=_tree(raw["auto"]), since_tree=_int(raw["since"]), ranks=ranks)
@@ -185,13 +189,13 @@ def _weight(value: Any) -> float:
     return float(weight)
 
 
-def _state(fields: Any, half_life: float, legacy: bool) -> SessionState:
+def _state(fields: Any, legacy: LegacyWeight | None) -> SessionState:
     """The "state" list: schema 2's eight fields, or schema 1's five (a bare EWMA and its lifetime
     tested drafts, read as ``legacy_weight`` drafts of evidence at that estimate; the lifetime
     proposed/accepted counts it never kept start at 0)."""
     if legacy:
         estimate, seen, low, since_probe, auto_k = fields
-        weight, proposed, accepted = legacy_weight(_int(seen), half_life), 0, 0
+        weight, proposed, accepted = legacy(_int(seen)), 0, 0
     else:
         estimate, weight, seen, proposed, accepted, low, since_probe, auto_k = fields
         weight, proposed, accepted = _weight(weight), _int(proposed), _int(accepted)
@@ -212,10 +216,11 @@ def parse_session(raw: bytes | str, half_life: float = DEFAULT_HALF_LIFE
         raise CorruptState(f"not JSON: {exc}") from None
     if not isinstance(data, dict) or data.get("v") not in (SCHEMA_VERSION, LEGACY_SCHEMA):
         raise CorruptState("not a session state of this schema version")
-    legacy = data["v"] == LEGACY_SCHEMA
+    # Schema 1 kept tested drafts, not weights: read as ``legacy_weight`` drafts of evidence.
+    legacy = functools.partial(legacy_weight, half_life=half_life) if data["v"] == LEGACY_SCHEMA else None
     try:
-        state = _state(data["state"], half_life, legacy)
-        state = _tree_state(state, data.get("tree"), half_life, legacy)
+        state = _state(data["state"], legacy)
+        state = _tree_state(state, data.get("tree"), legacy)
         decision = _decision(*data["decision"]) if data["decision"] is not None else None
         state, decision = _method_state(state, decision, data.get("methods"))
         history = []
