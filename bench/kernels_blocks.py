@@ -1,7 +1,7 @@
 """The block kernels against the float32 ones, projection by projection (issue #55, docs/engine.md
 section 1b):
 
-    python -m bench.kernels --blocks models/smollm2-135m-instruct-q4_1 [--json] [--quick]
+    python -m bench.kernels --blocks models/smollm2-135m-instruct-q4_1 [--rows 150,1000] [--json] [--quick]
 
 One pass of the target's projections (every layer's QKV, O, gate/up and down, and the LM head on
 its own) at 1-9, 16 and 150 rows, served from the GGUF's blocks (``q4_1``: Q4_1 projections, the
@@ -47,7 +47,7 @@ def run(args: argparse.Namespace) -> None:
     float32.release_sources()
     (q_proj, q_head), (f_proj, f_head) = _panels(blocks), _panels(float32)
     weights = sum(p.weights.shape[0] * 8 * p.k for p in q_proj)
-    rows = ROWS[:5] if args.quick else ROWS
+    rows = tuple(int(r) for r in args.rows.split(",")) if args.rows else ROWS[:5] if args.quick else ROWS
     reps = 3 if args.quick else max(5, args.reps // 4)
     gen = torch.Generator().manual_seed(0)
     out: dict[str, dict[str, float]] = {"q4_1": {}, "float32": {}, "q8_0_head": {}, "float32_head": {}}
@@ -86,3 +86,4 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--blocks", type=Path, default=None,
                         help="a converted directory with gguf-panels/: time its block kernels against float32")
     parser.add_argument("--ghz", type=float, default=3.2, help="the clock --blocks' cycle counts assume")
+    parser.add_argument("--rows", default=None, help="--blocks: these row counts only (e.g. 150,1000: prefills)")
