@@ -12,13 +12,13 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import torch
 
 from tests.e2e.harness import Gateway, GatewayFactory, sdk_client
 from tests.e2e.real_prompts import held_out
 from workers.engines.embedded.eagle3.head import Eagle3Head
 from workers.engines.embedded.engine import GenerationRequest, SpeculativeEngine
 from workers.engines.embedded.llama import LlamaForCausalLM
+from workers.engines.embedded.quantized import load_target
 from workers.engines.embedded.sampling import SamplingParams
 
 pytestmark = pytest.mark.slow
@@ -45,8 +45,11 @@ def test_the_committed_head_is_speculators_eagle3_format() -> None:
 
 @pytest.fixture(scope="module")
 def target() -> LlamaForCausalLM:
+    """The target as make serve's workers serve it on these CPUs: from the GGUF's blocks, the
+    float32 conversion's logits bit for bit (tests/e2e/test_smollm2_blocks.py), in about half
+    the time a step; the head reads its hidden states as it would the float32 model's."""
     assert (TARGET / "model.safetensors").is_file(), f"{TARGET} is missing: run make install"
-    return LlamaForCausalLM.from_pretrained(TARGET, torch.float32)
+    return load_target(TARGET, "q4_1")
 
 
 def test_greedy_output_with_the_head_is_plain_for_every_k(target: LlamaForCausalLM) -> None:
