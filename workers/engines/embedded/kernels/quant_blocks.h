@@ -198,15 +198,14 @@ static void widen_panel(const uint8_t* p, int64_t kind, int64_t K, float* out) {
 }
 
 /* Many rows (a prefill): a chunk of panels widened whole into this thread's scratch (float32
-   panels (K, 8)), then f32_range's tiles over every row. The chunk is f32_range's own (24 panels:
-   442 KB at K = 576, 1.2 MB at K = 1536, in L2 or L3), so the rows' inputs are read as often as
-   the float32 kernel reads them: a 192 KB chunk (9 panels at K = 576, 3 at 1536) read a
-   1000-token prefill's 2.3 MB of inputs 2.7-8x as often, and cost it 4% against float32. */
+   panels (K, 8), about 192 KB: in L2 with the rows' inputs), then f32_range's tiles over every row,
+   the weights read from L2 as the float32 kernel reads its own. */
 static void scratch_range(const float* x, const uint8_t* p, int64_t kind, float* y, int64_t M, int64_t K,
                           int64_t PS, int64_t N, int64_t lo, int64_t hi) {
   static _Thread_local float* panels = NULL;
   static _Thread_local int64_t room = 0;
-  const int64_t chunk = 24; /* f32_range's chunk for M > 4 */
+  int64_t chunk = (192 * 1024 / 32) / K; /* panels of K floats x 8 in 192 KB */
+  chunk = chunk < 3 ? 3 : chunk > 24 ? 24 : chunk - chunk % 3;
   if (chunk * K * 8 > room) { /* 32-byte aligned: the widening stores aligned vectors */
     free(panels);
     if (posix_memalign((void**)&panels, 64, (size_t)(chunk * K * 8) * sizeof(float)) != 0)
