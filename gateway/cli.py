@@ -170,8 +170,8 @@ def route_key_notes(path: Path) -> list[str]:
     if not isinstance(section, dict) or "routing" in raw:
         return []
     policy = parse_policy({k: v for k, v in section.items() if k in ROUTE_KEYS})
-    return [line + " (the old key still loads)" for key, line in zip(ROUTE_KEYS, policy_key_mapping(policy),
-                                                                     strict=True) if key in section]
+    return [line + " (the old key still loads)" for line in policy_key_mapping(policy, (k for k in ROUTE_KEYS
+                                                                                         if k in section))]
 
 
 # -- serve -------------------------------------------------------------------------------------------

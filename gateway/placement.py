@@ -217,11 +217,10 @@ def _by_server_method(workers: Workers, session: Session, candidates: list[Candi
     bound, as a sticky or prefix-placed request must (``load-bound-filter``): that worker and the
     decision. None where the fleet offers nothing ``handle`` lacks, or no ready worker within the
     bound runs the method the rules want (the request then runs what ``handle`` offers)."""
-    if all(c.methods is handle.methods or c.methods == handle.methods for c in candidates):
-        return None  # one fleet of one method set (the usual): nothing elsewhere that handle lacks
+    if not any(m not in handle.methods for c in candidates if c.ready and "speculative" in c.modes
+               for m in c.methods):
+        return None  # no ready worker offers a method ``handle`` lacks
     methods = offered_methods(candidates)
-    if set(methods) <= set(handle.methods):
-        return None
     worker = worker_state(handle, policy)
     wanted = decide(session.policy_state, replace(worker, methods=methods), facts, policy)
     method = wanted.method or "draft"

@@ -82,13 +82,12 @@ class PolicyStore:
         return None
 
     def apply(self, candidate: PolicyConfig, source: ReloadSource,
-              origins: dict[str, Origin] | None = None, reload_routing: bool = False) -> None:
-        """Installs ``candidate`` (and, from the file, its routing section; from the API, the
-        routing its ``route_*`` keys describe where the file has no section)."""
+              origins: dict[str, Origin] | None = None) -> None:
+        """Installs ``candidate``, and the routing it describes where the file has no routing
+        section (a file reload has installed the file's section first)."""
         self.origins = origins or dict.fromkeys(candidate.as_dict(), "api")
         changed = candidate != self.current.policy
-        if not reload_routing:
-            self.routing.install(self.routing.section, candidate)
+        self.routing.install(self.routing.section, candidate)
         self.current = LoadedPolicy(candidate, time.time(), source)
         self.last_error = None
         self.metrics.policy_reloads.labels(model=self.metrics.model, source=source, result="ok").inc()
@@ -127,5 +126,5 @@ class PolicyStore:
         except FieldError as exc:
             return self.reject(exc, source)
         self.routing.install(section, candidate)  # checked: it cannot fail now
-        self.apply(candidate, source, origins, reload_routing=True)
+        self.apply(candidate, source, origins)
         return ReloadResult(True)

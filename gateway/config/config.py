@@ -468,13 +468,14 @@ def parse_routing_section(raw: Mapping[str, Any]) -> RoutingConfig | None:
         return None
     section = raw.get("policy")
     section = section if isinstance(section, Mapping) else {}
-    problems = [ConfigError(f"policy.{key}", section[key], f"is set by the routing section when there is one "
-                            f"({POLICY_KEY_HOMES[key][0]}); `specgate check` shows where")
-                for key in ROUTE_KEYS if key in section]
+    problems: list[FieldError] = [
+        ConfigError(f"policy.{key}", section[key], f"is set by the routing section when there is one "
+                    f"({POLICY_KEY_HOMES[key][0]}); `specgate check` shows where")
+        for key in ROUTE_KEYS if key in section]
     try:
         routing = parse_routing(raw["routing"])
     except FieldError as exc:
-        problems.extend(exc.problems)  # type: ignore[arg-type]
+        problems.extend(exc.problems)
         routing = None
     raise_problems(problems)
     return routing

@@ -14,7 +14,7 @@ one weight would disagree.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, fields
 from typing import Any
 
@@ -55,27 +55,6 @@ class RoutingConfig:
                     for ref, weight in s.plugins]} for s in self.profiles]}
 
 
-def routing_from_policy(policy: PolicyConfig) -> RoutingConfig:
-    """The pipeline the policy's ``route_*`` keys describe: the default profile, in its order."""
-    plugins = (
-        PluginSpec("ready-filter", "ready-filter", {}),
-        PluginSpec("load-bound-filter", "load-bound-filter",
-                   {"factor": policy.route_load_factor, "slack": policy.route_load_slack}),
-        PluginSpec("load-guard", "load-guard",
-                   {"balanceAbs": policy.route_balance_abs, "balanceRel": policy.route_balance_rel}),
-        PluginSpec("method-placement", "method-placement", {"margin": policy.route_method_margin}),
-        PluginSpec("sticky-placement", "sticky-placement", {}),
-        PluginSpec("min-prefix-hit", "min-prefix-hit", {"minHit": policy.route_min_prefix_hit}),
-        PluginSpec("prefix-cache-scorer", "prefix-cache-scorer",
-                   {"lruCapacityPerServer": policy.route_index_blocks}),
-        PluginSpec("load-scorer", "load-scorer", {}),
-        PluginSpec("max-score-picker", "max-score-picker", {}),
-        PluginSpec("single-profile-handler", "single-profile-handler", {}))
-    weights = {"prefix-cache-scorer": policy.route_prefix_weight, "load-scorer": policy.route_load_weight}
-    refs = tuple((p.name, weights.get(p.name)) for p in plugins if p.type != "single-profile-handler")
-    return RoutingConfig(plugins, (ProfileSpec("default", refs),))
-
-
 # Where each old key went: (plugin, parameter, or "weight" in the default profile).
 POLICY_KEY_HOMES: dict[str, tuple[str, str]] = {
     "route_prefix_weight": ("prefix-cache-scorer", "weight"),
@@ -90,10 +69,30 @@ POLICY_KEY_HOMES: dict[str, tuple[str, str]] = {
 }
 
 
-def policy_key_mapping(policy: PolicyConfig) -> list[str]:
-    """One line per ``policy.route_*`` key: what it becomes in a ``routing:`` section."""
+# The default profile, in its order: what the old routing did, rule by rule (docs/routing.md).
+DEFAULT_PROFILE = ("ready-filter", "load-bound-filter", "load-guard", "method-placement", "sticky-placement",
+                   "min-prefix-hit", "prefix-cache-scorer", "load-scorer", "max-score-picker")
+
+
+def routing_from_policy(policy: PolicyConfig) -> RoutingConfig:
+    """The pipeline the policy's ``route_*`` keys describe: the default profile, each key where
+    ``POLICY_KEY_HOMES`` puts it."""
+    parameters: dict[str, dict[str, Any]] = {name: {} for name in DEFAULT_PROFILE}
+    weights: dict[str, float] = {}
+    for key, (plugin, where) in POLICY_KEY_HOMES.items():
+        if where == "weight":
+            weights[plugin] = getattr(policy, key)
+        else:
+            parameters[plugin][where] = getattr(policy, key)
+    plugins = (*(PluginSpec(name, name, parameters[name]) for name in DEFAULT_PROFILE),
+               PluginSpec("single-profile-handler", "single-profile-handler", {}))
+    return RoutingConfig(plugins, (ProfileSpec("default", tuple((n, weights.get(n)) for n in DEFAULT_PROFILE)),))
+
+
+def policy_key_mapping(policy: PolicyConfig, keys: Iterable[str] = ROUTE_KEYS) -> list[str]:
+    """One line per ``policy.route_*`` key of ``keys``: what it becomes in a ``routing:`` section."""
     lines = []
-    for key in ROUTE_KEYS:
+    for key in keys:
         plugin, where = POLICY_KEY_HOMES[key]
         value = getattr(policy, key)
         target = (f"schedulingProfiles[default].plugins[{plugin}].weight" if where == "weight"

@@ -108,7 +108,7 @@ class Plugin:
         return False
 
     def configure(self, values: Mapping[str, Any]) -> None:
-        """Takes checked parameter values (``config.parse_plugin``), each set or defaulted."""
+        """Takes checked parameter values (``config.parse_routing``), each set or defaulted."""
         for key, value in values.items():
             setattr(self, key, value)
 
@@ -224,7 +224,7 @@ class Pipeline:
         self._post_response = [p for p in self.plugins.values() if hasattr(p, "post_response")]
         self._forget = [p for p in self.plugins.values() if hasattr(p, "forget")]
         # Whether a profile places by the session's kind of step (placement then decides the
-        # session's method on its own worker first: gateway/scheduling/placement.py).
+        # session's method on its own worker first: gateway/placement.py).
         self.wants_kind = any(stage.wants_kind for profile in self.profiles.values()
                               for stage in (*profile.stages, *(s for s, w in profile.scorers if w)))
 
